@@ -1,0 +1,45 @@
+"""qmq: a message queue in the shape of Qunar's QMQ.
+
+The blocking SDK lives here (``from qmq import Producer, Consumer``); the asyncio
+SDK is ``qmq.aio``. Errors a user can meet are importable from this package.
+"""
+
+from qmq.common.errors import (
+    BrokerError,
+    BufferFullError,
+    ConfigError,
+    ConnectionLostError,
+    InvalidMessageError,
+    InvalidSubjectError,
+    MessageTooLargeError,
+    MetaServerError,
+    NoBrokerError,
+    QmqError,
+    SendError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BrokerError",
+    "BufferFullError",
+    "ConfigError",
+    "ConnectionLostError",
+    "InvalidMessageError",
+    "InvalidSubjectError",
+    "MessageTooLargeError",
+    "MetaServerError",
+    "NoBrokerError",
+    "QmqError",
+    "SendError",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The blocking SDK pulls in threads and the asyncio SDK; import it only when asked.
+    if name in ("Producer", "Consumer", "Message"):
+        from qmq.client import sync
+
+        return getattr(sync, name)
+    raise AttributeError(f"module 'qmq' has no attribute {name!r}")

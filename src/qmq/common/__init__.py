@@ -1,0 +1,1 @@
+"""Configuration, limits, clocks, errors and logging shared by every role. Imports nothing of qmq."""

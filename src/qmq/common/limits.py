@@ -1,0 +1,46 @@
+"""Every limit qmq enforces: its name, its default and why it is that size.
+
+Limits are checked where input enters (the SDK before a message is batched, the broker
+when a frame arrives) and each breach raises an error naming the limit and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    # A message is stored and delivered whole; 4 MiB keeps one message well inside a frame
+    # and a segment, and matches what QMQ's users send (business events, not files).
+    message_bytes_max: int = 4 * MiB
+    # A frame carries a batch of messages or a pull's records; it is buffered whole on both
+    # sides, so this bounds the memory one connection can make a peer hold.
+    frame_bytes_max: int = 16 * MiB
+    # The frame header is a small msgpack map of request parameters, never data.
+    frame_header_bytes_max: int = 64 * KiB
+    # Messages in one send frame: bounds the per-frame loop on the broker.
+    batch_messages_max: int = 10_000
+    # User subjects and consumer group names: short names, safe to show and to log.
+    subject_chars_max: int = 100
+    # Retry and dead-letter subjects embed a subject and a group: %DEAD_RETRY%<100>%<100>.
+    internal_subject_chars_max: int = 255
+    # Message ids carry their creation time and origin; 128 leaves room for custom ids.
+    message_id_chars_max: int = 128
+    # QMQ allows ten tags a message; each is matched on the broker.
+    tags_max: int = 10
+    tag_chars_max: int = 64
+    # Properties are for routing and business keys; the body is for data.
+    properties_max: int = 128
+    property_key_chars_max: int = 256
+    # Pulls: how much one pull may return.
+    pull_messages_max: int = 10_000
+    pull_bytes_max: int = 8 * MiB
+    # A long poll never parks a request longer than this.
+    pull_timeout_ms_max: int = 60_000
+
+
+DEFAULT_LIMITS = Limits()

@@ -1,0 +1,33 @@
+"""Request codes and response status codes: two enums, never one shared namespace."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class RequestCode(IntEnum):
+    PING = 1
+    SEND_MESSAGES = 2
+    PULL = 3
+    ACK = 4
+    SUBJECTS = 5
+    LAG = 6
+
+
+class Status(IntEnum):
+    OK = 0
+    # The request was understood and refused; repeating it unchanged will fail again.
+    BAD_REQUEST = 1
+    INVALID_MESSAGE = 2
+    MESSAGE_TOO_LARGE = 3
+    INVALID_SUBJECT = 4
+    UNKNOWN_COMMAND = 5
+    # The broker cannot take it now; the same request may succeed later or elsewhere.
+    BUSY = 20
+    DISK_FULL = 21
+    NOT_MASTER = 22
+    SHUTTING_DOWN = 23
+    INTERNAL_ERROR = 24
+
+
+RETRIABLE_STATUSES = frozenset({Status.BUSY, Status.DISK_FULL, Status.NOT_MASTER, Status.SHUTTING_DOWN})

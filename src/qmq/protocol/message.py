@@ -1,0 +1,259 @@
+"""The message codec: how a producer encodes a message and what the broker reads of it.
+
+The broker stores the bytes a producer sent unchanged and reads only the fixed header and
+the names after it (subject, id, tags), so it never decodes properties or bodies.
+
+Layout of one encoded message (little-endian)::
+
+    0    1    2         4    5    6         8                 16                24        26        28        32        36
+    +----+----+---------+----+----+---------+-----------------+-----------------+---------+---------+---------+---------+
+    |ver |flg |subj_len |id_l|tags|tags_len | created_ms      | deliver_at_ms   | times   |reserved |props_len|body_len |
+    +----+----+---------+----+----+---------+-----------------+-----------------+---------+---------+---------+---------+
+    then: subject (utf-8) | message id (utf-8) | tags (each: u8 length + utf-8) | properties (msgpack map) | body
+
+    ver            u8   1
+    flg            u8   reserved, 0
+    subj_len       u16  bytes of the subject
+    id_l           u8   bytes of the message id
+    tags           u8   number of tags
+    tags_len       u16  bytes of the tag block
+    created_ms     i64  when the producer made the message (epoch ms)
+    deliver_at_ms  i64  when it is due (epoch ms); 0 = now
+    times          u16  delivery attempt the message is on: 0 for a first send, n for the n-th retry
+    reserved       u16  0
+    props_len      u32  bytes of the msgpack-encoded properties (0 = none)
+    body_len       u32  bytes of the body
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import msgpack
+
+from qmq.common.errors import InvalidMessageError
+from qmq.common.limits import DEFAULT_LIMITS, Limits
+from qmq.protocol.errors import RemoteProtocolError
+
+HEADER = struct.Struct("<BBHBBHqqHHII")
+HEADER_BYTES = HEADER.size  # 36
+VERSION = 1
+_TIMES_MAX = 0xFFFF
+
+PropertyValue = str | int | float | bool | bytes
+
+
+def encode_properties(props: Mapping[str, PropertyValue]) -> bytes:
+    return msgpack.packb(props, use_bin_type=True) if props else b""
+
+
+def decode_properties(raw: bytes | memoryview) -> dict[str, PropertyValue]:
+    if not raw:
+        return {}
+    try:
+        props = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types for bad input
+        raise RemoteProtocolError(f"message properties are not valid msgpack: {exc}") from None
+    if not isinstance(props, dict):
+        raise RemoteProtocolError(f"message properties must be a map, got {type(props).__name__}")
+    return props
+
+
+def check_property(key: object, value: object, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Raise InvalidMessageError unless (key, value) is a property qmq can carry."""
+    if not isinstance(key, str) or not key:
+        raise InvalidMessageError(f"property name must be a non-empty string, got {key!r}")
+    if len(key) > limits.property_key_chars_max:
+        raise InvalidMessageError(
+            f"property name {key[:40]!r}… has {len(key)} characters; the limit is {limits.property_key_chars_max}"
+        )
+    if not isinstance(value, str | int | float | bool | bytes):
+        raise InvalidMessageError(
+            f"property {key!r} has a value of type {type(value).__name__}; use str, int, float, bool or bytes"
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        raise InvalidMessageError(f"property {key!r} = {value} does not fit in 64 bits")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidMessageError(f"property {key!r} = {value} is not a finite number")
+
+
+def check_tag(tag: object, limits: Limits = DEFAULT_LIMITS) -> str:
+    if not isinstance(tag, str) or not tag:
+        raise InvalidMessageError(f"a tag must be a non-empty string, got {tag!r}")
+    if len(tag.encode("utf-8")) > limits.tag_chars_max:
+        raise InvalidMessageError(f"tag {tag[:40]!r} is longer than {limits.tag_chars_max} bytes")
+    return tag
+
+
+def encode_tags(tags: Iterable[str]) -> bytes:
+    out = bytearray()
+    for tag in tags:
+        raw = tag.encode("utf-8")
+        out.append(len(raw))
+        out += raw
+    return bytes(out)
+
+
+def decode_tags(raw: bytes | memoryview) -> list[str]:
+    tags = []
+    pos = 0
+    while pos < len(raw):
+        n = raw[pos]
+        tags.append(bytes(raw[pos + 1 : pos + 1 + n]).decode("utf-8"))
+        pos += 1 + n
+    return tags
+
+
+def encode_message(
+    subject: bytes,
+    message_id: bytes,
+    tags: bytes,
+    tag_count: int,
+    props: bytes,
+    body: bytes,
+    created_ms: int,
+    deliver_at_ms: int = 0,
+    times: int = 0,
+) -> bytes:
+    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``)."""
+    return b"".join(
+        (
+            HEADER.pack(
+                VERSION,
+                0,
+                len(subject),
+                len(message_id),
+                tag_count,
+                len(tags),
+                created_ms,
+                deliver_at_ms,
+                times,
+                0,
+                len(props),
+                len(body),
+            ),
+            subject,
+            message_id,
+            tags,
+            props,
+            body,
+        )
+    )
+
+
+class MessageFields(NamedTuple):
+    """Every field of one encoded message; byte fields are slices of the buffer it came from."""
+
+    subject: str
+    message_id: str
+    tags: list[str]
+    properties_raw: bytes
+    body: bytes
+    created_ms: int
+    deliver_at_ms: int
+    times: int
+
+
+def decode_message(buf: bytes, pos: int = 0, length: int | None = None) -> MessageFields:
+    """Decode the message at ``buf[pos:]``; raise RemoteProtocolError if it is malformed."""
+    end = len(buf) if length is None else pos + length
+    if end - pos < HEADER_BYTES:
+        raise RemoteProtocolError(f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header")
+    ver, _flags, slen, ilen, _tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(buf, pos)
+    if ver != VERSION:
+        raise RemoteProtocolError(f"message version {ver} is not supported")
+    p = pos + HEADER_BYTES
+    if p + slen + ilen + tlen + plen + blen != end:
+        raise RemoteProtocolError("message field lengths do not add up to the message length")
+    try:
+        subject = buf[p : p + slen].decode("utf-8")
+        p += slen
+        message_id = buf[p : p + ilen].decode("utf-8")
+        p += ilen
+        tags = decode_tags(buf[p : p + tlen]) if tlen else []
+    except UnicodeDecodeError as exc:
+        raise RemoteProtocolError(f"message names are not valid UTF-8: {exc}") from None
+    p += tlen
+    props = buf[p : p + plen]
+    p += plen
+    return MessageFields(subject, message_id, tags, props, buf[p : p + blen], created, deliver, times)
+
+
+class ScannedMessage(NamedTuple):
+    """What the broker reads of a message in a send batch, without decoding it."""
+
+    pos: int
+    length: int
+    subject: bytes
+    message_id: bytes
+    tags: bytes  # the raw tag block, b"" without tags
+    deliver_at_ms: int
+
+
+def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMessage]:
+    """Split a send frame's body into its messages.
+
+    Raises RemoteProtocolError when the batch cannot be split (lengths that do not add up):
+    the frame is malformed and nothing of it can be trusted. Per-message rules (subject,
+    size) are checked by the broker afterwards, message by message.
+    """
+    out: list[ScannedMessage] = []
+    append = out.append
+    unpack = HEADER.unpack_from
+    hb = HEADER_BYTES
+    pos = 0
+    end = len(body)
+    count_max = limits.batch_messages_max
+    while pos < end:
+        if end - pos < hb:
+            raise RemoteProtocolError(
+                f"message {len(out)} of the batch has {end - pos} bytes, fewer than its {hb}-byte header"
+            )
+        ver, _flags, slen, ilen, tcount, tlen, _created, deliver, _times, _res, plen, blen = unpack(body, pos)
+        if ver != VERSION:
+            raise RemoteProtocolError(f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}")
+        p = pos + hb
+        length = hb + slen + ilen + tlen + plen + blen
+        if pos + length > end:
+            raise RemoteProtocolError(
+                f"message {len(out)} of the batch claims {length} bytes but only {end - pos} remain"
+            )
+        if tcount == 0 and tlen:
+            raise RemoteProtocolError(f"message {len(out)} of the batch has a tag block but no tags")
+        append(
+            ScannedMessage(
+                pos,
+                length,
+                body[p : p + slen],
+                body[p + slen : p + slen + ilen],
+                body[p + slen + ilen : p + slen + ilen + tlen] if tlen else b"",
+                deliver,
+            )
+        )
+        if len(out) > count_max:
+            raise RemoteProtocolError(f"batch has more than batch_messages_max {count_max} messages")
+        pos += length
+    return out
+
+
+def with_times(encoded: bytes, times: int, subject: bytes | None = None, deliver_at_ms: int | None = None) -> bytes:
+    """A copy of an encoded message with a new attempt count, and optionally a new subject or due time."""
+    if not 0 <= times <= _TIMES_MAX:
+        raise InvalidMessageError(f"attempt count {times} is outside 0..{_TIMES_MAX}")
+    fields = list(HEADER.unpack_from(encoded, 0))
+    old_slen = fields[2]
+    fields[8] = times
+    if deliver_at_ms is not None:
+        fields[7] = deliver_at_ms
+    rest = encoded[HEADER_BYTES + old_slen :]
+    if subject is None:
+        subject = encoded[HEADER_BYTES : HEADER_BYTES + old_slen]
+    fields[2] = len(subject)
+    return HEADER.pack(*fields) + subject + rest
+
+
+def properties_of(props: Mapping[str, Any]) -> dict[str, PropertyValue]:
+    return dict(props)
