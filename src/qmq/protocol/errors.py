@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from qmq.common.errors import BrokerError, MessageTooLargeError, QmqError, InvalidMessageError, InvalidSubjectError
+from qmq.common.errors import (
+    BrokerError,
+    InvalidMessageError,
+    InvalidSubjectError,
+    MessageTooLargeError,
+    QmqError,
+)
 from qmq.protocol.codes import RETRIABLE_STATUSES, Status
 
 

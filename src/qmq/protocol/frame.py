@@ -41,6 +41,7 @@ VERSION = 1
 FLAG_RESPONSE = 0x01
 _KNOWN_FLAGS = FLAG_RESPONSE
 REQUEST_ID_MAX = 0xFFFFFFFF
+_U16_MAX = 0xFFFF
 
 
 @dataclass(slots=True)
@@ -70,7 +71,7 @@ def encode_frame_parts(
 
     Sending the body as a separate buffer (``transport.writelines``) avoids copying large bodies.
     """
-    hdr = _EMPTY_HEADER if not header else msgpack.packb(header)
+    hdr = _EMPTY_HEADER if not header else _pack_header(header)
     if len(hdr) > limits.frame_header_bytes_max:
         raise LocalProtocolError(
             f"frame header of {len(hdr)} bytes exceeds frame_header_bytes_max {limits.frame_header_bytes_max}"
@@ -83,8 +84,24 @@ def encode_frame_parts(
         )
     if not 0 <= request_id <= REQUEST_ID_MAX:
         raise LocalProtocolError(f"request id {request_id} is outside 0..{REQUEST_ID_MAX}")
+    if not 0 <= code <= _U16_MAX:
+        raise LocalProtocolError(f"request code {code} is outside 0..{_U16_MAX}")
+    if not 0 <= status <= _U16_MAX:
+        raise LocalProtocolError(f"status {status} is outside 0..{_U16_MAX}")
     flags = FLAG_RESPONSE if response else 0
     return PREFIX.pack(frame_len, MAGIC, VERSION, flags, code, status, request_id, len(hdr)) + hdr
+
+
+def _pack_header(header: dict[str, Any]) -> bytes:
+    # The peer refuses a header whose keys are not strings; better to fail here, at the caller.
+    for key in header:
+        if not isinstance(key, str):
+            raise LocalProtocolError(f"frame header key {key!r} is not a string")
+    try:
+        packed: bytes = msgpack.packb(header)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"frame header cannot be encoded as msgpack: {exc}") from None
+    return packed
 
 
 def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -104,7 +121,7 @@ def encode_frame(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
 class FrameDecoder:
     """Bytes in, frames out. Holds at most one partial frame plus what has been fed."""
 
-    __slots__ = ("_buf", "_broken", "_limits", "_pos")
+    __slots__ = ("_broken", "_buf", "_limits", "_pos")
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self._buf = bytearray()
@@ -137,25 +154,29 @@ class FrameDecoder:
         frame_len, magic, version, flags, code, status, request_id, header_len = PREFIX.unpack_from(buf, pos)
         self._check_len(frame_len)
         if magic != MAGIC:
-            self._fail(f"bad magic 0x{magic:04X} (expected 0x{MAGIC:04X}): not a qmq peer, or the stream is out of step")
+            self._fail(
+                f"bad magic 0x{magic:04X} (expected 0x{MAGIC:04X}): "
+                "not a qmq peer, or the stream is out of step"
+            )
         if version != VERSION:
             self._fail(f"protocol version {version} is not supported (this side speaks {VERSION})")
         if flags & ~_KNOWN_FLAGS:
             self._fail(f"unknown frame flags 0x{flags:02X}")
-        if header_len > frame_len - _AFTER_LEN or header_len > self._limits.frame_header_bytes_max:
+        if header_len > self._limits.frame_header_bytes_max:
             self._fail(
-                f"header length {header_len} does not fit the frame ({frame_len} bytes) "
-                f"or exceeds frame_header_bytes_max {self._limits.frame_header_bytes_max}"
+                f"frame header of {header_len} bytes exceeds frame_header_bytes_max "
+                f"{self._limits.frame_header_bytes_max}"
+            )
+        if header_len > frame_len - _AFTER_LEN:
+            self._fail(
+                f"header length {header_len} does not fit the frame "
+                f"({frame_len - _AFTER_LEN} bytes after the fixed prefix)"
             )
         end = pos + 4 + frame_len
         if len(buf) < end:
             return None
         hstart = pos + PREFIX_BYTES
-        header: dict[str, Any]
-        if header_len:
-            header = self._decode_header(bytes(buf[hstart : hstart + header_len]))
-        else:
-            header = {}
+        header = self._decode_header(bytes(buf[hstart : hstart + header_len])) if header_len else {}
         body = bytes(buf[hstart + header_len : end])
         self._pos = end
         if end == len(buf):
@@ -166,11 +187,11 @@ class FrameDecoder:
     def _check_len(self, frame_len: int) -> None:
         if frame_len < _AFTER_LEN:
             self._fail(f"frame length {frame_len} is shorter than the {_AFTER_LEN}-byte frame header")
-        limit = self._limits.frame_bytes_max + self._limits.frame_header_bytes_max + _AFTER_LEN
-        if frame_len > limit:
+        # The same bound the encoder applies: header and body together within frame_bytes_max.
+        if frame_len - _AFTER_LEN > self._limits.frame_bytes_max:
             self._fail(
-                f"frame length {frame_len} exceeds frame_bytes_max {self._limits.frame_bytes_max} "
-                "(send smaller batches)"
+                f"frame of {frame_len - _AFTER_LEN} bytes exceeds frame_bytes_max "
+                f"{self._limits.frame_bytes_max} (send smaller batches)"
             )
 
     def _decode_header(self, raw: bytes) -> dict[str, Any]:
@@ -180,6 +201,9 @@ class FrameDecoder:
             self._fail(f"frame header is not valid msgpack: {type(exc).__name__}: {exc}")
         if not isinstance(header, dict):
             self._fail(f"frame header must be a map, got {type(header).__name__}")
+        for key in header:
+            if not isinstance(key, str):
+                self._fail(f"frame header key {key!r:.60} is not a string")
         return header
 
     def _fail(self, text: str) -> NoReturn:
