@@ -1,0 +1,510 @@
+"""The broker's store: what a send appends, what a pull reads, what an ack records.
+
+Directory layout under ``data_dir``::
+
+    LOCK                      held (flock) by the one broker using this directory
+    checkpoint                offsets, subjects and consumer progress (see checkpoint.py)
+    log/<base>.log            message log segments (message_log.py)
+    consume/<subject>/        one consume log per subject (consume_log.py); <subject> escaped
+    action/<base>.act         action log segments (action_log.py)
+
+Everything is synchronous. ``begin_flush`` returns a ticket whose ``run`` (fdatasync of the
+files written since the last flush) may run on another thread; ``complete_flush`` then makes
+the flushed messages visible to consumers. Recovery lives in ``recovery.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from qmq.common.clock import SYSTEM_CLOCK, Clock
+from qmq.common.config import BrokerConfig
+from qmq.common.errors import InvalidSubjectError, QmqError
+from qmq.common.limits import DEFAULT_LIMITS, Limits
+from qmq.common.naming import check_subject, subject_file_name
+from qmq.protocol.codes import Status
+from qmq.protocol.message import ScannedMessage
+from qmq.protocol.record import RECORD_HEADER_BYTES, record_header
+from qmq.store import action_log as act
+from qmq.store.action_log import ActionLog
+from qmq.store.checkpoint import write_checkpoint
+from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ConsumeLog, tag_bloom
+from qmq.store.dedup import DedupWindow
+from qmq.store.message_log import MessageLog
+from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
+
+if TYPE_CHECKING:
+    from qmq.store.recovery import RecoveryReport
+
+log = logging.getLogger(__name__)
+
+# A producer's clock may run a little ahead of the broker's; only later than this is "delayed".
+_DELIVER_AT_SLACK_MS = 1000
+_MARKS_MAX = 1000
+
+
+class StoreError(QmqError):
+    """The store cannot carry on (data directory in use, disk error)."""
+
+
+class DiskFullError(StoreError):
+    retriable = True
+
+
+@dataclass(slots=True, eq=False)
+class SubjectState:
+    name: str
+    clog: ConsumeLog
+    next_seq: int
+    visible_seq: int
+    pending: bytearray = field(default_factory=bytearray)
+
+
+class AppendResult(NamedTuple):
+    errors: list[list[Any]]  # [index, status, text]
+    duplicates: int
+    stored: int
+    stored_bytes: int
+    per_subject: dict[str, list[int]]  # subject -> [messages, bytes]
+
+
+class PullResult(NamedTuple):
+    runs: list[list[int]]  # [pull_offset, count]
+    chunks: list[bytes]  # stored records, back to back
+    messages: int
+    nbytes: int
+
+
+class FlushTicket:
+    """fsync work captured on the loop thread; ``run`` may execute on any thread."""
+
+    __slots__ = ("fds", "offset")
+
+    def __init__(self, fds: list[int], offset: int) -> None:
+        self.fds = fds
+        self.offset = offset
+
+    def run(self) -> None:
+        try:
+            for fd in self.fds:
+                os.fdatasync(fd)
+        finally:
+            for fd in self.fds:
+                os.close(fd)
+
+
+class BrokerStore:
+    def __init__(
+        self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.limits = limits
+        self.dir = Path(config.data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreError(
+                f"data directory {str(self.dir)!r} is in use by another broker; "
+                "stop it or choose another --data-dir"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        self.sync_policy = config.flush == "sync"
+        self.mlog = MessageLog(self.dir / "log", config.segment_bytes)
+        self.alog = ActionLog(self.dir / "action")
+        self.consume_dir = self.dir / "consume"
+        self.consume_dir.mkdir(exist_ok=True)
+        self.subjects: dict[str, SubjectState] = {}
+        self._by_raw: dict[bytes, SubjectState] = {}
+        self.progress = Progress()
+        self.dedup = DedupWindow(config.dedup_window_ms, config.dedup_entries_max)
+        self.total_messages = 0
+        self.marks: list[
+            list[int]
+        ] = []  # [now_ms, message-log offset, total_messages], for the dedup rebuild
+        # sync policy: appended batches waiting for fsync: (end_offset, [(subject state, next_seq)])
+        self._unflushed: deque[tuple[int, list[tuple[SubjectState, int]]]] = deque()
+        self._dirty_clogs: set[SubjectState] = set()
+        self.unflushed_bytes = 0
+        self._flushed_offset = 0
+
+    def open(self) -> RecoveryReport:
+        """Recover from whatever state the last stop left; see recovery.py."""
+        from qmq.store.recovery import recover
+
+        report = recover(self)
+        self._flushed_offset = self.mlog.end
+        return report
+
+    # -- subjects ----------------------------------------------------------------------
+
+    def subject_state(self, name: str, create: bool = True) -> SubjectState | None:
+        st = self.subjects.get(name)
+        if st is None and create:
+            clog = ConsumeLog(
+                self.consume_dir / subject_file_name(name), name, self.config.consume_log_segment_entries
+            )
+            st = SubjectState(name, clog, clog.next_seq, clog.next_seq)
+            self.subjects[name] = st
+            self._by_raw[name.encode("utf-8")] = st
+        return st
+
+    def _subject_for_raw(self, raw: bytes) -> SubjectState:
+        st = self._by_raw.get(raw)
+        if st is not None:
+            return st
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidSubjectError(f"subject {raw[:60]!r} is not valid UTF-8") from None
+        check_subject(name, self.limits)
+        st = self.subject_state(name)
+        assert st is not None
+        return st
+
+    # -- sends -------------------------------------------------------------------------
+
+    def append(self, body: bytes, scanned: list[ScannedMessage]) -> AppendResult:
+        """Store the messages of one send frame with one write; refuse the bad ones by index."""
+        now = self.clock.now_ms()
+        limits = self.limits
+        errors: list[list[Any]] = []
+        accepted: list[tuple[ScannedMessage, SubjectState, int, int]] = []
+        seen: set[int] = set()
+        dedup = self.dedup
+        duplicates = 0
+        total = 0
+        for i, sm in enumerate(scanned):
+            try:
+                st = self._subject_for_raw(sm.subject)
+            except InvalidSubjectError as exc:
+                errors.append([i, Status.INVALID_SUBJECT, str(exc)])
+                continue
+            if sm.length > limits.message_bytes_max:
+                errors.append(
+                    [
+                        i,
+                        Status.MESSAGE_TOO_LARGE,
+                        f"message of {sm.length} bytes exceeds message_bytes_max {limits.message_bytes_max}",
+                    ]
+                )
+                continue
+            if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
+                errors.append(
+                    [i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"]
+                )
+                continue
+            if sm.deliver_at_ms > now + _DELIVER_AT_SLACK_MS:
+                errors.append(
+                    [
+                        i,
+                        Status.INVALID_MESSAGE,
+                        "a realtime broker does not hold delay messages; send them to a delay server",
+                    ]
+                )
+                continue
+            bloom = 0
+            if sm.tags:
+                if _tag_count(sm.tags) > limits.tags_max:
+                    errors.append(
+                        [i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"]
+                    )
+                    continue
+                bloom = tag_bloom(sm.tags)
+            key = hash(sm.message_id)
+            if key in seen or key in dedup:
+                duplicates += 1
+                continue
+            seen.add(key)
+            accepted.append((sm, st, bloom, key))
+            total += RECORD_HEADER_BYTES + sm.length
+        if not accepted:
+            return AppendResult(errors, duplicates, 0, 0, {})
+
+        base = self.mlog.offset_for_append(total)
+        pieces: list[bytes | memoryview] = []
+        view = memoryview(body)
+        touched: dict[SubjectState, int] = {}
+        per_subject: dict[str, list[int]] = {}
+        offset = base
+        pack_entry = ENTRY.pack
+        for sm, st, bloom, _key in accepted:
+            if st not in touched:
+                touched[st] = st.next_seq
+            seq = st.next_seq
+            st.next_seq = seq + 1
+            msg = view[sm.pos : sm.pos + sm.length]
+            pieces.append(record_header(msg, seq, now))
+            pieces.append(msg)
+            size = RECORD_HEADER_BYTES + sm.length
+            st.pending += pack_entry(offset, size, now, bloom, 0)
+            offset += size
+            counts = per_subject.get(st.name)
+            if counts is None:
+                per_subject[st.name] = [1, sm.length]
+            else:
+                counts[0] += 1
+                counts[1] += sm.length
+        try:
+            self.mlog.append(b"".join(pieces))
+        except OSError as exc:
+            for st, seq in touched.items():
+                st.next_seq = seq
+                st.pending.clear()
+            raise _store_error(exc, self.dir) from exc
+        for st in touched:
+            try:
+                st.clog.append(st.pending)
+            except OSError as exc:
+                # The message log holds the records; recovery rebuilds this consume log from it.
+                raise StoreError(f"consume log of {st.name!r} could not be written: {exc}") from exc
+            finally:
+                st.pending.clear()
+            self._dirty_clogs.add(st)
+        dedup.add_many([a[3] for a in accepted], now)
+        self.total_messages += len(accepted)
+        if self.sync_policy:
+            self._unflushed.append((self.mlog.end, [(st, st.next_seq) for st in touched]))
+            self.unflushed_bytes += total
+        else:
+            for st in touched:
+                st.visible_seq = st.next_seq
+        return AppendResult(errors, duplicates, len(accepted), total, per_subject)
+
+    # -- flush -------------------------------------------------------------------------
+
+    def begin_flush(self, consume_logs: bool = False) -> FlushTicket:
+        fds = self.mlog.segments.sync_fds() + self.alog.segments.sync_fds()
+        if consume_logs:
+            for st in self._dirty_clogs:
+                fds.extend(st.clog.segments.sync_fds())
+            self._dirty_clogs.clear()
+        return FlushTicket(fds, self.mlog.end)
+
+    def complete_flush(self, ticket: FlushTicket) -> set[str]:
+        """Make everything the ticket covered visible; returns the subjects that moved."""
+        moved: set[str] = set()
+        self._flushed_offset = max(self._flushed_offset, ticket.offset)
+        unflushed = self._unflushed
+        while unflushed and unflushed[0][0] <= ticket.offset:
+            _end, seqs = unflushed.popleft()
+            for st, seq in seqs:
+                if seq > st.visible_seq:
+                    st.visible_seq = seq
+                    moved.add(st.name)
+        self.unflushed_bytes = self.mlog.end - self._flushed_offset if unflushed else 0
+        return moved
+
+    # -- pulls and acks ----------------------------------------------------------------
+
+    def group(self, subject: str, group: str, start: str) -> GroupProgress:
+        gp = self.progress.get(subject, group)
+        if gp is None:
+            st = self.subjects.get(subject)
+            if start == "earliest":
+                start_seq = st.clog.min_seq if st else 0
+            else:
+                start_seq = st.visible_seq if st else 0
+            self.alog.append([act.CREATE_GROUP, subject, group, start_seq])
+            gp = self.progress.create_group(subject, group, start_seq)
+        return gp
+
+    def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+        self.alog.append([act.ACK, gp.subject, gp.group, cp.consumer_id, ranges])
+        return Progress.apply_ack(cp, ranges)
+
+    def ack_locally(self, cp: ConsumerProgress, ranges: list[list[int]]) -> None:
+        """An ack the broker makes itself; replay reaches the same state by the same rule."""
+        Progress.apply_ack(cp, ranges)
+
+    def pull(self, gp: GroupProgress, cp: ConsumerProgress, session: str, max_n: int) -> PullResult | None:
+        """Hand ``cp`` up to ``max_n`` messages: first what it pulled before and never acked
+        (when its session changed), then the group's next visible messages."""
+        if cp.session != session:
+            cp.session = session
+            cp.cursor = cp.ack_offset
+        byte_budget = self.limits.pull_bytes_max
+        runs: list[list[int]] = []
+        chunks: list[bytes] = []
+        count = 0
+        nbytes = 0
+        st = self.subjects.get(gp.subject)
+        if st is None:
+            return None
+        for poff, seq, k in Progress.take_redelivery(cp, max_n):
+            got, size = self._read_records(st.clog.read(seq, k), chunks, cp, poff, runs)
+            count += got
+            nbytes += size
+        left = max_n - count
+        if left > 0 and nbytes < byte_budget:
+            start = max(gp.pull_offset, st.clog.min_seq)
+            take = min(left, st.visible_seq - start)
+            if take > 0:
+                entries = st.clog.read(start, take)
+                log_start = self.mlog.start
+                skip = 0
+                # entries whose records retention removed are skipped, never handed out
+                for off, _size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
+                    if off >= log_start:
+                        break
+                    skip += 1
+                sizes_budget = byte_budget - nbytes
+                k = 0
+                acc = 0
+                for _off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries[skip * ENTRY_BYTES :]):
+                    if k and acc + size > sizes_budget:
+                        break
+                    acc += size
+                    k += 1
+                first = start + skip
+                if k:
+                    self.alog.append(
+                        [
+                            act.PULL,
+                            gp.subject,
+                            gp.group,
+                            cp.consumer_id,
+                            cp.pull_log_end,
+                            [[first, k]],
+                            first + k,
+                        ]
+                    )
+                    poff = Progress.record_pull(gp, cp, [[first, k]], first + k)
+                    got, size = self._read_records(
+                        entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, poff, runs
+                    )
+                    count += got
+                    nbytes += size
+                elif skip:
+                    self.alog.append(
+                        [act.PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, [], first]
+                    )
+                    Progress.record_pull(gp, cp, [], first)
+        if not count:
+            return None
+        return PullResult(runs, chunks, count, nbytes)
+
+    def _read_records(
+        self, entries: bytes, chunks: list[bytes], cp: ConsumerProgress, poff: int, runs: list[list[int]]
+    ) -> tuple[int, int]:
+        """Append the records of ``entries`` (pull-log offsets from ``poff``) to ``chunks`` and
+        their offsets to ``runs``, coalescing adjacent records into one read."""
+        log_start = self.mlog.start
+        run_off = -1
+        run_end = -1
+        got = 0
+        nbytes = 0
+        for i, (off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
+            if off < log_start:
+                # removed by retention while pulled and unacked: nothing to send, so it is done
+                self.ack_locally(cp, [[poff + i, poff + i + 1]])
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == poff + i:
+                runs[-1][1] += 1
+            else:
+                runs.append([poff + i, 1])
+            if off == run_end:
+                run_end += size
+            else:
+                if run_end > run_off >= 0:
+                    self._read_into(run_off, run_end - run_off, chunks)
+                run_off, run_end = off, off + size
+            got += 1
+            nbytes += size
+        if run_end > run_off >= 0:
+            self._read_into(run_off, run_end - run_off, chunks)
+        return got, nbytes
+
+    def _read_into(self, offset: int, size: int, chunks: list[bytes]) -> None:
+        while size > 0:
+            data = self.mlog.read(offset, size)
+            if not data:
+                raise StoreError(f"message log has no data at offset {offset} ({size} bytes expected)")
+            chunks.append(data)
+            offset += len(data)
+            size -= len(data)
+
+    # -- checkpoints and retention -----------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        now = self.clock.now_ms()
+        self.marks.append([now, self.mlog.end, self.total_messages])
+        window_start = now - self.config.dedup_window_ms
+        while len(self.marks) > 1 and (self.marks[1][0] <= window_start or len(self.marks) > _MARKS_MAX):
+            self.marks.pop(0)
+        return {
+            "version": 1,
+            "time_ms": now,
+            "message_offset": self.mlog.end,
+            "action_offset": self.alog.end,
+            "total_messages": self.total_messages,
+            "marks": self.marks,
+            "subjects": {name: st.next_seq for name, st in self.subjects.items()},
+            "progress": self.progress.snapshot(),
+        }
+
+    def write_checkpoint(self, ticket: FlushTicket, state: dict[str, Any]) -> None:
+        """Thread-safe part of a checkpoint: fsync what it covers, then replace the checkpoint file."""
+        ticket.run()
+        write_checkpoint(self.dir, state)
+
+    def after_checkpoint(self, state: dict[str, Any]) -> None:
+        self.alog.delete_before(state["action_offset"])
+
+    def run_retention(self) -> int:
+        """Delete message-log segments older than the retention; returns segments deleted."""
+        cutoff_s = self.clock.now_ms() / 1000 - self.config.retention_hours * 3600
+        segs = self.mlog.segments.segments
+        keep_from = 0
+        for i, seg in enumerate(segs[:-1]):
+            if os.fstat(seg.fd).st_mtime < cutoff_s:
+                keep_from = i + 1
+            else:
+                break
+        if not keep_from:
+            return 0
+        offset = segs[keep_from].base
+        self.mlog.segments.delete_before(offset)
+        for st in self.subjects.values():
+            clog_segs = st.clog.segments.segments
+            for cseg in clog_segs[:-1]:
+                last = st.clog.read(cseg.end // ENTRY_BYTES - 1, 1)
+                if len(last) == ENTRY_BYTES and ENTRY.unpack(last)[0] < offset:
+                    st.clog.delete_before_seq(cseg.end // ENTRY_BYTES)
+                else:
+                    break
+        log.info("retention deleted %d message-log segment(s) before offset %d", keep_from, offset)
+        return keep_from
+
+    def close(self) -> None:
+        self.mlog.close()
+        self.alog.close()
+        for st in self.subjects.values():
+            st.clog.close()
+        os.close(self._lock_fd)
+
+
+def _tag_count(tags_block: bytes) -> int:
+    n = 0
+    pos = 0
+    while pos < len(tags_block):
+        pos += 1 + tags_block[pos]
+        n += 1
+    return n
+
+
+def _store_error(exc: OSError, directory: Path) -> StoreError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"the disk of {str(directory)!r} is full; free space or move the data directory")
+    return StoreError(f"writing to {str(directory)!r} failed: {exc}")

@@ -1,0 +1,198 @@
+"""Consumer progress: consumer groups, pull logs and ack offsets, as pure state.
+
+A consumer group on a subject has one *pull offset*: the next consume-log sequence to hand
+out. A pull gives the pulling consumer the next range of the subject and appends it to the
+consumer's *pull log*: its pull-log offsets 0, 1, 2, … map to the consume-log sequences it
+received. A consumer's progress is its *ack offset*: every pull-log offset below it is done.
+Acks arrive as ranges, in any order; the ack offset advances only over the contiguous
+acknowledged prefix, so a message finished late is never skipped.
+
+Members share the group's pull offset, so consumers join and leave at any time and a backlog
+drains faster as members are added — there are no partitions.
+
+Nothing here does I/O: the store logs each change to the action log and replays the log
+through the same methods after a restart.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ConsumerProgress:
+    consumer_id: str
+    pull_log_end: int = 0
+    ack_offset: int = 0
+    # runs of the pull log at or after ack_offset: [pull_offset, seq, count], in order
+    runs: deque[list[int]] = field(default_factory=deque)
+    # acknowledged ranges beyond the contiguous prefix: [start, end), sorted and disjoint
+    acked: list[list[int]] = field(default_factory=list)
+    # not persisted: the connection incarnation last seen, and where re-delivery stands
+    session: str | None = None
+    cursor: int = 0
+    last_seen_ms: int = 0
+
+    @property
+    def unacked(self) -> int:
+        return self.pull_log_end - self.ack_offset - sum(e - s for s, e in self.acked)
+
+
+@dataclass(slots=True)
+class GroupProgress:
+    subject: str
+    group: str
+    pull_offset: int
+    consumers: dict[str, ConsumerProgress] = field(default_factory=dict)
+
+    def consumer(self, consumer_id: str) -> ConsumerProgress:
+        cp = self.consumers.get(consumer_id)
+        if cp is None:
+            cp = self.consumers[consumer_id] = ConsumerProgress(consumer_id)
+        return cp
+
+
+def _merge_range(acked: list[list[int]], start: int, end: int) -> None:
+    """Insert [start, end) into a sorted list of disjoint ranges, merging neighbours."""
+    i = 0
+    n = len(acked)
+    while i < n and acked[i][1] < start:
+        i += 1
+    j = i
+    while j < n and acked[j][0] <= end:
+        start = min(start, acked[j][0])
+        end = max(end, acked[j][1])
+        j += 1
+    acked[i:j] = [[start, end]]
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.groups: dict[tuple[str, str], GroupProgress] = {}
+
+    def get(self, subject: str, group: str) -> GroupProgress | None:
+        return self.groups.get((subject, group))
+
+    def create_group(self, subject: str, group: str, start_seq: int) -> GroupProgress:
+        gp = self.groups.get((subject, group))
+        if gp is None:
+            gp = self.groups[(subject, group)] = GroupProgress(subject, group, start_seq)
+        return gp
+
+    def groups_of(self, subject: str) -> list[GroupProgress]:
+        return [gp for (s, _g), gp in self.groups.items() if s == subject]
+
+    # -- pulls -------------------------------------------------------------------------
+
+    @staticmethod
+    def take_redelivery(cp: ConsumerProgress, max_n: int) -> list[tuple[int, int, int]]:
+        """Pulled-but-unacked entries to hand again to a consumer that came back.
+
+        Returns runs ``(pull_offset, seq, count)`` from the consumer's cursor on, skipping
+        acknowledged ranges, at most ``max_n`` entries, and advances the cursor.
+        """
+        out: list[tuple[int, int, int]] = []
+        if cp.cursor >= cp.pull_log_end or max_n <= 0:
+            cp.cursor = max(cp.cursor, cp.pull_log_end)
+            return out
+        cursor = max(cp.cursor, cp.ack_offset)
+        left = max_n
+        acked = cp.acked
+        ai = 0
+        for poff, seq, count in cp.runs:
+            if left <= 0:
+                break
+            end = poff + count
+            if end <= cursor:
+                continue
+            p = max(poff, cursor)
+            while p < end and left > 0:
+                while ai < len(acked) and acked[ai][1] <= p:
+                    ai += 1
+                if ai < len(acked) and acked[ai][0] <= p:
+                    p = acked[ai][1]
+                    continue
+                stop = end
+                if ai < len(acked) and acked[ai][0] < stop:
+                    stop = acked[ai][0]
+                k = min(stop - p, left)
+                out.append((p, seq + (p - poff), k))
+                left -= k
+                p += k
+            cursor = p
+        cp.cursor = cursor if left <= 0 else cp.pull_log_end
+        return out
+
+    @staticmethod
+    def record_pull(
+        gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_pull_offset: int
+    ) -> int:
+        """Append the consume-log runs ``[[seq, count], ...]`` to the consumer's pull log.
+
+        Returns the pull-log offset of the first entry. The group's pull offset moves to
+        ``new_pull_offset`` (past entries a filter skipped, too).
+        """
+        start = cp.pull_log_end
+        p = start
+        for seq, count in runs:
+            if count <= 0:
+                continue
+            last = cp.runs[-1] if cp.runs else None
+            if last is not None and last[0] + last[2] == p and last[1] + last[2] == seq:
+                last[2] += count
+            else:
+                cp.runs.append([p, seq, count])
+            p += count
+        cp.pull_log_end = p
+        if cp.cursor == start:
+            cp.cursor = p
+        gp.pull_offset = max(gp.pull_offset, new_pull_offset)
+        return start
+
+    # -- acks --------------------------------------------------------------------------
+
+    @staticmethod
+    def apply_ack(cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+        """Mark pull-log ranges done; advance the ack offset over the contiguous prefix."""
+        for r in ranges:
+            start, end = max(r[0], cp.ack_offset), min(r[1], cp.pull_log_end)
+            if start < end:
+                _merge_range(cp.acked, start, end)
+        acked = cp.acked
+        while acked and acked[0][0] <= cp.ack_offset:
+            cp.ack_offset = max(cp.ack_offset, acked.pop(0)[1])
+        runs = cp.runs
+        while runs and runs[0][0] + runs[0][2] <= cp.ack_offset:
+            runs.popleft()
+        return cp.ack_offset
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def snapshot(self) -> list[Any]:
+        out: list[Any] = []
+        for gp in self.groups.values():
+            consumers = [
+                [
+                    cp.consumer_id,
+                    cp.pull_log_end,
+                    cp.ack_offset,
+                    [list(r) for r in cp.runs],
+                    [list(a) for a in cp.acked],
+                ]
+                for cp in gp.consumers.values()
+            ]
+            out.append([gp.subject, gp.group, gp.pull_offset, consumers])
+        return out
+
+    @classmethod
+    def from_snapshot(cls, snap: list[Any]) -> Progress:
+        progress = cls()
+        for subject, group, pull_offset, consumers in snap:
+            gp = progress.create_group(subject, group, pull_offset)
+            for consumer_id, end, ack, runs, acked in consumers:
+                gp.consumers[consumer_id] = ConsumerProgress(
+                    consumer_id, end, ack, deque(list(r) for r in runs), [list(a) for a in acked], cursor=end
+                )
+        return progress

@@ -1,0 +1,159 @@
+"""A log split into segment files named by their 20-digit zero-padded base offset.
+
+Offsets are global byte positions in the log: the byte at offset ``o`` lives in the segment
+with the largest base ``<= o``, at position ``o - base``. Segments are appended to, read with
+``pread`` and deleted whole from the front; the last one can be cut (``truncate``) to remove
+a torn tail found by recovery.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class Segment:
+    base: int
+    path: Path
+    fd: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SegmentedLog:
+    """Append-only bytes over a directory of segment files with suffix ``suffix``."""
+
+    def __init__(self, directory: Path, suffix: str, segment_bytes: int) -> None:
+        self.directory = directory
+        self.suffix = suffix
+        self.segment_bytes = segment_bytes
+        directory.mkdir(parents=True, exist_ok=True)
+        self.segments: list[Segment] = []
+        # fds of segments rolled or deleted while a flush may still need them: closed by the flusher
+        self.retired_fds: list[int] = []
+        for path in sorted(directory.glob(f"*{suffix}")):
+            stem = path.name[: -len(suffix)]
+            if len(stem) != 20 or not stem.isdigit():
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_APPEND)
+            self.segments.append(Segment(int(stem), path, fd, os.fstat(fd).st_size))
+        if not self.segments:
+            self._new_segment(0)
+
+    @property
+    def start(self) -> int:
+        return self.segments[0].base
+
+    @property
+    def end(self) -> int:
+        return self.segments[-1].end
+
+    @property
+    def active(self) -> Segment:
+        return self.segments[-1]
+
+    def _new_segment(self, base: int) -> Segment:
+        path = self.directory / f"{base:020d}{self.suffix}"
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+        seg = Segment(base, path, fd, 0)
+        self.segments.append(seg)
+        fsync_dir(self.directory)
+        return seg
+
+    def roll_if_needed(self, incoming_bytes: int) -> None:
+        """Begin a new segment when ``incoming_bytes`` would not fit the active one."""
+        seg = self.active
+        if seg.size and seg.size + incoming_bytes > self.segment_bytes:
+            self.retired_fds.append(os.dup(seg.fd))
+            self._new_segment(seg.end)
+
+    def append(self, data: bytes | bytearray | memoryview) -> int:
+        """Write ``data`` at the end; return its offset. On failure nothing is left half-written."""
+        self.roll_if_needed(len(data))
+        seg = self.active
+        offset = seg.end
+        try:
+            written = os.write(seg.fd, data)
+            if written != len(data):
+                raise OSError(f"short write: {written} of {len(data)} bytes")
+        except OSError:
+            os.ftruncate(seg.fd, seg.size)
+            os.lseek(seg.fd, seg.size, os.SEEK_SET)
+            raise
+        seg.size += written
+        return offset
+
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` (fewer if the log ends first); never crosses a segment end."""
+        seg = self.segment_for(offset)
+        if seg is None:
+            return b""
+        pos = offset - seg.base
+        return os.pread(seg.fd, min(size, seg.size - pos), pos)
+
+    def segment_for(self, offset: int) -> Segment | None:
+        segs = self.segments
+        if offset < segs[0].base or offset >= segs[-1].end:
+            return None
+        lo, hi = 0, len(segs) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if segs[mid].base <= offset:
+                lo = mid
+            else:
+                hi = mid - 1
+        return segs[lo]
+
+    def truncate(self, offset: int) -> int:
+        """Cut the log at ``offset``: later bytes (and later segments) go. Returns bytes removed."""
+        removed = 0
+        while len(self.segments) > 1 and self.segments[-1].base > offset:
+            seg = self.segments.pop()
+            removed += seg.size
+            os.close(seg.fd)
+            seg.path.unlink()
+        seg = self.active
+        if offset < seg.end:
+            keep = max(0, offset - seg.base)
+            removed += seg.size - keep
+            os.ftruncate(seg.fd, keep)
+            seg.size = keep
+        os.lseek(seg.fd, seg.size, os.SEEK_SET)
+        return removed
+
+    def delete_before(self, offset: int) -> list[Segment]:
+        """Delete whole segments that end at or before ``offset`` (never the active one)."""
+        gone: list[Segment] = []
+        while len(self.segments) > 1 and self.segments[0].end <= offset:
+            seg = self.segments.pop(0)
+            self.retired_fds.append(seg.fd)
+            seg.path.unlink()
+            gone.append(seg)
+        return gone
+
+    def sync_fds(self) -> list[int]:
+        """fds a flush must fsync: the active segment plus any rolled since the last flush."""
+        fds, self.retired_fds = self.retired_fds, []
+        fds.append(os.dup(self.active.fd))
+        return fds
+
+    def close(self) -> None:
+        for seg in self.segments:
+            os.close(seg.fd)
+        for fd in self.retired_fds:
+            os.close(fd)
+        self.segments = []
+        self.retired_fds = []

@@ -1,0 +1,137 @@
+"""Recovery of the broker store after a stop, a crash, or a torn tail."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import append, batch, flush
+from test_store_send_pull import records
+
+from qmq.store.broker_store import BrokerStore
+
+
+def checkpoint(store: BrokerStore) -> None:
+    state = store.checkpoint_state()
+    store.write_checkpoint(store.begin_flush(consume_logs=True), state)
+    store.after_checkpoint(state)
+
+
+def test_restart_keeps_messages_and_consumer_progress(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("s", [str(i) for i in range(10)]))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    cp = gp.consumer("c")
+    store.pull(gp, cp, "x", 4)
+    store.ack(gp, cp, [[0, 2]])
+    checkpoint(store)
+    store.pull(gp, cp, "x", 2)  # after the checkpoint: replayed from the action log
+    store.ack(gp, cp, [[4, 5]])
+    store.close()
+
+    again = open_store()
+    gp2 = again.progress.get("s", "g")
+    assert gp2 is not None and gp2.pull_offset == 6
+    cp2 = gp2.consumers["c"]
+    assert (cp2.pull_log_end, cp2.ack_offset, cp2.acked) == (6, 2, [[4, 5]])
+    got = again.pull(gp2, cp2, "new-session", 100)
+    assert got is not None
+    # unacked 2, 3, 5 again, then the rest of the subject
+    assert [i for _s, i in records(got)] == ["2", "3", "5", "6", "7", "8", "9"]
+
+
+def test_torn_tail_is_cut_and_earlier_messages_survive(open_store: Callable[..., BrokerStore], tmp_path: Path) -> None:
+    store = open_store()
+    append(store, batch("s", ["a", "b"]))
+    append(store, batch("s", ["c"]))
+    flush(store)
+    store.close()
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = seg.stat().st_size
+    with open(seg, "r+b") as fh:
+        fh.truncate(size - 10)  # the last record is torn
+
+    again = open_store()
+    st = again.subjects["s"]
+    assert st.next_seq == 2
+    gp = again.group("s", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "x", 10)
+    assert got is not None and [i for _s, i in records(got)] == ["a", "b"]
+    # the next message takes the freed sequence
+    append(again, batch("s", ["d"]))
+    flush(again)
+    more = again.pull(gp, gp.consumer("c"), "x", 10)
+    assert more is not None and records(more) == [(2, "d")]
+
+
+def test_corrupt_byte_in_the_tail_is_detected_by_crc(open_store: Callable[..., BrokerStore], tmp_path: Path) -> None:
+    store = open_store()
+    append(store, batch("s", ["a"]))
+    append(store, batch("s", ["b"]))
+    store.close()
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    data = bytearray(seg.read_bytes())
+    data[-5] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    again = open_store()
+    assert again.subjects["s"].next_seq == 1
+
+
+def test_lost_consume_log_entries_are_rebuilt_from_the_message_log(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    store = open_store()
+    append(store, batch("s", ["a"]))
+    checkpoint(store)
+    append(store, batch("s", ["b", "c"]))
+    store.close()
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    with open(clog, "r+b") as fh:
+        fh.truncate(32)  # as if the process died between the message-log and consume-log writes
+    again = open_store()
+    assert again.subjects["s"].next_seq == 3
+    gp = again.group("s", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "x", 10)
+    assert got is not None and [i for _s, i in records(got)] == ["a", "b", "c"]
+
+
+def test_duplicate_window_survives_a_restart(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("s", ["a", "b"]))
+    checkpoint(store)
+    append(store, batch("s", ["c"]))
+    store.close()
+    again = open_store()
+    res = append(again, batch("s", ["a", "c", "d"]))
+    assert (res.stored, res.duplicates) == (1, 2)
+
+
+def test_second_store_on_the_same_directory_is_refused(open_store: Callable[..., BrokerStore]) -> None:
+    open_store()
+    try:
+        open_store()
+    except Exception as exc:  # noqa: BLE001 - the type is asserted below
+        assert "in use by another broker" in str(exc)
+    else:
+        raise AssertionError("a second store opened the same data directory")
+
+
+def test_retention_deletes_old_segments_and_pulls_skip_them(open_store: Callable[..., BrokerStore], tmp_path: Path) -> None:
+    store = open_store(segment_bytes=64 * 1024, retention_hours=1.0)
+    for n in range(6):
+        append(store, batch("s", [f"{n}-{i}" for i in range(100)], body=b"y" * 200))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    segs = store.mlog.segments.segments
+    assert len(segs) > 2
+    old = store.clock.now_ms() / 1000 - 7200
+    for seg in segs[:2]:
+        os.utime(seg.path, (old, old))
+    assert store.run_retention() == 2
+    got = store.pull(gp, gp.consumer("c"), "x", 10_000)
+    assert got is not None
+    seqs = [s for s, _i in records(got)]
+    assert seqs[0] > 0 and seqs[-1] == 599
+    assert seqs == list(range(seqs[0], 600))

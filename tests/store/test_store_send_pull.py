@@ -1,0 +1,122 @@
+"""Appending, flushing, pulling and acking through the broker store, without a server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from conftest import append, batch, flush
+
+from qmq.protocol.codes import Status
+from qmq.protocol.message import decode_message
+from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
+from qmq.store.broker_store import BrokerStore, PullResult
+
+
+def records(result: PullResult) -> list[tuple[int, str]]:
+    """(sequence, message id) of every record in a pull result."""
+    data = b"".join(result.chunks)
+    out = []
+    pos = 0
+    while pos < len(data):
+        h = read_record_header(data, pos)
+        assert h is not None
+        msg = decode_message(data, pos + RECORD_HEADER_BYTES, h.length)
+        out.append((h.sequence, msg.message_id))
+        pos += RECORD_HEADER_BYTES + h.length
+    return out
+
+
+def test_sync_policy_hides_messages_until_flushed(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    res = append(store, batch("order.paid", ["a", "b", "c"]))
+    assert res.stored == 3 and not res.errors
+    gp = store.group("order.paid", "billing", "earliest")
+    cp = gp.consumer("c1")
+    assert store.pull(gp, cp, "s1", 10) is None
+    assert flush(store) == {"order.paid"}
+    got = store.pull(gp, cp, "s1", 10)
+    assert got is not None
+    assert records(got) == [(0, "a"), (1, "b"), (2, "c")]
+    assert got.runs == [[0, 3]]
+
+
+def test_periodic_policy_shows_messages_once_written(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store(flush="periodic")
+    append(store, batch("s", ["a"]))
+    gp = store.group("s", "g", "earliest")
+    got = store.pull(gp, gp.consumer("c"), "x", 10)
+    assert got is not None and records(got) == [(0, "a")]
+
+
+def test_duplicate_ids_are_dropped_within_a_batch_and_across_batches(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    assert append(store, batch("s", ["a", "a", "b"])).duplicates == 1
+    res = append(store, batch("s", ["b", "c"]))
+    assert (res.stored, res.duplicates) == (1, 1)
+    assert store.subjects["s"].next_seq == 3
+
+
+def test_bad_messages_are_refused_by_index_and_the_rest_stored(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    body = batch("ok", ["1"]) + batch("bad subject", ["2"]) + batch("ok", ["3"]) + batch("x%y", ["4"])
+    res = append(store, body)
+    assert res.stored == 2
+    assert [(e[0], e[1]) for e in res.errors] == [(1, Status.INVALID_SUBJECT), (3, Status.INVALID_SUBJECT)]
+    assert "bad subject" in res.errors[0][2]
+
+
+def test_group_members_share_the_subject(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("s", [str(i) for i in range(10)]))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    a = store.pull(gp, gp.consumer("a"), "sa", 4)
+    b = store.pull(gp, gp.consumer("b"), "sb", 100)
+    assert a is not None and b is not None
+    ids_a = {i for _s, i in records(a)}
+    ids_b = {i for _s, i in records(b)}
+    assert len(ids_a) == 4 and len(ids_b) == 6 and not ids_a & ids_b
+
+
+def test_new_group_starts_from_latest_unless_earliest(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("s", ["old"]))
+    flush(store)
+    late = store.group("s", "late", "latest")
+    early = store.group("s", "early", "earliest")
+    append(store, batch("s", ["new"]))
+    flush(store)
+    got_late = store.pull(late, late.consumer("c"), "x", 10)
+    got_early = store.pull(early, early.consumer("c"), "x", 10)
+    assert got_late is not None and [i for _s, i in records(got_late)] == ["new"]
+    assert got_early is not None and [i for _s, i in records(got_early)] == ["old", "new"]
+
+
+def test_ack_offset_advances_only_over_the_contiguous_prefix(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("s", [str(i) for i in range(5)]))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    cp = gp.consumer("c")
+    store.pull(gp, cp, "x", 5)
+    assert store.ack(gp, cp, [[1, 3]]) == 0
+    assert store.ack(gp, cp, [[4, 5]]) == 0
+    assert store.ack(gp, cp, [[0, 1]]) == 3
+    assert store.ack(gp, cp, [[3, 4]]) == 5
+    assert cp.unacked == 0
+
+
+def test_new_session_gets_unacked_messages_again_but_not_acked_ones(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("s", [str(i) for i in range(6)]))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    cp = gp.consumer("c")
+    first = store.pull(gp, cp, "session-1", 6)
+    assert first is not None and first.messages == 6
+    store.ack(gp, cp, [[0, 2], [3, 4]])
+    assert store.pull(gp, cp, "session-1", 10) is None
+    again = store.pull(gp, cp, "session-2", 10)
+    assert again is not None
+    assert [i for _s, i in records(again)] == ["2", "4", "5"]
+    assert again.runs == [[2, 1], [4, 2]]
