@@ -5,11 +5,16 @@ the names after it (subject, id, tags), so it never decodes properties or bodies
 
 Layout of one encoded message (little-endian)::
 
-    0    1    2         4    5    6         8                 16                24        26        28        32        36
-    +----+----+---------+----+----+---------+-----------------+-----------------+---------+---------+---------+---------+
-    |ver |flg |subj_len |id_l|tags|tags_len | created_ms      | deliver_at_ms   | times   |reserved |props_len|body_len |
-    +----+----+---------+----+----+---------+-----------------+-----------------+---------+---------+---------+---------+
-    then: subject (utf-8) | message id (utf-8) | tags (each: u8 length + utf-8) | properties (msgpack map) | body
+    0    1    2         4    5    6         8                 16
+    +----+----+---------+----+----+---------+-----------------+
+    |ver |flg |subj_len |id_l|tags|tags_len | created_ms      |
+    +----+----+---------+----+----+---------+-----------------+
+    16                24        26        28        32        36
+    +-----------------+---------+---------+---------+---------+
+    | deliver_at_ms   | times   |reserved |props_len|body_len |
+    +-----------------+---------+---------+---------+---------+
+    then: subject (utf-8) | message id (utf-8) | tags (each: u8 length + utf-8)
+          | properties (msgpack map) | body
 
     ver            u8   1
     flg            u8   reserved, 0
@@ -68,7 +73,8 @@ def check_property(key: object, value: object, limits: Limits = DEFAULT_LIMITS) 
         raise InvalidMessageError(f"property name must be a non-empty string, got {key!r}")
     if len(key) > limits.property_key_chars_max:
         raise InvalidMessageError(
-            f"property name {key[:40]!r}… has {len(key)} characters; the limit is {limits.property_key_chars_max}"
+            f"property name {key[:40]!r}… has {len(key)} characters; "
+            f"the limit is property_key_chars_max {limits.property_key_chars_max}"
         )
     if not isinstance(value, str | int | float | bool | bytes):
         raise InvalidMessageError(
@@ -83,8 +89,12 @@ def check_property(key: object, value: object, limits: Limits = DEFAULT_LIMITS) 
 def check_tag(tag: object, limits: Limits = DEFAULT_LIMITS) -> str:
     if not isinstance(tag, str) or not tag:
         raise InvalidMessageError(f"a tag must be a non-empty string, got {tag!r}")
-    if len(tag.encode("utf-8")) > limits.tag_chars_max:
-        raise InvalidMessageError(f"tag {tag[:40]!r} is longer than {limits.tag_chars_max} bytes")
+    tag_bytes = len(tag.encode("utf-8"))
+    if tag_bytes > limits.tag_chars_max:
+        raise InvalidMessageError(
+            f"tag {tag[:40]!r} is {tag_bytes} bytes of UTF-8; the limit is tag_chars_max "
+            f"{limits.tag_chars_max}: use a shorter tag"
+        )
     return tag
 
 
@@ -98,13 +108,29 @@ def encode_tags(tags: Iterable[str]) -> bytes:
 
 
 def decode_tags(raw: bytes | memoryview) -> list[str]:
-    tags = []
+    """The tags of a tag block; RemoteProtocolError if a tag runs past the block's end."""
+    tags: list[str] = []
     pos = 0
-    while pos < len(raw):
+    end = len(raw)
+    while pos < end:  # bounded: every step moves pos forward by at least one byte
         n = raw[pos]
+        if pos + 1 + n > end:
+            raise RemoteProtocolError(f"tag {len(tags)} of {n} bytes runs past the end of the tag block")
         tags.append(bytes(raw[pos + 1 : pos + 1 + n]).decode("utf-8"))
         pos += 1 + n
     return tags
+
+
+def _tag_block_problem(buf: bytes, start: int, end: int, count: int) -> str | None:
+    """Why ``buf[start:end]`` is not a block of exactly ``count`` tags, or None if it is one."""
+    pos = start
+    for i in range(count):
+        if pos >= end:
+            return f"tag block of {end - start} bytes ends after {i} of its {count} tags"
+        pos += 1 + buf[pos]
+    if pos != end:
+        return f"tag block of {end - start} bytes does not end where its {count} tags do"
+    return None
 
 
 def encode_message(
@@ -160,14 +186,25 @@ class MessageFields(NamedTuple):
 def decode_message(buf: bytes, pos: int = 0, length: int | None = None) -> MessageFields:
     """Decode the message at ``buf[pos:]``; raise RemoteProtocolError if it is malformed."""
     end = len(buf) if length is None else pos + length
+    if pos < 0 or end > len(buf):
+        raise RemoteProtocolError(
+            f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer"
+        )
     if end - pos < HEADER_BYTES:
-        raise RemoteProtocolError(f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header")
-    ver, _flags, slen, ilen, _tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(buf, pos)
+        raise RemoteProtocolError(
+            f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header"
+        )
+    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(
+        buf, pos
+    )
     if ver != VERSION:
         raise RemoteProtocolError(f"message version {ver} is not supported")
     p = pos + HEADER_BYTES
     if p + slen + ilen + tlen + plen + blen != end:
         raise RemoteProtocolError("message field lengths do not add up to the message length")
+    problem = _tag_block_problem(buf, p + slen + ilen, p + slen + ilen + tlen, tcount)
+    if problem:
+        raise RemoteProtocolError(f"message {problem}")
     try:
         subject = buf[p : p + slen].decode("utf-8")
         p += slen
@@ -214,15 +251,20 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
             )
         ver, _flags, slen, ilen, tcount, tlen, _created, deliver, _times, _res, plen, blen = unpack(body, pos)
         if ver != VERSION:
-            raise RemoteProtocolError(f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}")
+            raise RemoteProtocolError(
+                f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}"
+            )
         p = pos + hb
         length = hb + slen + ilen + tlen + plen + blen
         if pos + length > end:
             raise RemoteProtocolError(
                 f"message {len(out)} of the batch claims {length} bytes but only {end - pos} remain"
             )
-        if tcount == 0 and tlen:
-            raise RemoteProtocolError(f"message {len(out)} of the batch has a tag block but no tags")
+        tstart = p + slen + ilen
+        if tcount or tlen:
+            problem = _tag_block_problem(body, tstart, tstart + tlen, tcount)
+            if problem:
+                raise RemoteProtocolError(f"message {len(out)} of the batch: {problem}")
         append(
             ScannedMessage(
                 pos,
@@ -239,7 +281,9 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
     return out
 
 
-def with_times(encoded: bytes, times: int, subject: bytes | None = None, deliver_at_ms: int | None = None) -> bytes:
+def with_times(
+    encoded: bytes, times: int, subject: bytes | None = None, deliver_at_ms: int | None = None
+) -> bytes:
     """A copy of an encoded message with a new attempt count, and optionally a new subject or due time."""
     if not 0 <= times <= _TIMES_MAX:
         raise InvalidMessageError(f"attempt count {times} is outside 0..{_TIMES_MAX}")
