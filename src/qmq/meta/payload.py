@@ -19,7 +19,10 @@ from qmq.meta.store import ADDRESS_CHARS_MAX
 # A register body is a handful of short strings; anything larger is not one.
 REGISTER_BODY_BYTES_MAX: Final = 16 * 1024
 # Subjects one GET /meta/address may ask for: bounds the routing work of one request.
-SUBJECTS_PER_REQUEST_MAX: Final = 1000
+# 256 subjects of up to 100 characters fit in REQUEST_LINE_BYTES_MAX.
+SUBJECTS_PER_REQUEST_MAX: Final = 256
+# Longest request line (method, path and query) the server reads.
+REQUEST_LINE_BYTES_MAX: Final = 64 * 1024
 # Process ids fit in a signed 64-bit column.
 _PID_MAX: Final = (1 << 63) - 1
 

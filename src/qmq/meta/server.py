@@ -31,7 +31,13 @@ from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import MetaConfig
 from qmq.common.errors import QmqError
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
-from qmq.meta.payload import REGISTER_BODY_BYTES_MAX, PayloadError, parse_registration, parse_subjects
+from qmq.meta.payload import (
+    REGISTER_BODY_BYTES_MAX,
+    REQUEST_LINE_BYTES_MAX,
+    PayloadError,
+    parse_registration,
+    parse_subjects,
+)
 from qmq.meta.registry import ROLES, GroupView, Registry, RegistryFullError
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 
@@ -123,7 +129,9 @@ class MetaServer:
         app.router.add_post(REGISTER_PATH, self._register)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, max_line_size=REQUEST_LINE_BYTES_MAX
+        )
         await self._runner.setup()
         host, port = self.config.host, self.config.port
         try:
