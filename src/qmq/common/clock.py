@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -40,8 +41,8 @@ class ManualClock:
         return self._mono
 
     def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"a clock cannot go back (asked to advance by {seconds} s)")
+        if not 0 <= seconds < math.inf:  # written so that NaN is refused too
+            raise ValueError(f"a clock cannot go back or jump to no time (asked to advance by {seconds} s)")
         self._now_ms += round(seconds * 1000)
         self._mono += seconds
 

@@ -33,6 +33,7 @@ def _port(v: Any) -> str | None:
 
 
 def _opt(doc: str, default: Any, check: Callable[[Any], str | None] | None = None) -> Any:
+    # Returns dataclasses.field(...); ruff's RUF009 cannot see through that, hence its noqa below.
     return field(default=default, metadata={"doc": doc, "check": check})
 
 
@@ -43,29 +44,73 @@ FlushPolicy = Literal["sync", "periodic"]
 class BrokerConfig:
     """A realtime broker: where it listens, where it keeps data, how it flushes."""
 
-    data_dir: Path = _opt("directory of the message log, consume logs, action log and checkpoints", Path("qmq-data/broker"))
+    data_dir: Path = _opt(  # noqa: RUF009
+        "directory of the message log, consume logs, action log and checkpoints",
+        Path("qmq-data/broker"),
+    )
     host: str = _opt("address to listen on", "127.0.0.1")
     port: int = _opt("TCP port of the binary protocol (0 picks a free one)", 0, _port)
     http_port: int = _opt("HTTP port of /metrics and /health (0 picks a free one)", 0, _port)
     meta_server: str = _opt("URL of the meta server, as printed by `qmq ready` (empty: run without one)", "")
     group: str = _opt("name of this broker group", "broker-1")
-    flush: FlushPolicy = _opt(
-        "sync: acknowledge a send after its batch is fsynced; periodic: acknowledge once written, fsync every flush_interval_ms",
+    flush: FlushPolicy = _opt(  # noqa: RUF009
+        "sync: acknowledge a send after its batch is fsynced; "
+        "periodic: acknowledge once written, fsync every flush_interval_ms",
         "sync",
     )
     flush_interval_ms: int = _opt("fsync period of the periodic flush policy", 1000, _range(1, 60_000))
-    segment_bytes: int = _opt("size at which a message-log segment is closed and a new one begun", 256 * MiB, _range(64 * 1024, 1 << 40))
-    consume_log_segment_entries: int = _opt("entries per consume-log segment file", 1_000_000, _range(1024, 1 << 32))
-    checkpoint_interval_ms: int = _opt("how often offsets and consumer progress are checkpointed", 10_000, _range(10, 3_600_000))
-    retention_hours: float = _opt("age after which message-log segments are deleted", 72.0, _range(0.001, 24 * 3650))
+    segment_bytes: int = _opt(
+        "size at which a message-log segment is closed and a new one begun",
+        256 * MiB,
+        _range(64 * 1024, 1 << 40),
+    )
+    consume_log_segment_entries: int = _opt(
+        "entries per consume-log segment file",
+        1_000_000,
+        _range(1024, 1 << 32),
+    )
+    checkpoint_interval_ms: int = _opt(
+        "how often offsets and consumer progress are checkpointed",
+        10_000,
+        _range(10, 3_600_000),
+    )
+    retention_hours: float = _opt(
+        "age after which message-log segments are deleted",
+        72.0,
+        _range(0.001, 24 * 3650),
+    )
     retention_check_interval_ms: int = _opt("how often retention runs", 60_000, _range(10, 86_400_000))
-    dedup_window_ms: int = _opt("how long stored message ids are remembered to drop repeats", 600_000, _range(0, 86_400_000))
-    dedup_entries_max: int = _opt("most message ids remembered at once (bounds memory)", 4_000_000, _range(0, 1 << 31))
-    disk_free_bytes_min: int = _opt("refuse sends while the data directory's disk has less free space", 64 * MiB, _range(0, 1 << 50))
-    pending_flush_bytes_max: int = _opt("bytes of written-but-unflushed sends before new sends wait", 64 * MiB, _range(MiB, 1 << 34))
+    dedup_window_ms: int = _opt(
+        "how long stored message ids are remembered to drop repeats",
+        600_000,
+        _range(0, 86_400_000),
+    )
+    dedup_entries_max: int = _opt(
+        "most message ids remembered at once (bounds memory)",
+        4_000_000,
+        _range(0, 1 << 31),
+    )
+    disk_free_bytes_min: int = _opt(
+        "refuse sends while the data directory's disk has less free space",
+        64 * MiB,
+        _range(0, 1 << 50),
+    )
+    pending_flush_bytes_max: int = _opt(
+        "bytes of written-but-unflushed sends before new sends wait",
+        64 * MiB,
+        _range(MiB, 1 << 34),
+    )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
-    heartbeat_interval_ms: int = _opt("how often the broker reports itself to the meta server", 10_000, _range(10, 600_000))
-    consumer_offline_ms: int = _opt("a consumer silent this long is offline; its unacked messages go to retry", 180_000, _range(10, 86_400_000))
+    heartbeat_interval_ms: int = _opt(
+        "how often the broker reports itself to the meta server",
+        10_000,
+        _range(10, 600_000),
+    )
+    consumer_offline_ms: int = _opt(
+        "a consumer silent this long is offline; its unacked messages go to retry",
+        180_000,
+        _range(10, 86_400_000),
+    )
     shutdown_grace_ms: int = _opt("how long shutdown waits for in-flight requests", 5_000, _range(0, 600_000))
 
 
@@ -73,23 +118,35 @@ class BrokerConfig:
 class MetaConfig:
     """The meta server: registry of broker groups and the routes of subjects."""
 
-    data_dir: Path = _opt("directory of the meta server's SQLite store", Path("qmq-data/meta"))
+    data_dir: Path = _opt("directory of the meta server's SQLite store", Path("qmq-data/meta"))  # noqa: RUF009
     host: str = _opt("address to listen on", "127.0.0.1")
     port: int = _opt("HTTP port (0 picks a free one)", 0, _port)
     db_url: str = _opt("SQLAlchemy URL of the meta store (empty: SQLite in data_dir)", "")
-    heartbeat_timeout_ms: int = _opt("a group silent this long is marked unavailable", 30_000, _range(10, 3_600_000))
-    route_groups: int = _opt("broker groups each subject is routed to, when that many exist", 2, _range(1, 64))
+    heartbeat_timeout_ms: int = _opt(
+        "a group silent this long is marked unavailable",
+        30_000,
+        _range(10, 3_600_000),
+    )
+    route_groups: int = _opt(
+        "broker groups each subject is routed to, when that many exist",
+        2,
+        _range(1, 64),
+    )
 
 
 @dataclass(slots=True)
 class StandaloneConfig:
     """`qmq standalone`: one meta server and one broker, each its own process."""
 
-    data_dir: Path = _opt("data directory; each role keeps its files below it", Path("qmq-data"))
+    data_dir: Path = _opt("data directory; each role keeps its files below it", Path("qmq-data"))  # noqa: RUF009
     host: str = _opt("address every role listens on", "127.0.0.1")
     meta_port: int = _opt("HTTP port of the meta server (0 picks a free one)", 0, _port)
     broker_port: int = _opt("TCP port of the broker (0 picks a free one)", 0, _port)
-    ready_timeout_ms: int = _opt("how long to wait for every role to report ready", 60_000, _range(100, 600_000))
+    ready_timeout_ms: int = _opt(
+        "how long to wait for every role to report ready",
+        60_000,
+        _range(100, 600_000),
+    )
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -142,7 +199,8 @@ def build_config(cls: type[T], values: Mapping[str, Any], source: str = "configu
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}; known keys: {', '.join(fields)}"
+            f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}; "
+            f"known keys: {', '.join(fields)}"
         )
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
@@ -167,6 +225,10 @@ def load_toml_section(path: Path | None, section: str) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML (TOML is UTF-8): {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     table = doc.get(section, {})
     if not isinstance(table, dict):
         raise ConfigError(f"config file {str(path)!r}: [{section}] must be a table")

@@ -13,7 +13,8 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 RETRY_PREFIX = "%RETRY%"
 DEAD_PREFIX = "%DEAD_RETRY%"
 
-_FORBIDDEN = re.compile(r"[\s/%\x00-\x1f\x7f]")
+# C0 and C1 control characters too: a name is shown in logs and terminals.
+_FORBIDDEN = re.compile(r"[\s/%\x00-\x1f\x7f-\x9f]")
 
 
 def check_name(kind: str, name: object, limits: Limits = DEFAULT_LIMITS) -> str:
@@ -57,7 +58,8 @@ def parse_internal_subject(name: str, limits: Limits = DEFAULT_LIMITS) -> tuple[
     """Split a retry or dead-letter subject into (kind, subject, group); kind is "retry" or "dead"."""
     if len(name) > limits.internal_subject_chars_max:
         raise InvalidSubjectError(
-            f"subject {name[:40]!r}… has {len(name)} characters; the limit is {limits.internal_subject_chars_max}"
+            f"subject {name[:40]!r}… has {len(name)} characters; "
+            f"the limit is {limits.internal_subject_chars_max}"
         )
     for kind, prefix in (("dead", DEAD_PREFIX), ("retry", RETRY_PREFIX)):
         if name.startswith(prefix):
