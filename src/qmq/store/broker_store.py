@@ -101,9 +101,7 @@ class FlushTicket:
 
 
 class BrokerStore:
-    def __init__(
-        self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS
-    ) -> None:
+    def __init__(self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS) -> None:
         self.config = config
         self.clock = clock
         self.limits = limits
@@ -115,8 +113,7 @@ class BrokerStore:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise StoreError(
-                f"data directory {str(self.dir)!r} is in use by another broker; "
-                "stop it or choose another --data-dir"
+                f"data directory {str(self.dir)!r} is in use by another broker; stop it or choose another --data-dir"
             ) from None
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
@@ -130,9 +127,7 @@ class BrokerStore:
         self.progress = Progress()
         self.dedup = DedupWindow(config.dedup_window_ms, config.dedup_entries_max)
         self.total_messages = 0
-        self.marks: list[
-            list[int]
-        ] = []  # [now_ms, message-log offset, total_messages], for the dedup rebuild
+        self.marks: list[list[int]] = []  # [now_ms, message-log offset, total_messages], for the dedup rebuild
         # sync policy: appended batches waiting for fsync: (end_offset, [(subject state, next_seq)])
         self._unflushed: deque[tuple[int, list[tuple[SubjectState, int]]]] = deque()
         self._dirty_clogs: set[SubjectState] = set()
@@ -152,9 +147,7 @@ class BrokerStore:
     def subject_state(self, name: str, create: bool = True) -> SubjectState | None:
         st = self.subjects.get(name)
         if st is None and create:
-            clog = ConsumeLog(
-                self.consume_dir / subject_file_name(name), name, self.config.consume_log_segment_entries
-            )
+            clog = ConsumeLog(self.consume_dir / subject_file_name(name), name, self.config.consume_log_segment_entries)
             st = SubjectState(name, clog, clog.next_seq, clog.next_seq)
             self.subjects[name] = st
             self._by_raw[name.encode("utf-8")] = st
@@ -201,9 +194,7 @@ class BrokerStore:
                 )
                 continue
             if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
-                errors.append(
-                    [i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"]
-                )
+                errors.append([i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"])
                 continue
             if sm.deliver_at_ms > now + _DELIVER_AT_SLACK_MS:
                 errors.append(
@@ -217,9 +208,7 @@ class BrokerStore:
             bloom = 0
             if sm.tags:
                 if _tag_count(sm.tags) > limits.tags_max:
-                    errors.append(
-                        [i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"]
-                    )
+                    errors.append([i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"])
                     continue
                 bloom = tag_bloom(sm.tags)
             key = hash(sm.message_id)
@@ -387,9 +376,7 @@ class BrokerStore:
                     count += got
                     nbytes += size
                 elif skip:
-                    self.alog.append(
-                        [act.PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, [], first]
-                    )
+                    self.alog.append([act.PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, [], first])
                     Progress.record_pull(gp, cp, [], first)
         if not count:
             return None

@@ -45,9 +45,7 @@ def read_checkpoint(directory: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     if len(raw) < _HEAD.size:
-        log.warning(
-            "checkpoint %s is too short (%d bytes); recovering from the start of the logs", path, len(raw)
-        )
+        log.warning("checkpoint %s is too short (%d bytes); recovering from the start of the logs", path, len(raw))
         return None
     magic, crc = _HEAD.unpack_from(raw)
     payload = raw[_HEAD.size :]

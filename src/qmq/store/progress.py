@@ -126,9 +126,7 @@ class Progress:
         return out
 
     @staticmethod
-    def record_pull(
-        gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_pull_offset: int
-    ) -> int:
+    def record_pull(gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_pull_offset: int) -> int:
         """Append the consume-log runs ``[[seq, count], ...]`` to the consumer's pull log.
 
         Returns the pull-log offset of the first entry. The group's pull offset moves to

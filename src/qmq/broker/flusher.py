@@ -1,0 +1,111 @@
+"""Group commit: sends wait for one fdatasync that covers many of them.
+
+Under the ``sync`` policy a send is answered only when an fsync that started after its write
+has returned. While one fsync runs on the worker thread, every batch written meanwhile waits
+for the next one, so many producers share each fsync. Under ``periodic`` a send is answered
+once written and a timer fsyncs every ``flush_interval_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from qmq.store.broker_store import BrokerStore
+
+log = logging.getLogger(__name__)
+
+# called with None once durable, or with the reason it never will be
+Reply = Callable[[str | None], None]
+
+
+class Flusher:
+    def __init__(
+        self,
+        store: BrokerStore,
+        on_visible: Callable[[set[str]], None],
+        observe_seconds: Callable[[float], None],
+        on_failure: Callable[[BaseException], None],
+    ) -> None:
+        self.store = store
+        self.on_visible = on_visible
+        self.observe_seconds = observe_seconds
+        self.on_failure = on_failure
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-fsync")
+        self._waiting: deque[tuple[int, Reply]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._periodic: asyncio.Task[None] | None = None
+        self.failed: BaseException | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def after_write(self, end_offset: int, reply: Reply) -> None:
+        """Call ``reply`` once everything up to ``end_offset`` is fsynced."""
+        self._waiting.append((end_offset, reply))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting and self.failed is None:
+                await self.flush_once()
+        except OSError:
+            pass  # flush_once answered every waiting send and reported the failure
+        finally:
+            self._task = None
+
+    async def flush_once(self) -> None:
+        store = self.store
+        ticket = store.begin_flush()
+        t0 = time.perf_counter()
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, ticket.run)
+        except OSError as exc:
+            # After a failed fsync the page cache state is unknown: stop taking writes.
+            self.failed = exc
+            log.critical("fsync failed: %s; the broker stops accepting sends", exc)
+            while self._waiting:
+                self._waiting.popleft()[1](f"fsync of the message log failed: {exc}")
+            self.on_failure(exc)
+            raise
+        self.observe_seconds(time.perf_counter() - t0)
+        moved = store.complete_flush(ticket)
+        waiting = self._waiting
+        while waiting and waiting[0][0] <= ticket.offset:
+            waiting.popleft()[1](None)
+        if moved:
+            self.on_visible(moved)
+
+    def start_periodic(self, interval_ms: int) -> None:
+        self._periodic = asyncio.get_running_loop().create_task(self._every(interval_ms / 1000))
+
+    async def _every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.flush_once()
+            except OSError:
+                return
+
+    async def drain(self, deadline_s: float) -> bool:
+        """Wait until every waiting send is answered (or the deadline passes); True if all were."""
+        end = time.monotonic() + deadline_s
+        while self._waiting and time.monotonic() < end:
+            task = self._task
+            if task is None:
+                await self.flush_once()
+            else:
+                await asyncio.wait([task], timeout=max(0.0, end - time.monotonic()))
+        return not self._waiting
+
+    async def stop(self) -> None:
+        if self._periodic is not None:
+            self._periodic.cancel()
+            await asyncio.gather(self._periodic, return_exceptions=True)
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,259 @@
+"""What the broker does for each request code. Answers go through ``Responder``s, so a
+handler may answer at once (most) or later (a send waiting for fsync, a parked pull)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from qmq.broker.pulls import ParkedPull
+from qmq.broker.requests import BadRequest, get_group, get_int, get_ranges, get_str, get_subject
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.frame import Frame
+from qmq.protocol.message import scan_batch
+from qmq.store.broker_store import DiskFullError, PullResult, StoreError
+from qmq.store.progress import ConsumerProgress, GroupProgress
+
+if TYPE_CHECKING:
+    from qmq.broker.server import BrokerServer
+
+log = logging.getLogger(__name__)
+
+_DISK_CHECK_S = 1.0
+_ID_CHARS_MAX = 200
+
+
+class Responder(Protocol):
+    def respond(
+        self,
+        code: int,
+        request_id: int,
+        header: dict[str, Any] | None,
+        chunks: Sequence[bytes] = (),
+        status: int = Status.OK,
+    ) -> None: ...
+
+
+class Handlers:
+    def __init__(self, broker: BrokerServer) -> None:
+        self.broker = broker
+        self.store = broker.store
+        self.limits = broker.limits
+        self.metrics = broker.metrics
+        self._disk_checked = 0.0
+        self._disk_full = False
+        self.table = {
+            RequestCode.PING: self.ping,
+            RequestCode.SEND_MESSAGES: self.send,
+            RequestCode.PULL: self.pull,
+            RequestCode.ACK: self.ack,
+            RequestCode.SUBJECTS: self.subjects,
+            RequestCode.LAG: self.lag,
+        }
+
+    def dispatch(self, conn: Responder, frame: Frame) -> None:
+        handler = self.table.get(frame.code)  # type: ignore[call-overload]
+        if handler is None:
+            conn.respond(
+                frame.code,
+                frame.request_id,
+                {"error": f"unknown command code {frame.code}"},
+                status=Status.UNKNOWN_COMMAND,
+            )
+            return
+        self.metrics.requests.labels(RequestCode(frame.code).name).inc()
+        try:
+            handler(conn, frame)
+        except BadRequest as exc:
+            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.BAD_REQUEST)
+        except DiskFullError as exc:
+            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.DISK_FULL)
+        except StoreError as exc:
+            log.error("store error on %s: %s", RequestCode(frame.code).name, exc)
+            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.INTERNAL_ERROR)
+        except Exception as exc:  # a bug must cost one request, not the server
+            log.exception("%s failed", RequestCode(frame.code).name)
+            conn.respond(
+                frame.code,
+                frame.request_id,
+                {"error": f"internal error: {type(exc).__name__}: {exc}"},
+                status=Status.INTERNAL_ERROR,
+            )
+
+    # -- commands ----------------------------------------------------------------------
+
+    def ping(self, conn: Responder, frame: Frame) -> None:
+        header = {"role": "broker", "group": self.broker.config.group, "time_ms": self.broker.clock.now_ms()}
+        conn.respond(frame.code, frame.request_id, header)
+
+    def _refusal(self) -> tuple[Status, str] | None:
+        broker = self.broker
+        if broker.stopping:
+            return Status.SHUTTING_DOWN, "the broker is shutting down; send to another broker group or retry"
+        if broker.flusher.failed is not None:
+            return (
+                Status.INTERNAL_ERROR,
+                f"the broker's disk failed ({broker.flusher.failed}); it takes no sends",
+            )
+        now = time.monotonic()
+        if now - self._disk_checked >= _DISK_CHECK_S:
+            self._disk_checked = now
+            st = os.statvfs(self.store.dir)
+            self._disk_full = st.f_bavail * st.f_frsize < broker.config.disk_free_bytes_min
+        if self._disk_full:
+            return Status.DISK_FULL, (
+                f"free space on the disk of {str(self.store.dir)!r} is below disk_free_bytes_min "
+                f"{broker.config.disk_free_bytes_min}; free space or move the data directory"
+            )
+        if self.store.unflushed_bytes > broker.config.pending_flush_bytes_max:
+            return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
+        return None
+
+    def send(self, conn: Responder, frame: Frame) -> None:
+        refusal = self._refusal()
+        if refusal is not None:
+            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+            return
+        body = bytes(frame.body)
+        try:
+            scanned = scan_batch(body, self.limits)
+        except RemoteProtocolError as exc:
+            raise BadRequest(f"the send batch is malformed: {exc}") from None
+        if not scanned:
+            raise BadRequest("the send batch holds no message")
+        result = self.store.append(body, scanned)
+        metrics = self.metrics
+        if result.per_subject:
+            metrics.stored(result.per_subject)
+        if result.duplicates:
+            metrics.duplicates.inc(result.duplicates)
+        for err in result.errors:
+            metrics.refused.labels(Status(err[1]).name).inc()
+        header = {"errors": result.errors, "duplicates": result.duplicates}
+        code, request_id = frame.code, frame.request_id
+        if not self.store.sync_policy:
+            conn.respond(code, request_id, header)
+            if result.per_subject:
+                self.broker.parked.notify(set(result.per_subject))
+            return
+
+        def durable(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, header)
+            else:
+                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+
+        # Also when nothing new was stored: duplicates may belong to a batch still waiting for fsync.
+        self.broker.flusher.after_write(self.store.mlog.end, durable)
+
+    def _group_and_consumer(self, frame: Frame, create: bool) -> tuple[GroupProgress, ConsumerProgress]:
+        header = frame.header
+        subject = get_subject(header)
+        group = get_group(header)
+        consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
+        if create:
+            start = header.get("start", "latest")
+            if start not in ("latest", "earliest"):
+                raise BadRequest(f"'start' = {start!r} is not allowed; use 'latest' or 'earliest'")
+            gp: GroupProgress | None = self.store.group(subject, group, start)
+        else:
+            gp = self.store.progress.get(subject, group)
+        if gp is None:
+            raise BadRequest(f"consumer group {group!r} has never pulled {subject!r}")
+        cp = gp.consumers.get(consumer_id)
+        if cp is None:
+            if not create:
+                raise BadRequest(f"consumer {consumer_id!r} of group {group!r} has never pulled {subject!r}")
+            cp = gp.consumer(consumer_id)
+        cp.last_seen_ms = self.broker.clock.now_ms()
+        return gp, cp
+
+    def pull(self, conn: Responder, frame: Frame) -> None:
+        header = frame.header
+        limits = self.limits
+        max_n = get_int(header, "max", 1, limits.pull_messages_max)
+        timeout_ms = get_int(header, "timeout_ms", 0, limits.pull_timeout_ms_max, default=0)
+        session = get_str(header, "session", max_chars=_ID_CHARS_MAX)
+        ack_ranges = get_ranges(header, "ack", required=False)
+        gp, cp = self._group_and_consumer(frame, create=True)
+        if ack_ranges:
+            self._ack(gp, cp, ack_ranges)
+        code, request_id = frame.code, frame.request_id
+        metrics = self.metrics
+        out = metrics.messages_out.labels(gp.subject, gp.group)
+        out_bytes = metrics.bytes_out.labels(gp.subject, gp.group)
+
+        def answer(result: PullResult | None) -> None:
+            if result is None:
+                metrics.pulls.labels("empty").inc()
+                conn.respond(code, request_id, {"runs": []})
+                return
+            metrics.pulls.labels("messages").inc()
+            out.inc(result.messages)
+            out_bytes.inc(result.nbytes)
+            conn.respond(code, request_id, {"runs": result.runs}, result.chunks)
+
+        result = self.store.pull(gp, cp, session, max_n)
+        if result is not None or timeout_ms == 0 or self.broker.stopping:
+            answer(result)
+            return
+        self.broker.parked.park(ParkedPull(conn, gp, cp, session, max_n, answer), timeout_ms)
+
+    def _ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+        before = cp.ack_offset + sum(e - s for s, e in cp.acked)
+        ack_offset = self.store.ack(gp, cp, ranges)
+        after = cp.ack_offset + sum(e - s for s, e in cp.acked)
+        if after > before:
+            self.metrics.acks.labels(gp.subject, gp.group).inc(after - before)
+        return ack_offset
+
+    def ack(self, conn: Responder, frame: Frame) -> None:
+        ranges = get_ranges(frame.header, "ranges")
+        gp, cp = self._group_and_consumer(frame, create=False)
+        conn.respond(frame.code, frame.request_id, {"ack_offset": self._ack(gp, cp, ranges)})
+
+    def subjects(self, conn: Responder, frame: Frame) -> None:
+        groups: dict[str, list[str]] = {}
+        for subject, group in self.store.progress.groups:
+            groups.setdefault(subject, []).append(group)
+        out = [
+            {"subject": name, "messages": st.visible_seq, "groups": sorted(groups.get(name, []))}
+            for name, st in sorted(self.store.subjects.items())
+        ]
+        conn.respond(frame.code, frame.request_id, {"subjects": out})
+
+    def lag(self, conn: Responder, frame: Frame) -> None:
+        subject = get_subject(frame.header)
+        group = get_group(frame.header)
+        st = self.store.subjects.get(subject)
+        messages = st.visible_seq if st else 0
+        gp = self.store.progress.get(subject, group)
+        if gp is None:
+            raise BadRequest(f"consumer group {group!r} has never pulled {subject!r}")
+        consumers = [
+            {
+                "consumer_id": cp.consumer_id,
+                "pulled": cp.pull_log_end,
+                "ack_offset": cp.ack_offset,
+                "unacked": cp.unacked,
+                "last_seen_ms": cp.last_seen_ms,
+            }
+            for cp in gp.consumers.values()
+        ]
+        conn.respond(
+            frame.code,
+            frame.request_id,
+            {
+                "subject": subject,
+                "group": group,
+                "messages": messages,
+                "pull_offset": gp.pull_offset,
+                "backlog": max(0, messages - gp.pull_offset),
+                "unacked": sum(c["unacked"] for c in consumers),
+                "consumers": consumers,
+            },
+        )

@@ -1,0 +1,80 @@
+"""The broker's Prometheus metrics, on a registry of its own (several brokers may share a process in tests).
+
+Counters are bumped once per frame and subject, never per message. Lag and unacked counts
+are read from the store when scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from qmq.store.broker_store import BrokerStore
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _ProgressCollector(Collector):
+    def __init__(self, store: BrokerStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        backlog = GaugeMetricFamily(
+            "qmq_consumer_lag_messages",
+            "messages stored and not yet pulled by the group",
+            labels=["subject", "group"],
+        )
+        unacked = GaugeMetricFamily(
+            "qmq_consumer_unacked_messages",
+            "messages pulled by the group and not yet acknowledged",
+            labels=["subject", "group"],
+        )
+        consumers = GaugeMetricFamily("qmq_consumers", "consumers known per group", labels=["subject", "group"])
+        for gp in list(self.store.progress.groups.values()):
+            st = self.store.subjects.get(gp.subject)
+            visible = st.visible_seq if st else 0
+            backlog.add_metric([gp.subject, gp.group], max(0, visible - gp.pull_offset))
+            unacked.add_metric([gp.subject, gp.group], sum(cp.unacked for cp in gp.consumers.values()))
+            consumers.add_metric([gp.subject, gp.group], len(gp.consumers))
+        yield backlog
+        yield unacked
+        yield consumers
+
+
+class BrokerMetrics:
+    def __init__(self, store: BrokerStore) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.messages_in = Counter("qmq_messages_in", "messages stored", ["subject"], registry=r)
+        self.bytes_in = Counter("qmq_bytes_in", "message bytes stored", ["subject"], registry=r)
+        self.messages_out = Counter("qmq_messages_out", "messages delivered by pulls", ["subject", "group"], registry=r)
+        self.bytes_out = Counter("qmq_bytes_out", "record bytes delivered by pulls", ["subject", "group"], registry=r)
+        self.duplicates = Counter("qmq_duplicates", "messages dropped by the duplicate window", registry=r)
+        self.refused = Counter("qmq_messages_refused", "messages of a send refused", ["status"], registry=r)
+        self.requests = Counter("qmq_requests", "requests by command", ["command"], registry=r)
+        self.pulls = Counter("qmq_pulls", "pull requests answered, by outcome", ["outcome"], registry=r)
+        self.acks = Counter("qmq_acked_messages", "messages acknowledged", ["subject", "group"], registry=r)
+        self.connections = Gauge("qmq_connections", "open client connections", registry=r)
+        self.flush_seconds = Histogram(
+            "qmq_store_flush_seconds",
+            "time of one fdatasync of the message and action logs",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
+            registry=r,
+        )
+        self.waiting_pulls = Gauge("qmq_waiting_pulls", "long polls parked until messages arrive", registry=r)
+        r.register(_ProgressCollector(store))
+        self._in: dict[str, tuple[Counter, Counter]] = {}
+
+    def stored(self, per_subject: dict[str, list[int]]) -> None:
+        for subject, (n, nbytes) in per_subject.items():
+            pair = self._in.get(subject)
+            if pair is None:
+                pair = self._in[subject] = (self.messages_in.labels(subject), self.bytes_in.labels(subject))
+            pair[0].inc(n)
+            pair[1].inc(nbytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""Long polls: pulls that found nothing wait here until their subject gets new messages.
+
+A parked pull is retried when a flush makes messages of its subject visible, and answered
+empty when its timeout passes or its connection goes. No task per pull: a timer handle and
+an entry in a per-subject list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from qmq.store.broker_store import BrokerStore, PullResult
+from qmq.store.progress import ConsumerProgress, GroupProgress
+
+
+class PullAnswer(Protocol):
+    def __call__(self, result: PullResult | None) -> None: ...
+
+
+class ParkedPull:
+    __slots__ = ("answer", "cp", "gp", "max_n", "owner", "session", "timer")
+
+    def __init__(
+        self,
+        owner: object,
+        gp: GroupProgress,
+        cp: ConsumerProgress,
+        session: str,
+        max_n: int,
+        answer: PullAnswer,
+    ) -> None:
+        self.owner = owner
+        self.gp = gp
+        self.cp = cp
+        self.session = session
+        self.max_n = max_n
+        self.answer = answer
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class ParkedPulls:
+    def __init__(self, store: BrokerStore, on_count: Callable[[int], None]) -> None:
+        self.store = store
+        self.on_count = on_count
+        self._by_subject: dict[str, list[ParkedPull]] = {}
+        self._count = 0
+
+    def park(self, parked: ParkedPull, timeout_ms: int) -> None:
+        self._by_subject.setdefault(parked.gp.subject, []).append(parked)
+        parked.timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, self._expire, parked)
+        self._count += 1
+        self.on_count(self._count)
+
+    def _remove(self, parked: ParkedPull) -> None:
+        lst = self._by_subject.get(parked.gp.subject)
+        if lst is not None and parked in lst:
+            lst.remove(parked)
+            if not lst:
+                del self._by_subject[parked.gp.subject]
+            self._count -= 1
+            self.on_count(self._count)
+        if parked.timer is not None:
+            parked.timer.cancel()
+            parked.timer = None
+
+    def _expire(self, parked: ParkedPull) -> None:
+        parked.timer = None
+        self._remove(parked)
+        parked.answer(None)
+
+    def notify(self, subjects: set[str]) -> None:
+        """New messages became visible on ``subjects``: answer the parked pulls that can now get some."""
+        for subject in subjects:
+            lst = self._by_subject.get(subject)
+            if not lst:
+                continue
+            for parked in list(lst):
+                result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n)
+                if result is not None:
+                    self._remove(parked)
+                    parked.answer(result)
+
+    def drop_owner(self, owner: object) -> None:
+        """The connection went: forget its parked pulls without answering."""
+        for lst in list(self._by_subject.values()):
+            for parked in [p for p in lst if p.owner is owner]:
+                self._remove(parked)
+
+    def answer_all_empty(self) -> None:
+        for lst in list(self._by_subject.values()):
+            for parked in list(lst):
+                self._remove(parked)
+                parked.answer(None)

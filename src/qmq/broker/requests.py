@@ -1,0 +1,69 @@
+"""Reading request headers: each field checked for presence and type, with errors that name it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qmq.common.errors import InvalidSubjectError
+from qmq.common.naming import check_name, check_subject
+
+_RANGES_MAX = 10_000
+
+
+class BadRequest(Exception):
+    """A request the broker refuses with BAD_REQUEST; the text names the field."""
+
+
+def get_str(header: dict[str, Any], key: str, default: str | None = None, max_chars: int = 256) -> str:
+    value = header.get(key, default)
+    if value is None:
+        raise BadRequest(f"request header lacks {key!r}")
+    if not isinstance(value, str):
+        raise BadRequest(f"{key!r} must be a string, got {type(value).__name__}")
+    if not value or len(value) > max_chars:
+        raise BadRequest(f"{key!r} must have 1..{max_chars} characters, got {len(value)}")
+    return value
+
+
+def get_int(header: dict[str, Any], key: str, lo: int, hi: int, default: int | None = None) -> int:
+    value = header.get(key, default)
+    if value is None:
+        raise BadRequest(f"request header lacks {key!r}")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"{key!r} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise BadRequest(f"{key!r} = {value} is outside {lo}..{hi}")
+    return value
+
+
+def get_subject(header: dict[str, Any]) -> str:
+    try:
+        return check_subject(header.get("subject"))
+    except InvalidSubjectError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def get_group(header: dict[str, Any]) -> str:
+    try:
+        return check_name("consumer group", header.get("group"))
+    except InvalidSubjectError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def get_ranges(header: dict[str, Any], key: str, required: bool = True) -> list[list[int]]:
+    value = header.get(key)
+    if value is None:
+        if required:
+            raise BadRequest(f"request header lacks {key!r}")
+        return []
+    if not isinstance(value, list) or len(value) > _RANGES_MAX:
+        raise BadRequest(f"{key!r} must be a list of at most {_RANGES_MAX} [start, end] pairs")
+    for r in value:
+        if (
+            not isinstance(r, list)
+            or len(r) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            or not 0 <= r[0] < r[1]
+        ):
+            raise BadRequest(f"{key!r} holds {r!r}; each range must be [start, end] with 0 <= start < end")
+    return value

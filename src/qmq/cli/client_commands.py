@@ -1,0 +1,3 @@
+"""Commands for people: send, consume, subjects, lag (they use the SDK)."""
+
+from __future__ import annotations

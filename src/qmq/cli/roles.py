@@ -1,0 +1,49 @@
+"""``qmq meta``, ``qmq broker`` and ``qmq standalone``: run one role, or all of them supervised."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from qmq.cli.main import cli
+from qmq.cli.options import config_file_option, config_options, load
+from qmq.common.config import BrokerConfig, MetaConfig, StandaloneConfig
+
+
+@cli.command()
+@config_file_option
+@config_options(MetaConfig)
+def meta(config_file: Path | None, **values: Any) -> None:
+    """Run a meta server: registry of broker groups, subject routes, client discovery."""
+    from qmq.meta import run_meta
+
+    sys.exit(run_meta(load(MetaConfig, config_file, "meta", values)))
+
+
+@cli.command()
+@config_file_option
+@config_options(BrokerConfig)
+def broker(config_file: Path | None, **values: Any) -> None:
+    """Run a realtime broker (one master of a broker group)."""
+    from qmq.broker import run_broker
+
+    sys.exit(run_broker(load(BrokerConfig, config_file, "broker", values)))
+
+
+@cli.command()
+@config_file_option
+@config_options(StandaloneConfig)
+@click.option("--demo", is_flag=True, help="once ready, send a message and consume it, printing both")
+def standalone(config_file: Path | None, demo: bool, **values: Any) -> None:
+    """Run a meta server and a broker, each its own process, supervised as one.
+
+    Prints `qmq ready ... meta_server=URL` once every role serves; SIGTERM or Ctrl-C stops
+    them in order. Children exit when this process dies, even by kill -9.
+    """
+    from qmq.cli.standalone import Supervisor
+
+    config = load(StandaloneConfig, config_file, "standalone", values)
+    sys.exit(Supervisor(config, config_file, demo=demo).run())

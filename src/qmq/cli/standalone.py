@@ -1,0 +1,205 @@
+"""The standalone supervisor: one child process per role, started in order, stopped in order.
+
+The meta server starts first; the broker starts with its URL and registers. When both have
+printed their ready lines, the supervisor prints its own::
+
+    qmq ready meta_server=http://HOST:PORT/meta/address broker=HOST:PORT meta_pid=N broker_pid=N data_dir=DIR
+
+Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they stop when the supervisor dies, even by
+``kill -9``. A child that dies on its own is restarted (at most ``_RESTARTS_MAX`` times in
+``_RESTART_WINDOW_S``); past that the supervisor stops the rest and exits 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qmq.common.config import StandaloneConfig
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_STOP_TIMEOUT_S = 30.0
+_RESTARTS_MAX = 3
+_RESTART_WINDOW_S = 60.0
+_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+
+
+class StartupFailed(Exception):
+    pass
+
+
+def _child_setup(parent_pid: int) -> Callable[[], None]:
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return setup
+
+
+@dataclass
+class Child:
+    role: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    ready: dict[str, str] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self, deadline: float) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_child_setup(os.getpid())
+        )
+        self.ready = _wait_ready(self.proc, self.role, deadline)
+        # keep draining stdout so a chatty child can never block on a full pipe
+        threading.Thread(target=_drain, args=(self.proc,), daemon=True, name=f"drain-{self.role}").start()
+
+    def stop(self) -> int | None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.error("%s (pid %d) did not stop within %.0f s; killing it", self.role, proc.pid, _STOP_TIMEOUT_S)
+            proc.kill()
+            return proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], role: str, deadline: float) -> dict[str, str]:
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buf = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            proc.kill()
+            raise StartupFailed(f"the {role} did not report ready in time; see its log above")
+        readable, _, _ = select.select([fd], [], [], left)
+        if not readable:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            code = proc.wait()
+            raise StartupFailed(f"the {role} exited with status {code} before it was ready; see its log above")
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            text = line.decode("utf-8", "replace")
+            if text.startswith("qmq ready"):
+                return dict(part.split("=", 1) for part in text.split()[2:] if "=" in part)
+
+
+def _drain(proc: subprocess.Popen[bytes]) -> None:
+    assert proc.stdout is not None
+    while proc.stdout.read(65536):
+        pass
+
+
+class Supervisor:
+    def __init__(self, config: StandaloneConfig, config_file: Path | None, demo: bool = False) -> None:
+        self.config = config
+        self.config_file = config_file
+        self.demo = demo
+        data = Path(config.data_dir)
+        common = ["--host", config.host] + (["--config", str(config_file)] if config_file else [])
+        qmq = [sys.executable, "-m", "qmq"]
+        self.meta = Child(
+            "meta server", [*qmq, "meta", "--data-dir", str(data / "meta"), "--port", str(config.meta_port), *common]
+        )
+        self.broker_argv = [
+            *qmq,
+            "broker",
+            "--data-dir",
+            str(data / "broker"),
+            "--port",
+            str(config.broker_port),
+            *common,
+        ]
+        self.broker = Child("broker", [])
+        self.children = [self.meta, self.broker]
+
+    def run(self) -> int:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        deadline = time.monotonic() + self.config.ready_timeout_ms / 1000
+        try:
+            self.meta.start(deadline)
+            meta_url = self.meta.ready["meta_server"]
+            self.broker.argv = [*self.broker_argv, "--meta-server", meta_url]
+            self.broker.start(deadline)
+        except StartupFailed as exc:
+            print(f"qmq standalone: cannot start: {exc}", file=sys.stderr, flush=True)
+            self._stop_all()
+            return 3
+        assert self.meta.proc is not None
+        assert self.broker.proc is not None
+        print(
+            f"qmq ready meta_server={meta_url} broker={self.broker.ready.get('address', '?')} "
+            f"meta_pid={self.meta.proc.pid} broker_pid={self.broker.proc.pid} data_dir={self.config.data_dir}",
+            flush=True,
+        )
+        if self.demo:
+            threading.Thread(target=_run_demo, args=(meta_url,), daemon=True, name="demo").start()
+        return self._supervise()
+
+    def _supervise(self) -> int:
+        while True:
+            info = signal.sigwaitinfo(_SIGNALS)
+            if info.si_signo in (signal.SIGTERM, signal.SIGINT):
+                log.info("standalone: stopping (signal %d)", info.si_signo)
+                codes = self._stop_all()
+                return 0 if all(c in (0, None) for c in codes) else 1
+            for child in self.children:
+                proc = child.proc
+                if proc is None or proc.poll() is None:
+                    continue
+                log.error("standalone: the %s (pid %d) exited with status %s", child.role, proc.pid, proc.returncode)
+                if not self._restart(child):
+                    self._stop_all()
+                    return 1
+
+    def _restart(self, child: Child) -> bool:
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < _RESTART_WINDOW_S] + [now]
+        if len(child.restarts) > _RESTARTS_MAX:
+            log.error(
+                "standalone: the %s failed %d times within %.0f s; giving up",
+                child.role,
+                _RESTARTS_MAX,
+                _RESTART_WINDOW_S,
+            )
+            return False
+        try:
+            child.start(now + self.config.ready_timeout_ms / 1000)
+        except StartupFailed as exc:
+            log.error("standalone: restarting the %s failed: %s", child.role, exc)
+            return False
+        log.warning("standalone: restarted the %s", child.role)
+        return True
+
+    def _stop_all(self) -> list[int | None]:
+        # the broker first (it finishes writes and checkpoints), then the meta server
+        return [child.stop() for child in reversed(self.children)]
+
+
+def _run_demo(meta_url: str) -> None:
+    from qmq.cli.demo import run_demo
+
+    try:
+        run_demo(meta_url)
+    except Exception as exc:  # the demo is a courtesy; the servers keep running
+        print(f"qmq demo failed: {exc}", file=sys.stderr, flush=True)
