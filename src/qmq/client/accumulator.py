@@ -1,0 +1,223 @@
+"""The producer's send buffer: encoded messages waiting for a sender, bounded in messages and
+bytes, grouped by the broker groups their subject is routed to.
+
+A message counts against the bounds from ``append`` until ``release`` (after the broker
+answered for it, or it failed), so messages in flight are bounded too. Entries are plain
+tuples, ``(encoded, waiter, message_id, enqueued_at, epoch)``: the waiter is an
+``asyncio.Future`` or a ``concurrent.futures.Future`` (the blocking SDK), resolved by the
+sender; the epoch lets ``flush`` wait for exactly what was buffered before it was called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Final, Protocol
+
+from qmq.common.errors import BufferFullError
+
+ENCODED: Final = 0
+WAITER: Final = 1
+MESSAGE_ID: Final = 2
+ENQUEUED_AT: Final = 3
+EPOCH: Final = 4
+
+
+class Waiter(Protocol):
+    """What a buffered message's sender resolves: an asyncio or a concurrent future."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: None, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+Entry = tuple[bytes, Waiter, str, float, int]
+RouteKey = tuple[str, ...]
+
+
+class Accumulator:
+    """Bounded FIFO queues of encoded messages, one per route (tuple of broker group names)."""
+
+    def __init__(self, messages_max: int, bytes_max: int) -> None:
+        self.messages_max = messages_max
+        self.bytes_max = bytes_max
+        self.count = 0  # messages appended and not yet released (queued, held or in flight)
+        self.nbytes = 0
+        self._queues: dict[RouteKey, deque[Entry]] = {}
+        self._keys_of: dict[str, list[RouteKey]] = {}
+        self._cursor: dict[str, int] = {}
+        # Messages of subjects whose route is being looked up.
+        self._held: dict[str, deque[Entry]] = {}
+        self.epoch = 0
+        self._epoch_counts: dict[int, int] = {}
+        self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.count < self.messages_max and self.nbytes + nbytes <= self.bytes_max
+
+    def full_error(self, nbytes: int, message_id: str | None = None) -> BufferFullError:
+        if nbytes > self.bytes_max:
+            return BufferFullError(
+                f"the message of {nbytes} bytes is larger than buffer_bytes_max={self.bytes_max}; raise it",
+                message_id,
+            )
+        return BufferFullError(
+            f"the send buffer is full ({self.count} messages, {self.nbytes} bytes; buffer_messages_max="
+            f"{self.messages_max}, buffer_bytes_max={self.bytes_max}): the brokers store messages slower "
+            "than they are sent; await send() (it waits for room), slow down, or raise the limits",
+            message_id,
+        )
+
+    def _admit(self, entry: Entry) -> None:
+        n = len(entry[ENCODED])
+        if not (self.count < self.messages_max and self.nbytes + n <= self.bytes_max):
+            raise self.full_error(n, entry[MESSAGE_ID])
+        self.count += 1
+        self.nbytes += n
+        counts = self._epoch_counts
+        counts[entry[EPOCH]] = counts.get(entry[EPOCH], 0) + 1
+        if self._room.is_set() and not self.has_room(1):
+            self._room.clear()
+
+    def append(self, key: RouteKey, entry: Entry) -> None:
+        """Queue ``entry`` for the broker groups in ``key``; BufferFullError when there is no room."""
+        self._admit(entry)
+        q = self._queues.get(key)
+        if q is None:
+            q = self._new_queue(key)
+        q.append(entry)
+
+    def hold(self, subject: str, entry: Entry) -> None:
+        """Keep ``entry`` aside until the route of ``subject`` is known (``route_held``)."""
+        self._admit(entry)
+        self._held.setdefault(subject, deque()).append(entry)
+
+    def route_held(self, subject: str, key: RouteKey) -> int:
+        """Queue what was held for ``subject`` on ``key``; return how many messages moved."""
+        held = self._held.pop(subject, None)
+        if not held:
+            return 0
+        q = self._queues.get(key)
+        if q is None:
+            q = self._new_queue(key)
+        q.extend(held)
+        return len(held)
+
+    def held_subjects(self) -> list[str]:
+        return list(self._held)
+
+    def _new_queue(self, key: RouteKey) -> deque[Entry]:
+        q: deque[Entry] = deque()
+        self._queues[key] = q
+        for group in key:
+            self._keys_of.setdefault(group, []).append(key)
+        return q
+
+    def queued_for(self, group: str) -> bool:
+        return any(self._queues[k] for k in self._keys_of.get(group, ()))
+
+    def drain(self, group: str, messages_max: int, bytes_max: int) -> tuple[RouteKey, list[Entry]] | None:
+        """Take the next batch ``group`` may send: one route's oldest messages, within the bounds.
+
+        A single message larger than ``bytes_max`` forms a batch of its own.
+        """
+        keys = self._keys_of.get(group)
+        if not keys:
+            return None
+        start = self._cursor.get(group, 0)
+        n = len(keys)
+        for i in range(n):
+            key = keys[(start + i) % n]
+            q = self._queues[key]
+            if not q:
+                continue
+            # Routes take turns, so a busy subject cannot starve another route's.
+            self._cursor[group] = (start + i + 1) % n
+            batch = [q.popleft()]
+            size = len(batch[0][ENCODED])
+            popleft = q.popleft
+            append = batch.append
+            while q and len(batch) < messages_max:
+                m = len(q[0][ENCODED])
+                if size + m > bytes_max:
+                    break
+                size += m
+                append(popleft())
+            return key, batch
+        return None
+
+    def expire(self, enqueued_before: float) -> list[tuple[RouteKey | str, Entry]]:
+        """Take out the queued or held messages that entered before ``enqueued_before``.
+
+        Returned with their route (or, for held ones, their subject); the caller fails and
+        releases them.
+        """
+        out: list[tuple[RouteKey | str, Entry]] = []
+        places: list[tuple[RouteKey | str, deque[Entry]]] = [*self._queues.items(), *self._held.items()]
+        for where, q in places:
+            while q and q[0][ENQUEUED_AT] < enqueued_before:
+                out.append((where, q.popleft()))
+        return out
+
+    def take_all(self) -> list[Entry]:
+        """Every queued and held message (on close)."""
+        out: list[Entry] = []
+        for q in [*self._queues.values(), *self._held.values()]:
+            out.extend(q)
+            q.clear()
+        self._held.clear()
+        return out
+
+    def release(self, entries: list[Entry]) -> None:
+        """The broker answered for ``entries`` (or they failed): free their room."""
+        counts = self._epoch_counts
+        nbytes = 0
+        for e in entries:
+            nbytes += len(e[ENCODED])
+            epoch = e[EPOCH]
+            left = counts[epoch] - 1
+            if left:
+                counts[epoch] = left
+            else:
+                del counts[epoch]
+        self.count -= len(entries)
+        self.nbytes -= nbytes
+        if not self._room.is_set() and self.has_room(1):
+            self._room.set()
+        if self._flush_waiters:
+            self._wake_flushed()
+
+    async def wait_for_room(self, nbytes: int, timeout_s: float) -> bool:
+        """Wait until a message of ``nbytes`` fits, at most ``timeout_s``; False if it never did."""
+        if nbytes > self.bytes_max:
+            return False
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not self.has_room(nbytes):
+                    self._room.clear()
+                    await self._room.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def begin_flush(self) -> asyncio.Future[None]:
+        """A future that resolves once every message appended before this call is released."""
+        epoch = self.epoch
+        self.epoch += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append((epoch, fut))
+        self._wake_flushed()
+        return fut
+
+    def _wake_flushed(self) -> None:
+        oldest = min(self._epoch_counts, default=self.epoch)
+        waiting = []
+        for epoch, fut in self._flush_waiters:
+            if epoch < oldest:
+                if not fut.done():
+                    fut.set_result(None)
+            elif not fut.done():
+                waiting.append((epoch, fut))
+        self._flush_waiters = waiting

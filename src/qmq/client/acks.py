@@ -1,0 +1,120 @@
+"""Acknowledgements of one consumer on one (broker group, subject, consumer group).
+
+``ack(offset)`` only records a pull-log offset: it is the per-message path, so it costs a
+lock and a list append. Offsets are coalesced into half-open ``[start, end)`` ranges when a
+request is about to carry them (a PULL's ``ack`` key or an ACK), and ranges that did not
+reach the broker are put back for the next request.
+
+The lock makes ``ack`` callable from any thread (the blocking SDK's handler threads);
+everything else runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+# An ACK header of this many ranges stays far below frame_header_bytes_max (~12 bytes a range).
+ACK_RANGES_PER_REQUEST_MAX = 2_000
+
+Range = list[int]  # [start, end), as on the wire
+
+
+def coalesce(offsets: Iterable[int], ranges: Iterable[Iterable[int]] = ()) -> list[Range]:
+    """Sorted, disjoint, non-adjacent ``[start, end)`` ranges covering ``offsets`` and ``ranges``."""
+    spans = sorted([(o, o + 1) for o in offsets] + [(s, e) for s, e in ranges if e > s])
+    out: list[Range] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1][1] = end
+        else:
+            out.append([start, end])
+    return out
+
+
+def _coalesce_sorted_offsets(offsets: list[int]) -> list[Range]:
+    # The common case (no ranges put back): one pass over sorted offsets, repeats skipped.
+    out: list[Range] = []
+    start = end = offsets[0]
+    for o in offsets:
+        if o == end:
+            end += 1
+        elif start <= o < end:
+            continue
+        else:
+            out.append([start, end])
+            start, end = o, o + 1
+    out.append([start, end])
+    return out
+
+
+class AckTracker:
+    """Pending acknowledgements for one (broker group, subject, consumer group)."""
+
+    __slots__ = (
+        "_lock",
+        "_offsets",
+        "_ranges",
+        "ack_offset",
+        "broker_group",
+        "group",
+        "on_nack",
+        "origin_subject",
+        "subject",
+    )
+
+    def __init__(
+        self,
+        broker_group: str,
+        subject: str,
+        group: str,
+        origin_subject: str,
+        on_nack: Callable[[Any, BaseException | None], Awaitable[None]] | None = None,
+    ) -> None:
+        self.broker_group = broker_group
+        self.subject = subject
+        self.group = group
+        # The subject users subscribed to; differs from ``subject`` on %RETRY% subjects.
+        self.origin_subject = origin_subject
+        self.on_nack = on_nack
+        self.ack_offset = -1  # the broker's contiguous acknowledged prefix, when last told
+        self._lock = threading.Lock()
+        self._offsets: list[int] = []
+        self._ranges: list[Range] = []
+
+    def ack(self, offset: int) -> None:
+        with self._lock:
+            self._offsets.append(offset)
+
+    def ack_many(self, offsets: Iterable[int]) -> None:
+        with self._lock:
+            self._offsets.extend(offsets)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._offsets or self._ranges)
+
+    def take(self, ranges_max: int = ACK_RANGES_PER_REQUEST_MAX) -> list[Range]:
+        """Pending acks as ranges (at most ``ranges_max``; the rest stay pending)."""
+        with self._lock:
+            offsets, self._offsets = self._offsets, []
+            requeued, self._ranges = self._ranges, []
+        if not offsets and not requeued:
+            return []
+        if requeued:
+            out = coalesce(offsets, requeued)
+        else:
+            # sorted() of an already ordered list is one linear pass in C.
+            out = _coalesce_sorted_offsets(sorted(offsets))
+        if len(out) > ranges_max:
+            self.requeue(out[ranges_max:])
+            out = out[:ranges_max]
+        return out
+
+    def requeue(self, ranges: list[Range]) -> None:
+        """Put back ranges a request failed to deliver; the next request carries them."""
+        if ranges:
+            with self._lock:
+                self._ranges.extend(ranges)

@@ -1,0 +1,280 @@
+"""One TCP connection to one broker address, and the pool that keeps one per address.
+
+Many requests share a connection: each gets a request id and a future the response
+resolves. A connection that is lost fails every request waiting on it with
+``ConnectionLostError``; the next request opens a new one (after a bounded backoff when
+connecting keeps failing). Each opening is an *incarnation* with its own random
+``session`` id, which pulls carry so the broker can tell a consumer that reconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from qmq.common.errors import ConnectionLostError, QmqError
+from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
+from qmq.protocol.codes import Status
+from qmq.protocol.errors import RemoteProtocolError, error_for_status
+from qmq.protocol.frame import REQUEST_ID_MAX, Frame, FrameDecoder, encode_frame_parts
+
+log = logging.getLogger(__name__)
+
+# Bytes the transport may buffer before it asks us to stop writing: room for several
+# full send frames in flight, so flow control only bites when the broker stops reading.
+_WRITE_HIGH_BYTES = 16 * MiB
+_WRITE_LOW_BYTES = 4 * MiB
+_BACKOFF_MS_MIN = 50
+_BACKOFF_MS_MAX = 2_000
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as a (host, port) pair; ConnectionLostError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConnectionLostError(f"broker address {address!r} is not host:port; check the meta server's answer")
+    return host.strip("[]"), int(port)
+
+
+class _FrameProtocol(asyncio.Protocol):
+    """One incarnation of a connection: its transport, its pending requests, its session."""
+
+    def __init__(self, address: str, limits: Limits) -> None:
+        self.address = address
+        self.session = secrets.token_hex(8)
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, asyncio.Future[Frame]] = {}
+        self.lost: BaseException | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+        self._decoder = FrameDecoder(limits)
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
+
+    def data_received(self, data: bytes) -> None:
+        decoder = self._decoder
+        try:
+            decoder.receive_data(data)
+            while (frame := decoder.next_frame()) is not None:
+                self._dispatch(frame)
+        except RemoteProtocolError as exc:
+            log.error("broker %s sent an invalid frame, closing the connection: %s", self.address, exc)
+            self._fail_all(ConnectionLostError(f"broker {self.address} sent an invalid frame ({exc}); reconnecting"))
+            if self.transport is not None:
+                self.transport.abort()
+
+    def _dispatch(self, frame: Frame) -> None:
+        if not frame.response:
+            log.warning("broker %s sent a request (code %d); clients serve none", self.address, frame.code)
+            return
+        fut = self.pending.pop(frame.request_id, None)
+        if fut is None or fut.done():
+            return  # the requester gave up (timeout or cancellation)
+        if frame.status == Status.OK:
+            fut.set_result(frame)
+        else:
+            fut.set_exception(error_for_status(frame.status, str(frame.header.get("error", ""))))
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def drain(self) -> None:
+        while self._paused and self.lost is None:
+            w = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(w)
+            await w
+        if self.lost is not None:
+            raise self._lost_error()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc or ConnectionResetError("closed")
+        self._fail_all(self._lost_error())
+        for w in self._drain_waiters:
+            if not w.done():
+                w.set_exception(self._lost_error())
+        self._drain_waiters.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def _lost_error(self) -> ConnectionLostError:
+        return ConnectionLostError(
+            f"connection to broker {self.address} closed ({self.lost}); reconnecting on next use"
+        )
+
+    def _fail_all(self, error: QmqError) -> None:
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+
+class Connection:
+    """Requests to one broker address over one connection, reopened on the next use after a loss."""
+
+    def __init__(self, address: str, *, connect_timeout_ms: int, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.address = address
+        self._host, self._port = parse_address(address)
+        self._connect_timeout_s = connect_timeout_ms / 1000
+        self._limits = limits
+        self._proto: _FrameProtocol | None = None
+        self._connecting: asyncio.Task[_FrameProtocol] | None = None
+        self._next_id = 1
+        self._failures = 0
+        self._retry_at = 0.0
+        self._closed = False
+        self.incarnations = 0
+
+    @property
+    def connected(self) -> bool:
+        p = self._proto
+        return p is not None and p.lost is None
+
+    async def _protocol(self) -> _FrameProtocol:
+        p = self._proto
+        if p is not None and p.lost is None:
+            return p
+        if self._closed:
+            raise ConnectionLostError(f"connection to broker {self.address} is closed")
+        task = self._connecting
+        if task is None or task.done():
+            task = self._connecting = asyncio.ensure_future(self._connect())
+            # Retrieved here too, in case every caller stopped waiting before it ended.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            # Shielded: one caller giving up must not cancel the connect others wait for.
+            return await asyncio.shield(task)
+        finally:
+            if task.done() and self._connecting is task:
+                self._connecting = None
+
+    async def _connect(self) -> _FrameProtocol:
+        loop = asyncio.get_running_loop()
+        delay = self._retry_at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)  # bounded backoff after failed attempts, not a readiness wait
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, proto = await loop.create_connection(
+                    lambda: _FrameProtocol(self.address, self._limits), self._host, self._port
+                )
+        except (OSError, TimeoutError) as exc:
+            self._failures += 1
+            backoff_ms = min(_BACKOFF_MS_MAX, _BACKOFF_MS_MIN * 2 ** min(self._failures - 1, 16))
+            self._retry_at = loop.time() + backoff_ms / 1000
+            reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+            raise ConnectionLostError(
+                f"cannot connect to broker {self.address}: {reason}; is the broker running and reachable?"
+            ) from None
+        self._failures = 0
+        self._retry_at = 0.0
+        self.incarnations += 1
+        if self._closed:
+            proto.transport.close()  # type: ignore[union-attr]
+            raise ConnectionLostError(f"connection to broker {self.address} is closed")
+        self._proto = proto
+        return proto
+
+    async def start_request(
+        self,
+        code: int,
+        header: dict[str, Any],
+        body: Sequence[bytes] = (),
+        *,
+        with_session: bool = False,
+    ) -> asyncio.Future[Frame]:
+        """Write a request; return the future its response resolves (kept pending until then).
+
+        With ``with_session``, ``header["session"]`` is set to the session of the
+        incarnation the request is written on.
+        """
+        p = await self._protocol()
+        if p._paused:
+            await p.drain()
+        if p.lost is not None or p.transport is None:
+            raise p._lost_error()
+        rid = self._next_id
+        pending = p.pending
+        while rid in pending:
+            rid = rid + 1 if rid < REQUEST_ID_MAX else 1
+        self._next_id = rid + 1 if rid < REQUEST_ID_MAX else 1
+        if with_session:
+            header["session"] = p.session
+        body_len = sum(map(len, body)) if body else 0
+        head = encode_frame_parts(code, rid, header, body_len, limits=self._limits)
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        pending[rid] = fut
+        if body:
+            p.transport.writelines([head, *body])
+        else:
+            p.transport.write(head)
+        fut.add_done_callback(lambda f: pending.pop(rid, None) if f.cancelled() else None)
+        return fut
+
+    async def request(
+        self,
+        code: int,
+        header: dict[str, Any],
+        body: Sequence[bytes] = (),
+        *,
+        with_session: bool = False,
+    ) -> Frame:
+        """Send a request and wait for its response; a non-OK status raises its error."""
+        fut = await self.start_request(code, header, body, with_session=with_session)
+        return await fut
+
+    def abort(self) -> None:
+        """Drop the current incarnation (its requests fail); the next request reconnects."""
+        p = self._proto
+        if p is not None and p.transport is not None and p.lost is None:
+            p.transport.abort()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+        p = self._proto
+        if p is not None and p.transport is not None and p.lost is None:
+            p.transport.close()
+            try:
+                async with asyncio.timeout(1.0):
+                    await asyncio.shield(p.closed)
+            except TimeoutError:
+                p.transport.abort()
+
+
+class ConnectionPool:
+    """One ``Connection`` per broker address, made on first use."""
+
+    def __init__(self, *, connect_timeout_ms: int, limits: Limits = DEFAULT_LIMITS) -> None:
+        self._connect_timeout_ms = connect_timeout_ms
+        self._limits = limits
+        self._connections: dict[str, Connection] = {}
+        self._closed = False
+
+    def get(self, address: str) -> Connection:
+        conn = self._connections.get(address)
+        if conn is None:
+            if self._closed:
+                raise ConnectionLostError(f"the client is closed; cannot reach broker {address}")
+            conn = Connection(address, connect_timeout_ms=self._connect_timeout_ms, limits=self._limits)
+            self._connections[address] = conn
+        return conn
+
+    async def close(self) -> None:
+        self._closed = True
+        conns, self._connections = list(self._connections.values()), {}
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)

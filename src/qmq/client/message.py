@@ -1,0 +1,245 @@
+"""Outgoing messages: ``Message``, the checks that run when a field is set, message ids, and
+the one-time encoding a producer sends.
+
+Message ids read ``yyMMddHHmmssSSS.<node>.<pid>.<counter>``: the UTC creation time to the
+millisecond (so stored ids can be pruned by age), a 6-hex node id chosen once per process,
+the process id and a per-process counter. Ids are unique per process without coordination;
+the node id tells apart processes that reuse a pid on other hosts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from types import MappingProxyType
+
+from qmq.common.errors import InvalidMessageError, MessageTooLargeError
+from qmq.common.limits import DEFAULT_LIMITS
+from qmq.common.naming import check_subject
+from qmq.protocol.message import (
+    PropertyValue,
+    check_property,
+    check_tag,
+    encode_message,
+    encode_properties,
+    encode_tags,
+)
+
+_LIMITS = DEFAULT_LIMITS
+# The id length field of the encoded message is one byte.
+_ID_BYTES_MAX = 255
+_ID_FORBIDDEN = re.compile(r"[\s\x00-\x1f\x7f]")
+# Subjects checked once, with their encoded form; cleared when full so memory stays bounded.
+_SUBJECTS_CACHED_MAX = 10_000
+_subject_bytes: dict[str, bytes] = {}
+
+
+def subject_bytes(subject: object) -> bytes:
+    """The UTF-8 bytes of a valid subject; InvalidSubjectError naming it otherwise."""
+    cached = _subject_bytes.get(subject) if isinstance(subject, str) else None
+    if cached is not None:
+        return cached
+    raw = check_subject(subject).encode("utf-8")
+    if len(_subject_bytes) >= _SUBJECTS_CACHED_MAX:
+        _subject_bytes.clear()
+    _subject_bytes[subject] = raw  # type: ignore[index]  # check_subject proved it a str
+    return raw
+
+
+class MessageIds:
+    """Makes message ids and their creation times; one instance per process (``MESSAGE_IDS``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.node = secrets.token_hex(3)
+        self.pid = os.getpid()
+        self._counter = itertools.count(1)
+        self._last_ms = -1
+        self._prefix = ""
+
+    def after_fork(self) -> None:
+        """A forked child is another process: new node id, its own pid and counter."""
+        self._lock = threading.Lock()
+        self._reset()
+
+    def next(self) -> tuple[str, int]:
+        """A fresh id and its creation time (epoch ms)."""
+        now_ms = time.time_ns() // 1_000_000
+        with self._lock:
+            if now_ms != self._last_ms:
+                # The prefix changes at most once a millisecond; formatting it is the slow part.
+                stamp = time.strftime("%y%m%d%H%M%S", time.gmtime(now_ms // 1000))
+                self._prefix = f"{stamp}{now_ms % 1000:03d}.{self.node}.{self.pid}."
+                self._last_ms = now_ms
+            prefix = self._prefix
+            n = next(self._counter)
+        return prefix + str(n), now_ms
+
+
+MESSAGE_IDS = MessageIds()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=MESSAGE_IDS.after_fork)
+
+
+def check_message_id(message_id: object) -> str:
+    if not isinstance(message_id, str) or not message_id:
+        raise InvalidMessageError(f"message id must be a non-empty string, got {message_id!r}")
+    if len(message_id) > _LIMITS.message_id_chars_max or len(message_id.encode("utf-8")) > _ID_BYTES_MAX:
+        raise InvalidMessageError(
+            f"message id {message_id[:40]!r}… is too long; the limit is {_LIMITS.message_id_chars_max} "
+            f"characters ({_ID_BYTES_MAX} bytes in UTF-8)"
+        )
+    bad = _ID_FORBIDDEN.search(message_id)
+    if bad:
+        raise InvalidMessageError(
+            f"message id {message_id!r} contains {bad.group()!r} at position {bad.start()}; "
+            "use visible characters without whitespace"
+        )
+    return message_id
+
+
+def _body_bytes(body: object) -> bytes:
+    if isinstance(body, bytes):
+        raw = body
+    elif isinstance(body, str):
+        raw = body.encode("utf-8")
+    elif isinstance(body, bytearray | memoryview):
+        raw = bytes(body)
+    else:
+        raise InvalidMessageError(f"message body must be bytes or str, got {type(body).__name__}")
+    if len(raw) > _LIMITS.message_bytes_max:
+        raise MessageTooLargeError(
+            f"message body of {len(raw)} bytes exceeds message_bytes_max {_LIMITS.message_bytes_max}; "
+            "send large data by reference (a key to where it is stored)"
+        )
+    return raw
+
+
+class Message:
+    """A message to send: subject, id, properties, tags and an optional body.
+
+    Every setter checks its value at once, so a bad value raises ``InvalidMessageError`` at
+    the line that set it, not later in the producer. Make one with
+    ``producer.generate_message(subject)`` or ``Message(subject)``.
+    """
+
+    __slots__ = ("_body", "_created_ms", "_message_id", "_properties", "_subject", "_subject_raw", "_tags")
+
+    def __init__(
+        self,
+        subject: str,
+        *,
+        message_id: str | None = None,
+        body: bytes | str = b"",
+        properties: Mapping[str, PropertyValue] | None = None,
+        tags: Iterable[str] = (),
+    ) -> None:
+        self._subject_raw = subject_bytes(subject)
+        self._subject = subject
+        if message_id is None:
+            self._message_id, self._created_ms = MESSAGE_IDS.next()
+        else:
+            self._message_id = check_message_id(message_id)
+            self._created_ms = time.time_ns() // 1_000_000
+        self._body = _body_bytes(body) if body else b""
+        self._properties: dict[str, PropertyValue] = {}
+        self._tags: list[str] = []
+        if properties:
+            for key, value in properties.items():
+                self.set_property(key, value)
+        for tag in tags:
+            self.add_tag(tag)
+
+    @property
+    def subject(self) -> str:
+        return self._subject
+
+    @property
+    def message_id(self) -> str:
+        return self._message_id
+
+    @property
+    def body(self) -> bytes:
+        return self._body
+
+    @body.setter
+    def body(self, value: bytes | str) -> None:
+        self._body = _body_bytes(value)
+
+    @property
+    def created_ms(self) -> int:
+        """Creation time, epoch milliseconds (the time in the id of a generated message)."""
+        return self._created_ms
+
+    @property
+    def created_at(self) -> datetime:
+        return datetime.fromtimestamp(self._created_ms / 1000, tz=UTC)
+
+    def set_property(self, key: str, value: PropertyValue) -> None:
+        """Set a property: a str, int (64-bit), float, bool or bytes value under a string key."""
+        check_property(key, value, _LIMITS)
+        if key not in self._properties and len(self._properties) >= _LIMITS.properties_max:
+            raise InvalidMessageError(
+                f"cannot set property {key!r}: the message already has {_LIMITS.properties_max} properties, "
+                "the limit; put bulk data in the body"
+            )
+        self._properties[key] = value
+
+    def get_property(self, key: str, default: PropertyValue | None = None) -> PropertyValue | None:
+        return self._properties.get(key, default)
+
+    @property
+    def properties(self) -> Mapping[str, PropertyValue]:
+        """A read-only view; use ``set_property`` to change it."""
+        return MappingProxyType(self._properties)
+
+    def add_tag(self, tag: str) -> None:
+        """Add a tag consumers can filter on (at most 10 a message; adding one twice keeps one)."""
+        check_tag(tag, _LIMITS)
+        if tag in self._tags:
+            return
+        if len(self._tags) >= _LIMITS.tags_max:
+            raise InvalidMessageError(
+                f"cannot add tag {tag!r}: the message already has {_LIMITS.tags_max} tags, the limit"
+            )
+        self._tags.append(tag)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return tuple(self._tags)
+
+    def encode(self, times: int = 0) -> bytes:
+        """The message as sent on the wire (``qmq.protocol.message``); checks the total size."""
+        tags = self._tags
+        raw = encode_message(
+            self._subject_raw,
+            self._message_id.encode("utf-8"),
+            encode_tags(tags) if tags else b"",
+            len(tags),
+            encode_properties(self._properties),
+            self._body,
+            self._created_ms,
+            0,
+            times,
+        )
+        if len(raw) > _LIMITS.message_bytes_max:
+            raise MessageTooLargeError(
+                f"message {self._message_id} encodes to {len(raw)} bytes, over message_bytes_max "
+                f"{_LIMITS.message_bytes_max}; make the body or the properties smaller"
+            )
+        return raw
+
+    def __repr__(self) -> str:
+        return (
+            f"Message(subject={self._subject!r}, message_id={self._message_id!r}, "
+            f"properties={len(self._properties)}, tags={self._tags!r}, body={len(self._body)} bytes)"
+        )

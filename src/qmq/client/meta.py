@@ -1,0 +1,265 @@
+"""Discovery through the meta server: which broker groups are available, where they listen,
+and which broker groups each subject is routed to.
+
+The meta server URL is used exactly as given (``qmq ready`` prints it), with one
+``?subject=`` parameter per subject whose route is wanted. The answer is refreshed in the
+background every ``refresh_ms`` the meta server asks for; a failed refresh keeps the last
+answer, so a meta server outage never stops sends or pulls to known brokers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from qmq.common.errors import MetaServerError
+
+log = logging.getLogger(__name__)
+
+_REFRESH_MS_MIN = 100
+_REFRESH_MS_MAX = 600_000
+_REFRESH_MS_DEFAULT = 10_000
+# The meta server takes at most 1000 subjects a request, and a URL must stay well inside
+# an HTTP server's request-line limit (8 KiB in aiohttp).
+_SUBJECTS_PER_REQUEST_MAX = 1_000
+_SUBJECT_CHARS_PER_REQUEST_MAX = 4_000
+# Subjects whose routes are kept fresh; a producer that sends to more is unusual, and
+# beyond it new subjects use every available broker group.
+_SUBJECTS_MAX = 100_000
+_ERROR_TEXT_CHARS_MAX = 300
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerGroup:
+    """An available broker group and the address of its master."""
+
+    name: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetaAnswer:
+    groups: dict[str, BrokerGroup]
+    routes: dict[str, tuple[str, ...]]
+    refresh_ms: int
+
+
+def parse_answer(url: str, doc: object) -> MetaAnswer:
+    """Check and read a ``GET /meta/address`` answer; MetaServerError saying what is wrong."""
+
+    def bad(what: str) -> MetaServerError:
+        return MetaServerError(
+            f"meta server {url} answered with {what}; is meta_server the URL printed by `qmq ready`?"
+        )
+
+    if not isinstance(doc, dict):
+        raise bad(f"a JSON {type(doc).__name__}, not an object")
+    raw_groups = doc.get("broker_groups")
+    if not isinstance(raw_groups, list):
+        raise bad("no 'broker_groups' list")
+    groups: dict[str, BrokerGroup] = {}
+    for g in raw_groups:
+        if not isinstance(g, dict) or not isinstance(g.get("group"), str) or not isinstance(g.get("address"), str):
+            raise bad(f"a broker group without a 'group' name and an 'address': {g!r:.200}")
+        if g.get("state") == "available" and g.get("role", "master") == "master":
+            groups[g["group"]] = BrokerGroup(g["group"], g["address"])
+    routes: dict[str, tuple[str, ...]] = {}
+    raw_routes = doc.get("routes", {})
+    if not isinstance(raw_routes, dict):
+        raise bad(f"'routes' that is a {type(raw_routes).__name__}, not an object")
+    for subject, names in raw_routes.items():
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise bad(f"a route of {subject!r} that is not a list of group names: {names!r:.200}")
+        if names:  # an empty route means "not routed yet": no broker group was available
+            routes[subject] = tuple(names)
+    refresh_ms = doc.get("refresh_ms", _REFRESH_MS_DEFAULT)
+    if isinstance(refresh_ms, bool) or not isinstance(refresh_ms, int):
+        raise bad(f"'refresh_ms' = {refresh_ms!r}, not a whole number")
+    return MetaAnswer(groups, routes, min(max(refresh_ms, _REFRESH_MS_MIN), _REFRESH_MS_MAX))
+
+
+def _chunks(subjects: list[str]) -> Iterable[list[str]]:
+    chunk: list[str] = []
+    chars = 0
+    for s in subjects:
+        if chunk and (len(chunk) >= _SUBJECTS_PER_REQUEST_MAX or chars + len(s) > _SUBJECT_CHARS_PER_REQUEST_MAX):
+            yield chunk
+            chunk, chars = [], 0
+        chunk.append(s)
+        chars += len(s)
+    yield chunk
+
+
+class MetaClient:
+    """The last known answer of the meta server, kept fresh by a background task."""
+
+    def __init__(self, url: str, *, timeout_ms: int) -> None:
+        self.url = url
+        self._timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
+        self._session: aiohttp.ClientSession | None = None
+        self.groups: dict[str, BrokerGroup] = {}
+        self._all_groups: tuple[str, ...] = ()
+        self._routes: dict[str, tuple[str, ...]] = {}
+        # Subjects whose route was asked for (routed or not): kept fresh by each refresh.
+        self._subjects: set[str] = set()
+        self._lookups: dict[str, asyncio.Future[None]] = {}
+        self._refresh_ms = _REFRESH_MS_DEFAULT
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self.refreshes = 0
+
+    async def start(self) -> None:
+        """Fetch the first answer; MetaServerError naming the URL if the meta server is unreachable."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            self._apply(await self._fetch([]), [])
+        except BaseException:
+            await self.close()
+            raise
+        self._task = asyncio.ensure_future(self._refresh_loop())
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for fut in self._lookups.values():
+            fut.cancel()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every refresh that changed the groups or a route."""
+        self._listeners.append(callback)
+
+    def off_change(self, callback: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+    def route(self, subject: str) -> tuple[str, ...] | None:
+        """The broker groups of ``subject``, or None when its route was never asked for.
+
+        A subject the meta server has not routed (or that could not be asked about) goes to
+        every available broker group.
+        """
+        groups = self._routes.get(subject)
+        if groups is not None:
+            return groups
+        return self._all_groups if subject in self._subjects else None
+
+    def available(self, names: Iterable[str]) -> list[BrokerGroup]:
+        """The available groups among ``names``, in order."""
+        groups = self.groups
+        return [groups[n] for n in names if n in groups]
+
+    async def resolve(self, subject: str) -> tuple[str, ...]:
+        """The route of ``subject``, asking the meta server the first time."""
+        route = self.route(subject)
+        if route is not None:
+            return route
+        fut = self._lookups.get(subject)
+        if fut is None:
+            fut = asyncio.ensure_future(self._lookup(subject))
+            self._lookups[subject] = fut
+            fut.add_done_callback(lambda _: self._lookups.pop(subject, None))
+        await asyncio.shield(fut)
+        return self.route(subject) or self._all_groups
+
+    async def _lookup(self, subject: str) -> None:
+        if len(self._subjects) >= _SUBJECTS_MAX:
+            log.warning("tracking %d subjects already; %r goes to every available broker group", _SUBJECTS_MAX, subject)
+            self._subjects.add(subject)
+            return
+        try:
+            answer = await self._fetch([subject])
+        except MetaServerError as exc:
+            log.warning("cannot look up the route of %r, using every available broker group: %s", subject, exc)
+            self._subjects.add(subject)
+            return
+        self._apply(answer, [subject])
+
+    def refresh_soon(self) -> None:
+        """Refresh now rather than at the next period (a broker said it is not master)."""
+        self._wake.set()
+
+    async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._refresh_ms / 1000):
+                    await self._wake.wait()
+            self._wake.clear()
+            started = loop.time()
+            subjects = sorted(self._subjects)
+            try:
+                answers = [await self._fetch(chunk) for chunk in _chunks(subjects)]
+            except MetaServerError as exc:
+                failures += 1
+                # Logged on the first failure and then rarely, so an outage does not flood the log.
+                if failures == 1 or failures % 30 == 0:
+                    log.warning("meta server refresh failed %d time(s), keeping the last answer: %s", failures, exc)
+            else:
+                if failures:
+                    log.info("meta server %s answers again after %d failed refresh(es)", self.url, failures)
+                failures = 0
+                for answer, chunk in zip(answers, _chunks(subjects), strict=True):
+                    self._apply(answer, chunk)
+            # At most one refresh per _REFRESH_MS_MIN, however often refresh_soon is called.
+            rest = _REFRESH_MS_MIN / 1000 - (loop.time() - started)
+            if rest > 0:
+                await asyncio.sleep(rest)
+
+    async def _fetch(self, subjects: list[str]) -> MetaAnswer:
+        session = self._session
+        if session is None:
+            raise MetaServerError(f"meta server {self.url}: the client is closed")
+        url = URL(self.url, encoded=False)
+        if subjects:
+            url = url.extend_query([("subject", s) for s in subjects])
+        try:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    text = (await resp.text(errors="replace"))[:_ERROR_TEXT_CHARS_MAX]
+                    raise MetaServerError(f"meta server {self.url} answered HTTP {resp.status}: {text}")
+                doc: Any = await resp.json(content_type=None)
+        except MetaServerError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            reason = "no answer in time" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            raise MetaServerError(f"cannot reach the meta server at {self.url}: {reason}") from None
+        self.refreshes += 1
+        return parse_answer(self.url, doc)
+
+    def _apply(self, answer: MetaAnswer, subjects: list[str]) -> None:
+        self._refresh_ms = answer.refresh_ms
+        changed = answer.groups != self.groups
+        if changed:
+            self.groups = answer.groups
+            self._all_groups = tuple(sorted(answer.groups))
+        for s in subjects:
+            route = answer.routes.get(s)
+            if self._routes.get(s) != route:
+                changed = True
+                if route is None:
+                    self._routes.pop(s, None)
+                else:
+                    self._routes[s] = route
+        self._subjects.update(subjects)
+        if changed:
+            for callback in self._listeners:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("a meta server change listener failed")

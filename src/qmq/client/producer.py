@@ -1,0 +1,309 @@
+"""The asyncio producer: ``send_nowait`` / ``send`` into the bounded accumulator, drained by the
+sender into batched frames.
+
+Path of a message: ``Message.encode()`` once (the only per-message encoding work) → the
+accumulator queue of its subject's route → a SEND_MESSAGES frame → the waiter resolved by
+the broker's answer. The route of a subject not seen before is asked of the meta server
+once; its messages wait aside meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from types import TracebackType
+from typing import Literal
+
+from qmq.client.accumulator import Accumulator, Entry, RouteKey, Waiter
+from qmq.client.connection import ConnectionPool
+from qmq.client.message import Message
+from qmq.client.meta import MetaClient
+from qmq.client.options import (
+    DEFAULT_CONNECT,
+    DEFAULT_PRODUCER,
+    ConnectOptions,
+    ProducerOptions,
+    check_identifier,
+    check_url,
+)
+from qmq.client.sender import ProducerStats, Sender, fail_entries
+from qmq.common.errors import SendError
+
+log = logging.getLogger(__name__)
+
+_State = Literal["new", "open", "closing", "closed"]
+_EXPIRE_PERIOD_S_MAX = 1.0
+
+
+class Producer:
+    """Sends messages to the brokers of a qmq cluster (asyncio).
+
+    Use as ``async with Producer(app_code=..., meta_server=...) as producer:``, or call
+    ``await start()`` and ``await close()``. Every option is a keyword with a default; a bad
+    value raises ``qmq.ConfigError`` naming it.
+    """
+
+    def __init__(
+        self,
+        *,
+        app_code: str,
+        meta_server: str,
+        buffer_messages_max: int = DEFAULT_PRODUCER.buffer_messages_max,
+        buffer_bytes_max: int = DEFAULT_PRODUCER.buffer_bytes_max,
+        batch_messages_max: int = DEFAULT_PRODUCER.batch_messages_max,
+        batch_bytes_max: int = DEFAULT_PRODUCER.batch_bytes_max,
+        max_in_flight: int = DEFAULT_PRODUCER.max_in_flight,
+        linger_ms: int = DEFAULT_PRODUCER.linger_ms,
+        send_timeout_ms: int = DEFAULT_PRODUCER.send_timeout_ms,
+        retry_backoff_ms: int = DEFAULT_PRODUCER.retry_backoff_ms,
+        retry_backoff_ms_max: int = DEFAULT_PRODUCER.retry_backoff_ms_max,
+        connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
+        meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
+        close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+    ) -> None:
+        self.app_code = check_identifier("app_code", app_code)
+        self.meta_server = check_url("meta_server", meta_server)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.options = ProducerOptions(
+            buffer_messages_max=buffer_messages_max,
+            buffer_bytes_max=buffer_bytes_max,
+            batch_messages_max=batch_messages_max,
+            batch_bytes_max=batch_bytes_max,
+            max_in_flight=max_in_flight,
+            linger_ms=linger_ms,
+            send_timeout_ms=send_timeout_ms,
+            retry_backoff_ms=retry_backoff_ms,
+            retry_backoff_ms_max=retry_backoff_ms_max,
+        )
+        self.stats = ProducerStats()
+        self._state: _State = "new"
+        self._meta: MetaClient | None = None
+        self._pool: ConnectionPool | None = None
+        self._owns_meta = True
+        self._acc = Accumulator(self.options.buffer_messages_max, self.options.buffer_bytes_max)
+        self._sender: Sender | None = None
+        self._routing: dict[str, asyncio.Task[None]] = {}
+        self._expirer: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def _sharing(
+        cls,
+        app_code: str,
+        meta_server: str,
+        meta: MetaClient,
+        pool: ConnectionPool,
+        connect_options: ConnectOptions,
+    ) -> Producer:
+        """A producer over another client's meta client and connections (a consumer's retries)."""
+        producer = cls(app_code=app_code, meta_server=meta_server)
+        producer.connect_options = connect_options
+        producer._meta, producer._pool, producer._owns_meta = meta, pool, False
+        return producer
+
+    async def start(self) -> None:
+        """Ask the meta server for the brokers; ``qmq.MetaServerError`` naming the URL if it cannot."""
+        if self._state != "new":
+            if self._state == "open":
+                return
+            raise SendError("this producer is closed; make a new one")
+        self._loop = asyncio.get_running_loop()
+        if self._meta is None:
+            meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+            await meta.start()
+            self._meta = meta
+            self._pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+        assert self._pool is not None
+        self._sender = Sender(self._acc, self._meta, self._pool, self.options, self.stats)
+        self._meta.on_change(self._on_meta_change)
+        self._sender.reconcile()
+        self._expirer = asyncio.ensure_future(self._expire_loop())
+        self._state = "open"
+
+    async def __aenter__(self) -> Producer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def generate_message(self, subject: str) -> Message:
+        """A new message to ``subject`` with a fresh unique message id."""
+        return Message(subject)
+
+    def send_nowait(self, message: Message) -> asyncio.Future[None]:
+        """Buffer ``message`` and return at once; the future resolves when it is stored.
+
+        Raises ``qmq.BufferFullError`` at once when the buffer is full (back-pressure), and
+        ``InvalidMessageError`` for a message too large. The future fails with
+        ``qmq.SendError`` saying why the message could not be stored.
+        """
+        if self._state != "open":
+            raise self._not_open()
+        encoded = message.encode()
+        fut: asyncio.Future[None] = self._loop.create_future()  # type: ignore[union-attr]
+        self._enqueue(message.subject, encoded, message.message_id, fut)
+        return fut
+
+    async def send(self, message: Message) -> None:
+        """Send ``message`` and return once it is stored durably; ``qmq.SendError`` says why not.
+
+        Waits up to ``send_timeout_ms`` for room in a full buffer, then raises
+        ``qmq.BufferFullError``.
+        """
+        await self.send_encoded(message.subject, message.encode(), message.message_id)
+
+    async def send_encoded(self, subject: str, encoded: bytes, message_id: str) -> None:
+        """Send a message already encoded (``Message.encode`` or a received message's bytes)."""
+        if self._state != "open":
+            raise self._not_open()
+        acc = self._acc
+        if not acc.has_room(len(encoded)):
+            if not await acc.wait_for_room(len(encoded), self.options.send_timeout_ms / 1000):
+                raise acc.full_error(len(encoded), message_id)
+            if self._state != "open":
+                raise self._not_open()
+        fut: asyncio.Future[None] = self._loop.create_future()  # type: ignore[union-attr]
+        self._enqueue(subject, encoded, message_id, fut)
+        await fut
+
+    def enqueue_encoded(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
+        """Buffer an encoded message whose outcome resolves ``waiter`` (for the blocking SDK).
+
+        Runs on the producer's event loop. Raises BufferFullError when there is no room.
+        """
+        if self._state != "open":
+            raise self._not_open()
+        self._enqueue(subject, encoded, message_id, waiter)
+
+    def _enqueue(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
+        acc = self._acc
+        entry: Entry = (encoded, waiter, message_id, self._loop.time(), acc.epoch)  # type: ignore[union-attr]
+        key = self._meta.route(subject)  # type: ignore[union-attr]
+        if key:
+            acc.append(key, entry)
+            self._sender.wake(key)  # type: ignore[union-attr]
+        else:
+            acc.hold(subject, entry)
+            if key is None:
+                self._route_later(subject)
+
+    def _route_later(self, subject: str) -> None:
+        if subject not in self._routing:
+            self._routing[subject] = asyncio.ensure_future(self._route(subject))
+
+    async def _route(self, subject: str) -> None:
+        try:
+            key = await self._meta.resolve(subject)  # type: ignore[union-attr]
+        finally:
+            self._routing.pop(subject, None)
+        self._route_held(subject, key)
+
+    def _route_held(self, subject: str, key: RouteKey) -> None:
+        # Without any broker group the messages stay held until one appears or they expire.
+        if key and self._acc.route_held(subject, key):
+            self._sender.wake(key)  # type: ignore[union-attr]
+
+    def _on_meta_change(self) -> None:
+        if self._state != "open":
+            return
+        assert self._sender is not None
+        assert self._meta is not None
+        self._sender.reconcile()
+        for subject in self._acc.held_subjects():
+            key = self._meta.route(subject)
+            if key:
+                self._route_held(subject, key)
+
+    async def _expire_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        timeout_s = self.options.send_timeout_ms / 1000
+        period_s = min(timeout_s / 4, _EXPIRE_PERIOD_S_MAX)
+        while True:
+            await asyncio.sleep(period_s)  # periodic housekeeping, not a readiness wait
+            expired = self._acc.expire(loop.time() - timeout_s)
+            if not expired:
+                continue
+            by_place: dict[RouteKey | str, list[Entry]] = {}
+            for where, entry in expired:
+                by_place.setdefault(where, []).append(entry)
+            for where, entries in by_place.items():
+                if isinstance(where, str):
+                    why = f"no broker group was available for subject {where!r}"
+                else:
+                    why = f"none of broker groups {', '.join(where)} of its route was available"
+                self.stats.messages_failed += len(entries)
+                fail_entries(
+                    entries, f"not sent within send_timeout_ms={self.options.send_timeout_ms}: {why}", retriable=True
+                )
+                self._acc.release(entries)
+
+    async def flush(self, timeout_ms: int | None = None) -> None:
+        """Wait until every message buffered before this call is stored or failed.
+
+        Raises ``qmq.SendError`` if that takes longer than ``timeout_ms`` (default
+        ``send_timeout_ms``).
+        """
+        if self._state == "new" or self._state == "closed":
+            return
+        limit_ms = self.options.send_timeout_ms if timeout_ms is None else timeout_ms
+        done = self._acc.begin_flush()
+        try:
+            async with asyncio.timeout(limit_ms / 1000):
+                await done
+        except TimeoutError:
+            raise SendError(
+                f"flush did not finish within {limit_ms} ms: {self._acc.count} messages are still "
+                "buffered or in flight",
+                retriable=True,
+            ) from None
+
+    async def close(self) -> None:
+        """Send what is buffered (up to ``close_timeout_ms``), fail the rest, release everything."""
+        if self._state in ("closing", "closed"):
+            return
+        if self._state == "new":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        try:
+            await self.flush(self.connect_options.close_timeout_ms)
+        except SendError as exc:
+            log.warning("closing the producer: %s; those messages fail", exc)
+        left = self._acc.take_all()
+        if left:
+            fail_entries(left, "the producer closed before the message was sent", retriable=True)
+            self.stats.messages_failed += len(left)
+            self._acc.release(left)
+        assert self._sender is not None
+        assert self._meta is not None
+        await self._sender.close()
+        tasks = [*self._routing.values(), *([self._expirer] if self._expirer else [])]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._meta.off_change(self._on_meta_change)
+        if self._owns_meta:
+            await self._meta.close()
+            if self._pool is not None:
+                await self._pool.close()
+        self._state = "closed"
+
+    @property
+    def buffered(self) -> int:
+        """Messages buffered or in flight now."""
+        return self._acc.count
+
+    def has_room(self, nbytes: int) -> bool:
+        return self._acc.has_room(nbytes)
+
+    def _not_open(self) -> SendError:
+        if self._state == "new":
+            return SendError("the producer is not started; use `async with Producer(...)` or `await producer.start()`")
+        return SendError("the producer is closed; make a new one")
+

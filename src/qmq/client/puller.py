@@ -1,0 +1,261 @@
+"""PULL and ACK requests for one subject as one consumer of one consumer group.
+
+A subject may be routed to several broker groups; pulls go round robin among the available
+ones, and acknowledgements go back to the broker group each message came from (one
+``AckTracker`` per broker group). Pending acks ride on the next PULL to that broker group
+(its ``ack`` key); ``flush_acks`` sends the rest as ACK requests.
+
+A pull whose caller gave up (cancelled) may still be answered with messages the broker has
+recorded as handed to this consumer; they are kept for the next pull rather than dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic
+
+from qmq.client.acks import AckTracker
+from qmq.client.connection import ConnectionPool
+from qmq.client.meta import BrokerGroup, MetaClient
+from qmq.client.options import ConnectOptions, ConsumerOptions, StartFrom
+from qmq.client.received import BatchBase, M, parse_records, parse_runs
+from qmq.common.errors import BrokerError, ConnectionLostError, NoBrokerError, QmqError
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.frame import Frame
+
+log = logging.getLogger(__name__)
+
+# Batches answered to pulls whose caller had gone; beyond this the connection is dropped
+# instead, so the broker re-delivers them to the next session.
+_STASHED_BATCHES_MAX = 16
+
+
+@dataclass(slots=True)
+class ConsumerContext:
+    """What every puller of one consumer shares."""
+
+    app_code: str
+    consumer_id: str
+    options: ConsumerOptions
+    connect_options: ConnectOptions
+    on_nack: Callable[[Any, BaseException | None], Awaitable[None]]
+    meta: MetaClient | None = None
+    pool: ConnectionPool | None = None
+    pullers: list[SubjectPuller[Any]] = field(default_factory=list)
+    closed: bool = False
+
+    def started(self) -> tuple[MetaClient, ConnectionPool]:
+        if self.meta is None or self.pool is None or self.closed:
+            state = "closed" if self.closed else "not started"
+            raise QmqError(f"the consumer is {state}; use `async with Consumer(...)` or `await consumer.start()`")
+        return self.meta, self.pool
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class SubjectPuller(Generic[M]):
+    """Pulls ``subject`` for consumer group ``group`` and tracks the acks of what it returned."""
+
+    def __init__(
+        self,
+        ctx: ConsumerContext,
+        subject: str,
+        group: str,
+        start_from: StartFrom,
+        origin_subject: str,
+        make: type[M],
+        batch_cls: type[BatchBase[M]],
+    ) -> None:
+        self._ctx = ctx
+        self.subject = subject
+        self.group = group
+        self.start_from = start_from
+        # Messages of a %RETRY% subject are shown with the subject they were first sent to.
+        self.origin_subject = origin_subject
+        self._make = make
+        self._batch_cls = batch_cls
+        self.trackers: dict[str, AckTracker] = {}
+        self._rr = 0
+        self._lock = asyncio.Lock()
+        self._stash: deque[BatchBase[M]] = deque()
+        self.pulls = 0
+        self.messages = 0
+        ctx.pullers.append(self)
+
+    def _tracker(self, broker_group: str) -> AckTracker:
+        t = self.trackers.get(broker_group)
+        if t is None:
+            t = AckTracker(broker_group, self.subject, self.group, self.origin_subject, self._ctx.on_nack)
+            self.trackers[broker_group] = t
+        return t
+
+    async def pull(self, max_messages: int, timeout_ms: int) -> BatchBase[M]:
+        """Up to ``max_messages``, waiting up to ``timeout_ms`` for the first; empty on timeout."""
+        meta, _ = self._ctx.started()
+        async with self._lock:
+            if self._stash:
+                return self._from_stash(max_messages)
+            route = await meta.resolve(self.subject)
+            groups = meta.available(route)
+            if not groups:
+                raise NoBrokerError(
+                    f"no available broker group for subject {self.subject!r} (routed to: "
+                    f"{', '.join(route) or 'none yet'}); is a broker running and registered with {meta.url}?"
+                )
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_ms / 1000
+            n = len(groups)
+            start = self._rr % n
+            self._rr += 1
+            last_error: QmqError | None = None
+            failures = 0
+            for i in range(n):
+                bg = groups[(start + i) % n]
+                # Every group but the last is asked without waiting; the last one long-polls.
+                wait_ms = max(0, int((deadline - loop.time()) * 1000)) if i == n - 1 else 0
+                try:
+                    batch = await self._pull_one(bg, max_messages, wait_ms)
+                except (ConnectionLostError, BrokerError) as exc:
+                    if n == 1 or not exc.retriable:
+                        raise
+                    log.warning("pull of %r from broker group %s failed: %s", self.subject, bg.name, exc)
+                    last_error = exc
+                    failures += 1
+                    continue
+                if batch:
+                    return batch
+            if last_error is not None and failures == n:
+                raise last_error
+            return self._batch_cls()
+
+    def _from_stash(self, max_messages: int) -> BatchBase[M]:
+        batch = self._stash.popleft()
+        if len(batch) > max_messages:
+            rest = self._batch_cls(batch[max_messages:])
+            del batch[max_messages:]
+            self._stash.appendleft(rest)
+        return batch
+
+    async def _pull_one(self, bg: BrokerGroup, max_messages: int, timeout_ms: int) -> BatchBase[M]:
+        _, pool = self._ctx.started()
+        ctx = self._ctx
+        tracker = self._tracker(bg.name)
+        conn = pool.get(bg.address)
+        header: dict[str, Any] = {
+            "subject": self.subject,
+            "group": self.group,
+            "consumer_id": ctx.consumer_id,
+            "max": max_messages,
+            "timeout_ms": timeout_ms,
+            "start": self.start_from,
+        }
+        ranges = tracker.take()
+        if ranges:
+            header["ack"] = ranges
+        try:
+            fut = await conn.start_request(RequestCode.PULL, header, with_session=True)
+        except BaseException:
+            tracker.requeue(ranges)
+            raise
+        fut.add_done_callback(_retrieve)
+        try:
+            async with asyncio.timeout(timeout_ms / 1000 + ctx.options.request_timeout_ms / 1000):
+                frame = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not fut.done():
+                fut.add_done_callback(lambda f: self._stash_late(f, tracker))
+            raise
+        except TimeoutError:
+            # A broker that does not answer a pull: a new connection is a new session, and
+            # the broker re-delivers what this one may have been handed.
+            conn.abort()
+            raise ConnectionLostError(
+                f"broker group {bg.name} ({bg.address}) did not answer a pull of {self.subject!r} within "
+                f"{timeout_ms} ms + request_timeout_ms={ctx.options.request_timeout_ms}; reconnecting"
+            ) from None
+        except ConnectionLostError:
+            tracker.requeue(ranges)
+            raise
+        try:
+            batch = self._parse(frame, tracker)
+        except RemoteProtocolError:
+            conn.abort()
+            raise
+        self.pulls += 1
+        self.messages += len(batch)
+        return batch
+
+    def _parse(self, frame: Frame, tracker: AckTracker) -> BatchBase[M]:
+        runs = parse_runs(frame.header.get("runs", []))
+        body = frame.body if isinstance(frame.body, bytes) else bytes(frame.body)
+        batch = self._batch_cls()
+        parse_records(body, runs, self.origin_subject, tracker, batch, self._make, self._ctx.options.check_crc)
+        return batch
+
+    def _stash_late(self, fut: asyncio.Future[Frame], tracker: AckTracker) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        try:
+            batch = self._parse(fut.result(), tracker)
+        except RemoteProtocolError as exc:
+            log.error("late answer to a pull of %r is malformed: %s", self.subject, exc)
+            return
+        if not batch:
+            return
+        if len(self._stash) >= _STASHED_BATCHES_MAX:
+            log.warning(
+                "dropping a late pull answer of %d messages of %r; they come back on reconnect",
+                len(batch),
+                self.subject,
+            )
+            meta, pool = self._ctx.meta, self._ctx.pool
+            bg = meta.groups.get(tracker.broker_group) if meta is not None else None
+            if bg is not None and pool is not None:
+                pool.get(bg.address).abort()
+            return
+        self._stash.append(batch)
+
+    async def flush_acks(self) -> None:
+        """Send the pending acks of every broker group as ACK requests."""
+        for tracker in list(self.trackers.values()):
+            if tracker.pending:
+                await self._send_acks(tracker)
+
+    async def _send_acks(self, tracker: AckTracker) -> None:
+        meta, pool = self._ctx.started()
+        bg = meta.groups.get(tracker.broker_group)
+        if bg is None:
+            return  # kept pending until the broker group is available again
+        ranges = tracker.take()
+        if not ranges:
+            return
+        header = {
+            "subject": self.subject,
+            "group": self.group,
+            "consumer_id": self._ctx.consumer_id,
+            "ranges": ranges,
+        }
+        try:
+            async with asyncio.timeout(self._ctx.options.request_timeout_ms / 1000):
+                frame = await pool.get(bg.address).request(RequestCode.ACK, header)
+        except (ConnectionLostError, TimeoutError) as exc:
+            tracker.requeue(ranges)
+            log.debug("acks to broker group %s wait for the next request: %s", bg.name, exc)
+            return
+        except asyncio.CancelledError:
+            tracker.requeue(ranges)
+            raise
+        except QmqError as exc:
+            log.error("broker group %s refused acks of %r/%s: %s", bg.name, self.subject, self.group, exc)
+            return
+        offset = frame.header.get("ack_offset")
+        if isinstance(offset, int):
+            tracker.ack_offset = offset

@@ -1,0 +1,295 @@
+"""Incoming messages: ``ReceivedMessage`` over a slice of a pull response, the ``Batch`` a
+pull returns, and the parser that turns the response body into them.
+
+A pull response body is stored records back to back (``qmq.protocol.record``). Parsing
+reads two fixed headers per record with ``struct.unpack_from`` and keeps offsets into the
+body; the message id, properties, tags and body are decoded only when asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Generator, Iterable
+from datetime import UTC, datetime
+from typing import Any, Generic, TypeVar
+
+import crc32c
+
+from qmq.client.acks import AckTracker
+from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.message import HEADER, HEADER_BYTES, VERSION, PropertyValue, decode_properties, decode_tags
+from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+
+log = logging.getLogger(__name__)
+
+# Fields of the message header tuple (qmq.protocol.message.HEADER).
+_SLEN, _ILEN, _TLEN, _CREATED, _TIMES, _PLEN, _BLEN = 2, 3, 5, 6, 8, 10, 11
+
+
+class Acked:
+    """What ``ack()`` returns: already done, and awaitable so ``await m.ack()`` reads naturally."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield  # makes this a generator function; never reached
+
+    def __repr__(self) -> str:
+        return "<acked>"
+
+
+ACKED = Acked()
+
+
+class ReceivedBase:
+    """The fields of a received message; the asyncio and blocking SDKs add ``ack``/``nack``."""
+
+    __slots__ = (
+        "_buf",
+        "_h",
+        "_len",
+        "_offset",
+        "_pos",
+        "_props",
+        "_settled",
+        "_tracker",
+        "sequence",
+        "stored_ms",
+        "subject",
+    )
+
+    def __init__(
+        self,
+        buf: bytes,
+        pos: int,
+        length: int,
+        header: tuple[Any, ...],
+        sequence: int,
+        stored_ms: int,
+        offset: int,
+        subject: str,
+        tracker: AckTracker,
+    ) -> None:
+        self._buf = buf
+        self._pos = pos
+        self._len = length
+        self._h = header
+        self.sequence = sequence
+        """The message's place in its subject's consume log."""
+        self.stored_ms = stored_ms
+        self._offset = offset
+        self.subject = subject
+        """The subject it was sent to (for a retried message, the original subject)."""
+        self._tracker = tracker
+        self._props: dict[str, PropertyValue] | None = None
+        self._settled = False
+
+    @property
+    def message_id(self) -> str:
+        h = self._h
+        start = self._pos + HEADER_BYTES + h[_SLEN]
+        return self._buf[start : start + h[_ILEN]].decode("utf-8")
+
+    @property
+    def body(self) -> bytes:
+        h = self._h
+        start = self._pos + HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN] + h[_PLEN]
+        return self._buf[start : start + h[_BLEN]]
+
+    @property
+    def properties(self) -> dict[str, PropertyValue]:
+        props = self._props
+        if props is None:
+            h = self._h
+            plen = h[_PLEN]
+            if plen:
+                start = self._pos + HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN]
+                props = decode_properties(self._buf[start : start + plen])
+            else:
+                props = {}
+            self._props = props
+        return props
+
+    def get_property(self, key: str, default: PropertyValue | None = None) -> PropertyValue | None:
+        return self.properties.get(key, default)
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        h = self._h
+        tlen = h[_TLEN]
+        if not tlen:
+            return ()
+        start = self._pos + HEADER_BYTES + h[_SLEN] + h[_ILEN]
+        return tuple(decode_tags(self._buf[start : start + tlen]))
+
+    @property
+    def times(self) -> int:
+        """Delivery attempt: 1 for a first delivery, n + 1 after n failures."""
+        return int(self._h[_TIMES]) + 1
+
+    @property
+    def created_ms(self) -> int:
+        return int(self._h[_CREATED])
+
+    @property
+    def created_at(self) -> datetime:
+        return datetime.fromtimestamp(self._h[_CREATED] / 1000, tz=UTC)
+
+    @property
+    def stored_at(self) -> datetime:
+        return datetime.fromtimestamp(self.stored_ms / 1000, tz=UTC)
+
+    @property
+    def pull_offset(self) -> int:
+        """Where it sits in this consumer's pull log (what an ack records)."""
+        return self._offset
+
+    @property
+    def encoded(self) -> bytes:
+        """The message exactly as the producer encoded it (for re-sending to %RETRY%)."""
+        return self._buf[self._pos : self._pos + self._len]
+
+    @property
+    def settled(self) -> bool:
+        """Whether it was acknowledged or failed already."""
+        return self._settled
+
+    def _ack_now(self) -> None:
+        if not self._settled:
+            self._settled = True
+            self._tracker.ack(self._offset)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(subject={self.subject!r}, message_id={self.message_id!r}, "
+            f"times={self.times}, sequence={self.sequence}, body={self._h[_BLEN]} bytes)"
+        )
+
+
+def _log_nack_failure(task: asyncio.Task[None]) -> None:
+    # Marks the exception retrieved, so a nack nobody awaited still leaves a trace.
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("failing a message (re-send to its retry subject) did not succeed: %s", exc)
+
+
+class ReceivedMessage(ReceivedBase):
+    """A message from a pull (asyncio SDK): read its fields, then ``ack()`` or ``nack()`` it."""
+
+    __slots__ = ()
+
+    def ack(self) -> Acked:
+        """Record it as done; sent to the broker with the next pull or within ``ack_flush_ms``."""
+        self._ack_now()
+        return ACKED
+
+    def nack(self, exc: BaseException | None = None) -> Awaitable[None]:
+        """Fail it: it comes back later with ``times + 1`` (after ``max_retries``, to %DEAD_RETRY%).
+
+        Returns a task that finishes once the retry copy is stored and this one acknowledged.
+        """
+        if self._settled or self._tracker.on_nack is None:
+            return ACKED
+        self._settled = True
+        task = asyncio.ensure_future(self._tracker.on_nack(self, exc))
+        task.add_done_callback(_log_nack_failure)
+        return task
+
+
+M = TypeVar("M", bound=ReceivedBase)
+
+
+class BatchBase(list[M], Generic[M]):
+    """A list of received messages that can be acknowledged together."""
+
+    def _ack_all_now(self) -> None:
+        tracker: AckTracker | None = None
+        offsets: list[int] = []
+        for m in self:
+            if m._settled:
+                continue
+            m._settled = True
+            if m._tracker is not tracker:
+                if tracker is not None and offsets:
+                    tracker.ack_many(offsets)
+                    offsets = []
+                tracker = m._tracker
+            offsets.append(m._offset)
+        if tracker is not None and offsets:
+            tracker.ack_many(offsets)
+
+
+class Batch(BatchBase[ReceivedMessage]):
+    """What ``PullConsumer.pull`` returns: a list of ``ReceivedMessage`` with ``ack_all()``."""
+
+    def ack_all(self) -> Acked:
+        """Acknowledge every message of the batch not acknowledged or failed yet."""
+        self._ack_all_now()
+        return ACKED
+
+
+def parse_runs(runs: object) -> list[tuple[int, int]]:
+    """The ``runs`` of a PULL response, checked: ``[[pull_offset, count], ...]``."""
+    if not isinstance(runs, list):
+        raise RemoteProtocolError(f"PULL response 'runs' must be a list, got {type(runs).__name__}")
+    out: list[tuple[int, int]] = []
+    for run in runs:
+        if (
+            not isinstance(run, list | tuple)
+            or len(run) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in run)
+        ):
+            raise RemoteProtocolError(f"PULL response run {run!r} is not [pull_offset, count]")
+        out.append((run[0], run[1]))
+    return out
+
+
+def parse_records(
+    body: bytes,
+    runs: Iterable[tuple[int, int]],
+    subject: str,
+    tracker: AckTracker,
+    into: BatchBase[M],
+    make: type[M],
+    check_crc: bool = True,
+) -> None:
+    """Append one ``make(...)`` per record of a PULL response body to ``into``.
+
+    Raises RemoteProtocolError when the body does not hold exactly the records ``runs``
+    announce, or a record is damaged.
+    """
+    append = into.append
+    unpack_record = RECORD_HEADER.unpack_from
+    unpack_message = HEADER.unpack_from
+    crc = crc32c.crc32c
+    view = memoryview(body) if check_crc else None
+    end = len(body)
+    pos = 0
+    for pull_offset, count in runs:
+        for k in range(count):
+            if end - pos < RECORD_HEADER_BYTES:
+                raise RemoteProtocolError(
+                    f"PULL response body ends at byte {end} inside record {pull_offset + k}'s header"
+                )
+            magic, record_crc, length, sequence, stored_ms = unpack_record(body, pos)
+            mpos = pos + RECORD_HEADER_BYTES
+            mend = mpos + length
+            if magic != RECORD_MAGIC or length < HEADER_BYTES or mend > end:
+                raise RemoteProtocolError(
+                    f"PULL response record at byte {pos} (pull offset {pull_offset + k}) is malformed: "
+                    f"magic 0x{magic:08X}, length {length}, body {end} bytes"
+                )
+            if view is not None and crc(view[pos + 8 : mend]) != record_crc:
+                raise RemoteProtocolError(
+                    f"PULL response record at byte {pos} (sequence {sequence}) fails its CRC32C check"
+                )
+            h = unpack_message(body, mpos)
+            if h[0] != VERSION or HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN] + h[_PLEN] + h[_BLEN] != length:
+                raise RemoteProtocolError(
+                    f"PULL response record at byte {pos} (sequence {sequence}) holds a malformed message"
+                )
+            append(make(body, mpos, length, h, sequence, stored_ms, pull_offset + k, subject, tracker))
+            pos = mend
+    if pos != end:
+        raise RemoteProtocolError(f"PULL response body has {end - pos} bytes after the records its runs announce")

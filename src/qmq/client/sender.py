@@ -1,0 +1,238 @@
+"""The producer's sender: one loop per available broker group turning the accumulator's
+messages into SEND_MESSAGES frames, with at most ``max_in_flight`` frames outstanding per
+group, and the retry of whole frames.
+
+There is no linger by default: a lone message goes at once, and messages that arrive while
+frames are in flight coalesce into the next frame. A frame refused as a whole for a reason
+that may pass (BUSY, DISK_FULL, SHUTTING_DOWN, NOT_MASTER, a lost connection) is sent again
+with the same bytes (the same message ids, so the broker drops what it already stored),
+with backoff, to the next broker group of the route when there is one, until
+``send_timeout_ms`` after the oldest message entered the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from qmq.client.accumulator import ENCODED, ENQUEUED_AT, MESSAGE_ID, WAITER, Accumulator, Entry, RouteKey
+from qmq.client.connection import ConnectionPool
+from qmq.client.meta import MetaClient
+from qmq.client.options import ProducerOptions
+from qmq.common.errors import BrokerError, ConnectionLostError, QmqError, SendError
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.errors import status_name
+
+log = logging.getLogger(__name__)
+
+_INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
+
+
+@dataclass(slots=True)
+class ProducerStats:
+    """Counters of one producer since it started."""
+
+    frames_sent: int = 0  # SEND_MESSAGES requests written, retries included
+    messages_sent: int = 0  # messages in those frames
+    messages_stored: int = 0  # messages the broker stored (duplicates included)
+    duplicates: int = 0  # messages the broker had already stored (a retry after a lost answer)
+    messages_failed: int = 0  # messages whose send raised SendError
+    retries: int = 0  # frames sent again after a retriable failure
+
+
+def fail_entries(entries: list[Entry], reason: str, *, retriable: bool) -> None:
+    """Fail every waiter of ``entries`` with a SendError naming its message."""
+    for e in entries:
+        w = e[WAITER]
+        if not w.done():
+            with contextlib.suppress(*_INVALID_STATE):
+                w.set_exception(SendError(reason, e[MESSAGE_ID], retriable=retriable))
+
+
+class Sender:
+    """Sender loops of one producer, one per available broker group."""
+
+    def __init__(
+        self,
+        acc: Accumulator,
+        meta: MetaClient,
+        pool: ConnectionPool,
+        options: ProducerOptions,
+        stats: ProducerStats,
+    ) -> None:
+        self._acc = acc
+        self._meta = meta
+        self._pool = pool
+        self._opts = options
+        self.stats = stats
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self.ready: dict[str, asyncio.Event] = {}
+        self._batches: set[asyncio.Task[None]] = set()
+
+    def reconcile(self) -> None:
+        """Start a loop for each available broker group, stop those of groups gone."""
+        groups = self._meta.groups
+        for name in groups:
+            if name not in self._loops:
+                self.ready[name] = asyncio.Event()
+                self._loops[name] = asyncio.ensure_future(self._run(name))
+        for name in [n for n in self._loops if n not in groups]:
+            self._loops.pop(name).cancel()
+            self.ready.pop(name, None)
+        self.wake_all()
+
+    def wake(self, key: RouteKey) -> None:
+        ready = self.ready
+        for group in key:
+            ev = ready.get(group)
+            if ev is not None:
+                ev.set()
+
+    def wake_all(self) -> None:
+        for ev in self.ready.values():
+            ev.set()
+
+    async def _run(self, group: str) -> None:
+        acc = self._acc
+        opts = self._opts
+        ready = self.ready[group]
+        slots = asyncio.Semaphore(opts.max_in_flight)
+        linger_s = opts.linger_ms / 1000
+        while True:
+            await slots.acquire()
+            batch = acc.drain(group, opts.batch_messages_max, opts.batch_bytes_max)
+            while batch is None:
+                ready.clear()
+                await ready.wait()
+                if linger_s:
+                    await asyncio.sleep(linger_s)  # the linger policy: let a batch fill for this long
+                batch = acc.drain(group, opts.batch_messages_max, opts.batch_bytes_max)
+            key, entries = batch
+            task = asyncio.ensure_future(self._send(group, key, entries))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+            task.add_done_callback(lambda _: slots.release())
+
+    async def _send(self, group: str, key: RouteKey, entries: list[Entry]) -> None:
+        loop = asyncio.get_running_loop()
+        opts = self._opts
+        stats = self.stats
+        body = [e[ENCODED] for e in entries]
+        deadline = min(e[ENQUEUED_AT] for e in entries) + opts.send_timeout_ms / 1000
+        target = group
+        backoff_s = opts.retry_backoff_ms / 1000
+        try:
+            while True:
+                try:
+                    bg = self._meta.groups.get(target)
+                    if bg is None:
+                        raise ConnectionLostError(f"broker group {target} is not available (per the meta server)")
+                    conn = self._pool.get(bg.address)
+                    stats.frames_sent += 1
+                    stats.messages_sent += len(entries)
+                    async with asyncio.timeout_at(deadline):
+                        frame = await conn.request(RequestCode.SEND_MESSAGES, {}, body)
+                except TimeoutError:
+                    self._fail(
+                        entries,
+                        f"no answer from broker group {target} within send_timeout_ms={opts.send_timeout_ms}; "
+                        "the message may or may not be stored",
+                        retriable=True,
+                    )
+                    return
+                except (BrokerError, ConnectionLostError) as exc:
+                    if not exc.retriable:
+                        self._fail(entries, f"broker group {target} refused the batch: {exc}", retriable=False)
+                        return
+                    if isinstance(exc, BrokerError) and exc.status == Status.NOT_MASTER:
+                        self._meta.refresh_soon()
+                    if loop.time() + backoff_s >= deadline:
+                        self._fail(
+                            entries,
+                            f"not stored within send_timeout_ms={opts.send_timeout_ms}; "
+                            f"last failure, from broker group {target}: {exc}",
+                            retriable=True,
+                        )
+                        return
+                    log.debug("retrying a batch of %d after %s", len(entries), exc)
+                    stats.retries += 1
+                    await asyncio.sleep(backoff_s)  # retry backoff, bounded by the deadline above
+                    backoff_s = min(backoff_s * 2, opts.retry_backoff_ms_max / 1000)
+                    target = self._next_group(key, target)
+                    continue
+                except QmqError as exc:
+                    self._fail(entries, f"broker group {target} refused the batch: {exc}", retriable=False)
+                    return
+                self._complete(entries, frame.header, target)
+                return
+        except asyncio.CancelledError:
+            self._fail(
+                entries, "the producer closed while sending; the message may or may not be stored", retriable=True
+            )
+            raise
+        finally:
+            self._acc.release(entries)
+
+    def _next_group(self, key: RouteKey, failed: str) -> str:
+        """The route's next available group after ``failed`` (itself when it is the only one)."""
+        names = [g.name for g in self._meta.available(key)]
+        if not names:
+            return failed
+        if failed not in names:
+            return names[0]
+        return names[(names.index(failed) + 1) % len(names)]
+
+    def _fail(self, entries: list[Entry], reason: str, *, retriable: bool) -> None:
+        self.stats.messages_failed += len(entries)
+        fail_entries(entries, reason, retriable=retriable)
+
+    def _complete(self, entries: list[Entry], header: dict[str, object], group: str) -> None:
+        errors = header.get("errors") or []
+        failed: dict[int, tuple[int, str]] = {}
+        if isinstance(errors, list):
+            for item in errors:
+                if isinstance(item, list) and len(item) == 3 and isinstance(item[0], int):
+                    failed[item[0]] = (int(item[1]), str(item[2]))
+                else:
+                    log.warning("broker group %s sent a malformed send error %r", group, item)
+        dups = header.get("duplicates", 0)
+        stats = self.stats
+        stats.duplicates += dups if isinstance(dups, int) else 0
+        stats.messages_stored += len(entries) - len(failed)
+        stats.messages_failed += len(failed)
+        for i, e in enumerate(entries):
+            w = e[WAITER]
+            if w.done():
+                continue
+            try:
+                if failed and i in failed:
+                    status, text = failed[i]
+                    w.set_exception(
+                        SendError(
+                            f"broker group {group} refused it: {status_name(status)}: {text}",
+                            e[MESSAGE_ID],
+                            retriable=False,
+                        )
+                    )
+                else:
+                    w.set_result(None)
+            except _INVALID_STATE:
+                pass  # cancelled by its caller meanwhile (another thread, in the blocking SDK)
+
+    async def close(self) -> None:
+        """Stop the loops; cancel the frames still in flight (their messages fail)."""
+        loops, self._loops = list(self._loops.values()), {}
+        for t in loops:
+            t.cancel()
+        batches = list(self._batches)
+        for t in batches:
+            t.cancel()
+        await asyncio.gather(*loops, *batches, return_exceptions=True)
+
+    async def wait_batches(self) -> None:
+        """Wait for the frames in flight now (used by flush before close)."""
+        if self._batches:
+            await asyncio.gather(*list(self._batches), return_exceptions=True)
