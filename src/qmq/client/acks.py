@@ -11,8 +11,9 @@ everything else runs on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 # An ACK header of this many ranges stays far below frame_header_bytes_max (~12 bytes a range).
@@ -60,6 +61,7 @@ class AckTracker:
         "ack_offset",
         "broker_group",
         "group",
+        "loop",
         "on_nack",
         "origin_subject",
         "subject",
@@ -71,7 +73,7 @@ class AckTracker:
         subject: str,
         group: str,
         origin_subject: str,
-        on_nack: Callable[[Any, BaseException | None], Awaitable[None]] | None = None,
+        on_nack: Callable[[Any, BaseException | None], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.broker_group = broker_group
         self.subject = subject
@@ -79,6 +81,8 @@ class AckTracker:
         # The subject users subscribed to; differs from ``subject`` on %RETRY% subjects.
         self.origin_subject = origin_subject
         self.on_nack = on_nack
+        # The event loop ``on_nack`` runs on, for a nack from another thread (blocking SDK).
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.ack_offset = -1  # the broker's contiguous acknowledged prefix, when last told
         self._lock = threading.Lock()
         self._offsets: list[int] = []

@@ -28,7 +28,7 @@ from qmq.client.options import (
     check_url,
 )
 from qmq.client.sender import ProducerStats, Sender, fail_entries
-from qmq.common.errors import SendError
+from qmq.common.errors import BufferFullError, SendError
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +299,13 @@ class Producer:
         """Messages buffered or in flight now."""
         return self._acc.count
 
-    def has_room(self, nbytes: int) -> bool:
-        return self._acc.has_room(nbytes)
+    def has_room(self, nbytes: int, extra_messages: int = 0, extra_bytes: int = 0) -> bool:
+        """Whether a message of ``nbytes`` fits, with ``extra_*`` more already promised."""
+        acc = self._acc
+        return acc.count + extra_messages < acc.messages_max and acc.nbytes + extra_bytes + nbytes <= acc.bytes_max
+
+    def full_error(self, nbytes: int, message_id: str | None = None) -> BufferFullError:
+        return self._acc.full_error(nbytes, message_id)
 
     def _not_open(self) -> SendError:
         if self._state == "new":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
@@ -43,7 +43,7 @@ class ConsumerContext:
     consumer_id: str
     options: ConsumerOptions
     connect_options: ConnectOptions
-    on_nack: Callable[[Any, BaseException | None], Awaitable[None]]
+    on_nack: Callable[[Any, BaseException | None], Coroutine[Any, Any, None]]
     meta: MetaClient | None = None
     pool: ConnectionPool | None = None
     pullers: list[SubjectPuller[Any]] = field(default_factory=list)
@@ -94,6 +94,7 @@ class SubjectPuller(Generic[M]):
         t = self.trackers.get(broker_group)
         if t is None:
             t = AckTracker(broker_group, self.subject, self.group, self.origin_subject, self._ctx.on_nack)
+            t.loop = asyncio.get_running_loop()
             self.trackers[broker_group] = t
         return t
 

@@ -1,0 +1,365 @@
+"""The asyncio consumer: pull consumers, listeners, the ack flusher, and failing messages to
+their retry or dead-letter subject.
+
+A ``Consumer`` is one consumer id: every pull it makes carries that id, so the broker keeps
+one pull log per (subject, consumer group, consumer id). No ordering is promised within a
+consumer group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from qmq.client.connection import ConnectionPool
+from qmq.client.listener import Listener
+from qmq.client.message import subject_bytes
+from qmq.client.meta import MetaClient
+from qmq.client.options import (
+    DEFAULT_CONNECT,
+    DEFAULT_CONSUMER,
+    ConnectOptions,
+    ConsumerOptions,
+    StartFrom,
+    check_identifier,
+    check_int,
+    check_start_from,
+    check_url,
+)
+from qmq.client.producer import Producer
+from qmq.client.puller import ConsumerContext, SubjectPuller
+from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
+from qmq.common.errors import ConfigError, QmqError
+from qmq.common.limits import DEFAULT_LIMITS
+from qmq.common.naming import dead_subject, retry_subject
+from qmq.protocol.message import with_times
+
+log = logging.getLogger(__name__)
+
+_State = Literal["new", "open", "closing", "closed"]
+_PREFETCH_DEFAULT_MIN = 256
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def check_pull_args(max_messages: object, timeout_ms: object) -> tuple[int, int]:
+    limits = DEFAULT_LIMITS
+    return (
+        check_int("max_messages", max_messages, 1, limits.pull_messages_max),
+        check_int("timeout_ms", timeout_ms, 0, limits.pull_timeout_ms_max),
+    )
+
+
+def is_async_function(fn: object) -> bool:
+    # A plain bool (not the TypeGuard of inspect's), so the decorated type passes through.
+    return inspect.iscoroutinefunction(fn)
+
+
+class PullConsumerBase:
+    """Pulls of one subject for one consumer group, with its retry subject looked at too."""
+
+    def __init__(self, main: SubjectPuller[Any], retry: SubjectPuller[Any], retry_interval_ms: int) -> None:
+        self.subject = main.subject
+        self.group = main.group
+        self.start_from = main.start_from
+        self._main = main
+        self._retry = retry
+        self._retry_interval_s = retry_interval_ms / 1000
+        self._next_retry_check = 0.0
+
+    async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
+        max_messages, timeout_ms = check_pull_args(max_messages, timeout_ms)
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._next_retry_check:
+            # Retried messages are few: a look without waiting, every retry_pull_interval_ms
+            # (and again at once while it finds some).
+            try:
+                batch = await self._retry.pull(max_messages, 0)
+            except QmqError as exc:
+                log.debug("pull of retry subject %r failed: %s", self._retry.subject, exc)
+                batch = None
+            if batch:
+                return batch
+            self._next_retry_check = loop.time() + self._retry_interval_s
+        return await self._main.pull(max_messages, timeout_ms)
+
+    @property
+    def pulled(self) -> int:
+        """Messages returned by pulls so far."""
+        return self._main.messages + self._retry.messages
+
+
+class PullConsumer(PullConsumerBase):
+    """``await pull()`` batches of one subject as one member of a consumer group."""
+
+    async def pull(self, max_messages: int = 100, timeout_ms: int = 1_000) -> Batch:
+        """Up to ``max_messages`` messages, waiting up to ``timeout_ms`` for the first (long poll).
+
+        Returns an empty ``Batch`` when none came in time. Acknowledge each message with
+        ``m.ack()`` (or the whole batch with ``batch.ack_all()``), or fail it with ``m.nack()``.
+        """
+        batch = await self._pull(max_messages, timeout_ms)
+        assert isinstance(batch, Batch)
+        return batch
+
+
+class Consumer:
+    """Consumes messages of a qmq cluster (asyncio), as one consumer id.
+
+    Use as ``async with Consumer(app_code=..., meta_server=...) as consumer:``. Every option
+    is a keyword with a default; a bad value raises ``qmq.ConfigError`` naming it.
+    """
+
+    def __init__(
+        self,
+        *,
+        app_code: str,
+        meta_server: str,
+        consumer_id: str | None = None,
+        ack_flush_ms: int = DEFAULT_CONSUMER.ack_flush_ms,
+        max_retries: int = DEFAULT_CONSUMER.max_retries,
+        request_timeout_ms: int = DEFAULT_CONSUMER.request_timeout_ms,
+        retry_pull_interval_ms: int = DEFAULT_CONSUMER.retry_pull_interval_ms,
+        check_crc: bool = DEFAULT_CONSUMER.check_crc,
+        connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
+        meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
+        close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+    ) -> None:
+        self.app_code = check_identifier("app_code", app_code)
+        self.meta_server = check_url("meta_server", meta_server)
+        if consumer_id is not None and not isinstance(consumer_id, str):
+            raise ConfigError(f"consumer_id={consumer_id!r} must be a string")
+        self.options = ConsumerOptions(
+            consumer_id=consumer_id or "",
+            ack_flush_ms=ack_flush_ms,
+            max_retries=max_retries,
+            request_timeout_ms=request_timeout_ms,
+            retry_pull_interval_ms=retry_pull_interval_ms,
+            check_crc=check_crc,
+        )
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.consumer_id = self.options.consumer_id
+        self._ctx = ConsumerContext(
+            self.app_code, self.consumer_id, self.options, self.connect_options, self._fail_message
+        )
+        self._state: _State = "new"
+        self._producer: Producer | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._pull_consumers: dict[tuple[str, str], PullConsumerBase] = {}
+        self._listeners: list[Listener[Any]] = []
+
+    async def start(self) -> None:
+        """Ask the meta server for the brokers and start the listeners registered so far."""
+        if self._state == "open":
+            return
+        if self._state != "new":
+            raise QmqError("this consumer is closed; make a new one")
+        meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+        await meta.start()
+        pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+        self._ctx.meta, self._ctx.pool = meta, pool
+        self._producer = Producer._sharing(self.app_code, self.meta_server, meta, pool, self.connect_options)
+        await self._producer.start()
+        self._flusher = asyncio.ensure_future(self._flush_loop())
+        self._state = "open"
+        for listener in self._listeners:
+            listener.start()
+
+    async def __aenter__(self) -> Consumer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def pull_consumer(self, subject: str, group: str, start_from: StartFrom = "latest") -> PullConsumer:
+        """A pull consumer of ``subject`` in consumer ``group`` (the same one for the same pair).
+
+        ``start_from`` says where a group that has never pulled starts: the next message
+        sent ("latest") or the oldest one kept ("earliest").
+        """
+        pc = self._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumer)
+        assert isinstance(pc, PullConsumer)
+        return pc
+
+    def _pull_consumer(
+        self,
+        subject: str,
+        group: str,
+        start_from: StartFrom,
+        make: type[M],
+        batch_cls: type[BatchBase[M]],
+        cls: type[PullConsumerBase],
+    ) -> PullConsumerBase:
+        subject_bytes(subject)  # raises InvalidSubjectError naming a bad subject
+        check_identifier("consumer group", group)
+        start_from = check_start_from(start_from)
+        pc = self._pull_consumers.get((subject, group))
+        if pc is None:
+            main, retry = self._pullers(subject, group, start_from, make, batch_cls)
+            pc = cls(main, retry, self.options.retry_pull_interval_ms)
+            self._pull_consumers[(subject, group)] = pc
+        elif pc.start_from != start_from:
+            raise ConfigError(
+                f"pull consumer of {subject!r} in group {group!r} exists with start_from={pc.start_from!r}; "
+                f"start_from={start_from!r} cannot apply to it"
+            )
+        return pc
+
+    def _pullers(
+        self, subject: str, group: str, start_from: StartFrom, make: type[M], batch_cls: type[BatchBase[M]]
+    ) -> tuple[SubjectPuller[M], SubjectPuller[M]]:
+        main = SubjectPuller(self._ctx, subject, group, start_from, subject, make, batch_cls)
+        # Every message ever failed must come back, however late the group started.
+        retry = SubjectPuller(self._ctx, retry_subject(subject, group), group, "earliest", subject, make, batch_cls)
+        return main, retry
+
+    def listener(
+        self,
+        subject: str,
+        group: str,
+        *,
+        start_from: StartFrom = "latest",
+        concurrency: int = 32,
+        prefetch: int | None = None,
+    ) -> Callable[[F], F]:
+        """Decorate an ``async def handler(message)`` called for every message of ``subject``.
+
+        Returning acknowledges the message; raising fails it (it comes back with ``times + 1``,
+        after ``max_retries`` failures it goes to ``%DEAD_RETRY%<subject>%<group>``). At most
+        ``concurrency`` handlers run at once and at most ``prefetch`` messages (default: the
+        larger of 256 and twice ``concurrency``) are pulled ahead.
+        """
+
+        def register(handler: F) -> F:
+            if not is_async_function(handler):
+                raise ConfigError(
+                    f"listener handler {getattr(handler, '__name__', handler)!r} must be an `async def` "
+                    "function; for plain functions use the blocking qmq.Consumer"
+                )
+            self.add_listener(
+                subject, group, handler, start_from=start_from, concurrency=concurrency, prefetch=prefetch
+            )
+            return handler
+
+        return register
+
+    def add_listener(
+        self,
+        subject: str,
+        group: str,
+        handler: Callable[[ReceivedMessage], Awaitable[object]],
+        *,
+        start_from: StartFrom = "latest",
+        concurrency: int = 32,
+        prefetch: int | None = None,
+    ) -> Listener[ReceivedMessage]:
+        """The same as ``@listener(...)`` without the decorator; starts at once on an open consumer."""
+        return self._add_listener(subject, group, handler, ReceivedMessage, Batch, start_from, concurrency, prefetch)
+
+    def _add_listener(
+        self,
+        subject: str,
+        group: str,
+        handler: Callable[[M], Awaitable[object]],
+        make: type[M],
+        batch_cls: type[BatchBase[M]],
+        start_from: StartFrom,
+        concurrency: int,
+        prefetch: int | None,
+    ) -> Listener[M]:
+        subject_bytes(subject)
+        check_identifier("consumer group", group)
+        start_from = check_start_from(start_from)
+        check_int("concurrency", concurrency, 1, 10_000)
+        if prefetch is None:
+            prefetch = min(max(_PREFETCH_DEFAULT_MIN, 2 * concurrency), DEFAULT_LIMITS.pull_messages_max)
+        check_int("prefetch", prefetch, 1, DEFAULT_LIMITS.pull_messages_max)
+        if self._state in ("closing", "closed"):
+            raise QmqError("this consumer is closed; make a new one")
+        main, retry = self._pullers(subject, group, start_from, make, batch_cls)
+        listener: Listener[M] = Listener(
+            subject,
+            group,
+            handler,
+            main,
+            retry,
+            self._fail_message,
+            start_from=start_from,
+            concurrency=concurrency,
+            prefetch=prefetch,
+        )
+        self._listeners.append(listener)
+        if self._state == "open":
+            listener.start()
+        return listener
+
+    async def _fail_message(self, m: ReceivedBase, exc: BaseException | None) -> None:
+        """Re-send ``m`` to its retry (or dead-letter) subject with ``times + 1``, then ack it."""
+        producer = self._producer
+        if producer is None:
+            raise QmqError("the consumer is not started")
+        tracker = m._tracker
+        subject, group = tracker.origin_subject, tracker.group
+        attempt = m.times
+        target = dead_subject(subject, group) if attempt > self.options.max_retries else retry_subject(subject, group)
+        encoded = with_times(m.encoded, attempt, subject=subject_bytes(target))
+        await producer.send_encoded(target, encoded, m.message_id)
+        if target.startswith("%DEAD"):
+            log.warning(
+                "message %s of %r failed %d time(s) in group %s; sent to %s (last error: %r)",
+                m.message_id,
+                subject,
+                attempt,
+                group,
+                target,
+                exc,
+            )
+        tracker.ack(m._offset)
+
+    async def _flush_loop(self) -> None:
+        interval_s = self.options.ack_flush_ms / 1000
+        while True:
+            await asyncio.sleep(interval_s)  # the ack flush period, not a readiness wait
+            await self._flush_acks()
+
+    async def _flush_acks(self) -> None:
+        pending = [p for p in self._ctx.pullers if any(t.pending for t in p.trackers.values())]
+        if pending:
+            await asyncio.gather(*(p.flush_acks() for p in pending), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop listeners (handlers running finish, up to ``close_timeout_ms``), send the last acks."""
+        if self._state in ("closing", "closed"):
+            return
+        if self._state == "new":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        timeout_s = self.connect_options.close_timeout_ms / 1000
+        await asyncio.gather(*(listener.stop(timeout_s) for listener in self._listeners))
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._flush_acks()
+        if self._producer is not None:
+            await self._producer.close()
+        self._ctx.closed = True
+        if self._ctx.meta is not None:
+            await self._ctx.meta.close()
+        if self._ctx.pool is not None:
+            await self._ctx.pool.close()
+        self._state = "closed"
+
+    @property
+    def listeners(self) -> list[Listener[Any]]:
+        return list(self._listeners)

@@ -1,0 +1,180 @@
+"""Listeners: a handler called for every message of a subject, acknowledged on return.
+
+One listener runs two pull loops (the subject, and its ``%RETRY%<subject>%<group>`` subject
+from the earliest message) that feed one queue, and ``concurrency`` worker tasks that take
+messages from it: no task per message. At most ``prefetch`` messages are in the
+application (queued or being handled) at once; the loops pull only the room that is left.
+
+A handler that raises fails its message: the consumer re-sends it with ``times + 1`` to the
+retry subject (after ``max_retries`` failures, to ``%DEAD_RETRY%``) and then acknowledges
+the original. Retried messages come back as soon as they are pulled; a growing back-off
+between attempts arrives with the delay server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Generic
+
+from qmq.client.options import StartFrom
+from qmq.client.puller import SubjectPuller
+from qmq.client.received import M
+from qmq.common.errors import QmqError
+
+log = logging.getLogger(__name__)
+
+# Long-poll time of a listener's pulls; short enough that a closing consumer is not held.
+_POLL_MS = 5_000
+_BACKOFF_S_MIN = 0.1
+_BACKOFF_S_MAX = 5.0
+
+
+class Listener(Generic[M]):
+    """The pull loops and workers behind one ``@consumer.listener`` handler."""
+
+    def __init__(
+        self,
+        subject: str,
+        group: str,
+        handler: Callable[[M], Awaitable[object]],
+        main: SubjectPuller[M],
+        retry: SubjectPuller[M],
+        fail: Callable[[M, BaseException], Awaitable[None]],
+        *,
+        start_from: StartFrom,
+        concurrency: int,
+        prefetch: int,
+    ) -> None:
+        self.subject = subject
+        self.group = group
+        self.start_from = start_from
+        self.concurrency = concurrency
+        self.prefetch = prefetch
+        self._handler = handler
+        self._fail = fail
+        self._pullers = (main, retry)
+        self._queue: asyncio.Queue[M] = asyncio.Queue()
+        self._in_app = 0
+        self._room = asyncio.Event()
+        self._room.set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._workers: list[asyncio.Task[None]] = []
+        self._busy: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self.handled = 0
+        self.failed = 0
+
+    @property
+    def running(self) -> bool:
+        return bool(self._workers)
+
+    def start(self) -> None:
+        if self._workers:
+            return
+        self._stopping = False
+        self._loops = [asyncio.ensure_future(self._pull_loop(p)) for p in self._pullers]
+        self._workers = [asyncio.ensure_future(self._work()) for _ in range(self.concurrency)]
+
+    async def _pull_loop(self, puller: SubjectPuller[M]) -> None:
+        # Pull again once the application is down to half the prefetch: batches stay large.
+        low_water = self.prefetch // 2
+        failures = 0
+        while not self._stopping:
+            while self._in_app > low_water:
+                self._room.clear()
+                await self._room.wait()
+            room = self.prefetch - self._in_app
+            try:
+                batch = await puller.pull(room, _POLL_MS)
+            except QmqError as exc:
+                failures += 1
+                if failures == 1 or failures % 20 == 0:
+                    log.warning(
+                        "listener %s/%s: pulling %r failed %d time(s): %s",
+                        self.subject,
+                        self.group,
+                        puller.subject,
+                        failures,
+                        exc,
+                    )
+                # Bounded exponential back-off before pulling again.
+                await asyncio.sleep(min(_BACKOFF_S_MAX, _BACKOFF_S_MIN * 2 ** min(failures - 1, 10)))
+                continue
+            failures = 0
+            if not batch:
+                continue
+            self._in_app += len(batch)
+            put = self._queue.put_nowait
+            for m in batch:
+                put(m)
+
+    async def _work(self) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        queue = self._queue
+        handler = self._handler
+        while not self._stopping:
+            m = await queue.get()
+            self._busy.add(me)
+            try:
+                await handler(m)
+            except Exception as exc:
+                self.failed += 1
+                log.warning(
+                    "listener %s/%s: handler failed on message %s (attempt %d): %r",
+                    self.subject,
+                    self.group,
+                    m.message_id,
+                    m.times,
+                    exc,
+                    exc_info=exc,
+                )
+                if not m._settled:
+                    m._settled = True
+                    try:
+                        await self._fail(m, exc)
+                    except QmqError as send_exc:
+                        log.error(
+                            "listener %s/%s: message %s stays unacknowledged (re-delivered later): %s",
+                            self.subject,
+                            self.group,
+                            m.message_id,
+                            send_exc,
+                        )
+            else:
+                self.handled += 1
+                m._ack_now()
+            finally:
+                self._busy.discard(me)
+                self._in_app -= 1
+                if not self._room.is_set() and self._in_app <= self.prefetch // 2:
+                    self._room.set()
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop pulling; let handlers running now finish (up to ``timeout_s``), then cancel.
+
+        Messages pulled but not handled stay unacknowledged; the broker re-delivers them
+        to this consumer id's next session.
+        """
+        self._stopping = True
+        loops, workers = self._loops, self._workers
+        self._loops, self._workers = [], []
+        for t in loops:
+            t.cancel()
+        for t in workers:
+            if t not in self._busy:
+                t.cancel()
+        if workers:
+            _, pending = await asyncio.wait(workers, timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+        for t in [*loops, *workers]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._in_app = 0
+        self._room.set()

@@ -1,0 +1,394 @@
+"""The blocking SDK: ``from qmq import Producer, Consumer, Message`` for code without asyncio.
+
+Each object runs the asyncio SDK on its own background thread with a uvloop event loop;
+blocking calls hand a coroutine to that loop and wait with a bound. ``send_async`` does not
+block: messages are handed over in batches (one loop wake-up for many messages), and a
+``concurrent.futures.Future`` resolves when the message is stored. Listener handlers are
+plain functions run in a bounded thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+import uvloop
+
+from qmq.client.consumer import Consumer as AsyncConsumer
+from qmq.client.consumer import PullConsumerBase, check_pull_args
+from qmq.client.message import Message
+from qmq.client.options import (
+    ConnectOptions,
+    ConsumerOptions,
+    ProducerOptions,
+    StartFrom,
+    check_int,
+    option_names,
+)
+from qmq.client.producer import Producer as AsyncProducer
+from qmq.client.received import BatchBase, ReceivedBase
+from qmq.client.sender import ProducerStats
+from qmq.common.errors import ConfigError, QmqError, SendError
+
+__all__ = ["Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Added to every bounded wait for the background loop, on top of the operation's own bound.
+_MARGIN_S = 5.0
+_JOIN_TIMEOUT_S = 10.0
+_NACK_TIMEOUT_S = 60.0
+_INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
+
+
+class _IoThread:
+    """A daemon thread running one uvloop event loop for one SDK object."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run ``coro`` on the loop and wait for it, at most ``timeout_s``."""
+        if self.in_loop_thread():
+            coro.close()
+            raise RuntimeError(
+                "a blocking qmq call was made from a qmq callback (on the SDK's I/O thread), where it "
+                "would wait forever; hand the work to another thread"
+            )
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"the qmq call did not finish within {timeout_s:g} s") from None
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if not self.in_loop_thread():
+            self._thread.join(_JOIN_TIMEOUT_S)
+
+
+def _check_options(where: str, options: dict[str, Any], *classes: type[Any]) -> None:
+    known = option_names(*classes)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; known options: {', '.join(known)}")
+
+
+class Producer:
+    """Sends messages (blocking). ``send`` waits until stored; ``send_async`` returns a future.
+
+    Options are those of ``qmq.aio.Producer``. Use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, *, app_code: str, meta_server: str, **options: Any) -> None:
+        _check_options("Producer", options, ProducerOptions, ConnectOptions)
+        self._async = AsyncProducer(app_code=app_code, meta_server=meta_server, **options)
+        opts = self._async.options
+        self._send_wait_s = 2 * opts.send_timeout_ms / 1000 + _MARGIN_S
+        self._close_wait_s = 2 * self._async.connect_options.close_timeout_ms / 1000 + _MARGIN_S
+        self._lock = threading.Lock()
+        self._handoff: deque[tuple[str, bytes, str, concurrent.futures.Future[None]]] = deque()
+        self._handoff_bytes = 0
+        self._wake_pending = False
+        self._closed = False
+        self._io = _IoThread("qmq-producer-io")
+        try:
+            self._io.call(self._async.start(), self._async.connect_options.meta_timeout_ms / 1000 + _MARGIN_S)
+        except BaseException:
+            self._io.stop()
+            raise
+
+    @property
+    def stats(self) -> ProducerStats:
+        return self._async.stats
+
+    def generate_message(self, subject: str) -> Message:
+        """A new message to ``subject`` with a fresh unique message id."""
+        return Message(subject)
+
+    def send(self, message: Message) -> None:
+        """Send ``message`` and return once it is stored durably; ``qmq.SendError`` says why not."""
+        if self._closed:
+            raise SendError("the producer is closed; make a new one")
+        self._io.call(self._async.send(message), self._send_wait_s)
+
+    def send_async(
+        self,
+        message: Message,
+        on_success: Callable[[Message], object] | None = None,
+        on_failed: Callable[[Message, BaseException], object] | None = None,
+    ) -> concurrent.futures.Future[None]:
+        """Buffer ``message`` and return at once; the future resolves when it is stored.
+
+        ``on_success(message)`` or ``on_failed(message, error)`` is called on the SDK's I/O
+        thread: keep it short and never call a blocking qmq method from it. Raises
+        ``qmq.BufferFullError`` at once when the send buffer is full.
+        """
+        encoded = message.encode()
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if on_success is not None or on_failed is not None:
+            fut.add_done_callback(functools.partial(_call_back, message, on_success, on_failed))
+        n = len(encoded)
+        with self._lock:
+            if self._closed:
+                raise SendError("the producer is closed; make a new one", message.message_id)
+            # Messages handed over but not yet in the buffer count against its bounds too.
+            if not self._async.has_room(n, len(self._handoff), self._handoff_bytes):
+                raise self._async.full_error(n, message.message_id)
+            self._handoff.append((message.subject, encoded, message.message_id, fut))
+            self._handoff_bytes += n
+            wake = not self._wake_pending
+            self._wake_pending = True
+        if wake:
+            self._io.loop.call_soon_threadsafe(self._drain_handoff)
+        return fut
+
+    def _drain_handoff(self) -> None:
+        with self._lock:
+            items, self._handoff = self._handoff, deque()
+            self._handoff_bytes = 0
+            self._wake_pending = False
+        enqueue = self._async.enqueue_encoded
+        for subject, encoded, message_id, fut in items:
+            if fut.done():
+                continue  # cancelled by its caller
+            try:
+                enqueue(subject, encoded, message_id, fut)
+            except QmqError as exc:
+                with contextlib.suppress(*_INVALID_STATE):
+                    fut.set_exception(exc)
+
+    def flush(self, timeout_ms: int | None = None) -> None:
+        """Wait until every message sent before this call is stored or failed."""
+        limit_ms = self._async.options.send_timeout_ms if timeout_ms is None else timeout_ms
+        self._io.call(self._async.flush(limit_ms), limit_ms / 1000 + _MARGIN_S)
+
+    def close(self) -> None:
+        """Send what is buffered (up to ``close_timeout_ms``), then stop the I/O thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._io.call(self._async.close(), self._close_wait_s)
+        finally:
+            self._io.stop()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _call_back(
+    message: Message,
+    on_success: Callable[[Message], object] | None,
+    on_failed: Callable[[Message, BaseException], object] | None,
+    fut: concurrent.futures.Future[None],
+) -> None:
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    try:
+        if exc is None:
+            if on_success is not None:
+                on_success(message)
+        elif on_failed is not None:
+            on_failed(message, exc)
+    except Exception:
+        log.exception("a send_async callback for message %s raised", message.message_id)
+
+
+class ReceivedMessage(ReceivedBase):
+    """A received message (blocking SDK): read its fields, then ``ack()`` or ``nack()`` it."""
+
+    __slots__ = ()
+
+    def ack(self) -> None:
+        """Record it as done; sent to the broker with the next pull or within ``ack_flush_ms``."""
+        self._ack_now()
+
+    def nack(self, exc: BaseException | None = None) -> None:
+        """Fail it (it comes back with ``times + 1``); returns once the retry copy is stored."""
+        tracker = self._tracker
+        if self._settled or tracker.on_nack is None or tracker.loop is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is tracker.loop:
+                raise RuntimeError("nack() of the blocking SDK was called on the SDK's I/O thread")
+        self._settled = True
+        fut = asyncio.run_coroutine_threadsafe(tracker.on_nack(self, exc), tracker.loop)
+        fut.result(_NACK_TIMEOUT_S)
+
+
+class Batch(BatchBase[ReceivedMessage]):
+    """What ``PullConsumer.pull`` returns: a list of ``ReceivedMessage`` with ``ack_all()``."""
+
+    def ack_all(self) -> None:
+        """Acknowledge every message of the batch not acknowledged or failed yet."""
+        self._ack_all_now()
+
+
+class PullConsumer:
+    """Blocking pulls of one subject as one member of a consumer group."""
+
+    def __init__(self, inner: PullConsumerBase, io: _IoThread, request_timeout_ms: int) -> None:
+        self._inner = inner
+        self._io = io
+        self._request_wait_s = request_timeout_ms / 1000
+        self.subject = inner.subject
+        self.group = inner.group
+
+    def pull(self, max_messages: int = 100, timeout_ms: int = 1_000) -> Batch:
+        """Up to ``max_messages`` messages, waiting up to ``timeout_ms`` for the first (long poll)."""
+        max_messages, timeout_ms = check_pull_args(max_messages, timeout_ms)
+        wait_s = timeout_ms / 1000 + 2 * self._request_wait_s + _MARGIN_S
+        batch = self._io.call(self._inner._pull(max_messages, timeout_ms), wait_s)
+        assert isinstance(batch, Batch)
+        return batch
+
+
+class Consumer:
+    """Consumes messages (blocking) as one consumer id.
+
+    Options are those of ``qmq.aio.Consumer``, plus ``listener_threads``: the size of the
+    thread pool listener handlers run in.
+    """
+
+    def __init__(
+        self,
+        *,
+        app_code: str,
+        meta_server: str,
+        consumer_id: str | None = None,
+        listener_threads: int = 16,
+        **options: Any,
+    ) -> None:
+        _check_options("Consumer", options, ConsumerOptions, ConnectOptions)
+        self.listener_threads = check_int("listener_threads", listener_threads, 1, 1024)
+        self._async = AsyncConsumer(app_code=app_code, meta_server=meta_server, consumer_id=consumer_id, **options)
+        self.consumer_id = self._async.consumer_id
+        self._pool = concurrent.futures.ThreadPoolExecutor(listener_threads, thread_name_prefix="qmq-listener")
+        self._close_wait_s = 2 * self._async.connect_options.close_timeout_ms / 1000 + _MARGIN_S
+        self._closed = False
+        self._io = _IoThread("qmq-consumer-io")
+        try:
+            self._io.call(self._async.start(), self._async.connect_options.meta_timeout_ms / 1000 + _MARGIN_S)
+        except BaseException:
+            self._io.stop()
+            self._pool.shutdown(wait=False)
+            raise
+
+    def pull_consumer(self, subject: str, group: str, start_from: StartFrom = "latest") -> PullConsumer:
+        """A pull consumer of ``subject`` in consumer ``group`` (see ``qmq.aio.Consumer.pull_consumer``)."""
+        inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumerBase)
+        return PullConsumer(inner, self._io, self._async.options.request_timeout_ms)
+
+    def listener(
+        self,
+        subject: str,
+        group: str,
+        *,
+        start_from: StartFrom = "latest",
+        concurrency: int | None = None,
+        prefetch: int | None = None,
+    ) -> Callable[[F], F]:
+        """Decorate a plain ``handler(message)`` called for every message of ``subject``.
+
+        Handlers run in the consumer's thread pool (``listener_threads``), at most
+        ``concurrency`` at once (default: all the pool's threads). Returning acknowledges the
+        message; raising fails it (it comes back with ``times + 1``).
+        """
+
+        def register(handler: F) -> F:
+            if not callable(handler):
+                raise ConfigError(f"listener handler {handler!r} is not callable")
+            self.add_listener(
+                subject, group, handler, start_from=start_from, concurrency=concurrency, prefetch=prefetch
+            )
+            return handler
+
+        return register
+
+    def add_listener(
+        self,
+        subject: str,
+        group: str,
+        handler: Callable[[ReceivedMessage], object],
+        *,
+        start_from: StartFrom = "latest",
+        concurrency: int | None = None,
+        prefetch: int | None = None,
+    ) -> None:
+        """The same as ``@listener(...)`` without the decorator."""
+        loop = self._io.loop
+        pool = self._pool
+
+        async def run(m: ReceivedMessage) -> None:
+            await loop.run_in_executor(pool, handler, m)
+
+        async def add() -> None:
+            self._async._add_listener(
+                subject,
+                group,
+                run,
+                ReceivedMessage,
+                Batch,
+                start_from,
+                self.listener_threads if concurrency is None else concurrency,
+                prefetch,
+            )
+
+        self._io.call(add(), _MARGIN_S)
+
+    def close(self) -> None:
+        """Stop listeners (running handlers finish, up to ``close_timeout_ms``), send the last acks."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._io.call(self._async.close(), self._close_wait_s)
+        finally:
+            self._io.stop()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
