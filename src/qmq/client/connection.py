@@ -13,7 +13,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from qmq.common.errors import ConnectionLostError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
@@ -54,7 +54,8 @@ class _FrameProtocol(asyncio.Protocol):
         self._drain_waiters: list[asyncio.Future[None]] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports do not subclass asyncio.Transport but have its methods.
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
 
@@ -240,6 +241,9 @@ class Connection:
         """Drop the current incarnation (its requests fail); the next request reconnects."""
         p = self._proto
         if p is not None and p.transport is not None and p.lost is None:
+            # Forget it now: connection_lost comes a loop turn later, and a request made
+            # meanwhile must go to a new incarnation, not the one being torn down.
+            self._proto = None
             p.transport.abort()
 
     async def close(self) -> None:

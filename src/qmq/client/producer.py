@@ -311,4 +311,3 @@ class Producer:
         if self._state == "new":
             return SendError("the producer is not started; use `async with Producer(...)` or `await producer.start()`")
         return SendError("the producer is closed; make a new one")
-

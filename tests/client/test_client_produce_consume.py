@@ -1,0 +1,137 @@
+"""The asyncio SDK against a real `qmq standalone`: sends, pulls, acks, batching, back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from clienthelpers import pull_until, wait_for_lag
+
+from qmq import BufferFullError, SendError
+from qmq.aio import Consumer, Message, Producer
+
+pytestmark = pytest.mark.integration
+
+
+def _group() -> str:
+    return f"g-{uuid.uuid4().hex[:8]}"
+
+
+async def test_a_message_round_trips_with_every_field(meta_server: str, subject: str) -> None:
+    async with (
+        Producer(app_code="shop", meta_server=meta_server) as producer,
+        Consumer(app_code="billing", meta_server=meta_server) as consumer,
+    ):
+        pull = consumer.pull_consumer(subject, group=_group(), start_from="earliest")
+        msg = producer.generate_message(subject)
+        msg.set_property("orderId", "42")
+        msg.set_property("amount", 1999)
+        msg.set_property("rate", 0.25)
+        msg.set_property("paid", True)
+        msg.set_property("raw", b"\x00\x01")
+        msg.add_tag("vip")
+        msg.body = b"payload"
+        await producer.send(msg)
+        [got] = await pull_until(pull, 1)
+    assert got.subject == subject
+    assert got.message_id == msg.message_id
+    assert got.get_property("orderId") == "42"
+    assert got.properties == {"orderId": "42", "amount": 1999, "rate": 0.25, "paid": True, "raw": b"\x00\x01"}
+    assert got.tags == ("vip",)
+    assert got.body == b"payload"
+    assert got.times == 1
+    assert got.created_at == msg.created_at
+    assert got.stored_at >= got.created_at
+
+
+async def test_concurrent_sends_coalesce_into_few_frames(meta_server: str, subject: str) -> None:
+    n = 500
+    async with Producer(app_code="shop", meta_server=meta_server) as producer:
+        msgs = [producer.generate_message(subject) for _ in range(n)]
+        await asyncio.gather(*(producer.send(m) for m in msgs))
+        stats = producer.stats
+    assert stats.messages_stored == n
+    assert stats.frames_sent < n / 10, stats
+    async with Consumer(app_code="billing", meta_server=meta_server) as consumer:
+        got = await pull_until(consumer.pull_consumer(subject, _group(), start_from="earliest"), n)
+    assert sorted(m.message_id for m in got) == sorted(m.message_id for m in msgs)
+
+
+async def test_send_nowait_futures_resolve_when_stored(meta_server: str, subject: str) -> None:
+    async with Producer(app_code="shop", meta_server=meta_server, max_in_flight=1) as producer:
+        futures = [producer.send_nowait(producer.generate_message(subject)) for _ in range(2000)]
+        assert not any(f.done() for f in futures)  # nothing is stored before the loop runs
+        await asyncio.gather(*futures)
+        assert all(f.result() is None for f in futures)
+        assert producer.buffered == 0
+        assert producer.stats.frames_sent <= 2000 // producer.options.batch_messages_max + 1
+
+
+async def test_a_full_buffer_refuses_at_once_and_send_waits_for_room(meta_server: str, subject: str) -> None:
+    async with Producer(app_code="shop", meta_server=meta_server, buffer_messages_max=5) as producer:
+        futures = [producer.send_nowait(producer.generate_message(subject)) for _ in range(5)]
+        with pytest.raises(BufferFullError, match="buffer_messages_max=5") as info:
+            producer.send_nowait(producer.generate_message(subject))
+        assert info.value.retriable
+        await asyncio.gather(*futures)
+        # send() waits for room instead: fifty sends through a five-message buffer all succeed.
+        await asyncio.gather(*(producer.send(producer.generate_message(subject)) for _ in range(50)))
+        assert producer.stats.messages_stored == 55
+
+
+async def test_flush_waits_and_a_closed_producer_refuses(meta_server: str, subject: str) -> None:
+    producer = Producer(app_code="shop", meta_server=meta_server)
+    with pytest.raises(SendError, match="not started"):
+        producer.send_nowait(Message(subject))
+    await producer.start()
+    futures = [producer.send_nowait(Message(subject)) for _ in range(100)]
+    await producer.flush()
+    assert all(f.done() and f.exception() is None for f in futures)
+    await producer.close()
+    with pytest.raises(SendError, match="closed"):
+        await producer.send(Message(subject))
+
+
+async def test_start_from_earliest_sees_the_backlog_and_latest_does_not(meta_server: str, subject: str) -> None:
+    async with Producer(app_code="shop", meta_server=meta_server) as producer:
+        before = [producer.generate_message(subject) for _ in range(3)]
+        for m in before:
+            await producer.send(m)
+        async with Consumer(app_code="billing", meta_server=meta_server) as consumer:
+            early = consumer.pull_consumer(subject, _group(), start_from="earliest")
+            late = consumer.pull_consumer(subject, _group(), start_from="latest")
+            assert [m.message_id for m in await pull_until(early, 3)] == [m.message_id for m in before]
+            assert len(await late.pull(max_messages=10, timeout_ms=300)) == 0
+            after = producer.generate_message(subject)
+            await producer.send(after)
+            assert [m.message_id for m in await pull_until(late, 1)] == [after.message_id]
+            assert [m.message_id for m in await pull_until(early, 1)] == [after.message_id]
+
+
+async def test_a_long_poll_returns_as_soon_as_a_message_is_stored(meta_server: str, subject: str) -> None:
+    async with (
+        Producer(app_code="shop", meta_server=meta_server) as producer,
+        Consumer(app_code="billing", meta_server=meta_server) as consumer,
+    ):
+        pull = consumer.pull_consumer(subject, _group())
+        assert len(await pull.pull(timeout_ms=0)) == 0  # creates the group at "latest"
+        waiting = asyncio.ensure_future(pull.pull(max_messages=10, timeout_ms=30_000))
+        msg = producer.generate_message(subject)
+        await producer.send(msg)
+        batch = await asyncio.wait_for(waiting, 10)
+        assert [m.message_id for m in batch] == [msg.message_id]
+
+
+async def test_acks_reach_the_broker_without_another_pull(meta_server: str, subject: str) -> None:
+    group = _group()
+    async with Producer(app_code="shop", meta_server=meta_server) as producer:
+        for _ in range(10):
+            await producer.send(producer.generate_message(subject))
+    async with Consumer(app_code="billing", meta_server=meta_server, ack_flush_ms=50) as consumer:
+        got = await pull_until(consumer.pull_consumer(subject, group, start_from="earliest"), 10, ack=False)
+        answer = await wait_for_lag(meta_server, subject, group, "unacked", 10)
+        for m in reversed(got):
+            await m.ack()
+        answer = await wait_for_lag(meta_server, subject, group, "unacked", 0)
+    assert answer["consumers"][0]["ack_offset"] == 10
