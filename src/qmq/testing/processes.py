@@ -47,8 +47,11 @@ class ReadyProcess:
             self.proc.kill()
             self.exit_code = self.proc.wait()
             raise AssertionError(
-                f"process {self.proc.args} did not stop within {timeout_s} s of signal {sig}"
+                f"process {self.proc.args!r} did not stop within {timeout_s} s of signal {sig}"
             ) from None
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
         return self.exit_code
 
 
@@ -88,6 +91,7 @@ def start_ready(
         if left <= 0:
             proc.kill()
             proc.wait()
+            proc.stdout.close()
             raise AssertionError(f"{list(argv)} printed no 'qmq ready' line within {timeout_s} s")
         readable, _, _ = select.select([fd], [], [], left)
         if not readable:
@@ -95,6 +99,7 @@ def start_ready(
         chunk = os.read(fd, 65536)
         if not chunk:
             code = proc.wait()
+            proc.stdout.close()
             raise AssertionError(f"{list(argv)} exited with status {code} before it was ready")
         buf += chunk
         if b"\n" in buf:
@@ -128,6 +133,8 @@ def running_standalone(
     finally:
         if proc.proc.poll() is None:
             proc.stop()
+        elif proc.proc.stdout is not None:
+            proc.proc.stdout.close()
 
 
 @contextmanager
@@ -139,3 +146,5 @@ def running_role(args: Sequence[str], env: Mapping[str, str] | None = None) -> I
     finally:
         if proc.proc.poll() is None:
             proc.stop()
+        elif proc.proc.stdout is not None:
+            proc.proc.stdout.close()
