@@ -69,7 +69,8 @@ class RawClient:
     def call(self, code: int, header: dict[str, Any] | None = None, body: bytes = b"") -> Frame:
         request_id = self.send_frame(code, header, body)
         frame = self.read_frame()
-        assert frame.response and frame.request_id == request_id, frame
+        assert frame.response, frame
+        assert frame.request_id == request_id, frame
         return frame
 
     def send(self, *messages: bytes) -> Frame:

@@ -38,7 +38,8 @@ def test_kill_9_during_sends_loses_no_acknowledged_message(tmp_path: Path) -> No
                 while True:
                     batch = [f"m{n + i}" for i in range(50)]
                     resp = c.send(*[message("crash.s", i, b"x" * 200) for i in batch])
-                    assert resp.status == Status.OK and not resp.header["errors"]
+                    assert resp.status == Status.OK
+                    assert not resp.header["errors"]
                     acked_sends.extend(batch)
                     n += 50
                     if n >= 3000:
@@ -68,7 +69,8 @@ def test_kill_9_during_sends_loses_no_acknowledged_message(tmp_path: Path) -> No
         proc.proc.send_signal(signal.SIGKILL)
         proc.proc.wait()
         t.join(30)
-    assert consumed_and_acked and len(acked_sends) >= 3000
+    assert consumed_and_acked
+    assert len(acked_sends) >= 3000
 
     with running_role(["broker", "--data-dir", data]) as proc:
         c = RawClient(proc.ready["address"])
@@ -109,7 +111,8 @@ def test_torn_tail_is_cut_and_logged(tmp_path: Path) -> None:
             (
                 "import logging, sys; logging.basicConfig(level=logging.INFO);"
                 "from qmq.common.config import BrokerConfig; from qmq.store.broker_store import BrokerStore;"
-                f"s = BrokerStore(BrokerConfig(data_dir={str(data)!r})); r = s.open(); print(r.torn_bytes, s.subjects['torn.s'].next_seq)"
+                f"s = BrokerStore(BrokerConfig(data_dir={str(data)!r})); r = s.open();"
+                "print(r.torn_bytes, s.subjects['torn.s'].next_seq)"
             ),
         ],
         capture_output=True,

@@ -36,14 +36,16 @@ def client(broker: ReadyProcess) -> Iterator[RawClient]:
 
 def test_ping(client: RawClient) -> None:
     resp = client.call(RequestCode.PING)
-    assert resp.status == Status.OK and resp.header["role"] == "broker"
+    assert resp.status == Status.OK
+    assert resp.header["role"] == "broker"
 
 
 def test_send_then_pull_returns_the_stored_bytes(client: RawClient, subject: str) -> None:
     m1 = message(subject, "id-1", b"hello", {"orderId": "42"})
     m2 = message(subject, "id-2", b"world")
     resp = client.send(m1, m2)
-    assert resp.status == Status.OK and resp.header == {"errors": [], "duplicates": 0}
+    assert resp.status == Status.OK
+    assert resp.header == {"errors": [], "duplicates": 0}
     got = client.pull(subject, "g")
     assert got.header["runs"] == [[0, 2]]
     records = split_records(bytes(got.body))
@@ -56,8 +58,10 @@ def test_refused_messages_are_named_by_index(client: RawClient, subject: str) ->
     assert resp.status == Status.OK
     errors = {e[0]: (e[1], e[2]) for e in resp.header["errors"]}
     assert set(errors) == {1, 2}
-    assert errors[1][0] == Status.INVALID_SUBJECT and "has space" in errors[1][1]
-    assert errors[2][0] == Status.INVALID_MESSAGE and "delay server" in errors[2][1]
+    assert errors[1][0] == Status.INVALID_SUBJECT
+    assert "has space" in errors[1][1]
+    assert errors[2][0] == Status.INVALID_MESSAGE
+    assert "delay server" in errors[2][1]
 
 
 def test_a_repeated_id_is_stored_once(client: RawClient, subject: str) -> None:
@@ -88,7 +92,9 @@ def test_long_poll_waits_for_a_send(broker: ReadyProcess, client: RawClient, sub
 
 def test_long_poll_times_out_empty(client: RawClient, subject: str) -> None:
     got = client.pull(subject, "g", timeout_ms=100)
-    assert got.status == Status.OK and got.header["runs"] == [] and not got.body
+    assert got.status == Status.OK
+    assert got.header["runs"] == []
+    assert not got.body
 
 
 def test_ack_advances_and_lag_reports(client: RawClient, subject: str) -> None:
@@ -130,7 +136,8 @@ def test_unknown_command_keeps_the_connection(client: RawClient) -> None:
 
 def test_malformed_batch_is_refused_and_the_connection_lives(client: RawClient) -> None:
     resp = client.call(RequestCode.SEND_MESSAGES, {}, b"\x01\x00garbage")
-    assert resp.status == Status.BAD_REQUEST and "malformed" in resp.header["error"]
+    assert resp.status == Status.BAD_REQUEST
+    assert "malformed" in resp.header["error"]
     assert client.call(RequestCode.PING).status == Status.OK
 
 

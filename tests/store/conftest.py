@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -47,7 +48,5 @@ def open_store(tmp_path: Path, clock: ManualClock) -> Iterator[Callable[..., Bro
 
     yield make
     for store in opened:
-        try:
+        with contextlib.suppress(OSError):
             store.close()
-        except OSError:
-            pass

@@ -6,10 +6,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import append, batch, flush
+import pytest
 from test_store_send_pull import records
 
-from qmq.store.broker_store import BrokerStore
+from conftest import append, batch, flush
+from qmq.store.broker_store import BrokerStore, StoreError
 
 
 def checkpoint(store: BrokerStore) -> None:
@@ -33,7 +34,8 @@ def test_restart_keeps_messages_and_consumer_progress(open_store: Callable[..., 
 
     again = open_store()
     gp2 = again.progress.get("s", "g")
-    assert gp2 is not None and gp2.pull_offset == 6
+    assert gp2 is not None
+    assert gp2.pull_offset == 6
     cp2 = gp2.consumers["c"]
     assert (cp2.pull_log_end, cp2.ack_offset, cp2.acked) == (6, 2, [[4, 5]])
     got = again.pull(gp2, cp2, "new-session", 100)
@@ -58,12 +60,14 @@ def test_torn_tail_is_cut_and_earlier_messages_survive(open_store: Callable[...,
     assert st.next_seq == 2
     gp = again.group("s", "g", "earliest")
     got = again.pull(gp, gp.consumer("c"), "x", 10)
-    assert got is not None and [i for _s, i in records(got)] == ["a", "b"]
+    assert got is not None
+    assert [i for _s, i in records(got)] == ["a", "b"]
     # the next message takes the freed sequence
     append(again, batch("s", ["d"]))
     flush(again)
     more = again.pull(gp, gp.consumer("c"), "x", 10)
-    assert more is not None and records(more) == [(2, "d")]
+    assert more is not None
+    assert records(more) == [(2, "d")]
 
 
 def test_corrupt_byte_in_the_tail_is_detected_by_crc(open_store: Callable[..., BrokerStore], tmp_path: Path) -> None:
@@ -94,7 +98,8 @@ def test_lost_consume_log_entries_are_rebuilt_from_the_message_log(
     assert again.subjects["s"].next_seq == 3
     gp = again.group("s", "g", "earliest")
     got = again.pull(gp, gp.consumer("c"), "x", 10)
-    assert got is not None and [i for _s, i in records(got)] == ["a", "b", "c"]
+    assert got is not None
+    assert [i for _s, i in records(got)] == ["a", "b", "c"]
 
 
 def test_duplicate_window_survives_a_restart(open_store: Callable[..., BrokerStore]) -> None:
@@ -110,15 +115,11 @@ def test_duplicate_window_survives_a_restart(open_store: Callable[..., BrokerSto
 
 def test_second_store_on_the_same_directory_is_refused(open_store: Callable[..., BrokerStore]) -> None:
     open_store()
-    try:
+    with pytest.raises(StoreError, match="in use by another broker"):
         open_store()
-    except Exception as exc:  # noqa: BLE001 - the type is asserted below
-        assert "in use by another broker" in str(exc)
-    else:
-        raise AssertionError("a second store opened the same data directory")
 
 
-def test_retention_deletes_old_segments_and_pulls_skip_them(open_store: Callable[..., BrokerStore], tmp_path: Path) -> None:
+def test_retention_deletes_old_segments_and_pulls_skip_them(open_store: Callable[..., BrokerStore]) -> None:
     store = open_store(segment_bytes=64 * 1024, retention_hours=1.0)
     for n in range(6):
         append(store, batch("s", [f"{n}-{i}" for i in range(100)], body=b"y" * 200))
@@ -133,5 +134,6 @@ def test_retention_deletes_old_segments_and_pulls_skip_them(open_store: Callable
     got = store.pull(gp, gp.consumer("c"), "x", 10_000)
     assert got is not None
     seqs = [s for s, _i in records(got)]
-    assert seqs[0] > 0 and seqs[-1] == 599
+    assert seqs[0] > 0
+    assert seqs[-1] == 599
     assert seqs == list(range(seqs[0], 600))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conftest import append, batch, flush
-
 from qmq.protocol.codes import Status
 from qmq.protocol.message import decode_message
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
@@ -29,7 +28,8 @@ def records(result: PullResult) -> list[tuple[int, str]]:
 def test_sync_policy_hides_messages_until_flushed(open_store: Callable[..., BrokerStore]) -> None:
     store = open_store()
     res = append(store, batch("order.paid", ["a", "b", "c"]))
-    assert res.stored == 3 and not res.errors
+    assert res.stored == 3
+    assert not res.errors
     gp = store.group("order.paid", "billing", "earliest")
     cp = gp.consumer("c1")
     assert store.pull(gp, cp, "s1", 10) is None
@@ -45,7 +45,8 @@ def test_periodic_policy_shows_messages_once_written(open_store: Callable[..., B
     append(store, batch("s", ["a"]))
     gp = store.group("s", "g", "earliest")
     got = store.pull(gp, gp.consumer("c"), "x", 10)
-    assert got is not None and records(got) == [(0, "a")]
+    assert got is not None
+    assert records(got) == [(0, "a")]
 
 
 def test_duplicate_ids_are_dropped_within_a_batch_and_across_batches(open_store: Callable[..., BrokerStore]) -> None:
@@ -72,10 +73,13 @@ def test_group_members_share_the_subject(open_store: Callable[..., BrokerStore])
     gp = store.group("s", "g", "earliest")
     a = store.pull(gp, gp.consumer("a"), "sa", 4)
     b = store.pull(gp, gp.consumer("b"), "sb", 100)
-    assert a is not None and b is not None
+    assert a is not None
+    assert b is not None
     ids_a = {i for _s, i in records(a)}
     ids_b = {i for _s, i in records(b)}
-    assert len(ids_a) == 4 and len(ids_b) == 6 and not ids_a & ids_b
+    assert len(ids_a) == 4
+    assert len(ids_b) == 6
+    assert not ids_a & ids_b
 
 
 def test_new_group_starts_from_latest_unless_earliest(open_store: Callable[..., BrokerStore]) -> None:
@@ -88,8 +92,10 @@ def test_new_group_starts_from_latest_unless_earliest(open_store: Callable[..., 
     flush(store)
     got_late = store.pull(late, late.consumer("c"), "x", 10)
     got_early = store.pull(early, early.consumer("c"), "x", 10)
-    assert got_late is not None and [i for _s, i in records(got_late)] == ["new"]
-    assert got_early is not None and [i for _s, i in records(got_early)] == ["old", "new"]
+    assert got_late is not None
+    assert [i for _s, i in records(got_late)] == ["new"]
+    assert got_early is not None
+    assert [i for _s, i in records(got_early)] == ["old", "new"]
 
 
 def test_ack_offset_advances_only_over_the_contiguous_prefix(open_store: Callable[..., BrokerStore]) -> None:
@@ -113,10 +119,22 @@ def test_new_session_gets_unacked_messages_again_but_not_acked_ones(open_store: 
     gp = store.group("s", "g", "earliest")
     cp = gp.consumer("c")
     first = store.pull(gp, cp, "session-1", 6)
-    assert first is not None and first.messages == 6
+    assert first is not None
+    assert first.messages == 6
     store.ack(gp, cp, [[0, 2], [3, 4]])
     assert store.pull(gp, cp, "session-1", 10) is None
     again = store.pull(gp, cp, "session-2", 10)
     assert again is not None
     assert [i for _s, i in records(again)] == ["2", "4", "5"]
     assert again.runs == [[2, 1], [4, 2]]
+
+
+def test_same_id_on_another_subject_or_attempt_is_not_a_duplicate(open_store: Callable[..., BrokerStore]) -> None:
+    from qmq.protocol.message import with_times
+
+    store = open_store()
+    first = batch("s", ["a"])
+    retry = with_times(first, 1, subject=b"%RETRY%s%g")
+    res = append(store, first + retry + with_times(first, 2, subject=b"%RETRY%s%g") + batch("other", ["a"]))
+    assert (res.stored, res.duplicates) == (4, 0)
+    assert append(store, retry).duplicates == 1

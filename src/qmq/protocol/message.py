@@ -228,6 +228,7 @@ class ScannedMessage(NamedTuple):
     message_id: bytes
     tags: bytes  # the raw tag block, b"" without tags
     deliver_at_ms: int
+    times: int  # delivery attempt: a retry of a message is a new message with the same id
 
 
 def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMessage]:
@@ -249,7 +250,7 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
             raise RemoteProtocolError(
                 f"message {len(out)} of the batch has {end - pos} bytes, fewer than its {hb}-byte header"
             )
-        ver, _flags, slen, ilen, tcount, tlen, _created, deliver, _times, _res, plen, blen = unpack(body, pos)
+        ver, _flags, slen, ilen, tcount, tlen, _created, deliver, times, _res, plen, blen = unpack(body, pos)
         if ver != VERSION:
             raise RemoteProtocolError(
                 f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}"
@@ -273,6 +274,7 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
                 body[p + slen : p + slen + ilen],
                 body[p + slen + ilen : p + slen + ilen + tlen] if tlen else b"",
                 deliver,
+                times,
             )
         )
         if len(out) > count_max:

@@ -211,7 +211,7 @@ class BrokerStore:
                     errors.append([i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"])
                     continue
                 bloom = tag_bloom(sm.tags)
-            key = hash(sm.message_id)
+            key = dedup_key(sm)
             if key in seen or key in dedup:
                 duplicates += 1
                 continue
@@ -480,6 +480,15 @@ class BrokerStore:
         for st in self.subjects.values():
             st.clog.close()
         os.close(self._lock_fd)
+
+
+def dedup_key(sm: ScannedMessage) -> int:
+    """What makes two sends the same message: its id, on the same subject, at the same attempt.
+
+    A retry re-sends a message with its id to a retry subject and a higher attempt count; a
+    producer's retry or a delay server's repeated hand-over repeats all three.
+    """
+    return hash((sm.message_id, sm.subject, sm.times))
 
 
 def _tag_count(tags_block: bytes) -> int:

@@ -20,6 +20,7 @@ from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.message import scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.store import action_log as act
+from qmq.store.broker_store import dedup_key
 from qmq.store.checkpoint import read_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ConsumeLog, tag_bloom
 from qmq.store.message_log import ScanResult
@@ -93,7 +94,7 @@ def recover(store: BrokerStore) -> RecoveryReport:
             # CRC-valid but unreadable: written by a different version; stop here like a torn tail
             result.append(ScanResult(rec.offset, mlog.end - rec.offset))
             break
-        keys.append(hash(sm.message_id))
+        keys.append(dedup_key(sm))
         last_ms = rec.stored_ms
         if len(keys) >= _DEDUP_CHUNK:
             store.dedup.add_many(keys, last_ms)
