@@ -48,7 +48,10 @@ class Accumulator:
         self._cursor: dict[str, int] = {}
         # Messages of subjects whose route is being looked up.
         self._held: dict[str, deque[Entry]] = {}
+        # Flush bookkeeping: messages of the current epoch are counted in one int; an epoch
+        # is sealed into _epoch_counts when a flush begins.
         self.epoch = 0
+        self._open_epoch_count = 0
         self._epoch_counts: dict[int, int] = {}
         self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._room = asyncio.Event()
@@ -76,18 +79,22 @@ class Accumulator:
             raise self.full_error(n, entry[MESSAGE_ID])
         self.count += 1
         self.nbytes += n
-        counts = self._epoch_counts
-        counts[entry[EPOCH]] = counts.get(entry[EPOCH], 0) + 1
-        if self._room.is_set() and not self.has_room(1):
+        self._open_epoch_count += 1
+        if self.count >= self.messages_max:
             self._room.clear()
 
-    def append(self, key: RouteKey, entry: Entry) -> None:
-        """Queue ``entry`` for the broker groups in ``key``; BufferFullError when there is no room."""
+    def append(self, key: RouteKey, entry: Entry) -> bool:
+        """Queue ``entry`` for the broker groups in ``key``; BufferFullError when there is no room.
+
+        Returns True when the route's queue was empty: only then may a sender be idle.
+        """
         self._admit(entry)
         q = self._queues.get(key)
         if q is None:
             q = self._new_queue(key)
+        was_empty = not q
         q.append(entry)
+        return was_empty
 
     def hold(self, subject: str, entry: Entry) -> None:
         """Keep ``entry`` aside until the route of ``subject`` is known (``route_held``)."""
@@ -173,10 +180,14 @@ class Accumulator:
     def release(self, entries: list[Entry]) -> None:
         """The broker answered for ``entries`` (or they failed): free their room."""
         counts = self._epoch_counts
+        current = self.epoch
         nbytes = 0
         for e in entries:
             nbytes += len(e[ENCODED])
             epoch = e[EPOCH]
+            if epoch == current:
+                self._open_epoch_count -= 1
+                continue
             left = counts[epoch] - 1
             if left:
                 counts[epoch] = left
@@ -205,6 +216,9 @@ class Accumulator:
     def begin_flush(self) -> asyncio.Future[None]:
         """A future that resolves once every message appended before this call is released."""
         epoch = self.epoch
+        if self._open_epoch_count:
+            self._epoch_counts[epoch] = self._open_epoch_count
+        self._open_epoch_count = 0
         self.epoch += 1
         fut = asyncio.get_running_loop().create_future()
         self._flush_waiters.append((epoch, fut))

@@ -136,6 +136,7 @@ class Connection:
         self._next_id = 1
         self._failures = 0
         self._retry_at = 0.0
+        self._last_error = ""
         self._closed = False
         self.incarnations = 0
 
@@ -166,7 +167,10 @@ class Connection:
         loop = asyncio.get_running_loop()
         delay = self._retry_at - loop.time()
         if delay > 0:
-            await asyncio.sleep(delay)  # bounded backoff after failed attempts, not a readiness wait
+            # Fail fast while backing off: callers retry elsewhere or later on their own terms.
+            raise ConnectionLostError(
+                f"cannot connect to broker {self.address} ({self._last_error}); next attempt in {delay * 1000:.0f} ms"
+            )
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, proto = await loop.create_connection(
@@ -177,6 +181,7 @@ class Connection:
             backoff_ms = min(_BACKOFF_MS_MAX, _BACKOFF_MS_MIN * 2 ** min(self._failures - 1, 16))
             self._retry_at = loop.time() + backoff_ms / 1000
             reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+            self._last_error = reason
             raise ConnectionLostError(
                 f"cannot connect to broker {self.address}: {reason}; is the broker running and reachable?"
             ) from None

@@ -13,7 +13,6 @@ import itertools
 import os
 import re
 import secrets
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -53,36 +52,45 @@ def subject_bytes(subject: object) -> bytes:
 
 
 class MessageIds:
-    """Makes message ids and their creation times; one instance per process (``MESSAGE_IDS``)."""
+    """Makes message ids and their creation times; one instance per process (``MESSAGE_IDS``).
+
+    Lock-free: the counter is one atomic ``next()`` under the GIL, and the cached prefix is
+    one tuple swapped whole, so a thread never sees a prefix of another millisecond's time.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
         self.node = secrets.token_hex(3)
         self.pid = os.getpid()
         self._counter = itertools.count(1)
-        self._last_ms = -1
-        self._prefix = ""
+        self._tail = f".{self.node}.{self.pid}."
+        self._stamp: tuple[int, str] = (-1, "")  # (epoch ms, id prefix of that millisecond)
+        self._second: tuple[int, str] = (-1, "")  # (epoch s, yyMMddHHmmss of that second)
 
     def after_fork(self) -> None:
         """A forked child is another process: new node id, its own pid and counter."""
-        self._lock = threading.Lock()
         self._reset()
 
     def next(self) -> tuple[str, int]:
         """A fresh id and its creation time (epoch ms)."""
         now_ms = time.time_ns() // 1_000_000
-        with self._lock:
-            if now_ms != self._last_ms:
-                # The prefix changes at most once a millisecond; formatting it is the slow part.
-                stamp = time.strftime("%y%m%d%H%M%S", time.gmtime(now_ms // 1000))
-                self._prefix = f"{stamp}{now_ms % 1000:03d}.{self.node}.{self.pid}."
-                self._last_ms = now_ms
-            prefix = self._prefix
-            n = next(self._counter)
+        n = next(self._counter)
+        ms, prefix = self._stamp
+        if ms != now_ms:
+            prefix = self._prefix(now_ms)
         return prefix + str(n), now_ms
+
+    def _prefix(self, now_ms: int) -> str:
+        sec = now_ms // 1000
+        cached_sec, text = self._second
+        if cached_sec != sec:
+            text = time.strftime("%y%m%d%H%M%S", time.gmtime(sec))
+            self._second = (sec, text)
+        prefix = f"{text}{now_ms % 1000:03d}{self._tail}"
+        self._stamp = (now_ms, prefix)
+        return prefix
 
 
 MESSAGE_IDS = MessageIds()
@@ -124,6 +132,11 @@ def _body_bytes(body: object) -> bytes:
     return raw
 
 
+# Shared empty containers of messages without properties or tags; replaced on first set.
+_NO_PROPERTIES: dict[str, PropertyValue] = {}
+_NO_TAGS: list[str] = []
+
+
 class Message:
     """A message to send: subject, id, properties, tags and an optional body.
 
@@ -151,8 +164,8 @@ class Message:
             self._message_id = check_message_id(message_id)
             self._created_ms = time.time_ns() // 1_000_000
         self._body = _body_bytes(body) if body else b""
-        self._properties: dict[str, PropertyValue] = {}
-        self._tags: list[str] = []
+        self._properties: dict[str, PropertyValue] = _NO_PROPERTIES
+        self._tags: list[str] = _NO_TAGS
         if properties:
             for key, value in properties.items():
                 self.set_property(key, value)
@@ -187,6 +200,8 @@ class Message:
     def set_property(self, key: str, value: PropertyValue) -> None:
         """Set a property: a str, int (64-bit), float, bool or bytes value under a string key."""
         check_property(key, value, _LIMITS)
+        if self._properties is _NO_PROPERTIES:
+            self._properties = {}
         if key not in self._properties and len(self._properties) >= _LIMITS.properties_max:
             raise InvalidMessageError(
                 f"cannot set property {key!r}: the message already has {_LIMITS.properties_max} properties, "
@@ -207,6 +222,8 @@ class Message:
         check_tag(tag, _LIMITS)
         if tag in self._tags:
             return
+        if self._tags is _NO_TAGS:
+            self._tags = []
         if len(self._tags) >= _LIMITS.tags_max:
             raise InvalidMessageError(
                 f"cannot add tag {tag!r}: the message already has {_LIMITS.tags_max} tags, the limit"
@@ -220,12 +237,13 @@ class Message:
     def encode(self, times: int = 0) -> bytes:
         """The message as sent on the wire (``qmq.protocol.message``); checks the total size."""
         tags = self._tags
+        props = self._properties
         raw = encode_message(
             self._subject_raw,
             self._message_id.encode("utf-8"),
             encode_tags(tags) if tags else b"",
             len(tags),
-            encode_properties(self._properties),
+            encode_properties(props) if props else b"",
             self._body,
             self._created_ms,
             0,

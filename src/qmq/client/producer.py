@@ -84,6 +84,8 @@ class Producer:
         self._acc = Accumulator(self.options.buffer_messages_max, self.options.buffer_bytes_max)
         self._sender: Sender | None = None
         self._routing: dict[str, asyncio.Task[None]] = {}
+        # The meta client's routes, cached for the send path; cleared when they change.
+        self._routes: dict[str, RouteKey] = {}
         self._expirer: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -182,14 +184,17 @@ class Producer:
     def _enqueue(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
         acc = self._acc
         entry: Entry = (encoded, waiter, message_id, self._loop.time(), acc.epoch)  # type: ignore[union-attr]
-        key = self._meta.route(subject)  # type: ignore[union-attr]
-        if key:
-            acc.append(key, entry)
+        key = self._routes.get(subject)
+        if key is None:
+            key = self._meta.route(subject)  # type: ignore[union-attr]
+            if not key:
+                acc.hold(subject, entry)
+                if key is None:
+                    self._route_later(subject)
+                return
+            self._routes[subject] = key
+        if acc.append(key, entry):
             self._sender.wake(key)  # type: ignore[union-attr]
-        else:
-            acc.hold(subject, entry)
-            if key is None:
-                self._route_later(subject)
 
     def _route_later(self, subject: str) -> None:
         if subject not in self._routing:
@@ -212,6 +217,7 @@ class Producer:
             return
         assert self._sender is not None
         assert self._meta is not None
+        self._routes.clear()
         self._sender.reconcile()
         for subject in self._acc.held_subjects():
             key = self._meta.route(subject)

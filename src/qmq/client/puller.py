@@ -86,6 +86,7 @@ class SubjectPuller(Generic[M]):
         self._rr = 0
         self._lock = asyncio.Lock()
         self._stash: deque[BatchBase[M]] = deque()
+        self._failures: dict[str, int] = {}
         self.pulls = 0
         self.messages = 0
         ctx.pullers.append(self)
@@ -127,15 +128,29 @@ class SubjectPuller(Generic[M]):
                 except (ConnectionLostError, BrokerError) as exc:
                     if n == 1 or not exc.retriable:
                         raise
-                    log.warning("pull of %r from broker group %s failed: %s", self.subject, bg.name, exc)
+                    self._note_failure(bg.name, exc)
                     last_error = exc
                     failures += 1
                     continue
+                self._failures.pop(bg.name, None)
                 if batch:
                     return batch
             if last_error is not None and failures == n:
                 raise last_error
             return self._batch_cls()
+
+    def _note_failure(self, broker_group: str, exc: QmqError) -> None:
+        # The other groups carry on; say so on the first failure and then rarely.
+        count = self._failures.get(broker_group, 0) + 1
+        self._failures[broker_group] = count
+        if count == 1 or count % 100 == 0:
+            log.warning(
+                "pull of %r from broker group %s failed (%d time(s) in a row); pulling the other groups: %s",
+                self.subject,
+                broker_group,
+                count,
+                exc,
+            )
 
     def _from_stash(self, max_messages: int) -> BatchBase[M]:
         batch = self._stash.popleft()

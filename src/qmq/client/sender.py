@@ -70,6 +70,7 @@ class Sender:
         self.stats = stats
         self._loops: dict[str, asyncio.Task[None]] = {}
         self.ready: dict[str, asyncio.Event] = {}
+        self._turn: dict[RouteKey, int] = {}
         self._batches: set[asyncio.Task[None]] = set()
 
     def reconcile(self) -> None:
@@ -85,9 +86,17 @@ class Sender:
         self.wake_all()
 
     def wake(self, key: RouteKey) -> None:
+        """Wake the senders of ``key``'s groups (its queue just stopped being empty).
+
+        The first woken takes the batch; the order rotates, so the groups of a route share
+        the sends of a producer that is not busy enough to keep them all in flight.
+        """
+        n = len(key)
+        start = self._turn.get(key, 0)
+        self._turn[key] = (start + 1) % n
         ready = self.ready
-        for group in key:
-            ev = ready.get(group)
+        for i in range(n):
+            ev = ready.get(key[(start + i) % n])
             if ev is not None:
                 ev.set()
 
