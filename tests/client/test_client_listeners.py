@@ -14,15 +14,6 @@ from qmq.common.naming import dead_subject
 
 pytestmark = pytest.mark.integration
 
-# The broker's duplicate window is keyed by message id alone, so the copy of a failed
-# message re-sent to %RETRY%<subject>%<group> (same id, by design: the broker must drop a
-# repeated *send*, not a retry) is dropped as a duplicate and never delivered.
-BROKER_DEDUP_DROPS_RETRIES = pytest.mark.xfail(
-    strict=True,
-    reason="broker dedup is keyed by message id only: the %RETRY% copy of a failed message is "
-    "counted as a duplicate and never stored (see the SDK report)",
-)
-
 
 def _group() -> str:
     return f"g-{uuid.uuid4().hex[:8]}"
@@ -91,7 +82,6 @@ async def test_a_failed_handler_is_logged_with_the_message_id(
     assert any(msg.message_id in r.getMessage() and "boom" in r.getMessage() for r in caplog.records)
 
 
-@BROKER_DEDUP_DROPS_RETRIES
 async def test_a_handler_that_raises_once_gets_the_message_again_with_times_2(meta_server: str, subject: str) -> None:
     attempts: list[tuple[str, int, str]] = []
     second = asyncio.Event()
@@ -113,7 +103,6 @@ async def test_a_handler_that_raises_once_gets_the_message_again_with_times_2(me
     assert attempts == [(msg.message_id, 1, subject), (msg.message_id, 2, subject)]
 
 
-@BROKER_DEDUP_DROPS_RETRIES
 async def test_a_nacked_pulled_message_comes_back_to_the_pull_consumer(meta_server: str, subject: str) -> None:
     async with Producer(app_code="shop", meta_server=meta_server) as producer:
         msg = producer.generate_message(subject)
@@ -126,7 +115,6 @@ async def test_a_nacked_pulled_message_comes_back_to_the_pull_consumer(meta_serv
     assert (again.message_id, again.times, again.subject) == (msg.message_id, 2, subject)
 
 
-@BROKER_DEDUP_DROPS_RETRIES
 async def test_after_max_retries_a_message_goes_to_the_dead_letter_subject(meta_server: str, subject: str) -> None:
     group = _group()
     async with Producer(app_code="shop", meta_server=meta_server) as producer:
