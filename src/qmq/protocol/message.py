@@ -240,6 +240,7 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
     """
     out: list[ScannedMessage] = []
     append = out.append
+    new_tuple = tuple.__new__
     unpack = HEADER.unpack_from
     hb = HEADER_BYTES
     pos = 0
@@ -266,15 +267,19 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
             problem = _tag_block_problem(body, tstart, tstart + tlen, tcount)
             if problem:
                 raise RemoteProtocolError(f"message {len(out)} of the batch: {problem}")
+        # tuple.__new__ skips NamedTuple's Python-level __new__: a quarter of the cost per message
         append(
-            ScannedMessage(
-                pos,
-                length,
-                body[p : p + slen],
-                body[p + slen : p + slen + ilen],
-                body[p + slen + ilen : p + slen + ilen + tlen] if tlen else b"",
-                deliver,
-                times,
+            new_tuple(
+                ScannedMessage,
+                (
+                    pos,
+                    length,
+                    body[p : p + slen],
+                    body[p + slen : p + slen + ilen],
+                    body[tstart : tstart + tlen] if tlen else b"",
+                    deliver,
+                    times,
+                ),
             )
         )
         if len(out) > count_max:

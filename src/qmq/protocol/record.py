@@ -25,7 +25,8 @@ import crc32c
 RECORD_HEADER = struct.Struct("<IIIQq")
 RECORD_HEADER_BYTES = RECORD_HEADER.size  # 28
 RECORD_MAGIC = 0x31524D51
-_TAIL = struct.Struct("<IQq")  # length, sequence, stored_ms: the CRC-covered part of the header
+_TAIL = struct.Struct("<IQq")
+_CRC = struct.Struct("<I")  # length, sequence, stored_ms: the CRC-covered part of the header
 
 
 def record_header(message: bytes | memoryview, sequence: int, stored_ms: int) -> bytes:
@@ -33,6 +34,18 @@ def record_header(message: bytes | memoryview, sequence: int, stored_ms: int) ->
     tail = _TAIL.pack(len(message), sequence, stored_ms)
     crc = crc32c.crc32c(message, crc32c.crc32c(tail))
     return struct.pack("<II", RECORD_MAGIC, crc) + tail
+
+
+def pack_record_into(buf: bytearray, pos: int, message: bytes | memoryview, sequence: int, stored_ms: int) -> int:
+    """Write header and message at ``buf[pos:]`` (which must have room); return the end position.
+
+    One copy of the message and one CRC pass over the covered bytes, in place.
+    """
+    end = pos + RECORD_HEADER_BYTES + len(message)
+    buf[pos + RECORD_HEADER_BYTES : end] = message
+    RECORD_HEADER.pack_into(buf, pos, RECORD_MAGIC, 0, len(message), sequence, stored_ms)
+    _CRC.pack_into(buf, pos + 4, crc32c.crc32c(memoryview(buf)[pos + 8 : end]))
+    return end
 
 
 class RecordHeader(NamedTuple):

@@ -31,7 +31,7 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import check_subject, subject_file_name
 from qmq.protocol.codes import Status
 from qmq.protocol.message import ScannedMessage
-from qmq.protocol.record import RECORD_HEADER_BYTES, record_header
+from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import action_log as act
 from qmq.store.action_log import ActionLog
 from qmq.store.checkpoint import write_checkpoint
@@ -222,23 +222,20 @@ class BrokerStore:
             return AppendResult(errors, duplicates, 0, 0, {})
 
         base = self.mlog.offset_for_append(total)
-        pieces: list[bytes | memoryview] = []
+        out = bytearray(total)
         view = memoryview(body)
         touched: dict[SubjectState, int] = {}
         per_subject: dict[str, list[int]] = {}
-        offset = base
+        pos = 0
         pack_entry = ENTRY.pack
         for sm, st, bloom, _key in accepted:
             if st not in touched:
                 touched[st] = st.next_seq
             seq = st.next_seq
             st.next_seq = seq + 1
-            msg = view[sm.pos : sm.pos + sm.length]
-            pieces.append(record_header(msg, seq, now))
-            pieces.append(msg)
-            size = RECORD_HEADER_BYTES + sm.length
-            st.pending += pack_entry(offset, size, now, bloom, 0)
-            offset += size
+            end = pack_record_into(out, pos, view[sm.pos : sm.pos + sm.length], seq, now)
+            st.pending += pack_entry(base + pos, end - pos, now, bloom, 0)
+            pos = end
             counts = per_subject.get(st.name)
             if counts is None:
                 per_subject[st.name] = [1, sm.length]
@@ -246,7 +243,7 @@ class BrokerStore:
                 counts[0] += 1
                 counts[1] += sm.length
         try:
-            self.mlog.append(b"".join(pieces))
+            self.mlog.append(out)
         except OSError as exc:
             for st, seq in touched.items():
                 st.next_seq = seq
