@@ -1,0 +1,161 @@
+"""qmq through its asyncio SDK (`qmq.aio`): `send_nowait` futures that resolve once the
+broker stored the batch under its flush policy, pull consumers of one consumer group,
+`ack_all` per pulled batch (the SDK turns it into ranges) or `ack` per message.
+
+Written against the SDK contract while the SDK is being built; every call it makes is
+listed in bench/README.md so a change of the SDK shows up as one place to fix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from bench.adapters.base import Adapter, DelayNotSupported, Received
+from bench.settings import Settings
+
+APP_CODE = "bench"
+GROUP = "g"
+# A full producer buffer raises at once; we wait for an earlier send and retry, this many times.
+BUFFER_FULL_RETRIES_MAX = 10_000
+BUFFER_FULL_WAIT_S = 0.001
+# Subjects pulled concurrently by a consumer of many subjects (W7).
+SUBJECTS_PER_PULL_ROUND = 20
+NO_DELAY_YET = "not yet: delay server (issue 4)"
+
+
+class QmqAdapter(Adapter):
+    system = "qmq"
+    client = "qmq.aio"
+
+    def __init__(self, endpoint: dict[str, Any], settings: Settings) -> None:
+        super().__init__(endpoint, settings)
+        import qmq
+        import qmq.aio
+
+        self._aio = qmq.aio
+        self._buffer_full: type[BaseException] = getattr(qmq, "BufferFullError", RuntimeError)
+        self.server_version = getattr(qmq, "__version__", None)
+        self._stack = contextlib.AsyncExitStack()
+        self._producer: Any = None
+        self._pull_consumers: list[Any] = []
+        self._cursor = 0
+
+    async def connect(self) -> None:
+        await self._stack.__aenter__()
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+
+    async def _producer_ready(self) -> Any:
+        if self._producer is None:
+            self._producer = await self._stack.enter_async_context(
+                self._aio.Producer(app_code=APP_CODE, meta_server=self.endpoint["meta_server"])
+            )
+        return self._producer
+
+    async def prepare_producer(self) -> None:
+        await self._producer_ready()
+
+    async def _send_all(self, messages: list[Any]) -> Awaitable[Any]:
+        producer = self._producer
+        futures: list[Any] = []
+        for message in messages:
+            for _attempt in range(BUFFER_FULL_RETRIES_MAX):
+                try:
+                    futures.append(producer.send_nowait(message))
+                    break
+                except self._buffer_full:
+                    pending = [f for f in futures if not f.done()]
+                    if pending:
+                        await asyncio.wait(pending[:1])
+                    else:
+                        await asyncio.sleep(BUFFER_FULL_WAIT_S)
+            else:
+                raise RuntimeError(f"qmq producer buffer stayed full for {BUFFER_FULL_RETRIES_MAX} retries")
+        return asyncio.gather(*futures)
+
+    async def send_batch(self, subject: str, bodies: list[bytes]) -> Awaitable[Any]:
+        producer = await self._producer_ready()
+        messages = []
+        for body in bodies:
+            message = producer.generate_message(subject)
+            message.body = body
+            messages.append(message)
+        return await self._send_all(messages)
+
+    async def delay_unsupported(self) -> str | None:
+        producer = await self._producer_ready()
+        probe = producer.generate_message("bench-delay-probe")
+        if hasattr(probe, "set_deliver_at") and hasattr(probe, "set_delay"):
+            return None
+        return NO_DELAY_YET
+
+    async def send_delayed_batch(self, subject: str, items: list[tuple[bytes, float]]) -> Awaitable[Any]:
+        reason = await self.delay_unsupported()
+        if reason is not None:
+            raise DelayNotSupported(reason)
+        producer = self._producer
+        messages = []
+        for body, due_s in items:
+            message = producer.generate_message(subject)
+            message.body = body
+            message.set_deliver_at(due_s)
+            messages.append(message)
+        return await self._send_all(messages)
+
+    async def start_consumer(
+        self,
+        family: str,
+        subjects: Sequence[str],
+        *,
+        consumer_index: int,
+        members: int,
+        prefetch: int,
+        delayed: bool,
+    ) -> None:
+        consumer = await self._stack.enter_async_context(
+            self._aio.Consumer(
+                app_code=APP_CODE,
+                meta_server=self.endpoint["meta_server"],
+                consumer_id=f"bench-{os.getpid()}-{consumer_index}",
+            )
+        )
+        self._pull_consumers = [
+            consumer.pull_consumer(subject, group=GROUP, start_from="earliest") for subject in subjects
+        ]
+
+    async def recv_batch(self, max_n: int, timeout_s: float) -> Received:
+        if len(self._pull_consumers) == 1:
+            batch = await self._pull_consumers[0].pull(max_messages=max_n, timeout_ms=int(timeout_s * 1000))
+            return [(m.body, (m, batch)) for m in batch]
+        return await self._recv_many(max_n, timeout_s)
+
+    async def _recv_many(self, max_n: int, timeout_s: float) -> Received:
+        """Pull a round of subjects at once; the next call starts where this one stopped."""
+        count = len(self._pull_consumers)
+        per_subject = max(1, max_n // SUBJECTS_PER_PULL_ROUND)
+        rounds = (count + SUBJECTS_PER_PULL_ROUND - 1) // SUBJECTS_PER_PULL_ROUND
+        for _ in range(rounds):
+            start = self._cursor * SUBJECTS_PER_PULL_ROUND
+            self._cursor = (self._cursor + 1) % rounds
+            chosen = self._pull_consumers[start : start + SUBJECTS_PER_PULL_ROUND]
+            batches = await asyncio.gather(*(pc.pull(max_messages=per_subject, timeout_ms=1) for pc in chosen))
+            out = [(m.body, (m, batch)) for batch in batches for m in batch]
+            if out:
+                return out
+        await asyncio.sleep(min(0.01, timeout_s))
+        return []
+
+    async def ack_batch(self, tokens: list[Any]) -> None:
+        seen: set[int] = set()
+        for _message, batch in tokens:
+            if id(batch) not in seen:
+                seen.add(id(batch))
+                await batch.ack_all()
+
+    async def ack_one(self, token: Any) -> None:
+        message, _batch = token
+        await message.ack()

@@ -1,0 +1,98 @@
+"""The consumer loop, the same for every system, in four modes:
+
+- `drain`: receive a batch, ack the batch (W2, W6 CPU-bound, W7);
+- `latency`: as drain, timing each message from its send stamps (W3);
+- `delayed`: as drain, timing each message against its due time (W4, W5);
+- `handled`: one message at a time through a handler that sleeps (simulated I/O),
+  then ack that message (W6 elasticity).
+
+It stops when the tally (shared by every member of the cell) has seen every expected
+message, or at the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from bench.adapters.base import Adapter
+from bench.payload import read_header
+from bench.stats import distribution_ms
+from bench.tally import Tally
+
+RECV_TIMEOUT_S = 0.5
+MODES = ("drain", "latency", "delayed", "handled")
+
+
+async def consume(
+    adapter: Adapter,
+    tally: Tally,
+    mode: str,
+    recv_max: int,
+    deadline: float,
+    handler_sleep_s: float = 0.0,
+) -> dict[str, Any]:
+    if mode not in MODES:
+        raise ValueError(f"consumer mode {mode!r}: expected one of {MODES}")
+    latencies_ns: list[int] = []
+    from_schedule_ns: list[int] = []
+    batches = 0
+    started_ns = time.monotonic_ns()
+    last_receipt_epoch_ns = 0
+    timed_out = False
+    while not tally.done():
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        batch = await adapter.recv_batch(recv_max, RECV_TIMEOUT_S)
+        if not batch:
+            continue
+        batches += 1
+        now_ns = time.monotonic_ns()
+        if mode == "handled":
+            for body, token in batch:
+                await asyncio.sleep(handler_sleep_s)
+                seq, _a, _b = read_header(body)
+                tally.record(seq, time.monotonic_ns())
+                await adapter.ack_one(token)
+                tally.publish()
+            continue
+        epoch_ns = time.time_ns()
+        last_receipt_epoch_ns = epoch_ns
+        for body, _token in batch:
+            seq, stamp_a, stamp_b = read_header(body)
+            if not tally.record(seq, now_ns):
+                continue
+            if mode == "latency":
+                latencies_ns.append(now_ns - stamp_a)
+                from_schedule_ns.append(now_ns - stamp_b)
+            elif mode == "delayed":
+                latencies_ns.append(epoch_ns - stamp_a)
+        await adapter.ack_batch([token for _body, token in batch])
+        tally.publish()
+    tally.publish()
+    result: dict[str, Any] = {
+        "expected": tally.expected,
+        "received_unique": tally.unique,
+        "duplicates": tally.duplicates,
+        "batches": batches,
+        "timed_out": timed_out,
+        "started_ns": started_ns,
+        "first_ns": tally.first_ns,
+        "last_ns": tally.last_ns,
+    }
+    if tally.members == 1:
+        result["missing"] = tally.expected - tally.unique
+    if tally.first_ns:
+        seconds = (tally.last_ns - started_ns) / 1e9
+        result["seconds"] = round(seconds, 3)
+        result["msgs_per_s"] = round(tally.unique / seconds, 1) if seconds > 0 else None
+        result["seconds_to_first_msg"] = round((tally.first_ns - started_ns) / 1e9, 3)
+    if mode == "latency":
+        result["latency_ms"] = distribution_ms(latencies_ns)
+        result["latency_from_schedule_ms"] = distribution_ms(from_schedule_ns)
+    elif mode == "delayed":
+        result["lateness_ms"] = distribution_ms(latencies_ns)
+        result["early_count"] = sum(1 for x in latencies_ns if x < 0)
+        result["last_receipt_epoch_ns"] = last_receipt_epoch_ns
+    return result

@@ -1,0 +1,156 @@
+"""The driver: for each system, start its server, run the selected workloads in a fixed
+order with one cell each, stop the server; one failing system never stops the others.
+
+Order per system: W1+W2 (× repeats), W3, W6, W7, then on a freshly started server W4,
+and again on a fresh one W5, so the delay figures see no earlier backlog in memory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.cell import Cell, timed
+from bench.servers import ServerProcess, StartError, make_server
+from bench.settings import Settings
+from bench.workers import kill_all_workers
+from bench.workloads_basic import w1_publish, w2_drain, w3_latency
+from bench.workloads_delay import w4_delay, w5_thundering_second
+from bench.workloads_scale import w6_elasticity, w7_many_subjects
+
+Log = Callable[[str], None]
+GUARANTEE = {"rabbitmq": "sync", "nats": "periodic", "redis": "periodic"}
+CLIENTS = {"rabbitmq": "pika AsyncioConnection", "nats": "nats-py", "redis": "redis-py+hiredis", "qmq": "qmq.aio"}
+
+
+def guarantee_of(system: str) -> str:
+    return system.removeprefix("qmq-") if system.startswith("qmq-") else GUARANTEE[system]
+
+
+class SystemRun:
+    """One system's server and its workloads, within the system's time limit."""
+
+    def __init__(self, system: str, settings: Settings, only: set[str], data_root: str, log_dir: str,
+                 log: Log) -> None:
+        self.system = system
+        self.settings = settings
+        self.only = only
+        self.log = log
+        self.server: ServerProcess = make_server(system, data_root, settings)
+        self.log_dir = log_dir
+        self.deadline = time.monotonic() + settings.system_limit_s
+        self.entry: dict[str, Any] = {
+            "system": system,
+            "kind": "qmq" if system.startswith("qmq-") else "peer",
+            "guarantee": guarantee_of(system),
+            "client": CLIENTS["qmq" if system.startswith("qmq-") else system],
+            "workloads": {},
+        }
+        self.cell: Cell | None = None
+
+    def _start(self) -> Cell:
+        started = time.monotonic()
+        endpoint = self.server.start()
+        self.server.check_loopback_only()
+        self.entry.setdefault("startup_s", round(time.monotonic() - started, 1))
+        self.cell = Cell(self.system, self.server, endpoint, self.settings, self.log_dir, self.log)
+        return self.cell
+
+    def _restart(self) -> Cell:
+        self.log(f"  {self.system}: restarting on a fresh data dir")
+        self.server.stop()
+        return self._start()
+
+    def _record(self, workload: str, result: dict[str, Any], repeat: bool = False) -> None:
+        if repeat:
+            self.entry["workloads"].setdefault(workload, []).append(result)
+        else:
+            self.entry["workloads"][workload] = result
+        for key in ("server_version", "client"):
+            if result.get(key) and key not in self.entry.get("reported", {}):
+                self.entry.setdefault("reported", {})[key] = result[key]
+        status = "skipped" if "skipped" in result else ("ok" if result.get("ok") else "FAILED")
+        detail = result.get("skipped") or result.get("error") or _headline(workload, result)
+        self.log(f"  {self.system} {workload}: {status} — {detail} ({result.get('wall_s', '?')} s)")
+
+    def _over_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def _cell(self, workload: str, fn: Callable[[Cell, str], dict[str, Any]], cell: Cell,
+              repeat: bool = False, family: str | None = None) -> dict[str, Any]:
+        if self._over_time():
+            result = {"ok": False, "error": f"system time limit of {self.settings.system_limit_s:.0f} s reached"}
+        else:
+            self.log(f"  {self.system} {workload} …")
+            name = family or cell.family(workload)
+            result = timed(lambda: fn(cell, name))
+        self._record(workload, result, repeat)
+        return result
+
+    def run(self) -> dict[str, Any]:
+        missing = self.server.missing()
+        if missing is not None:
+            self.entry["skipped"] = missing
+            self.log(f"== {self.system}: skipped — {missing}")
+            return self.entry
+        self.entry["durability"] = self.server.durability()
+        self.entry["server_version"] = self.server.version()
+        try:
+            self.log(f"== {self.system}: starting server")
+            cell = self._start()
+            self._run_workloads(cell)
+        except StartError as exc:
+            self.entry["error"] = str(exc)
+            self.log(f"== {self.system}: {exc}")
+        finally:
+            kill_all_workers()
+            self.server.stop()
+            self.server.remove_data()
+        return self.entry
+
+    def _run_workloads(self, cell: Cell) -> None:
+        want = self.only
+        if want & {"W1", "W2"}:
+            for _ in range(self.settings.repeats):
+                family = cell.family("W1")
+                published = self._cell("W1", w1_publish, cell, repeat=True, family=family)
+                if "W2" in want:
+                    if published.get("ok"):
+                        self._cell("W2", w2_drain, cell, repeat=True, family=family)
+                    else:
+                        self._record("W2", {"ok": False, "error": "no backlog: W1 failed"}, repeat=True)
+        if "W3" in want:
+            for _ in range(self.settings.repeats):
+                self._cell("W3", w3_latency, cell, repeat=True)
+        if "W6" in want:
+            self._cell("W6", w6_elasticity, cell)
+        if "W7" in want:
+            self._cell("W7", w7_many_subjects, cell)
+        for workload, fn in (("W4", w4_delay), ("W5", w5_thundering_second)):
+            if workload not in want:
+                continue
+            reason = self.server.delay_unsupported()
+            if reason is not None:
+                self._record(workload, {"skipped": reason})
+                continue
+            cell = self._restart()
+            self._cell(workload, fn, cell)
+
+
+def _headline(workload: str, result: dict[str, Any]) -> str:
+    if workload in ("W1", "W2"):
+        return f"{result.get('msgs_per_s')} msg/s"
+    if workload == "W3":
+        lat = result.get("latency_ms") or {}
+        return f"p50 {lat.get('p50')} ms, p99 {lat.get('p99')} ms, p99.9 {lat.get('p999')} ms"
+    if workload in ("W4", "W5"):
+        late = result.get("lateness_ms") or {}
+        extra = f", all delivered after {result.get('seconds_until_all_delivered')} s" if workload == "W5" else ""
+        return f"lateness p50 {late.get('p50')} ms, p99 {late.get('p99')} ms{extra}"
+    if workload == "W6":
+        handled = result.get("handler_bound", {})
+        return "handler-bound speed-up " + ", ".join(
+            f"x{k}: {v.get('speedup_vs_1')}" for k, v in handled.items())
+    if workload == "W7":
+        return f"publish {result.get('publish_msgs_per_s')} msg/s, drain {result.get('drain_msgs_per_s')} msg/s"
+    return ""

@@ -1,0 +1,105 @@
+"""Workload sizes, client knobs and loopback ports: everything a run is parameterised by.
+
+One frozen `Settings` travels from the driver to every worker process as JSON, so a
+figure can always be traced back to the exact knobs it was measured with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+# Loopback ports of the servers this harness starts. The system services keep the
+# defaults (5672 and its Erlang distribution port 25672, 4369, 4222, 6379) and the
+# yardstick uses 15673/35673/14369/14222/16379, so both can run beside us.
+RABBITMQ_PORT = 35682
+RABBITMQ_DIST_PORT = 35683
+RABBITMQ_EPMD_PORT = 34369
+NATS_PORT = 34222
+REDIS_PORT = 36379
+
+HOST = "127.0.0.1"
+PAYLOAD_BYTES = 1024
+
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")
+PEERS = ("rabbitmq", "nats", "redis")
+QMQ_FLUSH_POLICIES = ("sync", "periodic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Counts, durations and client knobs of one run (identical for every system)."""
+
+    quick: bool
+    # W1/W2: acknowledged publish, then drain of the same backlog.
+    w1_messages: int = 200_000
+    # W3: paced end-to-end latency.
+    w3_rate_per_s: float = 5_000.0
+    w3_duration_s: float = 20.0
+    # W4: delayed messages due uniformly over a spread.
+    w4_messages: int = 100_000
+    w4_spread_s: float = 30.0
+    # W5: messages all due in one second, that second starting this long after the start.
+    w5_messages: int = 200_000
+    w5_lead_s: float = 15.0
+    # Redis W4/W5: the poller that moves due members of the sorted set into a stream.
+    delay_poll_interval_ms: float = 10.0
+    # W6: handler-bound elasticity, then the CPU-bound drain with 1 and 2 consumers.
+    w6_messages: int = 20_000
+    w6_consumer_counts: tuple[int, ...] = (1, 2, 4, 8)
+    w6_handler_sleep_ms: float = 2.0
+    w6_prefetch: int = 20
+    w6_cpu_messages: int = 200_000
+    w6_cpu_consumer_counts: tuple[int, ...] = (1, 2)
+    # W7: many subjects.
+    w7_subjects: int = 1_000
+    w7_messages_per_subject: int = 200
+    # Client shape shared by every system.
+    batch_messages: int = 100
+    window_messages: int = 1_000
+    prefetch_messages: int = 1_000
+    recv_max_messages: int = 500
+    repeats: int = 1
+    event_loop: str = "uvloop"
+    rabbitmq_queue_type: str = "quorum"
+    qmq_flush_interval_ms: int = 1_000
+    # Bounds: one worker process, one system, and the whole run.
+    worker_slack_s: float = 60.0
+    system_limit_s: float = 900.0
+    run_limit_s: float = 7_200.0
+
+    @classmethod
+    def full(cls) -> Settings:
+        return cls(quick=False)
+
+    @classmethod
+    def for_quick(cls) -> Settings:
+        return cls(
+            quick=True,
+            w1_messages=20_000,
+            w3_duration_s=5.0,
+            w4_messages=10_000,
+            w4_spread_s=10.0,
+            w5_messages=20_000,
+            w5_lead_s=4.0,
+            w6_messages=4_000,
+            w6_cpu_messages=20_000,
+            w7_messages_per_subject=20,
+            worker_slack_s=30.0,
+            system_limit_s=240.0,
+            run_limit_s=900.0,
+        )
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        raw = json.loads(text)
+        for key in ("w6_consumer_counts", "w6_cpu_consumer_counts"):
+            raw[key] = tuple(raw[key])
+        return cls(**raw)

@@ -1,0 +1,152 @@
+"""One worker process: one role (setup, producer or consumer) of one system in one cell.
+
+Run by the driver as `python -m bench.worker SPEC_JSON`. It connects (bounded retries),
+prints `READY` on stdout, waits for `GO` on stdin when the spec asks it to, runs, and
+prints its result as the last stdout line, one JSON object. Progress goes to stderr."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from typing import Any
+
+from bench.adapters import make_adapter
+from bench.adapters.base import Adapter
+from bench.consumers import consume
+from bench.producers import produce_bulk, produce_delayed, produce_paced
+from bench.settings import Settings
+from bench.tally import Tally
+
+CONNECT_ATTEMPTS_MAX = 40
+CONNECT_RETRY_S = 0.5
+GO_WAIT_S = 120.0
+CLOSE_LIMIT_S = 5.0
+
+
+def log(*parts: object) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+async def connect(adapter: Adapter) -> None:
+    for attempt in range(CONNECT_ATTEMPTS_MAX):
+        try:
+            await adapter.connect()
+            return
+        except Exception as exc:
+            if attempt == CONNECT_ATTEMPTS_MAX - 1:
+                raise
+            log(f"connect attempt {attempt + 1} failed: {exc!r}; retrying")
+            await asyncio.sleep(CONNECT_RETRY_S)
+
+
+async def wait_go() -> None:
+    line = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline), GO_WAIT_S)
+    if line.strip() != "GO":
+        raise RuntimeError(f"expected GO from the driver, got {line!r}")
+
+
+async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    role = spec["role"]
+    family: str = spec["family"]
+    subjects: list[str] = spec["subjects"]
+    deadline = time.monotonic() + spec["limit_s"]
+    if role == "setup":
+        delayed = spec.get("delayed", False)
+        if delayed:
+            reason = await adapter.delay_unsupported()
+            if reason is not None:
+                return {"skipped": reason}
+        await adapter.setup(
+            family, subjects, delayed=delayed, members=spec.get("members", 1),
+            prefetch=spec.get("prefetch", settings.prefetch_messages),
+        )
+        return {}
+    if role == "producer":
+        await adapter.prepare_producer()
+        print("READY", flush=True)
+        if spec.get("wait_go"):
+            await wait_go()
+        kind = spec["kind"]
+        batch, window = spec.get("batch", settings.batch_messages), settings.window_messages
+        if kind == "bulk":
+            return await produce_bulk(adapter, subjects, spec["messages"], batch, window, deadline)
+        if kind == "paced":
+            return await produce_paced(
+                adapter, subjects[0], spec["rate_per_s"], spec["duration_s"], batch, window, deadline
+            )
+        if kind == "delayed":
+            return await produce_delayed(
+                adapter, subjects[0], spec["messages"], spec.get("first_due_epoch_s"), spec["spread_s"],
+                batch, window, deadline,
+            )
+        raise ValueError(f"unknown producer kind {kind!r}")
+    if role == "consumer":
+        members = spec.get("members", 1)
+        tally = Tally(spec["messages"], members, spec.get("index", 0), spec.get("tally_path"))
+        subscribe_first = not spec.get("subscribe_after_go", False)
+        start = {
+            "consumer_index": spec.get("index", 0),
+            "members": members,
+            "prefetch": spec.get("prefetch", settings.prefetch_messages),
+            "delayed": spec.get("delayed", False),
+        }
+        if subscribe_first:
+            await adapter.start_consumer(family, subjects, **start)
+        print("READY", flush=True)
+        if spec.get("wait_go"):
+            await wait_go()
+        if not subscribe_first:
+            await adapter.start_consumer(family, subjects, **start)
+        try:
+            result = await consume(
+                adapter, tally, spec["mode"], spec.get("recv_max", settings.recv_max_messages), deadline,
+                spec.get("handler_sleep_ms", 0.0) / 1000.0,
+            )
+        finally:
+            tally.close()
+        poller = getattr(adapter, "poller_stats", None)
+        if spec.get("delayed") and poller is not None:
+            result["poller"] = dict(poller)
+        return result
+    raise ValueError(f"unknown role {role!r}")
+
+
+async def main_async(spec: dict[str, Any]) -> dict[str, Any]:
+    settings = Settings.from_json(spec["settings"])
+    out: dict[str, Any] = {"system": spec["system"], "role": spec["role"]}
+    adapter: Adapter | None = None
+    try:
+        adapter = make_adapter(spec["system"], spec["endpoint"], settings)
+        out["client"] = adapter.client
+        await connect(adapter)
+        out["server_version"] = adapter.server_version
+        out.update(await run_role(adapter, spec, settings))
+        out["ok"] = "error" not in out
+    except Exception as exc:
+        out["ok"] = False
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        log("ERROR", out["error"])
+    finally:
+        if adapter is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(adapter.close(), CLOSE_LIMIT_S)
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    settings = Settings.from_json(spec["settings"])
+    if settings.event_loop == "uvloop":
+        import uvloop
+
+        result = uvloop.run(main_async(spec))
+    else:
+        result = asyncio.run(main_async(spec))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
