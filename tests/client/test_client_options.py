@@ -10,7 +10,7 @@ import pytest
 import qmq
 from qmq import ConfigError, MetaServerError
 from qmq.aio import Consumer, Producer
-from qmq.client.consumer import check_pull_args
+from qmq.client.consumer import check_pull_args, failure_subjects
 from qmq.client.meta import MetaClient, parse_answer
 from qmq.client.options import default_consumer_id
 
@@ -134,3 +134,14 @@ async def test_an_unreachable_meta_server_at_start_names_the_url() -> None:
         with pytest.raises(MetaServerError, match=re.escape(url)):
             async with Producer(app_code="shop", meta_server=url):
                 pass
+
+
+def test_failed_messages_go_to_the_retry_then_dead_letter_subject_of_their_group() -> None:
+    assert failure_subjects("order.paid", "billing") == ("%RETRY%order.paid%billing", "%DEAD_RETRY%order.paid%billing")
+    # read from the retry subject directly: still the same pair
+    assert failure_subjects("%RETRY%order.paid%billing", "ops") == (
+        "%RETRY%order.paid%billing",
+        "%DEAD_RETRY%order.paid%billing",
+    )
+    # a dead letter failed again stays where it is
+    assert failure_subjects("%DEAD_RETRY%order.paid%billing", "ops") == ("%DEAD_RETRY%order.paid%billing",) * 2

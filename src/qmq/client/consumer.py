@@ -36,7 +36,13 @@ from qmq.client.puller import ConsumerContext, SubjectPuller
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
 from qmq.common.errors import ConfigError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS
-from qmq.common.naming import dead_subject, retry_subject
+from qmq.common.naming import (
+    DEAD_PREFIX,
+    RETRY_PREFIX,
+    dead_subject,
+    parse_internal_subject,
+    retry_subject,
+)
 from qmq.protocol.message import with_times
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,20 @@ def check_pull_args(max_messages: object, timeout_ms: object) -> tuple[int, int]
     )
 
 
+def is_internal(subject: str) -> bool:
+    return subject.startswith((RETRY_PREFIX, DEAD_PREFIX))
+
+
+def failure_subjects(subject: str, group: str) -> tuple[str, str]:
+    """Where a failed message of ``subject`` in ``group`` goes: (retry subject, dead-letter subject)."""
+    if not is_internal(subject):
+        return retry_subject(subject, group), dead_subject(subject, group)
+    kind, original, original_group = parse_internal_subject(subject)
+    if kind == "retry":
+        return subject, dead_subject(original, original_group)
+    return subject, subject  # a dead letter read and failed again stays a dead letter
+
+
 def is_async_function(fn: object) -> bool:
     # A plain bool (not the TypeGuard of inspect's), so the decorated type passes through.
     return inspect.iscoroutinefunction(fn)
@@ -62,7 +82,7 @@ def is_async_function(fn: object) -> bool:
 class PullConsumerBase:
     """Pulls of one subject for one consumer group, with its retry subject looked at too."""
 
-    def __init__(self, main: SubjectPuller[Any], retry: SubjectPuller[Any], retry_interval_ms: int) -> None:
+    def __init__(self, main: SubjectPuller[Any], retry: SubjectPuller[Any] | None, retry_interval_ms: int) -> None:
         self.subject = main.subject
         self.group = main.group
         self.start_from = main.start_from
@@ -74,7 +94,7 @@ class PullConsumerBase:
     async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
         max_messages, timeout_ms = check_pull_args(max_messages, timeout_ms)
         loop = asyncio.get_running_loop()
-        if loop.time() >= self._next_retry_check:
+        if self._retry is not None and loop.time() >= self._next_retry_check:
             # Retried messages are few: a look without waiting, every retry_pull_interval_ms
             # (and again at once while it finds some).
             try:
@@ -90,7 +110,7 @@ class PullConsumerBase:
     @property
     def pulled(self) -> int:
         """Messages returned by pulls so far."""
-        return self._main.messages + self._retry.messages
+        return self._main.messages + (self._retry.messages if self._retry is not None else 0)
 
 
 class PullConsumer(PullConsumerBase):
@@ -214,8 +234,11 @@ class Consumer:
 
     def _pullers(
         self, subject: str, group: str, start_from: StartFrom, make: type[M], batch_cls: type[BatchBase[M]]
-    ) -> tuple[SubjectPuller[M], SubjectPuller[M]]:
+    ) -> tuple[SubjectPuller[M], SubjectPuller[M] | None]:
         main = SubjectPuller(self._ctx, subject, group, start_from, subject, make, batch_cls)
+        if is_internal(subject):
+            # A retry or dead-letter subject read directly: its failures go back to it.
+            return main, None
         # Every message ever failed must come back, however late the group started.
         retry = SubjectPuller(self._ctx, retry_subject(subject, group), group, "earliest", subject, make, batch_cls)
         return main, retry
@@ -308,10 +331,11 @@ class Consumer:
         tracker = m._tracker
         subject, group = tracker.origin_subject, tracker.group
         attempt = m.times
-        target = dead_subject(subject, group) if attempt > self.options.max_retries else retry_subject(subject, group)
+        retry, dead = failure_subjects(subject, group)
+        target = dead if attempt > self.options.max_retries else retry
         encoded = with_times(m.encoded, attempt, subject=subject_bytes(target))
         await producer.send_encoded(target, encoded, m.message_id)
-        if target.startswith("%DEAD"):
+        if target == dead and dead != retry:
             log.warning(
                 "message %s of %r failed %d time(s) in group %s; sent to %s (last error: %r)",
                 m.message_id,

@@ -41,7 +41,7 @@ class Listener(Generic[M]):
         group: str,
         handler: Callable[[M], Awaitable[object]],
         main: SubjectPuller[M],
-        retry: SubjectPuller[M],
+        retry: SubjectPuller[M] | None,
         fail: Callable[[M, BaseException], Awaitable[None]],
         *,
         start_from: StartFrom,
@@ -55,7 +55,7 @@ class Listener(Generic[M]):
         self.prefetch = prefetch
         self._handler = handler
         self._fail = fail
-        self._pullers = (main, retry)
+        self._pullers = [main] if retry is None else [main, retry]
         self._queue: asyncio.Queue[M] = asyncio.Queue()
         self._in_app = 0
         self._room = asyncio.Event()
@@ -89,7 +89,7 @@ class Listener(Generic[M]):
             room = self.prefetch - self._in_app
             try:
                 batch = await puller.pull(room, _POLL_MS)
-            except QmqError as exc:
+            except Exception as exc:
                 failures += 1
                 if failures == 1 or failures % 20 == 0:
                     log.warning(
@@ -99,6 +99,7 @@ class Listener(Generic[M]):
                         puller.subject,
                         failures,
                         exc,
+                        exc_info=not isinstance(exc, QmqError),  # a bug: show where
                     )
                 # Bounded exponential back-off before pulling again.
                 await asyncio.sleep(min(_BACKOFF_S_MAX, _BACKOFF_S_MIN * 2 ** min(failures - 1, 10)))

@@ -36,6 +36,14 @@ _SUBJECTS_MAX = 100_000
 _ERROR_TEXT_CHARS_MAX = 300
 
 
+class MetaRefusedError(MetaServerError):
+    """The meta server answered with an HTTP error status (a refused request, not an outage)."""
+
+    def __init__(self, text: str, status: int) -> None:
+        super().__init__(text)
+        self.status = status
+
+
 @dataclass(frozen=True, slots=True)
 class BrokerGroup:
     """An available broker group and the address of its master."""
@@ -109,6 +117,8 @@ class MetaClient:
         self._routes: dict[str, tuple[str, ...]] = {}
         # Subjects whose route was asked for (routed or not): kept fresh by each refresh.
         self._subjects: set[str] = set()
+        # Subjects the meta server refused to route (4xx): every available group, never asked again.
+        self._refused: set[str] = set()
         self._lookups: dict[str, asyncio.Future[None]] = {}
         self._refresh_ms = _REFRESH_MS_DEFAULT
         self._wake = asyncio.Event()
@@ -156,7 +166,7 @@ class MetaClient:
         groups = self._routes.get(subject)
         if groups is not None:
             return groups
-        return self._all_groups if subject in self._subjects else None
+        return self._all_groups if subject in self._subjects or subject in self._refused else None
 
     def available(self, names: Iterable[str]) -> list[BrokerGroup]:
         """The available groups among ``names``, in order."""
@@ -177,12 +187,17 @@ class MetaClient:
         return self.route(subject) or self._all_groups
 
     async def _lookup(self, subject: str) -> None:
-        if len(self._subjects) >= _SUBJECTS_MAX:
+        if len(self._subjects) + len(self._refused) >= _SUBJECTS_MAX:
             log.warning("tracking %d subjects already; %r goes to every available broker group", _SUBJECTS_MAX, subject)
-            self._subjects.add(subject)
+            self._refused.add(subject)
             return
         try:
             answer = await self._fetch([subject])
+        except MetaRefusedError as exc:
+            # Kept out of the refreshes, so one refused subject cannot fail them all.
+            log.warning("the meta server refused to route %r; using every available broker group: %s", subject, exc)
+            self._refused.add(subject)
+            return
         except MetaServerError as exc:
             log.warning("cannot look up the route of %r, using every available broker group: %s", subject, exc)
             self._subjects.add(subject)
@@ -202,9 +217,8 @@ class MetaClient:
                     await self._wake.wait()
             self._wake.clear()
             started = loop.time()
-            subjects = sorted(self._subjects)
             try:
-                answers = [await self._fetch(chunk) for chunk in _chunks(subjects)]
+                await self.refresh()
             except MetaServerError as exc:
                 failures += 1
                 # Logged on the first failure and then rarely, so an outage does not flood the log.
@@ -214,12 +228,28 @@ class MetaClient:
                 if failures:
                     log.info("meta server %s answers again after %d failed refresh(es)", self.url, failures)
                 failures = 0
-                for answer, chunk in zip(answers, _chunks(subjects), strict=True):
-                    self._apply(answer, chunk)
             # At most one refresh per _REFRESH_MS_MIN, however often refresh_soon is called.
             rest = _REFRESH_MS_MIN / 1000 - (loop.time() - started)
             if rest > 0:
                 await asyncio.sleep(rest)
+
+    async def refresh(self) -> None:
+        """Ask again for the groups and the routes of every subject asked for so far.
+
+        What could be fetched is applied; MetaServerError if any request failed.
+        """
+        failed: MetaServerError | None = None
+        for chunk in _chunks(sorted(self._subjects)):
+            try:
+                answer = await self._fetch(chunk)
+            except MetaRefusedError as exc:
+                failed = exc
+                continue
+            except MetaServerError:
+                raise  # unreachable: the other chunks would fail the same way
+            self._apply(answer, chunk)
+        if failed is not None:
+            raise failed
 
     async def _fetch(self, subjects: list[str]) -> MetaAnswer:
         session = self._session
@@ -232,7 +262,7 @@ class MetaClient:
             async with session.get(url) as resp:
                 if resp.status != 200:
                     text = (await resp.text(errors="replace"))[:_ERROR_TEXT_CHARS_MAX]
-                    raise MetaServerError(f"meta server {self.url} answered HTTP {resp.status}: {text}")
+                    raise MetaRefusedError(f"meta server {self.url} answered HTTP {resp.status}: {text}", resp.status)
                 doc: Any = await resp.json(content_type=None)
         except MetaServerError:
             raise

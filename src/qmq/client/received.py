@@ -47,9 +47,10 @@ class ReceivedBase:
     """The fields of a received message; the asyncio and blocking SDKs add ``ack``/``nack``."""
 
     __slots__ = (
+        "_body_pos",
         "_buf",
+        "_end",
         "_h",
-        "_len",
         "_offset",
         "_pos",
         "_props",
@@ -64,7 +65,8 @@ class ReceivedBase:
         self,
         buf: bytes,
         pos: int,
-        length: int,
+        body_pos: int,
+        end: int,
         header: tuple[Any, ...],
         sequence: int,
         stored_ms: int,
@@ -72,9 +74,11 @@ class ReceivedBase:
         subject: str,
         tracker: AckTracker,
     ) -> None:
+        # The message is buf[pos:end]; its body, the last field, is buf[body_pos:end].
         self._buf = buf
         self._pos = pos
-        self._len = length
+        self._body_pos = body_pos
+        self._end = end
         self._h = header
         self.sequence = sequence
         """The message's place in its subject's consume log."""
@@ -94,9 +98,7 @@ class ReceivedBase:
 
     @property
     def body(self) -> bytes:
-        h = self._h
-        start = self._pos + HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN] + h[_PLEN]
-        return self._buf[start : start + h[_BLEN]]
+        return self._buf[self._body_pos : self._end]
 
     @property
     def properties(self) -> dict[str, PropertyValue]:
@@ -149,7 +151,7 @@ class ReceivedBase:
     @property
     def encoded(self) -> bytes:
         """The message exactly as the producer encoded it (for re-sending to %RETRY%)."""
-        return self._buf[self._pos : self._pos + self._len]
+        return self._buf[self._pos : self._end]
 
     @property
     def settled(self) -> bool:
@@ -164,7 +166,7 @@ class ReceivedBase:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(subject={self.subject!r}, message_id={self.message_id!r}, "
-            f"times={self.times}, sequence={self.sequence}, body={self._h[_BLEN]} bytes)"
+            f"times={self.times}, sequence={self.sequence}, body={self._end - self._body_pos} bytes)"
         )
 
 
@@ -285,11 +287,12 @@ def parse_records(
                     f"PULL response record at byte {pos} (sequence {sequence}) fails its CRC32C check"
                 )
             h = unpack_message(body, mpos)
-            if h[0] != VERSION or HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN] + h[_PLEN] + h[_BLEN] != length:
+            body_pos = mpos + HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN] + h[_PLEN]
+            if h[0] != VERSION or body_pos + h[_BLEN] != mend:
                 raise RemoteProtocolError(
                     f"PULL response record at byte {pos} (sequence {sequence}) holds a malformed message"
                 )
-            append(make(body, mpos, length, h, sequence, stored_ms, pull_offset + k, subject, tracker))
+            append(make(body, mpos, body_pos, mend, h, sequence, stored_ms, pull_offset + k, subject, tracker))
             pos = mend
     if pos != end:
         raise RemoteProtocolError(f"PULL response body has {end - pos} bytes after the records its runs announce")

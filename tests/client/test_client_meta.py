@@ -1,0 +1,38 @@
+"""Discovery against a real meta server: groups, routes, and a refused subject that must not
+stop the background refresh of the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from qmq.client.meta import MetaClient
+
+pytestmark = pytest.mark.integration
+
+
+async def test_groups_and_routes_come_from_the_meta_server(meta_server: str, subject: str) -> None:
+    meta = MetaClient(meta_server, timeout_ms=5000)
+    await meta.start()
+    try:
+        assert meta.route(subject) is None  # never asked
+        route = await meta.resolve(subject)
+        assert route == tuple(meta.groups)
+        assert meta.route(subject) == route
+        assert [g.name for g in meta.available(route)] == list(route)
+    finally:
+        await meta.close()
+
+
+async def test_a_refused_subject_falls_back_and_refreshes_go_on(meta_server: str, subject: str) -> None:
+    meta = MetaClient(meta_server, timeout_ms=5000)
+    await meta.start()
+    try:
+        await meta.resolve(subject)
+        # Not a valid retry subject: the meta server answers 400 for it.
+        assert await meta.resolve("%RETRY%no-group") == tuple(meta.groups)
+        before = meta.refreshes
+        await meta.refresh()  # raises if the refused subject were asked again
+        assert meta.refreshes == before + 1
+        assert meta.route(subject) is not None
+    finally:
+        await meta.close()
