@@ -1,3 +1,217 @@
-"""Commands for people: send, consume, subjects, lag (they use the SDK)."""
+"""Commands for people: ``qmq send``, ``qmq consume``, ``qmq subjects``, ``qmq lag``."""
 
 from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from qmq.cli.main import cli
+from qmq.common.errors import BrokerError, QmqError
+from qmq.protocol.codes import RequestCode
+
+meta_server_option = click.option(
+    "--meta-server",
+    envvar="QMQ_META_SERVER",
+    required=True,
+    metavar="URL",
+    help="the meta_server URL printed by `qmq ready` (or set QMQ_META_SERVER)",
+)
+
+
+def _prop(value: str) -> tuple[str, str]:
+    key, sep, text = value.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"{value!r} is not k=v", param_hint="--prop")
+    return key, text
+
+
+@cli.command()
+@click.argument("subject")
+@click.argument("stdin_marker", required=False, metavar="[-]")
+@meta_server_option
+@click.option("--prop", "props", multiple=True, metavar="K=V", help="a property (repeatable); values are strings")
+@click.option("--tag", "tags", multiple=True, metavar="TAG", help="a tag (repeatable, at most 10)")
+@click.option("--body", "body_text", metavar="TEXT", help="the body, as UTF-8 text")
+@click.option("--body-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="the body, from a file")
+@click.option("--app-code", default="qmq-cli", show_default=True, help="the producer's application code")
+def send(
+    subject: str,
+    stdin_marker: str | None,
+    meta_server: str,
+    props: tuple[str, ...],
+    tags: tuple[str, ...],
+    body_text: str | None,
+    body_file: Path | None,
+    app_code: str,
+) -> None:
+    """Send one message to SUBJECT; `-` reads the body from standard input. Prints its id."""
+    from qmq.client.sync import Producer
+
+    if stdin_marker not in (None, "-"):
+        raise click.BadParameter(f"{stdin_marker!r}: only '-' (read the body from stdin) may follow the subject")
+    sources = [s for s in (body_text is not None, body_file is not None, stdin_marker == "-") if s]
+    if len(sources) > 1:
+        raise click.UsageError("give the body once: --body, --body-file or -")
+    if body_text is not None:
+        body = body_text.encode("utf-8")
+    elif body_file is not None:
+        body = body_file.read_bytes()
+    elif stdin_marker == "-":
+        body = sys.stdin.buffer.read()
+    else:
+        body = b""
+    pairs = [_prop(p) for p in props]
+    with Producer(app_code=app_code, meta_server=meta_server) as producer:
+        msg = producer.generate_message(subject)
+        for key, value in pairs:
+            msg.set_property(key, value)
+        for tag in tags:
+            msg.add_tag(tag)
+        msg.body = body
+        producer.send(msg)
+    click.echo(msg.message_id)
+
+
+def _body_fields(body: bytes) -> dict[str, str]:
+    try:
+        return {"body": body.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"body_base64": base64.b64encode(body).decode("ascii")}
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode("ascii")}
+    return value
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+@cli.command()
+@click.argument("subject")
+@click.option("--group", required=True, help="consumer group")
+@meta_server_option
+@click.option(
+    "--from",
+    "start_from",
+    type=click.Choice(["earliest", "latest"]),
+    default="latest",
+    show_default=True,
+    help="where a group that does not exist yet starts",
+)
+@click.option("--count", type=click.IntRange(min=1), help="stop after this many messages [default: run until Ctrl-C]")
+@click.option("--idle-exit-ms", type=click.IntRange(min=1), help="stop when no message came for this long")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+@click.option("--consumer-id", help="stable consumer id (a restarted consumer gets its unacked messages back)")
+def consume(
+    subject: str,
+    group: str,
+    meta_server: str,
+    start_from: str,
+    count: int | None,
+    idle_exit_ms: int | None,
+    as_json: bool,
+    consumer_id: str | None,
+) -> None:
+    """Consume SUBJECT as a member of GROUP, printing and acknowledging each message."""
+    from qmq.client.sync import Consumer
+
+    options: dict[str, Any] = {"consumer_id": consumer_id} if consumer_id else {}
+    seen = 0
+    idle_since = time.monotonic()
+    with Consumer(app_code="qmq-cli", meta_server=meta_server, **options) as consumer:
+        pull = consumer.pull_consumer(subject, group=group, start_from=start_from)  # type: ignore[arg-type]
+        try:
+            while count is None or seen < count:
+                want = min(100, count - seen) if count else 100
+                batch = pull.pull(max_messages=want, timeout_ms=1000)
+                if not batch:
+                    if idle_exit_ms and (time.monotonic() - idle_since) * 1000 >= idle_exit_ms:
+                        break
+                    continue
+                idle_since = time.monotonic()
+                for m in batch:
+                    if as_json:
+                        doc: dict[str, Any] = {
+                            "subject": m.subject,
+                            "message_id": m.message_id,
+                            "times": m.times,
+                            "tags": list(m.tags),
+                            "properties": {k: _jsonable(v) for k, v in m.properties.items()},
+                            "created_at": _iso(m.created_at),
+                            "stored_at": _iso(m.stored_at),
+                            **_body_fields(bytes(m.body)),
+                        }
+                        click.echo(json.dumps(doc, ensure_ascii=False))
+                    else:
+                        fields = _body_fields(bytes(m.body))
+                        shown = fields.get("body", fields.get("body_base64", ""))
+                        props = " ".join(f"{k}={v!r}" for k, v in m.properties.items())
+                        click.echo(f"{m.subject} {m.message_id} times={m.times} {props} body={shown!r}")
+                    m.ack()
+                    seen += 1
+        except KeyboardInterrupt:
+            pass
+
+
+@cli.command()
+@meta_server_option
+def subjects(meta_server: str) -> None:
+    """List the subjects every broker group holds, with message counts and consumer groups."""
+    answers = asyncio.run(_ask(meta_server, RequestCode.SUBJECTS, {}))
+    totals: dict[str, list[Any]] = {}
+    for header in answers.values():
+        for item in header["subjects"]:
+            row = totals.setdefault(item["subject"], [0, set()])
+            row[0] += item["messages"]
+            row[1].update(item["groups"])
+    table = Table("subject", "messages", "consumer groups")
+    for name in sorted(totals):
+        table.add_row(name, f"{totals[name][0]:,}", ", ".join(sorted(totals[name][1])))
+    Console().print(table)
+
+
+@cli.command()
+@click.argument("subject")
+@click.option("--group", required=True, help="consumer group")
+@meta_server_option
+def lag(subject: str, group: str, meta_server: str) -> None:
+    """How far GROUP is behind on SUBJECT, per broker group and consumer."""
+    answers = asyncio.run(_ask(meta_server, RequestCode.LAG, {"subject": subject, "group": group}, missing_ok=True))
+    if not answers:
+        raise click.ClickException(f"consumer group {group!r} has never pulled {subject!r} on any broker group")
+    table = Table("broker group", "messages", "group pulled up to", "backlog", "unacked", "consumers")
+    for name, h in sorted(answers.items()):
+        consumers = ", ".join(f"{c['consumer_id']} ({c['unacked']} unacked)" for c in h["consumers"])
+        table.add_row(
+            name, f"{h['messages']:,}", f"{h['pull_offset']:,}", f"{h['backlog']:,}", f"{h['unacked']:,}", consumers
+        )
+    Console().print(table)
+
+
+async def _ask(
+    meta_server: str, code: int, header: dict[str, Any], missing_ok: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Answers of every broker group; a group's error is raised, or skipped when it only says "never pulled"."""
+    from qmq.cli.admin import ask_every_broker
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, answer in (await ask_every_broker(meta_server, code, header)).items():
+        if isinstance(answer, QmqError):
+            if missing_ok and isinstance(answer, BrokerError) and "has never pulled" in str(answer):
+                continue
+            raise answer
+        out[name] = answer
+    return out

@@ -16,14 +16,14 @@ def run_demo(meta_server: str) -> None:
             msg.set_property("orderId", "42")
             msg.body = f"paid at {time.strftime('%H:%M:%S')}".encode()
             producer.send(msg)
-            print(f"demo: sent     {subject} id={msg.message_id} orderId=42 body={msg.body!r}", flush=True)
+            print(f"demo: sent     {subject} id={msg.message_id} orderId='42' body={msg.body!r}", flush=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             for m in pull.pull(max_messages=10, timeout_ms=1000):
                 m.ack()
                 if m.message_id == msg.message_id:
                     print(
-                        f"demo: consumed {m.subject} id={m.message_id} orderId={m.get_property('orderId')} "
+                        f"demo: consumed {m.subject} id={m.message_id} orderId={m.get_property('orderId')!r} "
                         f"body={m.body!r}",
                         flush=True,
                     )
