@@ -133,3 +133,35 @@ async def test_after_max_retries_a_message_goes_to_the_dead_letter_subject(meta_
         [got] = await pull_until(dead, 1, timeout_s=5)
     assert attempts == 2
     assert (got.message_id, got.times) == (msg.message_id, 3)
+
+
+async def test_a_listener_keeps_at_most_prefetch_messages_in_the_app(meta_server: str, subject: str) -> None:
+    n, prefetch = 100, 10
+    release = asyncio.Event()
+    started = 0
+    two_started = asyncio.Event()
+    handled: list[str] = []
+    all_handled = asyncio.Event()
+    async with Producer(app_code="shop", meta_server=meta_server) as producer:
+        await asyncio.gather(*(producer.send(producer.generate_message(subject)) for _ in range(n)))
+    async with Consumer(app_code="billing", meta_server=meta_server) as consumer:
+
+        @consumer.listener(subject, _group(), start_from="earliest", concurrency=2, prefetch=prefetch)
+        async def on_message(m: ReceivedMessage) -> None:
+            nonlocal started
+            started += 1
+            if started == 2:
+                two_started.set()
+            await release.wait()
+            handled.append(m.message_id)
+            if len(handled) == n:
+                all_handled.set()
+
+        await asyncio.wait_for(two_started.wait(), 10)
+        listener = consumer.listeners[0]
+        pulled = sum(p.messages for p in listener._pullers)
+        assert 2 <= pulled <= prefetch
+        assert listener._in_app + listener._reserved <= prefetch
+        release.set()
+        await asyncio.wait_for(all_handled.wait(), 20)
+    assert len(set(handled)) == n

@@ -57,9 +57,12 @@ class Listener(Generic[M]):
         self._fail = fail
         self._pullers = [main] if retry is None else [main, retry]
         self._queue: asyncio.Queue[M] = asyncio.Queue()
+        # Messages queued or being handled, plus room promised to pulls in flight: together
+        # never above prefetch.
         self._in_app = 0
-        self._room = asyncio.Event()
-        self._room.set()
+        self._reserved = 0
+        # Pull loops waiting for room: (room they need, event to set once it is free).
+        self._waiting: list[tuple[int, asyncio.Event]] = []
         self._loops: list[asyncio.Task[None]] = []
         self._workers: list[asyncio.Task[None]] = []
         self._busy: set[asyncio.Task[None]] = set()
@@ -75,18 +78,32 @@ class Listener(Generic[M]):
         if self._workers:
             return
         self._stopping = False
-        self._loops = [asyncio.ensure_future(self._pull_loop(p)) for p in self._pullers]
+        # The main subject pulls once half the prefetch is free, so batches stay large; the
+        # retry subject (few messages, long polls) holds at most a quarter of it.
+        shares = [(self.prefetch, max(1, self.prefetch // 2)), (max(1, self.prefetch // 4), 1)]
+        self._loops = [
+            asyncio.ensure_future(self._pull_loop(p, most, least))
+            for p, (most, least) in zip(self._pullers, shares, strict=False)
+        ]
         self._workers = [asyncio.ensure_future(self._work()) for _ in range(self.concurrency)]
 
-    async def _pull_loop(self, puller: SubjectPuller[M]) -> None:
-        # Pull again once the application is down to half the prefetch: batches stay large.
-        low_water = self.prefetch // 2
+    def _free(self) -> int:
+        return self.prefetch - self._in_app - self._reserved
+
+    async def _pull_loop(self, puller: SubjectPuller[M], most: int, least: int) -> None:
         failures = 0
+        room_free = asyncio.Event()
         while not self._stopping:
-            while self._in_app > low_water:
-                self._room.clear()
-                await self._room.wait()
-            room = self.prefetch - self._in_app
+            while self._free() < least:
+                room_free.clear()
+                waiter = (least, room_free)
+                self._waiting.append(waiter)
+                try:
+                    await room_free.wait()
+                finally:
+                    self._waiting.remove(waiter)
+            room = min(most, self._free())
+            self._reserved += room
             try:
                 batch = await puller.pull(room, _POLL_MS)
             except Exception as exc:
@@ -101,6 +118,10 @@ class Listener(Generic[M]):
                         exc,
                         exc_info=not isinstance(exc, QmqError),  # a bug: show where
                     )
+                batch = None
+            finally:
+                self._reserved -= room
+            if batch is None:
                 # Bounded exponential back-off before pulling again.
                 await asyncio.sleep(min(_BACKOFF_S_MAX, _BACKOFF_S_MIN * 2 ** min(failures - 1, 10)))
                 continue
@@ -151,8 +172,11 @@ class Listener(Generic[M]):
             finally:
                 self._busy.discard(me)
                 self._in_app -= 1
-                if not self._room.is_set() and self._in_app <= self.prefetch // 2:
-                    self._room.set()
+                if self._waiting:
+                    free = self._free()
+                    for least, ev in self._waiting:
+                        if free >= least:
+                            ev.set()
 
     async def stop(self, timeout_s: float) -> None:
         """Stop pulling; let handlers running now finish (up to ``timeout_s``), then cancel.
@@ -178,4 +202,3 @@ class Listener(Generic[M]):
         while not self._queue.empty():
             self._queue.get_nowait()
         self._in_app = 0
-        self._room.set()
