@@ -207,3 +207,14 @@ def test_a_second_broker_on_the_same_data_dir_fails_clearly(tmp_path: Path) -> N
     assert out.returncode == 3
     assert "in use by another broker" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_full_disk_refuses_sends_with_a_retriable_status(tmp_path: Path) -> None:
+    # "full" = less free space than disk_free_bytes_min; a petabyte makes any disk full
+    with running_role(["broker", "--data-dir", str(tmp_path / "b"), "--disk-free-bytes-min", str(1 << 50)]) as proc:
+        c = RawClient(proc.ready["address"])
+        resp = c.send(message("s", "a"))
+        assert resp.status == Status.DISK_FULL
+        assert "disk_free_bytes_min" in resp.header["error"]
+        assert c.call(RequestCode.PING).status == Status.OK
+        c.close()
