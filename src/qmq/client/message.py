@@ -116,11 +116,11 @@ def check_message_id(message_id: object) -> str:
 
 
 def _body_bytes(body: object) -> bytes:
-    if isinstance(body, bytes):
+    if type(body) is bytes:
         raw = body
     elif isinstance(body, str):
         raw = body.encode("utf-8")
-    elif isinstance(body, bytearray | memoryview):
+    elif isinstance(body, bytes | bytearray | memoryview):
         raw = bytes(body)
     else:
         raise InvalidMessageError(f"message body must be bytes or str, got {type(body).__name__}")
@@ -171,6 +171,18 @@ class Message:
                 self.set_property(key, value)
         for tag in tags:
             self.add_tag(tag)
+
+    @classmethod
+    def generate(cls, subject: str) -> Message:
+        """A new message to ``subject`` with a fresh id: ``Message(subject)`` on the fast path."""
+        m = cls.__new__(cls)
+        m._subject_raw = subject_bytes(subject)
+        m._subject = subject
+        m._message_id, m._created_ms = MESSAGE_IDS.next()
+        m._body = b""
+        m._properties = _NO_PROPERTIES
+        m._tags = _NO_TAGS
+        return m
 
     @property
     def subject(self) -> str:

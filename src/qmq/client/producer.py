@@ -134,7 +134,7 @@ class Producer:
 
     def generate_message(self, subject: str) -> Message:
         """A new message to ``subject`` with a fresh unique message id."""
-        return Message(subject)
+        return Message.generate(subject)
 
     def send_nowait(self, message: Message) -> asyncio.Future[None]:
         """Buffer ``message`` and return at once; the future resolves when it is stored.

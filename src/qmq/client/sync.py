@@ -133,7 +133,7 @@ class Producer:
 
     def generate_message(self, subject: str) -> Message:
         """A new message to ``subject`` with a fresh unique message id."""
-        return Message(subject)
+        return Message.generate(subject)
 
     def send(self, message: Message) -> None:
         """Send ``message`` and return once it is stored durably; ``qmq.SendError`` says why not."""
