@@ -10,6 +10,7 @@ from clienthelpers import pull_until, wait_for_lag
 
 from qmq import BufferFullError, SendError
 from qmq.aio import Consumer, Message, Producer
+from qmq.protocol.message import with_times
 
 pytestmark = pytest.mark.integration
 
@@ -135,3 +136,26 @@ async def test_acks_reach_the_broker_without_another_pull(meta_server: str, subj
             await m.ack()
         answer = await wait_for_lag(meta_server, subject, group, "unacked", 0)
     assert answer["consumers"][0]["ack_offset"] == 10
+
+
+async def test_a_message_the_broker_refuses_fails_alone_with_the_brokers_reason(meta_server: str, subject: str) -> None:
+    async with Producer(app_code="shop", meta_server=meta_server) as producer:
+        good = [producer.generate_message(subject) for _ in range(3)]
+        bad = producer.generate_message(subject)
+        # A realtime broker refuses a message due in the future (delay messages go elsewhere).
+        refused = with_times(bad.encode(), 0, deliver_at_ms=bad.created_ms + 3_600_000)
+        results = await asyncio.gather(
+            producer.send(good[0]),
+            producer.send_encoded(subject, refused, bad.message_id),
+            producer.send(good[1]),
+            producer.send(good[2]),
+            return_exceptions=True,
+        )
+    assert results[0] is None
+    assert results[2:] == [None, None]
+    error = results[1]
+    assert isinstance(error, SendError)
+    assert not error.retriable
+    assert error.message_id == bad.message_id
+    assert "INVALID_MESSAGE" in str(error)
+    assert "delay" in str(error)

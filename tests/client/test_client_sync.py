@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 import uuid
 
 import pytest
@@ -118,3 +119,21 @@ def test_a_blocking_call_from_a_callback_is_refused_instead_of_hanging(meta_serv
         assert done.wait(10)
     assert len(errors) == 1
     assert "callback" in str(errors[0])
+
+
+def test_a_blocking_nack_brings_the_message_back_with_times_2(meta_server: str, subject: str) -> None:
+    with (
+        qmq.Producer(app_code="shop", meta_server=meta_server) as producer,
+        qmq.Consumer(app_code="billing", meta_server=meta_server, retry_pull_interval_ms=20) as consumer,
+    ):
+        pull = consumer.pull_consumer(subject, _group(), start_from="earliest")
+        msg = producer.generate_message(subject)
+        producer.send(msg)
+        [first] = pull.pull(max_messages=10, timeout_ms=5000)
+        assert first.nack(ValueError("later")) is None  # returns once the retry copy is stored
+        again: list[qmq.client.sync.ReceivedMessage] = []
+        deadline = time.monotonic() + 10
+        while not again and time.monotonic() < deadline:
+            again = list(pull.pull(max_messages=10, timeout_ms=200))
+        assert [(m.message_id, m.times, m.subject) for m in again] == [(msg.message_id, 2, subject)]
+        again[0].ack()

@@ -382,7 +382,8 @@ class Consumer:
             self._io.call(self._async.close(), self._close_wait_s)
         finally:
             self._io.stop()
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # Handlers still running past close_timeout_ms are not waited for (bounded close).
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Consumer:
         return self
