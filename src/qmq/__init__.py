@@ -4,6 +4,8 @@ The blocking SDK lives here (``from qmq import Producer, Consumer``); the asynci
 SDK is ``qmq.aio``. Errors a user can meet are importable from this package.
 """
 
+from typing import TYPE_CHECKING
+
 from qmq.common.errors import (
     BrokerError,
     BufferFullError,
@@ -17,6 +19,11 @@ from qmq.common.errors import (
     QmqError,
     SendError,
 )
+
+if TYPE_CHECKING:  # type checkers see the blocking SDK; at run time it is imported on first use
+    from qmq.client.sync import Consumer as Consumer
+    from qmq.client.sync import Message as Message
+    from qmq.client.sync import Producer as Producer
 
 __version__ = "0.1.0"
 

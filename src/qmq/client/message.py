@@ -197,7 +197,7 @@ class Message:
         return self._body
 
     @body.setter
-    def body(self, value: bytes | str) -> None:
+    def body(self, value: bytes | bytearray | memoryview | str) -> None:
         self._body = _body_bytes(value)
 
     @property

@@ -35,7 +35,7 @@ _INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateErro
 class ProducerStats:
     """Counters of one producer since it started."""
 
-    frames_sent: int = 0  # SEND_MESSAGES requests written, retries included
+    frames_sent: int = 0  # SEND_MESSAGES requests attempted, retries included
     messages_sent: int = 0  # messages in those frames
     messages_stored: int = 0  # messages the broker stored (duplicates included)
     duplicates: int = 0  # messages the broker had already stored (a retry after a lost answer)
