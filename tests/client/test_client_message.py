@@ -11,7 +11,7 @@ import pytest
 from qmq import InvalidMessageError, InvalidSubjectError, MessageTooLargeError
 from qmq.client.message import MESSAGE_IDS, Message
 from qmq.common.limits import DEFAULT_LIMITS
-from qmq.protocol.message import decode_message, decode_properties
+from qmq.protocol.message import PropertyValue, decode_message, decode_properties
 
 ID_RE = re.compile(r"^(\d{15})\.([0-9a-f]{6})\.(\d+)\.(\d+)$")
 
@@ -50,7 +50,7 @@ def test_ids_are_unique_and_counted_across_threads() -> None:
 
 def test_properties_of_every_type_round_trip_through_the_encoding() -> None:
     m = Message("s", body="héllo")
-    values = {"s": "42", "i": -(2**63), "u": 2**64 - 1, "f": 1.5, "t": True, "b": b"\x00\xff"}
+    values: dict[str, PropertyValue] = {"s": "42", "i": -(2**63), "u": 2**64 - 1, "f": 1.5, "t": True, "b": b"\x00\xff"}
     for k, v in values.items():
         m.set_property(k, v)
     m.add_tag("red")

@@ -34,7 +34,7 @@ URL = "http://127.0.0.1:1/meta/address"
 )
 def test_a_bad_producer_option_is_named(option: str, value: object) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"{option}={value!r}")):
-        Producer(app_code="shop", meta_server=URL, **{option: value})
+        Producer(app_code="shop", meta_server=URL, **{option: value})  # type: ignore[arg-type]
 
 
 def test_backoff_max_may_not_be_below_backoff() -> None:
@@ -48,7 +48,7 @@ def test_backoff_max_may_not_be_below_backoff() -> None:
 )
 def test_a_bad_consumer_option_is_named(option: str, value: object) -> None:
     with pytest.raises(ConfigError, match=re.escape(f"{option}={value!r}")):
-        Consumer(app_code="billing", meta_server=URL, **{option: value})
+        Consumer(app_code="billing", meta_server=URL, **{option: value})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_listener_handlers_must_be_async_and_start_from_known() -> None:
     def plain(_m: object) -> None: ...
 
     with pytest.raises(ConfigError, match="async def"):
-        consumer.listener("s", "g")(plain)
+        consumer.listener("s", "g")(plain)  # type: ignore[type-var]
     with pytest.raises(ConfigError, match="start_from='middle'"):
         consumer.pull_consumer("s", "g", start_from="middle")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="concurrency=0"):

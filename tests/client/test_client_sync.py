@@ -11,6 +11,7 @@ import pytest
 
 import qmq
 from qmq import Message, SendError
+from qmq.client.sync import ReceivedMessage
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +36,8 @@ def test_a_blocking_round_trip(meta_server: str, subject: str) -> None:
         assert got.get_property("orderId") == "42"
         assert got.body.decode() == "total: 19.99 €"
         assert got.times == 1
-        assert got.ack() is None
+        got.ack()
+        assert got.settled
         batch.ack_all()
         assert len(pull.pull(max_messages=10, timeout_ms=200)) == 0
 
@@ -89,7 +91,7 @@ def test_plain_function_listeners_run_in_the_thread_pool(meta_server: str, subje
         with qmq.Consumer(app_code="billing", meta_server=meta_server, listener_threads=4) as consumer:
 
             @consumer.listener(subject, _group(), start_from="earliest")
-            def on_message(m: qmq.client.sync.ReceivedMessage) -> None:
+            def on_message(m: ReceivedMessage) -> None:
                 with lock:
                     seen.add(m.message_id)
                     threads.add(threading.current_thread().name)
@@ -130,8 +132,8 @@ def test_a_blocking_nack_brings_the_message_back_with_times_2(meta_server: str, 
         msg = producer.generate_message(subject)
         producer.send(msg)
         [first] = pull.pull(max_messages=10, timeout_ms=5000)
-        assert first.nack(ValueError("later")) is None  # returns once the retry copy is stored
-        again: list[qmq.client.sync.ReceivedMessage] = []
+        first.nack(ValueError("later"))  # returns once the retry copy is stored
+        again: list[ReceivedMessage] = []
         deadline = time.monotonic() + 10
         while not again and time.monotonic() < deadline:
             again = list(pull.pull(max_messages=10, timeout_ms=200))
