@@ -165,3 +165,20 @@ async def test_a_listener_keeps_at_most_prefetch_messages_in_the_app(meta_server
         release.set()
         await asyncio.wait_for(all_handled.wait(), 20)
     assert len(set(handled)) == n
+
+
+async def test_listeners_registered_before_start_run_once_it_starts(meta_server: str, subject: str) -> None:
+    got = asyncio.Event()
+    consumer = Consumer(app_code="billing", meta_server=meta_server)
+
+    @consumer.listener(subject, _group(), start_from="earliest")
+    async def on_message(_m: ReceivedMessage) -> None:
+        got.set()
+
+    assert not consumer.listeners[0].running
+    async with Producer(app_code="shop", meta_server=meta_server) as producer:
+        await producer.send(producer.generate_message(subject))
+    async with consumer:
+        assert consumer.listeners[0].running
+        await asyncio.wait_for(got.wait(), 10)
+    assert not consumer.listeners[0].running
