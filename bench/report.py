@@ -130,8 +130,8 @@ def header_lines(doc: dict[str, Any]) -> list[str]:
         f"Python {m.get('python')}; load average at start {m.get('load_avg_at_start')} "
         "(the cores are shared with other work: figures are noisy)",
         f"- servers: rabbitmq-server {deb.get('rabbitmq-server')} (erlang-base {deb.get('erlang-base')}), "
-        f"nats-server {deb.get('nats-server')}, redis-server {deb.get('redis-server')}, qmq {pypi.get('qmq')} "
-        f"({qmq_version or 'not run'})",
+        f"nats-server {deb.get('nats-server')}, redis-server {deb.get('redis-server')}, "
+        f"qmq {qmq_version or pypi.get('qmq') or '?'} (package version and git commit)",
         f"- clients: pika {pypi.get('pika')} (AsyncioConnection), nats-py {pypi.get('nats-py')}, "
         f"redis-py {pypi.get('redis')} + hiredis {pypi.get('hiredis')}, qmq.aio; event loop {s['event_loop']} "
         f"(uvloop {pypi.get('uvloop')}) in every client process",

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.cell import Cell, timed
+from bench.cell import Cell, CellError, timed
 from bench.servers import ServerProcess, StartError, make_server
 from bench.settings import Settings
 from bench.workers import kill_all_workers
@@ -129,12 +129,29 @@ class SystemRun:
         for workload, fn in (("W4", w4_delay), ("W5", w5_thundering_second)):
             if workload not in want:
                 continue
-            reason = self.server.delay_unsupported()
+            reason = self._delay_unsupported(cell)
+            if reason is not None and reason.startswith("FAILED"):
+                self._record(workload, {"ok": False, "error": reason})
+                continue
             if reason is not None:
                 self._record(workload, {"skipped": reason})
                 continue
             cell = self._restart()
             self._cell(workload, fn, cell)
+
+    def _delay_unsupported(self, cell: Cell) -> str | None:
+        """Ask the server, then the client (qmq's SDK grows delay support), once per system."""
+        if "delay_probe" not in self.entry:
+            reason = self.server.delay_unsupported()
+            if reason is None:
+                probe = cell.family("probe")
+                try:
+                    reason = cell.setup(probe, [probe], delayed=True).get("skipped")
+                except CellError as exc:
+                    reason = f"FAILED: delay probe: {exc}"
+            self.entry["delay_probe"] = reason
+        reason = self.entry["delay_probe"]
+        return reason if isinstance(reason, str) else None
 
 
 def _headline(workload: str, result: dict[str, Any]) -> str:

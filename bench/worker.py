@@ -64,6 +64,20 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
             prefetch=spec.get("prefetch", settings.prefetch_messages),
         )
         return {}
+    if role == "prepare":
+        # Several cells' destinations and backlogs in one process: saves a spawn per cell.
+        filled = []
+        for item in spec["cells"]:
+            await adapter.setup(
+                item["family"], item["subjects"], delayed=False, members=item["members"], prefetch=item["prefetch"]
+            )
+            await adapter.prepare_producer()
+            result = await produce_bulk(
+                adapter, item["subjects"], item["messages"], settings.batch_messages, settings.window_messages,
+                deadline,
+            )
+            filled.append({"family": item["family"], "msgs_per_s": result["msgs_per_s"]})
+        return {"filled": filled}
     if role == "producer":
         await adapter.prepare_producer()
         print("READY", flush=True)

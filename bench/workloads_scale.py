@@ -12,21 +12,20 @@ from bench.workers import WorkerProcess
 from bench.workloads_basic import SLOWEST_MSGS_PER_S
 
 
-def _fill(cell: Cell, family: str, subjects: list[str], n: int) -> dict[str, Any]:
-    """Publish an untimed backlog of n messages over subjects."""
-    limit_s = cell.worker_limit_s(n / SLOWEST_MSGS_PER_S)
-    producer = cell.spawn(f"{family}-fill", cell.spec(
-        "producer", family, subjects, limit_s, kind="bulk", messages=n))
-    return require_ok(producer.result(limit_s + 10.0), "backlog producer")
+def _prepare(cell: Cell, cells: list[dict[str, Any]]) -> None:
+    """Create the destinations of several cells and publish each its untimed backlog."""
+    total = sum(item["messages"] for item in cells)
+    limit_s = cell.worker_limit_s(total / SLOWEST_MSGS_PER_S)
+    family = cells[0]["family"]
+    worker = cell.spawn(f"{family}-prepare", cell.spec("prepare", family, [], limit_s, cells=cells))
+    require_ok(worker.result(limit_s + 10.0), "backlog producer")
 
 
 def _drain_with(
     cell: Cell, family: str, members: int, n: int, mode: str, prefetch: int, expected_s: float
 ) -> dict[str, Any]:
-    """Start `members` consumer processes of one group on a fresh backlog of n, release them
-    together, and time until the last message of the backlog was handled."""
-    cell.setup(family, [family], members=members, prefetch=prefetch)
-    _fill(cell, family, [family], n)
+    """Start `members` consumer processes of one group on the family's backlog of n, release
+    them together, and time until the last message of the backlog was handled."""
     tally_path = os.path.join(cell.log_dir, f"{cell.system}-{family}.tally")
     create_tally_file(tally_path, n, members)
     limit_s = cell.worker_limit_s(expected_s)
@@ -74,24 +73,27 @@ def w6_elasticity(cell: Cell, family: str) -> dict[str, Any]:
     consumers, then the CPU-bound drain by 1 and 2 consumer processes."""
     s = cell.settings
     handler_msgs_per_s = 1000.0 / s.w6_handler_sleep_ms
+    plan = [("handled", f"{family}h{m}", m, s.w6_messages, s.w6_prefetch) for m in s.w6_consumer_counts]
+    plan += [("drain", f"{family}c{m}", m, s.w6_cpu_messages, s.prefetch_messages) for m in s.w6_cpu_consumer_counts]
+    # Every backlog is published up front, by one process, before any drain is timed.
+    _prepare(cell, [
+        {"family": fam, "subjects": [fam], "members": members, "prefetch": prefetch, "messages": n}
+        for _mode, fam, members, n, prefetch in plan
+    ])
     handled: dict[str, Any] = {}
-    for members in s.w6_consumer_counts:
-        expected_s = s.w6_messages / (handler_msgs_per_s * members) * 2 + 10.0
-        try:
-            handled[str(members)] = _drain_with(
-                cell, f"{family}h{members}", members, s.w6_messages, "handled", s.w6_prefetch, expected_s)
-        except CellError as exc:
-            handled[str(members)] = {"ok": False, "error": str(exc)}
-        cell.log(f"    W6 handler-bound x{members}: {handled[str(members)].get('msgs_per_s')} msg/s")
     cpu_bound: dict[str, Any] = {}
-    for members in s.w6_cpu_consumer_counts:
-        expected_s = s.w6_cpu_messages / SLOWEST_MSGS_PER_S
+    for mode, fam, members, n, prefetch in plan:
+        if mode == "handled":
+            expected_s = n / (handler_msgs_per_s * members) * 2 + 10.0
+            into, what = handled, "handler-bound"
+        else:
+            expected_s = n / SLOWEST_MSGS_PER_S
+            into, what = cpu_bound, "CPU-bound"
         try:
-            cpu_bound[str(members)] = _drain_with(
-                cell, f"{family}c{members}", members, s.w6_cpu_messages, "drain", s.prefetch_messages, expected_s)
+            into[str(members)] = _drain_with(cell, fam, members, n, mode, prefetch, expected_s)
         except CellError as exc:
-            cpu_bound[str(members)] = {"ok": False, "error": str(exc)}
-        cell.log(f"    W6 CPU-bound x{members}: {cpu_bound[str(members)].get('msgs_per_s')} msg/s")
+            into[str(members)] = {"ok": False, "error": str(exc)}
+        cell.log(f"    W6 {what} x{members}: {into[str(members)].get('msgs_per_s')} msg/s")
     _add_speedups(handled)
     _add_speedups(cpu_bound)
     ok = all(r.get("ok") for r in [*handled.values(), *cpu_bound.values()])

@@ -142,7 +142,7 @@ class QmqAdapter(Adapter):
             start = self._cursor * SUBJECTS_PER_PULL_ROUND
             self._cursor = (self._cursor + 1) % rounds
             chosen = self._pull_consumers[start : start + SUBJECTS_PER_PULL_ROUND]
-            batches = await asyncio.gather(*(pc.pull(max_messages=per_subject, timeout_ms=1) for pc in chosen))
+            batches = await asyncio.gather(*(pc.pull(max_messages=per_subject, timeout_ms=0) for pc in chosen))
             out = [(m.body, (m, batch)) for batch in batches for m in batch]
             if out:
                 return out
