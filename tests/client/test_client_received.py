@@ -70,7 +70,7 @@ def test_empty_body_with_no_runs_is_an_empty_batch() -> None:
     [
         (lambda b: b[:-1], [[0, 2]], "malformed"),
         (lambda b: b + b"\x00", [[0, 2]], "after the records"),
-        (lambda b: b, [[0, 3]], "inside record"),
+        (lambda b: b, [[0, 3]], "inside the headers"),
         (lambda b: b[:40] + bytes([b[40] ^ 1]) + b[41:], [[0, 2]], "CRC32C"),
         (lambda b: b"\x00" * 4 + b[4:], [[0, 2]], "magic"),
     ],

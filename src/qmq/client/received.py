@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Awaitable, Generator, Iterable
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -23,8 +24,11 @@ from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
 
 log = logging.getLogger(__name__)
 
-# Fields of the message header tuple (qmq.protocol.message.HEADER).
-_SLEN, _ILEN, _TLEN, _CREATED, _TIMES, _PLEN, _BLEN = 2, 3, 5, 6, 8, 10, 11
+# A record header and the header of the message in it, read with one unpack.
+_HEADERS = struct.Struct("<" + RECORD_HEADER.format.lstrip("<") + HEADER.format.lstrip("<"))
+# Fields of that tuple: the record's, then the message's (qmq.protocol.message.HEADER).
+_MAGIC, _CRC, _LENGTH, _SEQUENCE, _STORED = 0, 1, 2, 3, 4
+_VERSION, _SLEN, _ILEN, _TLEN, _CREATED, _TIMES, _PLEN, _BLEN = 5, 7, 8, 10, 11, 13, 15, 16
 
 
 class Acked:
@@ -56,8 +60,6 @@ class ReceivedBase:
         "_props",
         "_settled",
         "_tracker",
-        "sequence",
-        "stored_ms",
         "subject",
     )
 
@@ -68,8 +70,6 @@ class ReceivedBase:
         body_pos: int,
         end: int,
         header: tuple[Any, ...],
-        sequence: int,
-        stored_ms: int,
         offset: int,
         subject: str,
         tracker: AckTracker,
@@ -79,16 +79,23 @@ class ReceivedBase:
         self._pos = pos
         self._body_pos = body_pos
         self._end = end
-        self._h = header
-        self.sequence = sequence
-        """The message's place in its subject's consume log."""
-        self.stored_ms = stored_ms
+        self._h = header  # record and message header fields (_HEADERS)
         self._offset = offset
         self.subject = subject
         """The subject it was sent to (for a retried message, the original subject)."""
         self._tracker = tracker
         self._props: dict[str, PropertyValue] | None = None
         self._settled = False
+
+    @property
+    def sequence(self) -> int:
+        """The message's place in its subject's consume log."""
+        return int(self._h[_SEQUENCE])
+
+    @property
+    def stored_ms(self) -> int:
+        """When the broker stored it (epoch ms)."""
+        return int(self._h[_STORED])
 
     @property
     def message_id(self) -> str:
@@ -141,7 +148,7 @@ class ReceivedBase:
 
     @property
     def stored_at(self) -> datetime:
-        return datetime.fromtimestamp(self.stored_ms / 1000, tz=UTC)
+        return datetime.fromtimestamp(self._h[_STORED] / 1000, tz=UTC)
 
     @property
     def pull_offset(self) -> int:
@@ -262,37 +269,33 @@ def parse_records(
     announce, or a record is damaged.
     """
     append = into.append
-    unpack_record = RECORD_HEADER.unpack_from
-    unpack_message = HEADER.unpack_from
+    unpack = _HEADERS.unpack_from
     crc = crc32c.crc32c
     view = memoryview(body) if check_crc else None
     end = len(body)
     pos = 0
-    for pull_offset, count in runs:
-        for k in range(count):
-            if end - pos < RECORD_HEADER_BYTES:
-                raise RemoteProtocolError(
-                    f"PULL response body ends at byte {end} inside record {pull_offset + k}'s header"
-                )
-            magic, record_crc, length, sequence, stored_ms = unpack_record(body, pos)
-            mpos = pos + RECORD_HEADER_BYTES
-            mend = mpos + length
-            if magic != RECORD_MAGIC or length < HEADER_BYTES or mend > end:
-                raise RemoteProtocolError(
-                    f"PULL response record at byte {pos} (pull offset {pull_offset + k}) is malformed: "
-                    f"magic 0x{magic:08X}, length {length}, body {end} bytes"
-                )
-            if view is not None and crc(view[pos + 8 : mend]) != record_crc:
-                raise RemoteProtocolError(
-                    f"PULL response record at byte {pos} (sequence {sequence}) fails its CRC32C check"
-                )
-            h = unpack_message(body, mpos)
-            body_pos = mpos + HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN] + h[_PLEN]
-            if h[0] != VERSION or body_pos + h[_BLEN] != mend:
-                raise RemoteProtocolError(
-                    f"PULL response record at byte {pos} (sequence {sequence}) holds a malformed message"
-                )
-            append(make(body, mpos, body_pos, mend, h, sequence, stored_ms, pull_offset + k, subject, tracker))
-            pos = mend
+    try:
+        for pull_offset, count in runs:
+            for k in range(count):
+                h = unpack(body, pos)
+                mpos = pos + RECORD_HEADER_BYTES
+                mend = mpos + h[_LENGTH]
+                body_pos = mpos + HEADER_BYTES + h[_SLEN] + h[_ILEN] + h[_TLEN] + h[_PLEN]
+                if h[_MAGIC] != RECORD_MAGIC or h[_VERSION] != VERSION or body_pos + h[_BLEN] != mend or mend > end:
+                    raise RemoteProtocolError(
+                        f"PULL response record at byte {pos} (pull offset {pull_offset + k}) is malformed: "
+                        f"magic 0x{h[_MAGIC]:08X}, length {h[_LENGTH]}, message version {h[_VERSION]}, "
+                        f"body of {end} bytes"
+                    )
+                if view is not None and crc(view[pos + 8 : mend]) != h[_CRC]:
+                    raise RemoteProtocolError(
+                        f"PULL response record at byte {pos} (sequence {h[_SEQUENCE]}) fails its CRC32C check"
+                    )
+                append(make(body, mpos, body_pos, mend, h, pull_offset + k, subject, tracker))
+                pos = mend
+    except struct.error:
+        raise RemoteProtocolError(
+            f"PULL response body ends at byte {end}, inside the headers of the record at byte {pos}"
+        ) from None
     if pos != end:
         raise RemoteProtocolError(f"PULL response body has {end - pos} bytes after the records its runs announce")
