@@ -159,8 +159,9 @@ def write_results(doc: dict[str, Any], stamp: str) -> tuple[str, str]:
     text = markdown(doc) + "\n"
     with open(md_path, "w") as f:
         f.write(text)
-    with open(os.path.join(RESULTS_DIR, "latest.md"), "w") as f:
-        f.write(text)
+    if "interrupted" not in doc:  # latest.md only ever shows a complete run
+        with open(os.path.join(RESULTS_DIR, "latest.md"), "w") as f:
+            f.write(text)
     return json_path, md_path
 
 

@@ -14,10 +14,9 @@ def w1_publish(cell: Cell, family: str) -> dict[str, Any]:
     """Acknowledged publish of w1_messages with no consumer running: builds W2's backlog."""
     n = cell.settings.w1_messages
     subjects = [family]
-    cell.setup(family, subjects)
     limit_s = cell.worker_limit_s(n / SLOWEST_MSGS_PER_S)
     producer = cell.spawn(f"{family}-producer", cell.spec(
-        "producer", family, subjects, limit_s, kind="bulk", messages=n, wait_go=True))
+        "producer", family, subjects, limit_s, kind="bulk", messages=n, wait_go=True, setup=True))
     cell.ready(producer)
     monitor = cell.monitor()
     monitor.start()
@@ -48,10 +47,9 @@ def w3_latency(cell: Cell, family: str) -> dict[str, Any]:
     s = cell.settings
     n = int(s.w3_rate_per_s * s.w3_duration_s)
     subjects = [family]
-    cell.setup(family, subjects)
     limit_s = cell.worker_limit_s(s.w3_duration_s)
     consumer = cell.spawn(f"{family}-consumer", cell.spec(
-        "consumer", family, subjects, limit_s + 10.0, mode="latency", messages=n))
+        "consumer", family, subjects, limit_s + 10.0, mode="latency", messages=n, setup=True))
     cell.ready(consumer)
     producer = cell.spawn(f"{family}-producer", cell.spec(
         "producer", family, subjects, limit_s, kind="paced", rate_per_s=s.w3_rate_per_s,

@@ -14,14 +14,11 @@ SLOWEST_SCHEDULE_MSGS_PER_S = 2_000
 
 def _start_pair(
     cell: Cell, family: str, n: int, first_due_epoch_s: float | None, spread_s: float, limit_s: float
-) -> tuple[WorkerProcess, WorkerProcess] | dict[str, Any]:
-    """Set up, subscribe a delayed-mode consumer and ready a producer; or the skip reason."""
+) -> tuple[WorkerProcess, WorkerProcess]:
+    """A delayed-mode consumer that sets the cell up and subscribes, and a ready producer."""
     subjects = [family]
-    setup = cell.setup(family, subjects, delayed=True)
-    if "skipped" in setup:
-        return {"skipped": setup["skipped"]}
     consumer = cell.spawn(f"{family}-consumer", cell.spec(
-        "consumer", family, subjects, limit_s + 10.0, mode="delayed", messages=n, delayed=True))
+        "consumer", family, subjects, limit_s + 10.0, mode="delayed", messages=n, delayed=True, setup=True))
     cell.ready(consumer)
     producer = cell.spawn(f"{family}-producer", cell.spec(
         "producer", family, subjects, limit_s, kind="delayed", messages=n,
@@ -40,10 +37,7 @@ def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
     s = cell.settings
     n = s.w4_messages
     limit_s = cell.worker_limit_s(s.w4_spread_s + n / SLOWEST_SCHEDULE_MSGS_PER_S)
-    pair = _start_pair(cell, family, n, None, s.w4_spread_s, limit_s)
-    if isinstance(pair, dict):
-        return pair
-    producer, consumer = pair
+    producer, consumer = _start_pair(cell, family, n, None, s.w4_spread_s, limit_s)
     monitor = ServerMonitor(cell.server.pids)
     monitor.start()
     rss_before_kib = monitor.rss_now_kib()
@@ -86,10 +80,7 @@ def w5_thundering_second(cell: Cell, family: str) -> dict[str, Any]:
     limit_s = cell.worker_limit_s(s.w5_lead_s + 1.0 + n / SLOWEST_SCHEDULE_MSGS_PER_S)
     # The due second is fixed before the workers start, so their start-up eats into the lead.
     first_due_epoch_s = time.time() + s.w5_lead_s
-    pair = _start_pair(cell, family, n, first_due_epoch_s, 1.0, limit_s)
-    if isinstance(pair, dict):
-        return pair
-    producer, consumer = pair
+    producer, consumer = _start_pair(cell, family, n, first_due_epoch_s, 1.0, limit_s)
     monitor = ServerMonitor(cell.server.pids)
     monitor.start()
     producer.go()
