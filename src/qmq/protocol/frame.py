@@ -176,8 +176,11 @@ class FrameDecoder:
         if len(buf) < end:
             return None
         hstart = pos + PREFIX_BYTES
-        header = self._decode_header(bytes(buf[hstart : hstart + header_len])) if header_len else {}
-        body = bytes(buf[hstart + header_len : end])
+        view = memoryview(buf)
+        # one copy out of the buffer (slicing the bytearray first would copy twice)
+        header = self._decode_header(bytes(view[hstart : hstart + header_len])) if header_len else {}
+        body = bytes(view[hstart + header_len : end])
+        view.release()  # the bytearray cannot be resized while a view is held
         self._pos = end
         if end == len(buf):
             buf.clear()
