@@ -33,10 +33,11 @@ def insert_if_absent(table: sa.Table, dialect_name: str) -> sa.Insert:
     MySQL's ``INSERT IGNORE`` would also hide a value that does not fit; callers check
     their values first.
     """
+    # SQLAlchemy reports an INSERT's rowcount only when asked to keep it.
     if dialect_name == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing()
+        return postgresql.insert(table).on_conflict_do_nothing().execution_options(preserve_rowcount=True)
     if dialect_name == "sqlite":
-        return sqlite.insert(table).on_conflict_do_nothing()
+        return sqlite.insert(table).on_conflict_do_nothing().execution_options(preserve_rowcount=True)
     if dialect_name in ("mysql", "mariadb"):
-        return table.insert().prefix_with("IGNORE")
+        return table.insert().prefix_with("IGNORE").execution_options(preserve_rowcount=True)
     raise ConfigError(f"database dialect {dialect_name!r} is not supported; use PostgreSQL, MariaDB/MySQL or SQLite")
