@@ -10,13 +10,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from qmq.broker.pulls import ParkedPull
-from qmq.broker.requests import BadRequest, get_group, get_int, get_ranges, get_str, get_subject
+from qmq.broker.requests import BadRequest, get_bool, get_group, get_int, get_ranges, get_str, get_subject, get_tags
+from qmq.common.naming import dead_subject, retry_subject
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import scan_batch
 from qmq.store.broker_store import DiskFullError, PullResult, StoreError
 from qmq.store.progress import ConsumerProgress, GroupProgress
+from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
+from qmq.store.tags import TagFilter
 
 if TYPE_CHECKING:
     from qmq.broker.server import BrokerServer
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 
 _DISK_CHECK_S = 1.0
 _ID_CHARS_MAX = 200
+_TAG_FILTERS_CACHED_MAX = 4096
+_DEAD_LIST_MAX = 1000
 
 
 class Responder(Protocol):
@@ -46,6 +51,7 @@ class Handlers:
         self.metrics = broker.metrics
         self._disk_checked = 0.0
         self._disk_full = False
+        self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
         self.table = {
             RequestCode.PING: self.ping,
             RequestCode.SEND_MESSAGES: self.send,
@@ -53,6 +59,10 @@ class Handlers:
             RequestCode.ACK: self.ack,
             RequestCode.SUBJECTS: self.subjects,
             RequestCode.LAG: self.lag,
+            RequestCode.RESET_OFFSET: self.reset_offset,
+            RequestCode.DEAD_LETTERS: self.dead_letters,
+            RequestCode.RESEND_DEAD: self.resend_dead,
+            RequestCode.PURGE_DEAD: self.purge_dead,
         }
 
     def dispatch(self, conn: Responder, frame: Frame) -> None:
@@ -155,8 +165,12 @@ class Handlers:
         subject = get_subject(header)
         group = get_group(header)
         consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
+        start = header.get("start", "latest")
+        if get_bool(header, "broadcast"):
+            # every consumer is its own group, from the latest message; '%' keeps the name apart from user groups
+            group = f"{group}%{consumer_id}"
+            start = "latest"
         if create:
-            start = header.get("start", "latest")
             if start not in ("latest", "earliest"):
                 raise BadRequest(f"'start' = {start!r} is not allowed; use 'latest' or 'earliest'")
             gp: GroupProgress | None = self.store.group(subject, group, start)
@@ -179,7 +193,10 @@ class Handlers:
         timeout_ms = get_int(header, "timeout_ms", 0, limits.pull_timeout_ms_max, default=0)
         session = get_str(header, "session", max_chars=_ID_CHARS_MAX)
         ack_ranges = get_ranges(header, "ack", required=False)
+        tag_filter = self._tag_filter(*get_tags(header, limits.tags_max))
+        max_retries = get_int(header, "max_retries", 0, 1000, default=DEFAULT_MAX_RETRIES)
         gp, cp = self._group_and_consumer(frame, create=True)
+        gp.max_retries = max_retries
         if ack_ranges:
             self._ack(gp, cp, ack_ranges)
         code, request_id = frame.code, frame.request_id
@@ -197,11 +214,22 @@ class Handlers:
             out_bytes.inc(result.nbytes)
             conn.respond(code, request_id, {"runs": result.runs}, result.chunks)
 
-        result = self.store.pull(gp, cp, session, max_n)
+        result = self.store.pull(gp, cp, session, max_n, tag_filter)
         if result is not None or timeout_ms == 0 or self.broker.stopping:
             answer(result)
             return
-        self.broker.parked.park(ParkedPull(conn, gp, cp, session, max_n, answer), timeout_ms)
+        self.broker.parked.park(ParkedPull(conn, gp, cp, session, max_n, tag_filter, answer), timeout_ms)
+
+    def _tag_filter(self, tags: tuple[str, ...], mode: str) -> TagFilter | None:
+        if not tags:
+            return None
+        key = (tags, mode)
+        tf = self._tag_filters.get(key)
+        if tf is None:
+            if len(self._tag_filters) >= _TAG_FILTERS_CACHED_MAX:
+                self._tag_filters.clear()
+            tf = self._tag_filters[key] = TagFilter(list(tags), mode)
+        return tf
 
     def _ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
         before = cp.ack_offset + sum(e - s for s, e in cp.acked)
@@ -257,3 +285,64 @@ class Handlers:
                 "consumers": consumers,
             },
         )
+
+    # -- group administration ----------------------------------------------------------
+
+    def reset_offset(self, conn: Responder, frame: Frame) -> None:
+        header = frame.header
+        subject = get_subject(header)
+        group = get_group(header)
+        to = header.get("to")
+        if to not in ("earliest", "latest") and (not isinstance(to, int) or isinstance(to, bool) or to < 0):
+            raise BadRequest(f"'to' = {to!r}: use 'earliest', 'latest' or a time in epoch milliseconds")
+        gp = self.store.group(subject, group, "latest")
+        before = gp.pull_offset
+        seq = self.store.reset(gp, to)
+        log.info("group %r of %r reset from %d to %d (%s)", group, subject, before, seq, to)
+        conn.respond(frame.code, frame.request_id, {"pull_offset": seq, "before": before})
+
+    def _dead_args(self, frame: Frame) -> tuple[str, str, str | None]:
+        header = frame.header
+        subject = get_subject(header)
+        group = get_group(header)
+        message_id = header.get("message_id")
+        if message_id is not None and not isinstance(message_id, str):
+            raise BadRequest(f"'message_id' must be a string, got {type(message_id).__name__}")
+        if message_id is None and not get_bool(header, "all"):
+            raise BadRequest("name one dead letter with 'message_id', or pass 'all': true")
+        return subject, group, message_id
+
+    def dead_letters(self, conn: Responder, frame: Frame) -> None:
+        header = frame.header
+        subject = get_subject(header)
+        group = get_group(header)
+        limit = get_int(header, "limit", 1, _DEAD_LIST_MAX, default=100)
+        after = get_int(header, "after", -1, 1 << 62, default=-1)
+        name = dead_subject(subject, group)
+        letters = [letter.describe() for letter in self.store.dead.letters(name, after=after, limit=limit)]
+        conn.respond(frame.code, frame.request_id, {"letters": letters, "total": self.store.dead.live(name)})
+
+    def resend_dead(self, conn: Responder, frame: Frame) -> None:
+        subject, group, message_id = self._dead_args(frame)
+        resent = resend_dead(self.store, subject, group, message_id)
+        log.info("resent %d dead letter(s) of %r / %r", resent, subject, group)
+        code, request_id = frame.code, frame.request_id
+
+        def durable(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, {"resent": resent})
+            else:
+                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+
+        if resent and self.store.sync_policy:
+            self.broker.flusher.after_write(self.store.mlog.end, durable)
+        else:
+            durable(None)
+            if resent:
+                self.broker.parked.notify({retry_subject(subject, group)})
+
+    def purge_dead(self, conn: Responder, frame: Frame) -> None:
+        subject, group, message_id = self._dead_args(frame)
+        purged = purge_dead(self.store, subject, group, message_id)
+        log.info("purged %d dead letter(s) of %r / %r", purged, subject, group)
+        conn.respond(frame.code, frame.request_id, {"purged": purged})

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from qmq.store.broker_store import BrokerStore, PullResult
 from qmq.store.progress import ConsumerProgress, GroupProgress
+from qmq.store.tags import TagFilter
 
 
 class PullAnswer(Protocol):
@@ -20,7 +21,7 @@ class PullAnswer(Protocol):
 
 
 class ParkedPull:
-    __slots__ = ("answer", "cp", "gp", "max_n", "owner", "session", "timer")
+    __slots__ = ("answer", "cp", "gp", "max_n", "owner", "session", "tag_filter", "timer")
 
     def __init__(
         self,
@@ -29,6 +30,7 @@ class ParkedPull:
         cp: ConsumerProgress,
         session: str,
         max_n: int,
+        tag_filter: TagFilter | None,
         answer: PullAnswer,
     ) -> None:
         self.owner = owner
@@ -36,6 +38,7 @@ class ParkedPull:
         self.cp = cp
         self.session = session
         self.max_n = max_n
+        self.tag_filter = tag_filter
         self.answer = answer
         self.timer: asyncio.TimerHandle | None = None
 
@@ -77,7 +80,7 @@ class ParkedPulls:
             if not lst:
                 continue
             for parked in list(lst):
-                result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n)
+                result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n, parked.tag_filter)
                 if result is not None:
                     self._remove(parked)
                     parked.answer(result)

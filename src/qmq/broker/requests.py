@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from qmq.common.errors import InvalidSubjectError
+from qmq.common.errors import InvalidMessageError, InvalidSubjectError
 from qmq.common.naming import check_name, check_subject
+from qmq.protocol.message import check_tag
 
 _RANGES_MAX = 10_000
 
@@ -48,6 +49,29 @@ def get_group(header: dict[str, Any]) -> str:
         return check_name("consumer group", header.get("group"))
     except InvalidSubjectError as exc:
         raise BadRequest(str(exc)) from None
+
+
+def get_bool(header: dict[str, Any], key: str) -> bool:
+    value = header.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key!r} must be true or false, got {value!r}")
+    return value
+
+
+def get_tags(header: dict[str, Any], tags_max: int) -> tuple[tuple[str, ...], str]:
+    """The subscription's tags (sorted, without repeats) and tag type ("or" or "and")."""
+    tags = header.get("tags") or []
+    if not isinstance(tags, list) or len(tags) > tags_max:
+        raise BadRequest(f"'tags' must be a list of at most {tags_max} tags")
+    for tag in tags:
+        try:
+            check_tag(tag)
+        except InvalidMessageError as exc:
+            raise BadRequest(f"'tags': {exc}") from None
+    mode = header.get("tag_type", "or")
+    if mode not in ("or", "and"):
+        raise BadRequest(f"'tag_type' = {mode!r} is not allowed; use 'or' or 'and'")
+    return tuple(sorted(set(tags))), mode
 
 
 def get_ranges(header: dict[str, Any], key: str, required: bool = True) -> list[list[int]]:

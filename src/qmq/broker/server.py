@@ -30,10 +30,12 @@ from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.errors import ConfigError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
+from qmq.common.naming import RETRY_PREFIX
 from qmq.protocol.codes import Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import FrameDecoder, encode_frame_parts
 from qmq.store.broker_store import BrokerStore, StoreError
+from qmq.store.redelivery import expire_silent_consumers
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +184,8 @@ class BrokerServer:
             self.flusher.start_periodic(cfg.flush_interval_ms)
         self._timers.append(loop.create_task(self._every(cfg.checkpoint_interval_ms, self.checkpoint)))
         self._timers.append(loop.create_task(self._every(cfg.retention_check_interval_ms, self._retention)))
+        silent_check_ms = max(10, min(cfg.consumer_offline_ms // 4, 5_000))
+        self._timers.append(loop.create_task(self._every(silent_check_ms, self._expire_silent)))
         if cfg.meta_server:
             self._registration = Registration(
                 cfg.meta_server,
@@ -215,6 +219,17 @@ class BrokerServer:
 
     async def _retention(self) -> None:
         self.store.run_retention()
+
+    async def _expire_silent(self) -> None:
+        if expire_silent_consumers(self.store, self.clock.now_ms(), self.config.consumer_offline_ms):
+            self.after_internal_append({s for s in self.store.subjects if s.startswith(RETRY_PREFIX)})
+
+    def after_internal_append(self, subjects: set[str]) -> None:
+        """The broker stored messages itself (retries): make them visible and wake their long polls."""
+        if self.store.sync_policy:
+            self.flusher.after_write(self.store.mlog.end, lambda _error: None)
+        else:
+            self.parked.notify(subjects)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

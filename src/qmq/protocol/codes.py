@@ -12,6 +12,13 @@ class RequestCode(IntEnum):
     ACK = 4
     SUBJECTS = 5
     LAG = 6
+    # answered by delay servers only: pending messages per time bucket (docs/protocol.md)
+    DELAY_STATS = 7
+    # consumer-group administration (docs/protocol.md)
+    RESET_OFFSET = 8
+    DEAD_LETTERS = 9
+    RESEND_DEAD = 10
+    PURGE_DEAD = 11
 
 
 class Status(IntEnum):

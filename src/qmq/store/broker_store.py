@@ -28,7 +28,7 @@ from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.errors import InvalidSubjectError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
-from qmq.common.naming import check_subject, subject_file_name
+from qmq.common.naming import DEAD_PREFIX, check_subject, parse_internal_subject, subject_file_name
 from qmq.protocol.codes import Status
 from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
@@ -36,9 +36,12 @@ from qmq.store import action_log as act
 from qmq.store.action_log import ActionLog
 from qmq.store.checkpoint import write_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ConsumeLog, tag_bloom
+from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
+from qmq.store.tags import TagFilter
+from qmq.store.take import take_matching, take_next
 
 if TYPE_CHECKING:
     from qmq.store.recovery import RecoveryReport
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 # A producer's clock may run a little ahead of the broker's; only later than this is "delayed".
 _DELIVER_AT_SLACK_MS = 1000
 _MARKS_MAX = 1000
+_DEAD_RAW = DEAD_PREFIX.encode()
+_DEAD_NAMES_CACHED_MAX = 10_000
 
 
 class StoreError(QmqError):
@@ -125,6 +130,8 @@ class BrokerStore:
         self.subjects: dict[str, SubjectState] = {}
         self._by_raw: dict[bytes, SubjectState] = {}
         self.progress = Progress()
+        self.dead = DeadLetters(self.dir / "dead")
+        self._dead_names: dict[bytes, str] = {}
         self.dedup = DedupWindow(config.dedup_window_ms, config.dedup_entries_max)
         self.total_messages = 0
         self.marks: list[list[int]] = []  # [now_ms, message-log offset, total_messages], for the dedup rebuild
@@ -153,6 +160,18 @@ class BrokerStore:
             self._by_raw[name.encode("utf-8")] = st
         return st
 
+    def _dead_name(self, raw: bytes) -> str:
+        name = self._dead_names.get(raw)
+        if name is None:
+            try:
+                name = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidSubjectError(f"subject {raw[:60]!r} is not valid UTF-8") from None
+            parse_internal_subject(name, self.limits)
+            if len(self._dead_names) < _DEAD_NAMES_CACHED_MAX:
+                self._dead_names[raw] = name
+        return name
+
     def _subject_for_raw(self, raw: bytes) -> SubjectState:
         st = self._by_raw.get(raw)
         if st is not None:
@@ -168,19 +187,30 @@ class BrokerStore:
 
     # -- sends -------------------------------------------------------------------------
 
-    def append(self, body: bytes, scanned: list[ScannedMessage]) -> AppendResult:
-        """Store the messages of one send frame with one write; refuse the bad ones by index."""
+    def append(self, body: bytes, scanned: list[ScannedMessage], dedup_check: bool = True) -> AppendResult:
+        """Store the messages of one send frame with one write; refuse the bad ones by index.
+
+        Messages to a dead-letter subject go to the dead letters instead. ``dedup_check=False``
+        (the broker's own resends) stores a message even if its key is in the duplicate window.
+        """
         now = self.clock.now_ms()
+        dead_letters: dict[str, list[bytes]] = {}
         limits = self.limits
         errors: list[list[Any]] = []
         accepted: list[tuple[ScannedMessage, SubjectState, int, int]] = []
         seen: set[int] = set()
+        dead_keys: list[int] = []
         dedup = self.dedup
         duplicates = 0
         total = 0
         for i, sm in enumerate(scanned):
+            dead_name = None
+            st: SubjectState | None = None
             try:
-                st = self._subject_for_raw(sm.subject)
+                if sm.subject.startswith(_DEAD_RAW):
+                    dead_name = self._dead_name(sm.subject)
+                else:
+                    st = self._subject_for_raw(sm.subject)
             except InvalidSubjectError as exc:
                 errors.append([i, Status.INVALID_SUBJECT, str(exc)])
                 continue
@@ -212,14 +242,26 @@ class BrokerStore:
                     continue
                 bloom = tag_bloom(sm.tags)
             key = dedup_key(sm)
-            if key in seen or key in dedup:
+            if key in seen or (dedup_check and key in dedup):
                 duplicates += 1
                 continue
             seen.add(key)
+            if st is None:
+                assert dead_name is not None
+                dead_letters.setdefault(dead_name, []).append(body[sm.pos : sm.pos + sm.length])
+                dead_keys.append(key)
+                continue
             accepted.append((sm, st, bloom, key))
             total += RECORD_HEADER_BYTES + sm.length
+        for name, messages in dead_letters.items():
+            try:
+                self.dead.append(name, list(messages), now)
+            except OSError as exc:
+                raise _store_error(exc, self.dir) from exc
+        if dead_keys:
+            dedup.add_many(dead_keys, now)
         if not accepted:
-            return AppendResult(errors, duplicates, 0, 0, {})
+            return AppendResult(errors, duplicates, sum(map(len, dead_letters.values())), 0, {})
 
         base = self.mlog.offset_for_append(total)
         out = bytearray(total)
@@ -318,76 +360,62 @@ class BrokerStore:
         self.alog.append([act.ACK, gp.subject, gp.group, cp.consumer_id, ranges])
         return Progress.apply_ack(cp, ranges)
 
+    def reset(self, gp: GroupProgress, to: str | int) -> int:
+        """Move a group's pull offset to ``"earliest"``, ``"latest"`` or the first message stored at or
+        after a time (epoch ms); its consumers pull from there next. Returns the new offset."""
+        st = self.subjects.get(gp.subject)
+        if st is None:
+            seq = 0
+        elif to == "earliest":
+            seq = st.clog.min_seq
+        elif to == "latest":
+            seq = st.visible_seq
+        else:
+            seq = min(st.clog.seq_at_time(int(to)), st.visible_seq)
+        self.alog.append([act.RESET, gp.subject, gp.group, seq])
+        gp.pull_offset = seq
+        return seq
+
     def ack_locally(self, cp: ConsumerProgress, ranges: list[list[int]]) -> None:
         """An ack the broker makes itself; replay reaches the same state by the same rule."""
         Progress.apply_ack(cp, ranges)
 
-    def pull(self, gp: GroupProgress, cp: ConsumerProgress, session: str, max_n: int) -> PullResult | None:
+    def pull(
+        self,
+        gp: GroupProgress,
+        cp: ConsumerProgress,
+        session: str,
+        max_n: int,
+        tag_filter: TagFilter | None = None,
+    ) -> PullResult | None:
         """Hand ``cp`` up to ``max_n`` messages: first what it pulled before and never acked
-        (when its session changed), then the group's next visible messages."""
+        (when its session changed), then the group's next visible messages (those matching
+        ``tag_filter``, when the group subscribes with tags)."""
         if cp.session != session:
             cp.session = session
             cp.cursor = cp.ack_offset
-        byte_budget = self.limits.pull_bytes_max
-        runs: list[list[int]] = []
-        chunks: list[bytes] = []
-        count = 0
-        nbytes = 0
         st = self.subjects.get(gp.subject)
         if st is None:
             return None
+        out = PullResult([], [], 0, 0)
         for poff, seq, k in Progress.take_redelivery(cp, max_n):
-            got, size = self._read_records(st.clog.read(seq, k), chunks, cp, poff, runs)
-            count += got
-            nbytes += size
-        left = max_n - count
-        if left > 0 and nbytes < byte_budget:
-            start = max(gp.pull_offset, st.clog.min_seq)
-            take = min(left, st.visible_seq - start)
-            if take > 0:
-                entries = st.clog.read(start, take)
-                log_start = self.mlog.start
-                skip = 0
-                # entries whose records retention removed are skipped, never handed out
-                for off, _size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
-                    if off >= log_start:
-                        break
-                    skip += 1
-                sizes_budget = byte_budget - nbytes
-                k = 0
-                acc = 0
-                for _off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries[skip * ENTRY_BYTES :]):
-                    if k and acc + size > sizes_budget:
-                        break
-                    acc += size
-                    k += 1
-                first = start + skip
-                if k:
-                    self.alog.append(
-                        [
-                            act.PULL,
-                            gp.subject,
-                            gp.group,
-                            cp.consumer_id,
-                            cp.pull_log_end,
-                            [[first, k]],
-                            first + k,
-                        ]
-                    )
-                    poff = Progress.record_pull(gp, cp, [[first, k]], first + k)
-                    got, size = self._read_records(
-                        entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, poff, runs
-                    )
-                    count += got
-                    nbytes += size
-                elif skip:
-                    self.alog.append([act.PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, [], first])
-                    Progress.record_pull(gp, cp, [], first)
-        if not count:
-            return None
-        return PullResult(runs, chunks, count, nbytes)
+            got, size = self.read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
+            out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
+        left = max_n - out.messages
+        budget = self.limits.pull_bytes_max - out.nbytes
+        if left > 0 and budget > 0:
+            if tag_filter is None:
+                out = take_next(self, gp, cp, st, left, budget, out)
+            else:
+                out = take_matching(self, gp, cp, st, left, budget, tag_filter, out)
+        return out if out.messages else None
 
-    def _read_records(
+    def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
+        """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""
+        self.alog.append([act.PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, runs, new_offset])
+        return Progress.record_pull(gp, cp, runs, new_offset)
+
+    def read_records(
         self, entries: bytes, chunks: list[bytes], cp: ConsumerProgress, poff: int, runs: list[list[int]]
     ) -> tuple[int, int]:
         """Append the records of ``entries`` (pull-log offsets from ``poff``) to ``chunks`` and
@@ -410,15 +438,15 @@ class BrokerStore:
                 run_end += size
             else:
                 if run_end > run_off >= 0:
-                    self._read_into(run_off, run_end - run_off, chunks)
+                    self.read_into(run_off, run_end - run_off, chunks)
                 run_off, run_end = off, off + size
             got += 1
             nbytes += size
         if run_end > run_off >= 0:
-            self._read_into(run_off, run_end - run_off, chunks)
+            self.read_into(run_off, run_end - run_off, chunks)
         return got, nbytes
 
-    def _read_into(self, offset: int, size: int, chunks: list[bytes]) -> None:
+    def read_into(self, offset: int, size: int, chunks: list[bytes]) -> None:
         while size > 0:
             data = self.mlog.read(offset, size)
             if not data:
@@ -482,6 +510,7 @@ class BrokerStore:
     def close(self) -> None:
         self.mlog.close()
         self.alog.close()
+        self.dead.close()
         for st in self.subjects.values():
             st.clog.close()
         os.close(self._lock_fd)

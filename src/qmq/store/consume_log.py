@@ -95,6 +95,18 @@ class ConsumeLog:
         raw = self.read(self.next_seq - 1, 1)
         return ENTRY.unpack(raw) if len(raw) == ENTRY_BYTES else None
 
+    def seq_at_time(self, time_ms: int) -> int:
+        """The first sequence stored at or after ``time_ms`` (stored times never go back within a subject)."""
+        lo, hi = self.min_seq, self.next_seq
+        while lo < hi:
+            mid = (lo + hi) // 2
+            raw = self.read(mid, 1)
+            if len(raw) == ENTRY_BYTES and ENTRY.unpack(raw)[2] < time_ms:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def truncate(self, seq: int) -> int:
         """Drop entries from ``seq`` on; returns how many were dropped."""
         return self.segments.truncate(seq * ENTRY_BYTES) // ENTRY_BYTES

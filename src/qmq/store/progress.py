@@ -46,6 +46,8 @@ class GroupProgress:
     group: str
     pull_offset: int
     consumers: dict[str, ConsumerProgress] = field(default_factory=dict)
+    # not persisted: what the group's consumers said in their last pull
+    max_retries: int = 16
 
     def consumer(self, consumer_id: str) -> ConsumerProgress:
         cp = self.consumers.get(consumer_id)

@@ -156,6 +156,7 @@ def recover(store: BrokerStore) -> RecoveryReport:
     if action_torn:
         log.warning("action log: cut a torn tail of %d bytes", action_torn)
 
+    now_ms = store.clock.now_ms()
     for gp in store.progress.groups.values():
         st = store.subjects.get(gp.subject)
         limit = st.next_seq if st else 0
@@ -170,6 +171,7 @@ def recover(store: BrokerStore) -> RecoveryReport:
         for cp in gp.consumers.values():
             cp.cursor = cp.pull_log_end
             cp.session = None
+            cp.last_seen_ms = now_ms  # silence is counted from the restart, not from the epoch
 
     if not store.marks:
         # the log's start bounds the duplicate window's rebuild until the first checkpoint

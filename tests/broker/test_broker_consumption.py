@@ -1,0 +1,151 @@
+"""Consumption features on the broker: tags, broadcast, silent consumers, dead letters, resets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from rawclient import RawClient, message, split_records
+
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.message import decode_message, encode_message, encode_properties, encode_tags
+from qmq.testing import ReadyProcess, running_role
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadyProcess]:
+    data = tmp_path_factory.mktemp("broker")
+    with running_role(["broker", "--data-dir", str(data), "--consumer-offline-ms", "400"]) as proc:
+        yield proc
+
+
+@pytest.fixture
+def client(broker: ReadyProcess) -> Iterator[RawClient]:
+    c = RawClient(broker.ready["address"])
+    yield c
+    c.close()
+
+
+def ids(frame_body: bytes) -> list[str]:
+    return [decode_message(m).message_id for _s, m in split_records(frame_body)]
+
+
+def pull(client: RawClient, subject: str, group: str, **extra: object) -> list[str]:
+    header = {
+        "subject": subject,
+        "group": group,
+        "consumer_id": "c1",
+        "session": "s1",
+        "max": 100,
+        "timeout_ms": 0,
+        "start": "earliest",
+    }
+    header.update(extra)
+    resp = client.call(RequestCode.PULL, header)
+    assert resp.status == Status.OK, resp.header
+    return ids(bytes(resp.body))
+
+
+def test_tags_are_filtered_on_the_broker(client: RawClient, subject: str) -> None:
+    client.send(
+        message(subject, "vip-eu", tags=("vip", "eu")), message(subject, "plain"), message(subject, "eu", tags=("eu",))
+    )
+    assert pull(client, subject, "or", tags=["vip", "eu"], tag_type="or") == ["vip-eu", "eu"]
+    assert pull(client, subject, "and", tags=["vip", "eu"], tag_type="and") == ["vip-eu"]
+    assert pull(client, subject, "all") == ["vip-eu", "plain", "eu"]
+    resp = client.call(
+        RequestCode.PULL,
+        {
+            "subject": subject,
+            "group": "x",
+            "consumer_id": "c",
+            "session": "s",
+            "max": 1,
+            "tag_type": "xor",
+            "tags": ["a"],
+        },
+    )
+    assert resp.status == Status.BAD_REQUEST
+    assert "'xor'" in resp.header["error"]
+
+
+def test_broadcast_gives_every_consumer_every_message_from_the_latest(client: RawClient, subject: str) -> None:
+    client.send(message(subject, "before"))
+    header = {"subject": subject, "group": "b", "session": "s", "max": 100, "timeout_ms": 0, "broadcast": True}
+    client.call(RequestCode.PULL, {**header, "consumer_id": "one"})
+    client.call(RequestCode.PULL, {**header, "consumer_id": "two"})
+    client.send(message(subject, "after-1"), message(subject, "after-2"))
+    one = ids(bytes(client.call(RequestCode.PULL, {**header, "consumer_id": "one"}).body))
+    two = ids(bytes(client.call(RequestCode.PULL, {**header, "consumer_id": "two"}).body))
+    assert one == ["after-1", "after-2"]
+    assert two == ["after-1", "after-2"]
+
+
+def test_silent_consumer_loses_its_unacked_messages_to_retry(client: RawClient, subject: str) -> None:
+    client.send(message(subject, "m1"), message(subject, "m2"))
+    assert pull(client, subject, "g", consumer_id="silent") == ["m1", "m2"]
+    client.call(RequestCode.ACK, {"subject": subject, "group": "g", "consumer_id": "silent", "ranges": [[0, 1]]})
+    retry = f"%RETRY%{subject}%g"
+    deadline = time.monotonic() + 10
+    got: list[bytes] = []
+    while time.monotonic() < deadline and not got:
+        resp = client.call(
+            RequestCode.PULL,
+            {
+                "subject": retry,
+                "group": "g",
+                "consumer_id": "other",
+                "session": "s",
+                "max": 10,
+                "timeout_ms": 1000,
+                "start": "earliest",
+            },
+        )
+        got = [m for _s, m in split_records(bytes(resp.body))]
+    assert [decode_message(m).message_id for m in got] == ["m2"]
+    assert decode_message(got[0]).times == 1  # one failed attempt behind it
+    # the silent consumer, back with a new session, does not get m2 again
+    assert pull(client, subject, "g", consumer_id="silent", session="back") == []
+
+
+def test_dead_letters_are_listed_resent_and_purged(client: RawClient, subject: str) -> None:
+    dead = f"%DEAD_RETRY%{subject}%g"
+    props = encode_properties({"qmq.error": "ValueError: bad order"})
+    letters = [
+        encode_message(dead.encode(), f"d{i}".encode(), encode_tags(()), 0, props, b"x", 1, 0, 16) for i in range(3)
+    ]
+    assert client.send(*letters).header["errors"] == []
+    listing = client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}).header
+    assert listing["total"] == 3
+    first = listing["letters"][0]
+    assert (first["message_id"], first["attempts"], first["error"]) == ("d0", 16, "ValueError: bad order")
+    resent = client.call(RequestCode.RESEND_DEAD, {"subject": subject, "group": "g", "message_id": "d1"})
+    assert resent.header == {"resent": 1}
+    got = pull(client, f"%RETRY%{subject}%g", "g")
+    assert got == ["d1"]
+    purged = client.call(RequestCode.PURGE_DEAD, {"subject": subject, "group": "g", "all": True})
+    assert purged.header == {"purged": 2}
+    assert client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}).header["total"] == 0
+    refused = client.call(RequestCode.PURGE_DEAD, {"subject": subject, "group": "g"})
+    assert refused.status == Status.BAD_REQUEST
+
+
+def test_reset_offset_to_earliest_latest_and_a_time(client: RawClient, subject: str) -> None:
+    client.send(message(subject, "a"))
+    time.sleep(0.05)  # two distinct store times are the point of this test
+    cut = int(time.time() * 1000)
+    time.sleep(0.05)
+    client.send(message(subject, "b"))
+    assert pull(client, subject, "g") == ["a", "b"]
+    reset = client.call(RequestCode.RESET_OFFSET, {"subject": subject, "group": "g", "to": "earliest"})
+    assert reset.header["pull_offset"] == 0
+    assert pull(client, subject, "g") == ["a", "b"]
+    client.call(RequestCode.RESET_OFFSET, {"subject": subject, "group": "g", "to": cut})
+    assert pull(client, subject, "g") == ["b"]
+    client.call(RequestCode.RESET_OFFSET, {"subject": subject, "group": "g", "to": "latest"})
+    assert pull(client, subject, "g") == []
+    bad = client.call(RequestCode.RESET_OFFSET, {"subject": subject, "group": "g", "to": "yesterday"})
+    assert bad.status == Status.BAD_REQUEST
