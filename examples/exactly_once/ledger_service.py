@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             for m in pull.pull(max_messages=100, timeout_ms=1000):
                 outcome = checker.run(m, apply_payment)
-                payment_id = m.get_property("paymentId")
+                payment_id = json.loads(m.body)["payment_id"]
                 print(f"ledger-service: payment {payment_id} {outcome.value} (delivery {m.times})", flush=True)
                 if outcome is Outcome.PROCESSED and payment_id == args.crash_after_commit:
                     print(f"ledger-service: crashing after payment {payment_id} committed, before its ack", flush=True)
