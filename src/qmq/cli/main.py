@@ -49,6 +49,6 @@ def cli(log_level: str) -> None:
 
 
 def main() -> None:
-    from qmq.cli import client_commands, roles  # noqa: F401  (they register their commands)
+    from qmq.cli import client_commands, group_commands, roles  # noqa: F401  (they register their commands)
 
     cli(prog_name="qmq")
