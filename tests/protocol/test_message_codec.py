@@ -242,7 +242,7 @@ def test_inconsistent_batch_is_remote_protocol_error(data: bytes, text: str) -> 
         with_header(TAGGED, blen=5),
         TAGGED + b"\x00",
         TAGGED[:-1],
-        TAGGED[:HEADER_BYTES - 1],
+        TAGGED[: HEADER_BYTES - 1],
         b"",
     ],
 )
@@ -383,3 +383,28 @@ def test_header_layout_is_36_bytes_little_endian() -> None:
     assert encoded[:2] == b"\x01\x00"
     assert struct.unpack_from("<H", encoded, 24) == (0x0102,)
     assert encoded[HEADER_BYTES:] == b"siB"
+
+
+def test_with_times_can_replace_the_properties() -> None:
+    from qmq.protocol.message import (
+        decode_message,
+        decode_properties,
+        encode_message,
+        encode_properties,
+        encode_tags,
+        with_times,
+    )
+
+    original = encode_message(b"s", b"id", encode_tags(["t"]), 1, encode_properties({"a": 1}), b"body", 5, 0, 0)
+    changed = with_times(
+        original, 3, subject=b"%RETRY%s%g", properties=encode_properties({"a": 1, "qmq.error": "boom"})
+    )
+    fields = decode_message(changed)
+    assert (fields.subject, fields.message_id, fields.tags, fields.body, fields.times) == (
+        "%RETRY%s%g",
+        "id",
+        ["t"],
+        b"body",
+        3,
+    )
+    assert decode_properties(fields.properties_raw) == {"a": 1, "qmq.error": "boom"}

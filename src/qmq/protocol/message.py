@@ -289,21 +289,38 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
 
 
 def with_times(
-    encoded: bytes, times: int, subject: bytes | None = None, deliver_at_ms: int | None = None
+    encoded: bytes,
+    times: int,
+    subject: bytes | None = None,
+    deliver_at_ms: int | None = None,
+    properties: bytes | None = None,
 ) -> bytes:
-    """A copy of an encoded message with a new attempt count, and optionally a new subject or due time."""
+    """A copy of an encoded message with a new attempt count, and optionally a new subject, due
+    time or (encoded, see ``encode_properties``) properties; id, tags and body stay as they are."""
     if not 0 <= times <= _TIMES_MAX:
         raise InvalidMessageError(f"attempt count {times} is outside 0..{_TIMES_MAX}")
     fields = list(HEADER.unpack_from(encoded, 0))
-    old_slen = fields[2]
+    old_slen, ilen, tlen, old_plen = fields[2], fields[3], fields[5], fields[10]
     fields[8] = times
     if deliver_at_ms is not None:
         fields[7] = deliver_at_ms
-    rest = encoded[HEADER_BYTES + old_slen :]
     if subject is None:
         subject = encoded[HEADER_BYTES : HEADER_BYTES + old_slen]
     fields[2] = len(subject)
-    return HEADER.pack(*fields) + subject + rest
+    after_subject = HEADER_BYTES + old_slen
+    if properties is None:
+        return HEADER.pack(*fields) + subject + encoded[after_subject:]
+    props_at = after_subject + ilen + tlen
+    fields[10] = len(properties)
+    return b"".join(
+        (
+            HEADER.pack(*fields),
+            subject,
+            encoded[after_subject:props_at],
+            properties,
+            encoded[props_at + old_plen :],
+        )
+    )
 
 
 def properties_of(props: Mapping[str, Any]) -> dict[str, PropertyValue]:
