@@ -2,7 +2,7 @@
 order with one cell each, stop the server; one failing system never stops the others.
 
 Order per system: W1+W2 (× repeats), W3, W6, W7, then W4 and W5 on a freshly started
-server, so the delay figures see no earlier backlog in memory."""
+server (full runs), so the delay figures see no earlier backlog in memory."""
 
 from __future__ import annotations
 
@@ -104,8 +104,11 @@ class SystemRun:
             self.log(f"== {self.system}: {exc}")
         finally:
             kill_all_workers()
+            stopping = time.monotonic()
             self.server.stop()
             self.server.remove_data()
+            self.entry["stop_s"] = round(time.monotonic() - stopping, 1)
+            self.log(f"== {self.system}: stopped ({self.entry['stop_s']} s)")
         return self.entry
 
     def _run_workloads(self, cell: Cell) -> None:
@@ -137,7 +140,7 @@ class SystemRun:
             if reason is not None:
                 self._record(workload, {"skipped": reason})
                 continue
-            if not restarted:
+            if not restarted and self.settings.fresh_server_for_delay:
                 cell = self._restart()
                 restarted = True
             self._cell(workload, fn, cell)

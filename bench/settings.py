@@ -43,6 +43,8 @@ class Settings:
     # W5: messages all due in one second, that second starting this long after the start.
     w5_messages: int = 200_000
     w5_lead_s: float = 15.0
+    # W4/W5 on a freshly started server (full runs); quick runs save the restart.
+    fresh_server_for_delay: bool = True
     # Redis W4/W5: the poller that moves due members of the sorted set into a stream.
     delay_poll_interval_ms: float = 10.0
     # W6: handler-bound elasticity, then the CPU-bound drain with 1 and 2 consumers.
@@ -83,6 +85,7 @@ class Settings:
             w4_spread_s=10.0,
             w5_messages=20_000,
             w5_lead_s=4.0,
+            fresh_server_for_delay=False,
             w6_messages=4_000,
             w6_cpu_messages=20_000,
             w7_messages_per_subject=20,

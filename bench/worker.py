@@ -42,8 +42,8 @@ async def connect(adapter: Adapter) -> None:
             await asyncio.sleep(CONNECT_RETRY_S)
 
 
-async def wait_go() -> None:
-    line = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline), GO_WAIT_S)
+async def wait_go(limit_s: float) -> None:
+    line = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline), limit_s)
     if line.strip() != "GO":
         raise RuntimeError(f"expected GO from the driver, got {line!r}")
 
@@ -95,7 +95,8 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
         await adapter.prepare_producer()
         print("READY", flush=True)
         if spec.get("wait_go"):
-            await wait_go()
+            await wait_go(spec.get("go_wait_s", GO_WAIT_S))
+            deadline = time.monotonic() + spec["limit_s"]
         kind = spec["kind"]
         batch, window = spec.get("batch", settings.batch_messages), settings.window_messages
         if kind == "bulk":
@@ -124,7 +125,8 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
             await adapter.start_consumer(family, subjects, **start)
         print("READY", flush=True)
         if spec.get("wait_go"):
-            await wait_go()
+            await wait_go(spec.get("go_wait_s", GO_WAIT_S))
+            deadline = time.monotonic() + spec["limit_s"]
         if not subscribe_first:
             await adapter.start_consumer(family, subjects, **start)
         try:
@@ -141,8 +143,7 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
     raise ValueError(f"unknown role {role!r}")
 
 
-async def main_async(spec: dict[str, Any]) -> dict[str, Any]:
-    settings = Settings.from_json(spec["settings"])
+async def run_once(spec: dict[str, Any], settings: Settings) -> dict[str, Any]:
     out: dict[str, Any] = {"system": spec["system"], "role": spec["role"]}
     adapter: Adapter | None = None
     try:
@@ -163,16 +164,25 @@ async def main_async(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+async def main_async(spec: dict[str, Any]) -> None:
+    """One result line per round; a spec without `rounds` is one round.
+
+    Rounds let one process serve several cells in turn (W6's consumer pool), each with a
+    fresh connection, so the driver does not pay a process start per cell."""
+    settings = Settings.from_json(spec["settings"])
+    for extra in spec.get("rounds") or [{}]:
+        print(json.dumps(await run_once({**spec, **extra}, settings)), flush=True)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     settings = Settings.from_json(spec["settings"])
     if settings.event_loop == "uvloop":
         import uvloop
 
-        result = uvloop.run(main_async(spec))
+        uvloop.run(main_async(spec))
     else:
-        result = asyncio.run(main_async(spec))
-    print(json.dumps(result), flush=True)
+        asyncio.run(main_async(spec))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from bench.procfs import stop_pid
@@ -44,11 +45,14 @@ class WorkerProcess:
             start_new_session=True,
         )
         self._out = b""
+        self._scan_at = 0  # what wait_ready/next_result have consumed of _out
         _live.add(self)
 
     def _read_some(self, wait_s: float) -> bool:
         """Read what stdout has within wait_s; False at end of file."""
         assert self.proc.stdout is not None
+        if self.proc.stdout.closed:
+            return False
         fd = self.proc.stdout.fileno()
         readable, _, _ = select.select([fd], [], [], max(0.0, wait_s))
         if not readable:
@@ -56,17 +60,47 @@ class WorkerProcess:
         chunk = os.read(fd, 65536)
         if not chunk:
             return False
-        self._out = (self._out + chunk)[-STDOUT_KEEP_BYTES_MAX:]
+        self._out += chunk
+        if len(self._out) > STDOUT_KEEP_BYTES_MAX:
+            dropped = len(self._out) - STDOUT_KEEP_BYTES_MAX
+            self._out = self._out[dropped:]
+            self._scan_at = max(0, self._scan_at - dropped)
         return True
 
+    def _take_line(self, predicate: Callable[[bytes], bool]) -> bytes | None:
+        """The first complete unconsumed line matching predicate; consumes up to it."""
+        while True:
+            end = self._out.find(b"\n", self._scan_at)
+            if end < 0:
+                return None
+            line = self._out[self._scan_at : end].strip()
+            self._scan_at = end + 1
+            if predicate(line):
+                return line
+
     def wait_ready(self, limit_s: float) -> bool:
+        """Wait for the next READY line (one per round)."""
         deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            if b"READY\n" in self._out:
+        while True:
+            if self._take_line(lambda line: line == b"READY") is not None:
                 return True
-            if not self._read_some(min(0.2, deadline - time.monotonic())):
-                break
-        return b"READY\n" in self._out
+            if time.monotonic() >= deadline or not self._read_some(min(0.2, deadline - time.monotonic())):
+                return self._take_line(lambda line: line == b"READY") is not None
+
+    def next_result(self, limit_s: float) -> dict[str, Any]:
+        """The next JSON result line of a worker serving several rounds."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            line = self._take_line(lambda line: line.startswith(b"{"))
+            if line is not None:
+                parsed: dict[str, Any] = json.loads(line)
+                return parsed
+            if time.monotonic() >= deadline:
+                self.kill()
+                return {"ok": False, "error": f"worker {self.tag} gave no result in {limit_s:.0f} s; killed"}
+            if not self._read_some(min(0.5, deadline - time.monotonic())):
+                return {"ok": False, "error": f"worker {self.tag} exited without a result; "
+                        f"stderr: {self.stderr_tail()}"}
 
     def go(self) -> None:
         assert self.proc.stdin is not None

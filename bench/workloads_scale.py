@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
 from typing import Any
 
-from bench.cell import Cell, CellError, require_ok
+from bench.cell import READY_LIMIT_S, Cell, CellError, require_ok
 from bench.tally import create_tally_file
 from bench.workers import WorkerProcess
 from bench.workloads_basic import SLOWEST_MSGS_PER_S
@@ -21,43 +23,53 @@ def _prepare(cell: Cell, cells: list[dict[str, Any]]) -> None:
     require_ok(worker.result(limit_s + 10.0), "backlog producer")
 
 
-def _drain_with(
-    cell: Cell, family: str, members: int, n: int, mode: str, prefetch: int, expected_s: float
-) -> dict[str, Any]:
-    """Start `members` consumer processes of one group on the family's backlog of n, release
-    them together, and time until the last message of the backlog was handled."""
-    tally_path = os.path.join(cell.log_dir, f"{cell.system}-{family}.tally")
-    create_tally_file(tally_path, n, members)
-    limit_s = cell.worker_limit_s(expected_s)
-    consumers: list[WorkerProcess] = []
-    try:
-        for index in range(members):
-            consumers.append(cell.spawn(f"{family}-c{index}", cell.spec(
-                "consumer", family, [family], limit_s, mode=mode, messages=n, members=members, index=index,
-                tally_path=tally_path, prefetch=prefetch, recv_max=min(prefetch, cell.settings.recv_max_messages),
-                handler_sleep_ms=cell.settings.w6_handler_sleep_ms, wait_go=True, subscribe_after_go=True)))
-        for consumer in consumers:
-            cell.ready(consumer)
-    except Exception:
-        for consumer in consumers:
-            consumer.kill()
-        raise
+@dataclasses.dataclass(frozen=True)
+class Drain:
+    """One W6 step: `members` consumers of one group drain `messages` of `family`."""
+
+    mode: str  # "handled" or "drain"
+    family: str
+    members: int
+    messages: int
+    prefetch: int
+    expected_s: float
+
+
+def _round(cell: Cell, step: Drain, index: int) -> dict[str, Any]:
+    return {
+        "family": step.family, "subjects": [step.family], "limit_s": cell.worker_limit_s(step.expected_s),
+        "mode": step.mode, "messages": step.messages, "members": step.members, "index": index,
+        "tally_path": _tally_path(cell, step), "prefetch": step.prefetch,
+        "recv_max": min(step.prefetch, cell.settings.recv_max_messages),
+    }
+
+
+def _tally_path(cell: Cell, step: Drain) -> str:
+    return os.path.join(cell.log_dir, f"{cell.system}-{step.family}.tally")
+
+
+def _drain(cell: Cell, pool: list[WorkerProcess], step: Drain) -> dict[str, Any]:
+    """Release the first `members` consumers of the pool together and time until the last
+    message of the step's backlog was handled."""
+    members = pool[: step.members]
+    for consumer in members:
+        cell.ready(consumer)
+    limit_s = cell.worker_limit_s(step.expected_s)
     monitor = cell.monitor()
     monitor.start()
     go_ns = time.monotonic_ns()
-    for consumer in consumers:
+    for consumer in members:
         consumer.go()
-    results = [consumer.result(limit_s + 10.0) for consumer in consumers]
-    server = monitor.stop(n)
-    os.unlink(tally_path)
+    results = [consumer.next_result(limit_s + 10.0) for consumer in members]
+    server = monitor.stop(step.messages)
     for result in results:
         require_ok(result, "consumer")
+    n = step.messages
     received = sum(r.get("received_unique", 0) for r in results)
-    last_ns = max(r.get("last_ns", 0) for r in results)
-    seconds = (last_ns - go_ns) / 1e9
+    seconds = (max(r.get("last_ns", 0) for r in results) - go_ns) / 1e9
     return {
         "ok": received >= n,
-        "consumers": members,
+        "consumers": step.members,
         "received_unique": received,
         "duplicates": sum(r.get("duplicates", 0) for r in results),
         "per_consumer": [r.get("received_unique", 0) for r in results],
@@ -73,27 +85,49 @@ def w6_elasticity(cell: Cell, family: str) -> dict[str, Any]:
     consumers, then the CPU-bound drain by 1 and 2 consumer processes."""
     s = cell.settings
     handler_msgs_per_s = 1000.0 / s.w6_handler_sleep_ms
-    plan = [("handled", f"{family}h{m}", m, s.w6_messages, s.w6_prefetch) for m in s.w6_consumer_counts]
-    plan += [("drain", f"{family}c{m}", m, s.w6_cpu_messages, s.prefetch_messages) for m in s.w6_cpu_consumer_counts]
+    steps = [
+        Drain("handled", f"{family}h{m}", m, s.w6_messages, s.w6_prefetch,
+              s.w6_messages / (handler_msgs_per_s * m) * 2 + 10.0)
+        for m in s.w6_consumer_counts
+    ] + [
+        Drain("drain", f"{family}c{m}", m, s.w6_cpu_messages, s.prefetch_messages,
+              s.w6_cpu_messages / SLOWEST_MSGS_PER_S)
+        for m in s.w6_cpu_consumer_counts
+    ]
     # Every backlog is published up front, by one process, before any drain is timed.
     _prepare(cell, [
-        {"family": fam, "subjects": [fam], "members": members, "prefetch": prefetch, "messages": n}
-        for _mode, fam, members, n, prefetch in plan
+        {"family": st.family, "subjects": [st.family], "members": st.members, "prefetch": st.prefetch,
+         "messages": st.messages}
+        for st in steps
     ])
+    for step in steps:
+        create_tally_file(_tally_path(cell, step), step.messages, step.members)
+    # One pool of consumer processes serves every step, consumer i taking part in the steps
+    # with more than i members: the steps then pay a reconnect, not a process start.
+    go_wait_s = sum(cell.worker_limit_s(st.expected_s) + READY_LIMIT_S for st in steps)
+    pool = [
+        cell.spawn(f"{family}-c{index}", cell.spec(
+            "consumer", family, [], 0.0, handler_sleep_ms=s.w6_handler_sleep_ms, wait_go=True,
+            subscribe_after_go=True, go_wait_s=go_wait_s,
+            rounds=[_round(cell, st, index) for st in steps if st.members > index]))
+        for index in range(max(st.members for st in steps))
+    ]
     handled: dict[str, Any] = {}
     cpu_bound: dict[str, Any] = {}
-    for mode, fam, members, n, prefetch in plan:
-        if mode == "handled":
-            expected_s = n / (handler_msgs_per_s * members) * 2 + 10.0
-            into, what = handled, "handler-bound"
-        else:
-            expected_s = n / SLOWEST_MSGS_PER_S
-            into, what = cpu_bound, "CPU-bound"
-        try:
-            into[str(members)] = _drain_with(cell, fam, members, n, mode, prefetch, expected_s)
-        except CellError as exc:
-            into[str(members)] = {"ok": False, "error": str(exc)}
-        cell.log(f"    W6 {what} x{members}: {into[str(members)].get('msgs_per_s')} msg/s")
+    try:
+        for step in steps:
+            into, what = (handled, "handler-bound") if step.mode == "handled" else (cpu_bound, "CPU-bound")
+            try:
+                into[str(step.members)] = _drain(cell, pool, step)
+            except CellError as exc:
+                into[str(step.members)] = {"ok": False, "error": str(exc)}
+            cell.log(f"    W6 {what} x{step.members}: {into[str(step.members)].get('msgs_per_s')} msg/s")
+    finally:
+        for worker in pool:
+            worker.kill()
+        for step in steps:
+            with contextlib.suppress(OSError):
+                os.unlink(_tally_path(cell, step))
     _add_speedups(handled)
     _add_speedups(cpu_bound)
     ok = all(r.get("ok") for r in [*handled.values(), *cpu_bound.values()])
