@@ -147,9 +147,12 @@ def header_lines(doc: dict[str, Any]) -> list[str]:
     ]
     rows = []
     for entry in doc["systems"].values():
+        load = entry.get("load_avg_at_start")
         rows.append([label(entry), entry.get("reported", {}).get("client") or entry.get("client", "–"),
+                     fmt(load[0], 2) if load else "–",
                      short(entry.get("durability") or entry.get("skipped") or entry.get("error") or "–", 140)])
-    return [*lines, *table(["system (guarantee)", "client", "what an ack means here"], rows), ""]
+    header = ["system (guarantee)", "client", "load avg when it started", "what an ack means here"]
+    return [*lines, *table(header, rows), ""]
 
 
 def throughput_lines(doc: dict[str, Any]) -> list[str]:

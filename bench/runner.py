@@ -6,6 +6,7 @@ server (full runs), so the delay figures see no earlier backlog in memory."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,7 @@ class SystemRun:
             self.entry["skipped"] = missing
             self.log(f"== {self.system}: skipped — {missing}")
             return self.entry
+        self.entry["load_avg_at_start"] = [round(x, 2) for x in os.getloadavg()]
         self.entry["durability"] = self.server.durability()
         self.entry["server_version"] = self.server.version()
         try:
@@ -102,6 +104,9 @@ class SystemRun:
         except StartError as exc:
             self.entry["error"] = str(exc)
             self.log(f"== {self.system}: {exc}")
+        except Exception as exc:  # one system's surprise must not stop the others
+            self.entry["error"] = f"{type(exc).__name__}: {exc}"
+            self.log(f"== {self.system}: aborted: {self.entry['error']}")
         finally:
             kill_all_workers()
             stopping = time.monotonic()
