@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--db", required=True, help="SQLAlchemy URL of the ledger database")
     parser.add_argument("--meta-server", required=True, help="meta_server URL printed by `qmq ready`")
+    parser.add_argument("--subject", default=SUBJECT, help=f"subject of the payment messages [{SUBJECT}]")
     parser.add_argument("--expect", type=int, required=True, help="stop once the ledger has this many entries")
     parser.add_argument("--crash-after-commit", type=int, default=0, metavar="K", help="die after payment K commits")
     args = parser.parse_args(argv)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     checker = TransactionalIdempotentChecker(engine, group=GROUP)
     deadline = time.monotonic() + _DEADLINE_S
     with Consumer(app_code="ledger-service", meta_server=args.meta_server, consumer_id=CONSUMER_ID) as consumer:
-        pull = consumer.pull_consumer(SUBJECT, GROUP, start_from="earliest")
+        pull = consumer.pull_consumer(args.subject, GROUP, start_from="earliest")
         while True:
             with engine.connect() as conn:
                 entries = conn.scalar(sa.select(sa.func.count()).select_from(ledger))

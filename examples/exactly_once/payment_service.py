@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--db", required=True, help="SQLAlchemy URL of the payment database")
     parser.add_argument("--meta-server", required=True, help="meta_server URL printed by `qmq ready`")
+    parser.add_argument("--subject", default=SUBJECT, help=f"subject of the payment messages [{SUBJECT}]")
     parser.add_argument("--payments", type=int, default=10, help="payments there should be in the end")
     parser.add_argument("--crash-after-commit", type=int, default=0, metavar="K", help="die after payment K commits")
     args = parser.parse_args(argv)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             with engine.connect() as conn:
                 done = conn.scalar(sa.select(sa.func.coalesce(sa.func.max(payments.c.id), 0))) or 0
             for payment_id in range(done + 1, args.payments + 1):
-                msg = Message(SUBJECT, message_id=payment_message_id(payment_id))
+                msg = Message(args.subject, message_id=payment_message_id(payment_id))
                 msg.set_property("paymentId", payment_id)
                 msg.body = json.dumps({"payment_id": payment_id, "amount_cents": amount_of(payment_id)})
                 with engine.begin() as conn:

@@ -61,10 +61,12 @@ def _service(script: str, *args: str, expect_crash: bool) -> None:
         raise RuntimeError(f"{script} exited with {proc.returncode}, expected {expected}")
 
 
-def run(payments_db: str, ledger_db: str, meta_server: str, payments: int = 10) -> Outcome:
+def run(
+    payments_db: str, ledger_db: str, meta_server: str, payments: int = 10, subject: str = "payment.created"
+) -> Outcome:
     """Run the four steps against a running qmq and two databases; what the databases hold at the end."""
     producer_crash, consumer_crash = 3, 5
-    common = ["--meta-server", meta_server]
+    common = ["--meta-server", meta_server, "--subject", subject]
     print(f"-- 1. payment service, crashing after payment {producer_crash} commits", flush=True)
     _service(
         "payment_service.py",

@@ -129,7 +129,7 @@ def test_broker_down_at_commit(pg: Database, tmp_path: Path, subject: str) -> No
     data_dir = tmp_path / "qmq-data"
     try:
         with running_standalone(data_dir) as first:
-            producer = Producer(app_code="tx-tests", meta_server=first.meta_server, send_timeout_ms=1000)
+            producer = Producer(app_code="tx-tests", meta_server=first.meta_server, send_timeout_ms=300)
             tx = TransactionalProducer(producer, engine, create_table=True)
             first.stop()
             msg = Message(subject, body="sent while the broker was down")
