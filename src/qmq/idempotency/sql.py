@@ -54,6 +54,9 @@ class _SqlStore:
         self._clock = clock
 
     def claim(self, key: str, token: str) -> Claim:
+        # One statement per transaction: MySQL's INSERT IGNORE keeps a shared lock on the row
+        # it found, and an UPDATE after it in the same transaction could deadlock with a
+        # second delivery doing the same.
         st = self._st
         for _ in range(CLAIM_ATTEMPTS_MAX):
             now = self._clock.now_ms()
@@ -61,10 +64,12 @@ class _SqlStore:
             with self._engine.begin() as conn:
                 if conn.execute(st.insert, record(key, STATE_PROCESSING, token, until, now)).rowcount == 1:
                     return Claim.CLAIMED
-                # A claim whose lease ran out (its consumer died), or a record past its TTL.
+            # A claim whose lease ran out (its consumer died), or a record past its TTL.
+            with self._engine.begin() as conn:
                 taken = conn.execute(st.take_expired, {"key": key, "now": now, "token": token, "until": until})
                 if taken.rowcount == 1:
                     return Claim.CLAIMED
+            with self._engine.connect() as conn:
                 row = conn.execute(st.state_of, {"key": key}).first()
             if row is not None:
                 return Claim.DONE if row[0] == STATE_DONE else Claim.BUSY
