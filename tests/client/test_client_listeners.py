@@ -10,7 +10,6 @@ import pytest
 from clienthelpers import pull_until, wait_for_lag
 
 from qmq.aio import Consumer, Producer, ReceivedMessage
-from qmq.common.naming import dead_subject
 
 pytestmark = pytest.mark.integration
 
@@ -115,24 +114,43 @@ async def test_a_nacked_pulled_message_comes_back_to_the_pull_consumer(meta_serv
     assert (again.message_id, again.times, again.subject) == (msg.message_id, 2, subject)
 
 
-async def test_after_max_retries_a_message_goes_to_the_dead_letter_subject(meta_server: str, subject: str) -> None:
+async def test_after_max_retries_a_message_goes_to_the_dead_letters(meta_server: str, subject: str) -> None:
+    from qmq.cli.admin import ask_every_broker
+    from qmq.protocol.codes import RequestCode
+
     group = _group()
     async with Producer(app_code="shop", meta_server=meta_server) as producer:
         msg = producer.generate_message(subject)
         await producer.send(msg)
     async with Consumer(app_code="billing", meta_server=meta_server, max_retries=1) as consumer:
         attempts = 0
+        gave_up = asyncio.Event()
 
-        @consumer.listener(subject, group, start_from="earliest", concurrency=1)
+        @consumer.listener(subject, group, start_from="earliest", concurrency=1, retry_backoff=[0])
         async def on_message(_m: ReceivedMessage) -> None:
             nonlocal attempts
             attempts += 1
+            if attempts == 2:
+                gave_up.set()
             raise ValueError("always fails")
 
-        dead = consumer.pull_consumer(dead_subject(subject, group), "dead-letter-reader", start_from="earliest")
-        [got] = await pull_until(dead, 1, timeout_s=5)
+        await asyncio.wait_for(gave_up.wait(), 10)
+        letters: list[dict[str, object]] = []
+        deadline = asyncio.get_running_loop().time() + 10
+        while not letters and asyncio.get_running_loop().time() < deadline:
+            answers = await ask_every_broker(
+                meta_server, RequestCode.DEAD_LETTERS, {"subject": subject, "group": group}
+            )
+            letters = [letter for h in answers.values() if isinstance(h, dict) for letter in h["letters"]]
+            if not letters:
+                await asyncio.sleep(0.05)  # the dead letter is stored right after the second failure
     assert attempts == 2
-    assert (got.message_id, got.times) == (msg.message_id, 3)
+    [letter] = letters
+    assert (letter["message_id"], letter["attempts"], letter["error"]) == (
+        msg.message_id,
+        2,
+        "ValueError: always fails",
+    )
 
 
 async def test_a_listener_keeps_at_most_prefetch_messages_in_the_app(meta_server: str, subject: str) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from conftest import append, batch, flush
 from test_store_send_pull import records
 
+from conftest import append, batch, flush
 from qmq.store.broker_store import BrokerStore
 from qmq.store.consume_log import tag_bloom
 from qmq.store.tags import TagFilter

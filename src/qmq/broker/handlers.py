@@ -245,13 +245,16 @@ class Handlers:
         conn.respond(frame.code, frame.request_id, {"ack_offset": self._ack(gp, cp, ranges)})
 
     def subjects(self, conn: Responder, frame: Frame) -> None:
+        """Every subject with messages or consumer groups (a group may wait for a subject's first message)."""
         groups: dict[str, list[str]] = {}
         for subject, group in self.store.progress.groups:
             groups.setdefault(subject, []).append(group)
-        out = [
-            {"subject": name, "messages": st.visible_seq, "groups": sorted(groups.get(name, []))}
-            for name, st in sorted(self.store.subjects.items())
-        ]
+        out = []
+        for name in sorted(set(self.store.subjects) | set(groups)):
+            st = self.store.subjects.get(name)
+            out.append(
+                {"subject": name, "messages": st.visible_seq if st else 0, "groups": sorted(groups.get(name, []))}
+            )
         conn.respond(frame.code, frame.request_id, {"subjects": out})
 
     def lag(self, conn: Responder, frame: Frame) -> None:

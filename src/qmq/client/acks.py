@@ -65,6 +65,7 @@ class AckTracker:
         "on_nack",
         "origin_subject",
         "subject",
+        "subscription",
     )
 
     def __init__(
@@ -74,6 +75,7 @@ class AckTracker:
         group: str,
         origin_subject: str,
         on_nack: Callable[[Any, BaseException | None], Coroutine[Any, Any, None]] | None = None,
+        subscription: Any = None,
     ) -> None:
         self.broker_group = broker_group
         self.subject = subject
@@ -81,6 +83,8 @@ class AckTracker:
         # The subject users subscribed to; differs from ``subject`` on %RETRY% subjects.
         self.origin_subject = origin_subject
         self.on_nack = on_nack
+        # the consumer group's Subscription (retry budget and back-off of a failed message)
+        self.subscription = subscription
         # The event loop ``on_nack`` runs on, for a nack from another thread (blocking SDK).
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ack_offset = -1  # the broker's contiguous acknowledged prefix, when last told

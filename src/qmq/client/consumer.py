@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from qmq.client.connection import ConnectionPool
 from qmq.client.listener import Listener
+from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.message import subject_bytes
 from qmq.client.meta import MetaClient
 from qmq.client.options import (
@@ -34,7 +36,8 @@ from qmq.client.options import (
 from qmq.client.producer import Producer
 from qmq.client.puller import ConsumerContext, SubjectPuller
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
-from qmq.common.errors import ConfigError, QmqError
+from qmq.client.subscription import Subscription, make_subscription
+from qmq.common.errors import ConfigError, NeedRetry, QmqError
 from qmq.common.limits import DEFAULT_LIMITS
 from qmq.common.naming import (
     DEAD_PREFIX,
@@ -43,12 +46,14 @@ from qmq.common.naming import (
     parse_internal_subject,
     retry_subject,
 )
-from qmq.protocol.message import with_times
+from qmq.protocol.message import encode_properties, with_times
 
 log = logging.getLogger(__name__)
 
 _State = Literal["new", "open", "closing", "closed"]
 _PREFETCH_DEFAULT_MIN = 256
+_ERROR_CHARS_MAX = 500
+ERROR_PROPERTY = "qmq.error"  # the failing handler's exception, on retried and dead messages
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
@@ -86,6 +91,7 @@ class PullConsumerBase:
         self.subject = main.subject
         self.group = main.group
         self.start_from = main.start_from
+        self.subscription = main.subscription
         self._main = main
         self._retry = retry
         self._retry_interval_s = retry_interval_ms / 1000
@@ -171,6 +177,7 @@ class Consumer:
         self._flusher: asyncio.Task[None] | None = None
         self._pull_consumers: dict[tuple[str, str], PullConsumerBase] = {}
         self._listeners: list[Listener[Any]] = []
+        self._warned_no_delay = False
 
     async def start(self) -> None:
         """Ask the meta server for the brokers and start the listeners registered so far."""
@@ -198,13 +205,25 @@ class Consumer:
     ) -> None:
         await self.close()
 
-    def pull_consumer(self, subject: str, group: str, start_from: StartFrom = "latest") -> PullConsumer:
+    def pull_consumer(
+        self,
+        subject: str,
+        group: str,
+        start_from: StartFrom = "latest",
+        *,
+        tags: Sequence[str] | None = None,
+        tag_type: str = "or",
+        broadcast: bool = False,
+    ) -> PullConsumer:
         """A pull consumer of ``subject`` in consumer ``group`` (the same one for the same pair).
 
         ``start_from`` says where a group that has never pulled starts: the next message
-        sent ("latest") or the oldest one kept ("earliest").
+        sent ("latest") or the oldest one kept ("earliest"). With ``tags`` only messages
+        carrying any (``tag_type="or"``) or all (``"and"``) of them are pulled; the broker
+        filters. With ``broadcast`` every consumer gets every message, from the latest.
         """
-        pc = self._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumer)
+        sub = make_subscription(tags, tag_type, broadcast, self.options.max_retries)
+        pc = self._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumer, sub)
         assert isinstance(pc, PullConsumer)
         return pc
 
@@ -216,31 +235,45 @@ class Consumer:
         make: type[M],
         batch_cls: type[BatchBase[M]],
         cls: type[PullConsumerBase],
+        sub: Subscription | None = None,
     ) -> PullConsumerBase:
         subject_bytes(subject)  # raises InvalidSubjectError naming a bad subject
         check_identifier("consumer group", group)
         start_from = check_start_from(start_from)
+        if sub is None:
+            sub = make_subscription(max_retries=self.options.max_retries)
         pc = self._pull_consumers.get((subject, group))
         if pc is None:
-            main, retry = self._pullers(subject, group, start_from, make, batch_cls)
+            main, retry = self._pullers(subject, group, start_from, make, batch_cls, sub)
             pc = cls(main, retry, self.options.retry_pull_interval_ms)
             self._pull_consumers[(subject, group)] = pc
-        elif pc.start_from != start_from:
+        elif pc.start_from != start_from or pc.subscription != sub:
             raise ConfigError(
-                f"pull consumer of {subject!r} in group {group!r} exists with start_from={pc.start_from!r}; "
-                f"start_from={start_from!r} cannot apply to it"
+                f"pull consumer of {subject!r} in group {group!r} exists with start_from={pc.start_from!r} and "
+                f"{pc.subscription}; it cannot change to start_from={start_from!r} and {sub}"
             )
         return pc
 
     def _pullers(
-        self, subject: str, group: str, start_from: StartFrom, make: type[M], batch_cls: type[BatchBase[M]]
+        self,
+        subject: str,
+        group: str,
+        start_from: StartFrom,
+        make: type[M],
+        batch_cls: type[BatchBase[M]],
+        sub: Subscription,
     ) -> tuple[SubjectPuller[M], SubjectPuller[M] | None]:
-        main = SubjectPuller(self._ctx, subject, group, start_from, subject, make, batch_cls)
-        if is_internal(subject):
+        main = SubjectPuller(self._ctx, subject, group, start_from, subject, make, batch_cls, sub)
+        if is_internal(subject) or sub.broadcast:
             # A retry or dead-letter subject read directly: its failures go back to it.
+            # Broadcast messages are never retried (each consumer is its own group).
             return main, None
-        # Every message ever failed must come back, however late the group started.
-        retry = SubjectPuller(self._ctx, retry_subject(subject, group), group, "earliest", subject, make, batch_cls)
+        # Every message ever failed must come back, however late the group started. Retried
+        # messages passed the tag filter once already: the retry subject is pulled unfiltered.
+        retry_sub = Subscription((), "or", False, sub.max_retries, sub.retry_backoff_ms)
+        retry = SubjectPuller(
+            self._ctx, retry_subject(subject, group), group, "earliest", subject, make, batch_cls, retry_sub
+        )
         return main, retry
 
     def listener(
@@ -251,13 +284,30 @@ class Consumer:
         start_from: StartFrom = "latest",
         concurrency: int = 32,
         prefetch: int | None = None,
+        tags: Sequence[str] | None = None,
+        tag_type: str = "or",
+        broadcast: bool = False,
+        consume_most_once: bool = False,
+        max_retries: int | None = None,
+        retry_backoff: Sequence[float] | None = None,
+        auto_ack: bool = True,
+        idempotent_checker: Any = None,
+        filters: Sequence[Any] = (),
     ) -> Callable[[F], F]:
         """Decorate an ``async def handler(message)`` called for every message of ``subject``.
 
-        Returning acknowledges the message; raising fails it (it comes back with ``times + 1``,
-        after ``max_retries`` failures it goes to ``%DEAD_RETRY%<subject>%<group>``). At most
-        ``concurrency`` handlers run at once and at most ``prefetch`` messages (default: the
-        larger of 256 and twice ``concurrency``) are pulled ahead.
+        Returning acknowledges the message (with ``auto_ack=False`` the handler calls
+        ``m.ack()``/``m.nack(exc)`` itself); raising fails it: it comes back after the
+        back-off for its attempt (``retry_backoff``, seconds, the last value repeating; or
+        ``raise qmq.NeedRetry(after=...)``), with ``m.times`` counting attempts, and after
+        ``max_retries`` failures it goes to ``%DEAD_RETRY%<subject>%<group>``. ``tags`` and
+        ``tag_type`` filter on the broker; ``broadcast`` gives every consumer every message
+        (from the latest, never retried); ``consume_most_once`` acknowledges on receipt and
+        never retries. ``idempotent_checker`` skips messages already handled (see
+        ``qmq.idempotency``); ``filters`` are objects with ``pre(m) -> bool`` (False: skip
+        and acknowledge) and ``post(m, exc)``. At most ``concurrency`` handlers run at once
+        and at most ``prefetch`` messages (default: the larger of 256 and twice
+        ``concurrency``) are pulled ahead.
         """
 
         def register(handler: F) -> F:
@@ -267,7 +317,21 @@ class Consumer:
                     "function; for plain functions use the blocking qmq.Consumer"
                 )
             self.add_listener(
-                subject, group, handler, start_from=start_from, concurrency=concurrency, prefetch=prefetch
+                subject,
+                group,
+                handler,
+                start_from=start_from,
+                concurrency=concurrency,
+                prefetch=prefetch,
+                tags=tags,
+                tag_type=tag_type,
+                broadcast=broadcast,
+                consume_most_once=consume_most_once,
+                max_retries=max_retries,
+                retry_backoff=retry_backoff,
+                auto_ack=auto_ack,
+                idempotent_checker=idempotent_checker,
+                filters=filters,
             )
             return handler
 
@@ -282,9 +346,12 @@ class Consumer:
         start_from: StartFrom = "latest",
         concurrency: int = 32,
         prefetch: int | None = None,
+        **behaviour: Any,
     ) -> Listener[ReceivedMessage]:
         """The same as ``@listener(...)`` without the decorator; starts at once on an open consumer."""
-        return self._add_listener(subject, group, handler, ReceivedMessage, Batch, start_from, concurrency, prefetch)
+        return self._add_listener(
+            subject, group, handler, ReceivedMessage, Batch, start_from, concurrency, prefetch, **behaviour
+        )
 
     def _add_listener(
         self,
@@ -296,6 +363,16 @@ class Consumer:
         start_from: StartFrom,
         concurrency: int,
         prefetch: int | None,
+        *,
+        tags: Sequence[str] | None = None,
+        tag_type: str = "or",
+        broadcast: bool = False,
+        consume_most_once: bool = False,
+        max_retries: int | None = None,
+        retry_backoff: Sequence[float] | None = None,
+        auto_ack: bool = True,
+        idempotent_checker: Any = None,
+        filters: Sequence[Any] = (),
     ) -> Listener[M]:
         subject_bytes(subject)
         check_identifier("consumer group", group)
@@ -304,9 +381,13 @@ class Consumer:
         if prefetch is None:
             prefetch = min(max(_PREFETCH_DEFAULT_MIN, 2 * concurrency), DEFAULT_LIMITS.pull_messages_max)
         check_int("prefetch", prefetch, 1, DEFAULT_LIMITS.pull_messages_max)
+        sub = make_subscription(
+            tags, tag_type, broadcast, self.options.max_retries if max_retries is None else max_retries, retry_backoff
+        )
+        behaviour = ListenerBehaviour.make(consume_most_once, auto_ack, idempotent_checker, filters, broadcast)
         if self._state in ("closing", "closed"):
             raise QmqError("this consumer is closed; make a new one")
-        main, retry = self._pullers(subject, group, start_from, make, batch_cls)
+        main, retry = self._pullers(subject, group, start_from, make, batch_cls, sub)
         listener: Listener[M] = Listener(
             subject,
             group,
@@ -317,6 +398,7 @@ class Consumer:
             start_from=start_from,
             concurrency=concurrency,
             prefetch=prefetch,
+            behaviour=behaviour,
         )
         self._listeners.append(listener)
         if self._state == "open":
@@ -324,17 +406,48 @@ class Consumer:
         return listener
 
     async def _fail_message(self, m: ReceivedBase, exc: BaseException | None) -> None:
-        """Re-send ``m`` to its retry (or dead-letter) subject with ``times + 1``, then ack it."""
+        """Re-send ``m`` to its retry subject, due after the back-off for its attempt (or to the
+        dead letters once its group's ``max_retries`` are used up), then ack it."""
         producer = self._producer
         if producer is None:
             raise QmqError("the consumer is not started")
         tracker = m._tracker
+        sub: Subscription = tracker.subscription or make_subscription(max_retries=self.options.max_retries)
+        if sub.broadcast:
+            log.warning("broadcast message %s failed (%r); broadcast messages are not retried", m.message_id, exc)
+            tracker.ack(m._offset)
+            return
         subject, group = tracker.origin_subject, tracker.group
         attempt = m.times
         retry, dead = failure_subjects(subject, group)
-        target = dead if attempt > self.options.max_retries else retry
-        encoded = with_times(m.encoded, attempt, subject=subject_bytes(target))
-        await producer.send_encoded(target, encoded, m.message_id)
+        target = dead if attempt > sub.max_retries else retry
+        delay_ms = 0
+        if target != dead:
+            after = exc.after_ms if isinstance(exc, NeedRetry) else None
+            delay_ms = sub.backoff_ms(attempt) if after is None else after
+        props = dict(m.properties)
+        if exc is not None:
+            props[ERROR_PROPERTY] = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS_MAX]
+        props_raw = encode_properties(props)
+        target_raw = subject_bytes(target)
+        due_ms = time.time_ns() // 1_000_000 + delay_ms if delay_ms else 0
+        encoded = with_times(m.encoded, attempt, subject=target_raw, deliver_at_ms=due_ms, properties=props_raw)
+        try:
+            await producer.send_encoded(target, encoded, m.message_id)
+        except QmqError as exc_send:
+            if not due_ms:
+                raise
+            # Back-off needs a delay server; without one the retry is delivered at once.
+            if not self._warned_no_delay:
+                self._warned_no_delay = True
+                log.warning(
+                    "retrying message %s after %d ms failed (%s); retried at once instead (no delay server?)",
+                    m.message_id,
+                    delay_ms,
+                    exc_send,
+                )
+            encoded = with_times(m.encoded, attempt, subject=target_raw, deliver_at_ms=0, properties=props_raw)
+            await producer.send_encoded(target, encoded, m.message_id)
         if target == dead and dead != retry:
             log.warning(
                 "message %s of %r failed %d time(s) in group %s; sent to %s (last error: %r)",

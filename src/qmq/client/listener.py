@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic
 
+from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.options import StartFrom
 from qmq.client.puller import SubjectPuller
 from qmq.client.received import M
@@ -47,13 +48,15 @@ class Listener(Generic[M]):
         start_from: StartFrom,
         concurrency: int,
         prefetch: int,
+        behaviour: ListenerBehaviour | None = None,
     ) -> None:
         self.subject = subject
         self.group = group
         self.start_from = start_from
         self.concurrency = concurrency
         self.prefetch = prefetch
-        self._handler = handler
+        self.behaviour = behaviour or ListenerBehaviour()
+        self._handler = self.behaviour.wrap(handler)
         self._fail = fail
         self._pullers = [main] if retry is None else [main, retry]
         self._queue: asyncio.Queue[M] = asyncio.Queue()
@@ -138,12 +141,20 @@ class Listener(Generic[M]):
         assert me is not None
         queue = self._queue
         handler = self._handler
+        behaviour = self.behaviour
         while not self._stopping:
             m = await queue.get()
             self._busy.add(me)
+            error: BaseException | None = None
             try:
+                if behaviour.consume_most_once:
+                    m._ack_now()  # acknowledged on receipt: whatever happens next, never again
+                if behaviour.filters and not behaviour.pre(m):
+                    m._ack_now()
+                    continue
                 await handler(m)
             except Exception as exc:
+                error = exc
                 self.failed += 1
                 log.warning(
                     "listener %s/%s: handler failed on message %s (attempt %d): %r",
@@ -168,8 +179,11 @@ class Listener(Generic[M]):
                         )
             else:
                 self.handled += 1
-                m._ack_now()
+                if behaviour.auto_ack:
+                    m._ack_now()
             finally:
+                if behaviour.filters:
+                    behaviour.post(m, error)
                 self._busy.discard(me)
                 self._in_app -= 1
                 if self._waiting:

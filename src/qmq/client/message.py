@@ -10,12 +10,13 @@ the node id tells apart processes that reuse a pid on other hosts.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import secrets
 import time
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
 from qmq.common.errors import InvalidMessageError, MessageTooLargeError
@@ -132,6 +133,28 @@ def _body_bytes(body: object) -> bytes:
     return raw
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_MS = timedelta(milliseconds=1)
+# deliver_at_ms is an i64 of epoch milliseconds; datetime itself stops at year 9999.
+_DELIVER_AT_MS_MAX = 253_402_300_799_999
+
+
+def _ceil_ms(seconds: float) -> int:
+    """Epoch seconds as whole milliseconds, rounded up (a due time is never moved earlier).
+
+    Rounded to the microsecond first, so float noise (1.0000000000002 ms) does not add a millisecond.
+    """
+    return math.ceil(round(seconds * 1000, 3))
+
+
+def _seconds(what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidMessageError(f"{what} must be a number of seconds or a datetime.timedelta, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidMessageError(f"{what} = {value!r} is not a finite number of seconds")
+    return float(value)
+
+
 # Shared empty containers of messages without properties or tags; replaced on first set.
 _NO_PROPERTIES: dict[str, PropertyValue] = {}
 _NO_TAGS: list[str] = []
@@ -145,7 +168,16 @@ class Message:
     ``producer.generate_message(subject)`` or ``Message(subject)``.
     """
 
-    __slots__ = ("_body", "_created_ms", "_message_id", "_properties", "_subject", "_subject_raw", "_tags")
+    __slots__ = (
+        "_body",
+        "_created_ms",
+        "_deliver_at_ms",
+        "_message_id",
+        "_properties",
+        "_subject",
+        "_subject_raw",
+        "_tags",
+    )
 
     def __init__(
         self,
@@ -166,6 +198,7 @@ class Message:
         self._body = _body_bytes(body) if body else b""
         self._properties: dict[str, PropertyValue] = _NO_PROPERTIES
         self._tags: list[str] = _NO_TAGS
+        self._deliver_at_ms = 0
         if properties:
             for key, value in properties.items():
                 self.set_property(key, value)
@@ -182,6 +215,7 @@ class Message:
         m._body = b""
         m._properties = _NO_PROPERTIES
         m._tags = _NO_TAGS
+        m._deliver_at_ms = 0
         return m
 
     @property
@@ -208,6 +242,54 @@ class Message:
     @property
     def created_at(self) -> datetime:
         return datetime.fromtimestamp(self._created_ms / 1000, tz=UTC)
+
+    def set_delay(self, delay: float | timedelta) -> None:
+        """Deliver the message ``delay`` from now (seconds, or a ``timedelta``); see ``set_deliver_at``."""
+        if isinstance(delay, timedelta):
+            seconds = delay.total_seconds()
+        else:
+            seconds = _seconds("delay", delay)
+        self._set_deliver_at_ms(_ceil_ms(time.time_ns() / 1e9 + seconds), f"a delay of {delay!r}")
+
+    def set_deliver_at(self, when: datetime | float) -> None:
+        """Deliver the message at ``when``: an aware ``datetime`` or epoch seconds.
+
+        Consumers of the subject receive it then, as an ordinary message, never before. A time
+        in the past (or within a few milliseconds) means now. A time beyond the delay server's
+        horizon (730 days by default) makes the send fail; it is never moved.
+        """
+        if isinstance(when, datetime):
+            if when.tzinfo is None or when.utcoffset() is None:
+                raise InvalidMessageError(
+                    f"deliver_at {when.isoformat()} has no time zone; pass an aware datetime, e.g. "
+                    "datetime.now(timezone.utc) + timedelta(minutes=5) or datetime(..., tzinfo=ZoneInfo(...))"
+                )
+            ms = -((_EPOCH - when) // _ONE_MS)  # exact, rounded up
+            self._set_deliver_at_ms(ms, when.isoformat())
+            return
+        seconds = _seconds("deliver_at", when)
+        if seconds < 0:
+            raise InvalidMessageError(
+                f"deliver_at = {when!r} is before 1970; pass epoch seconds (time.time() + 60) or an aware datetime"
+            )
+        self._set_deliver_at_ms(_ceil_ms(seconds), repr(when))
+
+    def _set_deliver_at_ms(self, ms: int, shown: str) -> None:
+        if ms > _DELIVER_AT_MS_MAX:
+            raise InvalidMessageError(f"deliver_at {shown} is after the year 9999; no delay server holds it")
+        self._deliver_at_ms = max(ms, 1)
+
+    @property
+    def deliver_at(self) -> datetime | None:
+        """When the message is due (aware, UTC), or None for a message delivered as soon as stored."""
+        if not self._deliver_at_ms:
+            return None
+        return datetime.fromtimestamp(self._deliver_at_ms / 1000, tz=UTC)
+
+    @property
+    def deliver_at_ms(self) -> int:
+        """Due time in epoch milliseconds; 0 for a message delivered as soon as stored."""
+        return self._deliver_at_ms
 
     def set_property(self, key: str, value: PropertyValue) -> None:
         """Set a property: a str, int (64-bit), float, bool or bytes value under a string key."""
@@ -258,7 +340,7 @@ class Message:
             encode_properties(props) if props else b"",
             self._body,
             self._created_ms,
-            0,
+            self._deliver_at_ms,
             times,
         )
         if len(raw) > _LIMITS.message_bytes_max:
@@ -271,5 +353,7 @@ class Message:
     def __repr__(self) -> str:
         return (
             f"Message(subject={self._subject!r}, message_id={self._message_id!r}, "
-            f"properties={len(self._properties)}, tags={self._tags!r}, body={len(self._body)} bytes)"
+            f"properties={len(self._properties)}, tags={self._tags!r}, body={len(self._body)} bytes"
+            + (f", deliver_at={self.deliver_at.isoformat()}" if self.deliver_at else "")
+            + ")"
         )

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -34,6 +34,16 @@ _SUBJECT_CHARS_PER_REQUEST_MAX = 4_000
 # beyond it new subjects use every available broker group.
 _SUBJECTS_MAX = 100_000
 _ERROR_TEXT_CHARS_MAX = 300
+# Delay groups share the sender's name space with broker groups under this prefix; '%' is
+# never part of a group name, so the two cannot collide.
+DELAY_TARGET_PREFIX = "%delay%"
+
+
+def describe_target(name: str) -> str:
+    """``broker group g1`` or ``delay group d1`` for a name of the sender's name space."""
+    if name.startswith(DELAY_TARGET_PREFIX):
+        return f"delay group {name[len(DELAY_TARGET_PREFIX) :]}"
+    return f"broker group {name}"
 
 
 class MetaRefusedError(MetaServerError):
@@ -57,6 +67,8 @@ class MetaAnswer:
     groups: dict[str, BrokerGroup]
     routes: dict[str, tuple[str, ...]]
     refresh_ms: int
+    # available delay groups, keyed (and named) DELAY_TARGET_PREFIX + group
+    delay_groups: dict[str, BrokerGroup] = field(default_factory=dict)
 
 
 def parse_answer(url: str, doc: object) -> MetaAnswer:
@@ -78,6 +90,16 @@ def parse_answer(url: str, doc: object) -> MetaAnswer:
             raise bad(f"a broker group without a 'group' name and an 'address': {g!r:.200}")
         if g.get("state") == "available" and g.get("role", "master") == "master":
             groups[g["group"]] = BrokerGroup(g["group"], g["address"])
+    delay_groups: dict[str, BrokerGroup] = {}
+    raw_delay = doc.get("delay_groups", [])
+    if not isinstance(raw_delay, list):
+        raise bad(f"'delay_groups' that is a {type(raw_delay).__name__}, not a list")
+    for g in raw_delay:
+        if not isinstance(g, dict) or not isinstance(g.get("group"), str) or not isinstance(g.get("address"), str):
+            raise bad(f"a delay group without a 'group' name and an 'address': {g!r:.200}")
+        if g.get("state") == "available" and g.get("role", "master") == "master":
+            key = DELAY_TARGET_PREFIX + g["group"]
+            delay_groups[key] = BrokerGroup(key, g["address"])
     routes: dict[str, tuple[str, ...]] = {}
     raw_routes = doc.get("routes", {})
     if not isinstance(raw_routes, dict):
@@ -90,7 +112,7 @@ def parse_answer(url: str, doc: object) -> MetaAnswer:
     refresh_ms = doc.get("refresh_ms", _REFRESH_MS_DEFAULT)
     if isinstance(refresh_ms, bool) or not isinstance(refresh_ms, int):
         raise bad(f"'refresh_ms' = {refresh_ms!r}, not a whole number")
-    return MetaAnswer(groups, routes, min(max(refresh_ms, _REFRESH_MS_MIN), _REFRESH_MS_MAX))
+    return MetaAnswer(groups, routes, min(max(refresh_ms, _REFRESH_MS_MIN), _REFRESH_MS_MAX), delay_groups)
 
 
 def _chunks(subjects: list[str]) -> Iterable[list[str]]:
@@ -113,6 +135,8 @@ class MetaClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
         self._session: aiohttp.ClientSession | None = None
         self.groups: dict[str, BrokerGroup] = {}
+        # available delay groups, keyed DELAY_TARGET_PREFIX + group (see describe_target)
+        self.delay_groups: dict[str, BrokerGroup] = {}
         self._all_groups: tuple[str, ...] = ()
         self._routes: dict[str, tuple[str, ...]] = {}
         # Subjects whose route was asked for (routed or not): kept fresh by each refresh.
@@ -169,9 +193,28 @@ class MetaClient:
         return self._all_groups if subject in self._subjects or subject in self._refused else None
 
     def available(self, names: Iterable[str]) -> list[BrokerGroup]:
-        """The available groups among ``names``, in order."""
-        groups = self.groups
-        return [groups[n] for n in names if n in groups]
+        """The available groups among ``names`` (broker or delay groups), in order."""
+        out = []
+        for n in names:
+            g = self.target(n)
+            if g is not None:
+                out.append(g)
+        return out
+
+    def target(self, name: str) -> BrokerGroup | None:
+        """The available broker group, or delay group (``DELAY_TARGET_PREFIX`` + name), called ``name``."""
+        g = self.groups.get(name)
+        if g is None and name.startswith(DELAY_TARGET_PREFIX):
+            g = self.delay_groups.get(name)
+        return g
+
+    def targets(self) -> list[str]:
+        """Every available broker group and delay group, by the names the sender uses."""
+        return [*self.groups, *self.delay_groups]
+
+    def delay_route(self) -> tuple[str, ...]:
+        """The available delay groups, as a route of the sender; empty when there is none."""
+        return tuple(sorted(self.delay_groups))
 
     async def resolve(self, subject: str) -> tuple[str, ...]:
         """The route of ``subject``, asking the meta server the first time."""
@@ -278,6 +321,9 @@ class MetaClient:
         if changed:
             self.groups = answer.groups
             self._all_groups = tuple(sorted(answer.groups))
+        if answer.delay_groups != self.delay_groups:
+            self.delay_groups = answer.delay_groups
+            changed = True
         for s in subjects:
             route = answer.routes.get(s)
             if self._routes.get(s) != route:

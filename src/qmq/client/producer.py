@@ -5,6 +5,11 @@ Path of a message: ``Message.encode()`` once (the only per-message encoding work
 accumulator queue of its subject's route → a SEND_MESSAGES frame → the waiter resolved by
 the broker's answer. The route of a subject not seen before is asked of the meta server
 once; its messages wait aside meanwhile.
+
+A message due later (``set_delay``/``set_deliver_at``, more than ``DELIVER_AT_SLACK_MS``
+ahead) goes to a delay group instead: the available delay groups form one route, taken in
+turn, with failover between them like broker groups. A message due now or in the past goes
+to the brokers as a realtime one.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
+import time
 from types import TracebackType
 from typing import Literal
 
 from qmq.client.accumulator import Accumulator, Entry, RouteKey, Waiter
 from qmq.client.connection import ConnectionPool
 from qmq.client.message import Message
-from qmq.client.meta import MetaClient
+from qmq.client.meta import MetaClient, describe_target
 from qmq.client.options import (
     DEFAULT_CONNECT,
     DEFAULT_PRODUCER,
@@ -34,6 +41,15 @@ log = logging.getLogger(__name__)
 
 _State = Literal["new", "open", "closing", "closed"]
 _EXPIRE_PERIOD_S_MAX = 1.0
+# A message due less than this far ahead is sent as a realtime one: the hop through a delay
+# server would make it later, not more punctual.
+DELIVER_AT_SLACK_MS = 5
+_DELIVER_AT = struct.Struct("<q")
+_DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.message)
+
+
+def _is_delayed(deliver_at_ms: int) -> bool:
+    return deliver_at_ms > time.time_ns() // 1_000_000 + DELIVER_AT_SLACK_MS
 
 
 class Producer:
@@ -86,6 +102,7 @@ class Producer:
         self._routing: dict[str, asyncio.Task[None]] = {}
         # The meta client's routes, cached for the send path; cleared when they change.
         self._routes: dict[str, RouteKey] = {}
+        self._delay_route: RouteKey | None = None
         self._expirer: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -147,7 +164,10 @@ class Producer:
             raise self._not_open()
         encoded = message.encode()
         fut: asyncio.Future[None] = self._loop.create_future()  # type: ignore[union-attr]
-        self._enqueue(message.subject, encoded, message.message_id, fut)
+        if message._deliver_at_ms and _is_delayed(message._deliver_at_ms):
+            self._enqueue_delayed(encoded, message.message_id, fut)
+        else:
+            self._enqueue(message.subject, encoded, message.message_id, fut)
         return fut
 
     async def send(self, message: Message) -> None:
@@ -159,7 +179,10 @@ class Producer:
         await self.send_encoded(message.subject, message.encode(), message.message_id)
 
     async def send_encoded(self, subject: str, encoded: bytes, message_id: str) -> None:
-        """Send a message already encoded (``Message.encode`` or a received message's bytes)."""
+        """Send a message already encoded (``Message.encode`` or a received message's bytes).
+
+        Its ``deliver_at_ms`` decides where it goes: a delay group when it is due later.
+        """
         if self._state != "open":
             raise self._not_open()
         acc = self._acc
@@ -169,7 +192,7 @@ class Producer:
             if self._state != "open":
                 raise self._not_open()
         fut: asyncio.Future[None] = self._loop.create_future()  # type: ignore[union-attr]
-        self._enqueue(subject, encoded, message_id, fut)
+        self._route_encoded(subject, encoded, message_id, fut)
         await fut
 
     def enqueue_encoded(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
@@ -179,7 +202,35 @@ class Producer:
         """
         if self._state != "open":
             raise self._not_open()
-        self._enqueue(subject, encoded, message_id, waiter)
+        self._route_encoded(subject, encoded, message_id, waiter)
+
+    def _route_encoded(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
+        (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
+        if deliver_at_ms and _is_delayed(deliver_at_ms):
+            self._enqueue_delayed(encoded, message_id, waiter)
+        else:
+            self._enqueue(subject, encoded, message_id, waiter)
+
+    def _enqueue_delayed(self, encoded: bytes, message_id: str, waiter: Waiter) -> None:
+        """Queue a message due later for the delay groups; fail it at once when there is none."""
+        key = self._delay_route
+        if key is None:
+            key = self._delay_route = self._meta.delay_route()  # type: ignore[union-attr]
+        if not key:
+            self._meta.refresh_soon()  # type: ignore[union-attr]  # one may have registered since
+            self.stats.messages_failed += 1
+            fail_entries(
+                [(encoded, waiter, message_id, 0.0, 0)],
+                f"no delay server is registered with the meta server {self.meta_server}, so a message due "
+                "later cannot be held; start one (`qmq delay --meta-server URL`, or use `qmq standalone`) "
+                "or send without a delay",
+                retriable=True,
+            )
+            return
+        acc = self._acc
+        entry: Entry = (encoded, waiter, message_id, self._loop.time(), acc.epoch)  # type: ignore[union-attr]
+        if acc.append(key, entry):
+            self._sender.wake(key)  # type: ignore[union-attr]
 
     def _enqueue(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
         acc = self._acc
@@ -218,6 +269,7 @@ class Producer:
         assert self._sender is not None
         assert self._meta is not None
         self._routes.clear()
+        self._delay_route = None
         self._sender.reconcile()
         for subject in self._acc.held_subjects():
             key = self._meta.route(subject)
@@ -240,7 +292,7 @@ class Producer:
                 if isinstance(where, str):
                     why = f"no broker group was available for subject {where!r}"
                 else:
-                    why = f"none of broker groups {', '.join(where)} of its route was available"
+                    why = f"none of {', '.join(map(describe_target, where))} of its route was available"
                 self.stats.messages_failed += len(entries)
                 fail_entries(
                     entries, f"not sent within send_timeout_ms={self.options.send_timeout_ms}: {why}", retriable=True

@@ -23,6 +23,7 @@ from qmq.client.connection import ConnectionPool
 from qmq.client.meta import BrokerGroup, MetaClient
 from qmq.client.options import ConnectOptions, ConsumerOptions, StartFrom
 from qmq.client.received import BatchBase, M, parse_records, parse_runs
+from qmq.client.subscription import Subscription
 from qmq.common.errors import BrokerError, ConnectionLostError, NoBrokerError, QmqError
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import RemoteProtocolError
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 # Batches answered to pulls whose caller had gone; beyond this the connection is dropped
 # instead, so the broker re-delivers them to the next session.
 _STASHED_BATCHES_MAX = 16
+DEFAULT_SUBSCRIPTION = Subscription()
 
 
 @dataclass(slots=True)
@@ -73,8 +75,11 @@ class SubjectPuller(Generic[M]):
         origin_subject: str,
         make: type[M],
         batch_cls: type[BatchBase[M]],
+        subscription: Subscription = DEFAULT_SUBSCRIPTION,
     ) -> None:
         self._ctx = ctx
+        self.subscription = subscription
+        self._pull_extra = subscription.pull_header()
         self.subject = subject
         self.group = group
         self.start_from = start_from
@@ -94,7 +99,9 @@ class SubjectPuller(Generic[M]):
     def _tracker(self, broker_group: str) -> AckTracker:
         t = self.trackers.get(broker_group)
         if t is None:
-            t = AckTracker(broker_group, self.subject, self.group, self.origin_subject, self._ctx.on_nack)
+            t = AckTracker(
+                broker_group, self.subject, self.group, self.origin_subject, self._ctx.on_nack, self.subscription
+            )
             t.loop = asyncio.get_running_loop()
             self.trackers[broker_group] = t
         return t
@@ -172,6 +179,7 @@ class SubjectPuller(Generic[M]):
             "max": max_messages,
             "timeout_ms": timeout_ms,
             "start": self.start_from,
+            **self._pull_extra,
         }
         ranges = tracker.take()
         if ranges:
@@ -253,12 +261,14 @@ class SubjectPuller(Generic[M]):
         ranges = tracker.take()
         if not ranges:
             return
-        header = {
+        header: dict[str, Any] = {
             "subject": self.subject,
             "group": self.group,
             "consumer_id": self._ctx.consumer_id,
             "ranges": ranges,
         }
+        if self.subscription.broadcast:
+            header["broadcast"] = True
         try:
             async with asyncio.timeout(self._ctx.options.request_timeout_ms / 1000):
                 frame = await pool.get(bg.address).request(RequestCode.ACK, header)

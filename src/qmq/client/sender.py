@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from qmq.client.accumulator import ENCODED, ENQUEUED_AT, MESSAGE_ID, WAITER, Accumulator, Entry, RouteKey
 from qmq.client.connection import ConnectionPool
-from qmq.client.meta import MetaClient
+from qmq.client.meta import MetaClient, describe_target
 from qmq.client.options import ProducerOptions
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError, SendError
 from qmq.protocol.codes import RequestCode, Status
@@ -74,8 +74,8 @@ class Sender:
         self._batches: set[asyncio.Task[None]] = set()
 
     def reconcile(self) -> None:
-        """Start a loop for each available broker group, stop those of groups gone."""
-        groups = self._meta.groups
+        """Start a loop for each available broker or delay group, stop those of groups gone."""
+        groups = set(self._meta.targets())
         for name in groups:
             if name not in self._loops:
                 self.ready[name] = asyncio.Event()
@@ -136,9 +136,9 @@ class Sender:
         try:
             while True:
                 try:
-                    bg = self._meta.groups.get(target)
+                    bg = self._meta.target(target)
                     if bg is None:
-                        raise ConnectionLostError(f"broker group {target} is not available (per the meta server)")
+                        raise ConnectionLostError(f"{describe_target(target)} is not available (per the meta server)")
                     conn = self._pool.get(bg.address)
                     stats.frames_sent += 1
                     stats.messages_sent += len(entries)
@@ -147,14 +147,14 @@ class Sender:
                 except TimeoutError:
                     self._fail(
                         entries,
-                        f"no answer from broker group {target} within send_timeout_ms={opts.send_timeout_ms}; "
+                        f"no answer from {describe_target(target)} within send_timeout_ms={opts.send_timeout_ms}; "
                         "the message may or may not be stored",
                         retriable=True,
                     )
                     return
                 except (BrokerError, ConnectionLostError) as exc:
                     if not exc.retriable:
-                        self._fail(entries, f"broker group {target} refused the batch: {exc}", retriable=False)
+                        self._fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
                         return
                     if isinstance(exc, BrokerError) and exc.status == Status.NOT_MASTER:
                         self._meta.refresh_soon()
@@ -162,7 +162,7 @@ class Sender:
                         self._fail(
                             entries,
                             f"not stored within send_timeout_ms={opts.send_timeout_ms}; "
-                            f"last failure, from broker group {target}: {exc}",
+                            f"last failure, from {describe_target(target)}: {exc}",
                             retriable=True,
                         )
                         return
@@ -173,7 +173,7 @@ class Sender:
                     target = self._next_group(key, target)
                     continue
                 except QmqError as exc:
-                    self._fail(entries, f"broker group {target} refused the batch: {exc}", retriable=False)
+                    self._fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
                     return
                 self._complete(entries, frame.header, target)
                 return
@@ -221,7 +221,7 @@ class Sender:
                     status, text = failed[i]
                     w.set_exception(
                         SendError(
-                            f"broker group {group} refused it: {status_name(status)}: {text}",
+                            f"{describe_target(group)} refused it: {status_name(status)}: {text}",
                             e[MESSAGE_ID],
                             retriable=False,
                         )

@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from qmq.client.options import (
 from qmq.client.producer import Producer as AsyncProducer
 from qmq.client.received import BatchBase, ReceivedBase
 from qmq.client.sender import ProducerStats
+from qmq.client.subscription import make_subscription
 from qmq.common.errors import ConfigError, QmqError, SendError
 
 __all__ = ["Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage"]
@@ -311,9 +312,19 @@ class Consumer:
             self._pool.shutdown(wait=False)
             raise
 
-    def pull_consumer(self, subject: str, group: str, start_from: StartFrom = "latest") -> PullConsumer:
+    def pull_consumer(
+        self,
+        subject: str,
+        group: str,
+        start_from: StartFrom = "latest",
+        *,
+        tags: Sequence[str] | None = None,
+        tag_type: str = "or",
+        broadcast: bool = False,
+    ) -> PullConsumer:
         """A pull consumer of ``subject`` in consumer ``group`` (see ``qmq.aio.Consumer.pull_consumer``)."""
-        inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumerBase)
+        sub = make_subscription(tags, tag_type, broadcast, self._async.options.max_retries)
+        inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumerBase, sub)
         return PullConsumer(inner, self._io, self._async.options.request_timeout_ms)
 
     def listener(
@@ -324,19 +335,24 @@ class Consumer:
         start_from: StartFrom = "latest",
         concurrency: int | None = None,
         prefetch: int | None = None,
+        **behaviour: Any,
     ) -> Callable[[F], F]:
         """Decorate a plain ``handler(message)`` called for every message of ``subject``.
 
         Handlers run in the consumer's thread pool (``listener_threads``), at most
         ``concurrency`` at once (default: all the pool's threads). Returning acknowledges the
-        message; raising fails it (it comes back with ``times + 1``).
+        message; raising fails it (it comes back after the back-off, with ``times + 1``).
+        The keywords of ``qmq.aio.Consumer.listener`` apply: ``tags``, ``tag_type``,
+        ``broadcast``, ``consume_most_once``, ``max_retries``, ``retry_backoff``,
+        ``auto_ack``, ``idempotent_checker`` (its blocking ``run``, in the handler's thread)
+        and ``filters``.
         """
 
         def register(handler: F) -> F:
             if not callable(handler):
                 raise ConfigError(f"listener handler {handler!r} is not callable")
             self.add_listener(
-                subject, group, handler, start_from=start_from, concurrency=concurrency, prefetch=prefetch
+                subject, group, handler, start_from=start_from, concurrency=concurrency, prefetch=prefetch, **behaviour
             )
             return handler
 
@@ -351,13 +367,20 @@ class Consumer:
         start_from: StartFrom = "latest",
         concurrency: int | None = None,
         prefetch: int | None = None,
+        **behaviour: Any,
     ) -> None:
         """The same as ``@listener(...)`` without the decorator."""
         loop = self._io.loop
         pool = self._pool
+        checker = behaviour.pop("idempotent_checker", None)
+        if checker is not None and not callable(getattr(checker, "run", None)):
+            raise ConfigError(f"idempotent_checker={checker!r} has no run(message, handler); use qmq.idempotency's")
+        call: Callable[[ReceivedMessage], object] = (
+            handler if checker is None else functools.partial(checker.run, handler=handler)
+        )
 
         async def run(m: ReceivedMessage) -> None:
-            await loop.run_in_executor(pool, handler, m)
+            await loop.run_in_executor(pool, call, m)
 
         async def add() -> None:
             self._async._add_listener(
@@ -369,6 +392,7 @@ class Consumer:
                 start_from,
                 self.listener_threads if concurrency is None else concurrency,
                 prefetch,
+                **behaviour,
             )
 
         self._io.call(add(), _MARGIN_S)

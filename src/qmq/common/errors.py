@@ -73,3 +73,22 @@ class MetaServerError(QmqError):
     """The meta server could not be reached or answered with something unusable."""
 
     retriable = True
+
+
+class NeedRetry(QmqError):
+    """Raised by a handler to ask for the message again, after ``after`` (a timedelta or seconds)
+    instead of the listener's back-off for this attempt."""
+
+    def __init__(self, after: object = None, reason: str = "") -> None:
+        from datetime import timedelta
+
+        if after is None:
+            self.after_ms: int | None = None
+        elif isinstance(after, timedelta):
+            self.after_ms = max(0, round(after.total_seconds() * 1000))
+        elif isinstance(after, int | float) and not isinstance(after, bool) and after >= 0:
+            self.after_ms = round(after * 1000)
+        else:
+            raise ConfigError(f"NeedRetry(after={after!r}): use a timedelta or a number of seconds >= 0")
+        self.reason = reason
+        super().__init__(reason or f"retry requested after {self.after_ms} ms")
