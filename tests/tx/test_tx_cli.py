@@ -94,3 +94,15 @@ def test_errors_say_what_to_do(db_url: str) -> None:
     code, out = _qmq("tx", "init", "--db", db_url, "--table", "drop table")
     assert code == 2
     assert "table='drop table' is not a plain table name" in out
+
+
+@pytest.mark.integration
+def test_missing_tables_are_named(db_url: str, meta_server: str) -> None:
+    code, out = _qmq("watchdog", "--db", db_url, "--meta-server", meta_server, "--once")
+    assert code == 1
+    assert "outbox table qmq_msg_queue or its lease table is missing" in out
+    assert "qmq tx init --db URL" in out
+    code, out = _qmq("watchdog", "--db", db_url, "--list-blocked")
+    assert code == 1
+    assert "the database refused" in out
+    assert "qmq tx init --db URL" in out

@@ -5,11 +5,12 @@ Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,20 @@ def _dispose(engines: Sequence[sa.Engine]) -> None:
         engine.dispose()
 
 
+@contextlib.contextmanager
+def _database_errors() -> Iterator[None]:
+    """A database error becomes one line naming it, not a traceback."""
+    import sqlalchemy as sa
+
+    try:
+        yield
+    except sa.exc.SQLAlchemyError as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise click.ClickException(
+            f"the database refused: {first_line} (are the tables there? `qmq tx init --db URL` creates them)"
+        ) from None
+
+
 @cli.group("tx")
 def tx_group() -> None:
     """Transactional sends: the outbox table applications write messages into."""
@@ -80,9 +95,10 @@ def init(db_urls: tuple[str, ...], table: str, lease_table: str) -> None:
 
     engines = _engines(db_urls)
     try:
-        for engine in engines:
-            create_outbox_tables(engine, table, lease_table)
-            click.echo(f"qmq tx init: {engine.url.render_as_string()} has tables {table} and {lease_table}")
+        with _database_errors():
+            for engine in engines:
+                create_outbox_tables(engine, table, lease_table)
+                click.echo(f"qmq tx init: {engine.url.render_as_string()} has tables {table} and {lease_table}")
     finally:
         _dispose(engines)
 
@@ -97,7 +113,8 @@ def unblock_command(db_urls: tuple[str, ...], table: str, ids: tuple[int, ...]) 
 
     engines = _engines(db_urls)
     try:
-        changed = unblock(engines, table, list(ids) if ids else None)
+        with _database_errors():
+            changed = unblock(engines, table, list(ids) if ids else None)
     finally:
         _dispose(engines)
     click.echo(f"qmq tx unblock: {changed} row(s) pending again")
@@ -149,7 +166,8 @@ def watchdog_command(
     engines = _engines(db_urls)
     try:
         if list_blocked:
-            _print_blocked(engines, table)
+            with _database_errors():
+                _print_blocked(engines, table)
             return
         if not meta_server:
             raise click.UsageError("--meta-server is required (or set QMQ_META_SERVER), except with --list-blocked")

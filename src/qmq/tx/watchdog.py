@@ -72,6 +72,8 @@ class PassReport:
     failed: int = 0
     blocked: int = 0
     claims_lost: int = 0
+    more: bool = False
+    """The pass stopped at ``batches_per_pass`` with rows possibly left: pass again at once."""
     error: str | None = None
 
     @property
@@ -126,7 +128,7 @@ class Watchdog:
         self.owner = owner or default_owner()
         self._clock = clock
         self._table = outbox_table(check_table_name(table))
-        leases = lease_table(check_table_name(lease_table_name, "lease_table"))
+        leases = self._lease_table = lease_table(check_table_name(lease_table_name, "lease_table"))
         if create_tables:
             for engine in self._engines:
                 create_outbox_tables(engine, table, lease_table_name)
@@ -145,6 +147,11 @@ class Watchdog:
                 self._pass(engine, lease, report)
             except sa.exc.SQLAlchemyError as exc:
                 report.error = f"{exc.__class__.__name__}: {exc}"
+                if not self._has_tables(engine):
+                    report.error = (
+                        f"outbox table {self._table.name} or its lease table is missing; create them with "
+                        f"`qmq tx init --db URL --table {self._table.name}`"
+                    )
                 log.warning("watchdog: database %s failed this pass: %s", report.database, report.error)
             if report.busy:
                 log.info(
@@ -167,8 +174,9 @@ class Watchdog:
             len(self._engines),
         )
         while not stop.is_set():
-            self.run_once()
-            stop.wait(self.interval_ms / 1000)
+            reports = self.run_once()
+            if not any(r.more for r in reports):
+                stop.wait(self.interval_ms / 1000)
 
     def _pass(self, engine: sa.Engine, lease: Lease, report: PassReport) -> None:
         for _ in range(self.batches_per_pass):
@@ -181,6 +189,14 @@ class Watchdog:
                 self._send(engine, claimed, report)
             if read < self.batch_rows:
                 return
+        report.more = True
+
+    def _has_tables(self, engine: sa.Engine) -> bool:
+        try:
+            inspector = sa.inspect(engine)
+            return inspector.has_table(self._table.name) and inspector.has_table(self._lease_table.name)
+        except sa.exc.SQLAlchemyError:
+            return True  # the database is unreachable, which the error already says
 
     def _claim_batch(self, engine: sa.Engine, now: int, report: PassReport) -> tuple[list[OutboxRow], int]:
         params = {"now": now, "cutoff": now - self.threshold_ms, "limit": self.batch_rows}
