@@ -142,8 +142,8 @@ async def test_a_message_the_broker_refuses_fails_alone_with_the_brokers_reason(
     async with Producer(app_code="shop", meta_server=meta_server) as producer:
         good = [producer.generate_message(subject) for _ in range(3)]
         bad = producer.generate_message(subject)
-        # A realtime broker refuses a message due in the future (delay messages go elsewhere).
-        refused = with_times(bad.encode(), 0, deliver_at_ms=bad.created_ms + 3_600_000)
+        # The broker refuses a subject the SDK would never encode (routed by the valid one given).
+        refused = with_times(bad.encode(), 0, subject=b"no spaces allowed")
         results = await asyncio.gather(
             producer.send(good[0]),
             producer.send_encoded(subject, refused, bad.message_id),
@@ -158,5 +158,5 @@ async def test_a_message_the_broker_refuses_fails_alone_with_the_brokers_reason(
     assert isinstance(error, SendError)
     assert not error.retriable
     assert error.message_id == bad.message_id
-    assert "INVALID_MESSAGE" in str(error)
-    assert "delay" in str(error)
+    assert "INVALID_SUBJECT" in str(error)
+    assert "no spaces allowed" in str(error)

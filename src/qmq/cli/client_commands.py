@@ -1,10 +1,12 @@
-"""Commands for people: ``qmq send``, ``qmq consume``, ``qmq subjects``, ``qmq lag``."""
+"""Commands for people: ``qmq send`` (``--delay``/``--at`` for delay messages), ``qmq consume``,
+``qmq subjects``, ``qmq lag``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import re
 import sys
 import time
 from datetime import datetime
@@ -35,6 +37,37 @@ def _prop(value: str) -> tuple[str, str]:
     return key, text
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """``90s``, ``5m``, ``2h``, ``1d``, ``500ms`` or plain seconds (``90``, ``1.5``) as seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise click.BadParameter(
+            f"{text!r} is not a duration; use a number with an optional unit: 90, 1.5, 500ms, 90s, 5m, 2h, 1d",
+            param_hint="--delay",
+        )
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def parse_at(text: str) -> datetime:
+    """An ISO 8601 time with its UTC offset (``2026-12-24T18:00:00+08:00`` or ``...Z``)."""
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not an ISO 8601 time; use e.g. 2026-12-24T18:00:00+08:00", param_hint="--at"
+        ) from None
+    if when.tzinfo is None:
+        raise click.BadParameter(
+            f"{text!r} has no UTC offset; add one, e.g. {when.isoformat()}+08:00 or {when.isoformat()}Z",
+            param_hint="--at",
+        )
+    return when
+
+
 @cli.command()
 @click.argument("subject")
 @click.argument("stdin_marker", required=False, metavar="[-]")
@@ -44,6 +77,10 @@ def _prop(value: str) -> tuple[str, str]:
 @click.option("--body", "body_text", metavar="TEXT", help="the body, as UTF-8 text")
 @click.option("--body-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="the body, from a file")
 @click.option("--app-code", default="qmq-cli", show_default=True, help="the producer's application code")
+@click.option("--delay", "delay_text", metavar="DURATION", help="deliver after this long: 90s, 5m, 2h, 1d, or seconds")
+@click.option(
+    "--at", "at_text", metavar="TIME", help="deliver at this ISO 8601 time with offset: 2026-12-24T18:00:00+08:00"
+)
 def send(
     subject: str,
     stdin_marker: str | None,
@@ -53,10 +90,19 @@ def send(
     body_text: str | None,
     body_file: Path | None,
     app_code: str,
+    delay_text: str | None,
+    at_text: str | None,
 ) -> None:
-    """Send one message to SUBJECT; `-` reads the body from standard input. Prints its id."""
+    """Send one message to SUBJECT; `-` reads the body from standard input. Prints its id.
+
+    With --delay or --at the message goes to a delay server and consumers receive it when due.
+    """
     from qmq.client.sync import Producer
 
+    if delay_text is not None and at_text is not None:
+        raise click.UsageError("give the due time once: --delay or --at")
+    delay_s = parse_duration_s(delay_text) if delay_text is not None else None
+    at = parse_at(at_text) if at_text is not None else None
     if stdin_marker not in (None, "-"):
         raise click.BadParameter(f"{stdin_marker!r}: only '-' (read the body from stdin) may follow the subject")
     sources = [s for s in (body_text is not None, body_file is not None, stdin_marker == "-") if s]
@@ -78,6 +124,10 @@ def send(
         for tag in tags:
             msg.add_tag(tag)
         msg.body = body
+        if delay_s is not None:
+            msg.set_delay(delay_s)
+        elif at is not None:
+            msg.set_deliver_at(at)
         producer.send(msg)
     click.echo(msg.message_id)
 

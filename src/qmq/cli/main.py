@@ -49,6 +49,7 @@ def cli(log_level: str) -> None:
 
 
 def main() -> None:
-    from qmq.cli import client_commands, group_commands, roles  # noqa: F401  (they register their commands)
+    # they register their commands
+    from qmq.cli import client_commands, delay_commands, group_commands, roles  # noqa: F401
 
     cli(prog_name="qmq")

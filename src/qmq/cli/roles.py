@@ -1,4 +1,4 @@
-"""``qmq meta``, ``qmq broker`` and ``qmq standalone``: run one role, or all of them supervised."""
+"""``qmq meta``, ``qmq broker``, ``qmq delay`` and ``qmq standalone``: run one role, or all of them supervised."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import click
 
 from qmq.cli.main import cli
 from qmq.cli.options import config_file_option, config_options, load
-from qmq.common.config import BrokerConfig, MetaConfig, StandaloneConfig
+from qmq.common.config import BrokerConfig, DelayConfig, MetaConfig, StandaloneConfig
 
 
 @cli.command()
@@ -33,12 +33,26 @@ def broker(config_file: Path | None, **values: Any) -> None:
     sys.exit(run_broker(load(BrokerConfig, config_file, "broker", values)))
 
 
+# bucket_ms exists for tests (sub-minute buckets); it is set in the [delay] table of a config file
+_DELAY_OPTIONS = [f for f in DelayConfig.__dataclass_fields__ if f != "bucket_ms"]
+
+
+@cli.command()
+@config_file_option
+@config_options(DelayConfig, only=_DELAY_OPTIONS)
+def delay(config_file: Path | None, **values: Any) -> None:
+    """Run a delay server: holds delay messages until they are due, then hands them to brokers."""
+    from qmq.delay import run_delay
+
+    sys.exit(run_delay(load(DelayConfig, config_file, "delay", values)))
+
+
 @cli.command()
 @config_file_option
 @config_options(StandaloneConfig)
 @click.option("--demo", is_flag=True, help="once ready, send a message and consume it, printing both")
 def standalone(config_file: Path | None, demo: bool, **values: Any) -> None:
-    """Run a meta server and a broker, each its own process, supervised as one.
+    """Run a meta server, a broker and a delay server, each its own process, supervised as one.
 
     Prints `qmq ready ... meta_server=URL` once every role serves; SIGTERM or Ctrl-C stops
     them in order. Children exit when this process dies, even by kill -9.

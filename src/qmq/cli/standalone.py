@@ -1,9 +1,11 @@
 """The standalone supervisor: one child process per role, started in order, stopped in order.
 
-The meta server starts first; the broker starts with its URL and registers. When both have
-printed their ready lines, the supervisor prints its own::
+The meta server starts first; the broker starts with its URL and registers, then the delay
+server (data in ``DATA_DIR/delay``) does the same. When all have printed their ready lines,
+the supervisor prints its own::
 
-    qmq ready meta_server=http://HOST:PORT/meta/address broker=HOST:PORT meta_pid=N broker_pid=N data_dir=DIR
+    qmq ready meta_server=http://HOST:PORT/meta/address broker=HOST:PORT meta_pid=N broker_pid=N
+              delay=HOST:PORT delay_pid=N data_dir=DIR        (one line)
 
 Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they stop when the supervisor dies, even by
 ``kill -9``. A child that dies on its own is restarted (at most ``_RESTARTS_MAX`` times in
@@ -131,7 +133,17 @@ class Supervisor:
             *common,
         ]
         self.broker = Child("broker", [])
-        self.children = [self.meta, self.broker]
+        self.delay_argv = [
+            *qmq,
+            "delay",
+            "--data-dir",
+            str(data / "delay"),
+            "--port",
+            str(config.delay_port),
+            *common,
+        ]
+        self.delay = Child("delay server", [])
+        self.children = [self.meta, self.broker, self.delay]
 
     def run(self) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
@@ -141,15 +153,21 @@ class Supervisor:
             meta_url = self.meta.ready["meta_server"]
             self.broker.argv = [*self.broker_argv, "--meta-server", meta_url]
             self.broker.start(deadline)
+            # after the broker: due messages are handed to it as soon as the delay server runs
+            self.delay.argv = [*self.delay_argv, "--meta-server", meta_url]
+            self.delay.start(deadline)
         except StartupFailed as exc:
             print(f"qmq standalone: cannot start: {exc}", file=sys.stderr, flush=True)
             self._stop_all()
             return 3
         assert self.meta.proc is not None
         assert self.broker.proc is not None
+        assert self.delay.proc is not None
         print(
             f"qmq ready meta_server={meta_url} broker={self.broker.ready.get('address', '?')} "
-            f"meta_pid={self.meta.proc.pid} broker_pid={self.broker.proc.pid} data_dir={self.config.data_dir}",
+            f"meta_pid={self.meta.proc.pid} broker_pid={self.broker.proc.pid} "
+            f"delay={self.delay.ready.get('address', '?')} delay_pid={self.delay.proc.pid} "
+            f"data_dir={self.config.data_dir}",
             flush=True,
         )
         if self.demo:
@@ -192,7 +210,8 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> list[int | None]:
-        # the broker first (it finishes writes and checkpoints), then the meta server
+        # the delay server first (it hands over what is due while the broker still takes it),
+        # then the broker (it finishes writes and checkpoints), then the meta server
         return [child.stop() for child in reversed(self.children)]
 
 

@@ -114,6 +114,107 @@ class BrokerConfig:
     shutdown_grace_ms: int = _opt("how long shutdown waits for in-flight requests", 5_000, _range(0, 600_000))
 
 
+def _bucket_ms(v: Any) -> str | None:
+    if v == 0 or 100 <= v <= 3_600_000:
+        return None
+    return "must be 0 (use bucket_minutes) or between 100 and 3600000; it exists for tests, use bucket_minutes"
+
+
+@dataclass(slots=True)
+class DelayConfig:
+    """A delay server: keeps delay messages on disk until they are due, then hands them to brokers."""
+
+    data_dir: Path = _opt(  # noqa: RUF009
+        "directory of the write-ahead log, the schedule logs of each time bucket and the checkpoint",
+        Path("qmq-data/delay"),
+    )
+    host: str = _opt("address to listen on", "127.0.0.1")
+    port: int = _opt("TCP port of the binary protocol (0 picks a free one)", 0, _port)
+    http_port: int = _opt("HTTP port of /metrics and /health (0 picks a free one)", 0, _port)
+    meta_server: str = _opt(
+        "URL of the meta server, as printed by `qmq ready`; due messages go to the brokers it lists",
+        "",
+    )
+    group: str = _opt("name of this delay group", "delay-1")
+    flush: FlushPolicy = _opt(  # noqa: RUF009
+        "sync: acknowledge a send after its write-ahead log batch is fsynced; "
+        "periodic: acknowledge once written, fsync every flush_interval_ms",
+        "sync",
+    )
+    flush_interval_ms: int = _opt("fsync period of the periodic flush policy", 1000, _range(1, 60_000))
+    bucket_minutes: int = _opt(
+        "length of a time bucket: messages due in the same bucket share one schedule log",
+        60,
+        _range(5, 60),
+    )
+    bucket_ms: int = _opt(
+        "for tests: the bucket length in milliseconds, overriding bucket_minutes (0: use bucket_minutes)",
+        0,
+        _bucket_ms,
+    )
+    horizon_days: int = _opt(
+        "how far ahead a message may be due; a later one is refused, never clamped",
+        730,
+        _range(1, 36_500),
+    )
+    preload_ms: int = _opt(
+        "a time bucket is loaded into the in-memory timer this long before it starts",
+        10_000,
+        _range(0, 600_000),
+    )
+    wal_segment_bytes: int = _opt(
+        "size at which a write-ahead log segment is closed; replayed segments are deleted whole",
+        64 * MiB,
+        _range(64 * 1024, 1 << 40),
+    )
+    checkpoint_interval_ms: int = _opt(
+        "how often schedule logs are fsynced and the replayed write-ahead log offset is checkpointed",
+        10_000,
+        _range(10, 3_600_000),
+    )
+    schedule_buffer_bytes_max: int = _opt(
+        "bytes of messages replayed from the write-ahead log and not yet written to their schedule logs",
+        16 * MiB,
+        _range(64 * 1024, 1 << 34),
+    )
+    handover_messages_max: int = _opt(
+        "due messages handed to brokers and not yet acknowledged by them",
+        20_000,
+        _range(1, 1_000_000),
+    )
+    handover_bytes_max: int = _opt(
+        "bytes of due messages handed to brokers and not yet acknowledged by them",
+        64 * MiB,
+        _range(4 * MiB + 1024, 1 << 34),
+    )
+    disk_free_bytes_min: int = _opt(
+        "refuse sends while the data directory's disk has less free space",
+        64 * MiB,
+        _range(0, 1 << 50),
+    )
+    pending_flush_bytes_max: int = _opt(
+        "bytes of written-but-unflushed sends before new sends are refused as busy",
+        64 * MiB,
+        _range(MiB, 1 << 34),
+    )
+    connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    heartbeat_interval_ms: int = _opt(
+        "how often the delay server reports itself to the meta server",
+        10_000,
+        _range(10, 600_000),
+    )
+    shutdown_grace_ms: int = _opt(
+        "how long shutdown waits for in-flight sends and hand-overs",
+        5_000,
+        _range(0, 600_000),
+    )
+
+    @property
+    def bucket_length_ms(self) -> int:
+        """The time bucket length in effect: ``bucket_ms`` when set (tests), else ``bucket_minutes``."""
+        return self.bucket_ms or self.bucket_minutes * 60_000
+
+
 @dataclass(slots=True)
 class MetaConfig:
     """The meta server: registry of broker groups and the routes of subjects."""
@@ -136,12 +237,13 @@ class MetaConfig:
 
 @dataclass(slots=True)
 class StandaloneConfig:
-    """`qmq standalone`: one meta server and one broker, each its own process."""
+    """`qmq standalone`: one meta server, one broker and one delay server, each its own process."""
 
     data_dir: Path = _opt("data directory; each role keeps its files below it", Path("qmq-data"))  # noqa: RUF009
     host: str = _opt("address every role listens on", "127.0.0.1")
     meta_port: int = _opt("HTTP port of the meta server (0 picks a free one)", 0, _port)
     broker_port: int = _opt("TCP port of the broker (0 picks a free one)", 0, _port)
+    delay_port: int = _opt("TCP port of the delay server (0 picks a free one)", 0, _port)
     ready_timeout_ms: int = _opt(
         "how long to wait for every role to report ready",
         60_000,

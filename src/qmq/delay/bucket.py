@@ -1,0 +1,265 @@
+"""The schedule log of one time bucket: the delay messages due in ``[start, start + length)``,
+in three append-only files under ``schedule/<start_ms as 16 digits>/``.
+
+``messages``: records exactly as in the write-ahead log (``qmq.protocol.record``: a 28-byte
+header with CRC32C, then the message as the producer encoded it, ``deliver_at_ms`` included).
+
+``index``: one 20-byte entry per message, in the order the messages were appended; entry ``n``
+sits at ``n × 20`` (little-endian)::
+
+    0                   8                   16        20
+    +-------------------+-------------------+---------+
+    | due_ms            | offset            | size    |
+    +-------------------+-------------------+---------+
+
+    due_ms   i64  when the message is due (epoch ms)
+    offset   u64  where its record starts in ``messages``
+    size     u32  bytes of the record (header and message)
+
+``dispatch``: one 4-byte entry per message a broker acknowledged, in the order acknowledged::
+
+    0         4
+    +---------+
+    | entry   |   u32  the message's entry number in ``index``
+    +---------+
+
+The replayer appends to ``messages`` and ``index`` through an in-memory buffer (``add``,
+``flush``; ``messages`` is always written before ``index``, so an entry never points past
+the records). Both are fsynced before a checkpoint names their sizes; after a crash they are
+cut back to those sizes and rebuilt from the write-ahead log in the same order, so entry
+numbers, and the dispatch log that names them, stay valid. The dispatch log is written after
+every broker acknowledgement and fsynced with checkpoints: an entry lost in a machine crash
+means one message handed over again, which the broker's duplicate window drops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+INDEX_ENTRY = struct.Struct("<qQI")
+INDEX_ENTRY_BYTES = INDEX_ENTRY.size  # 20
+INDEX_DTYPE = np.dtype([("due", "<i8"), ("offset", "<u8"), ("size", "<u4")])
+DISPATCH_ENTRY_BYTES = 4
+DISPATCH_DTYPE = np.dtype("<u4")
+ENTRIES_MAX = 0xFFFF_FFFF  # entry numbers are u32 in the dispatch log
+
+MESSAGES = "messages"
+INDEX = "index"
+DISPATCH = "dispatch"
+_NAME_DIGITS = 16
+
+assert INDEX_DTYPE.itemsize == INDEX_ENTRY_BYTES
+
+
+def bucket_dir_name(start_ms: int) -> str:
+    return f"{start_ms:0{_NAME_DIGITS}d}"
+
+
+def bucket_start_of(name: str) -> int | None:
+    """The start of the bucket a directory name stands for, or None if it names none."""
+    return int(name) if len(name) == _NAME_DIGITS and name.isdigit() else None
+
+
+class Bucket:
+    """One time bucket's schedule log and the summary of it kept in memory (a few ints).
+
+    ``count`` and ``nbytes`` include what is still buffered; ``dispatched`` counts the
+    dispatch log's entries. Files are opened when used and closed by ``close`` (a bucket that
+    is not loaded keeps none open).
+    """
+
+    __slots__ = (
+        "_dispatch_fd",
+        "_messages_fd",
+        "count",
+        "directory",
+        "dirty",
+        "dispatched",
+        "flushed_bytes",
+        "flushed_count",
+        "loaded",
+        "min_due_ms",
+        "nbytes",
+        "pending_index",
+        "pending_messages",
+        "start_ms",
+        "wal_end",
+    )
+
+    def __init__(self, schedule_dir: Path, start_ms: int) -> None:
+        self.start_ms = start_ms
+        self.directory = schedule_dir / bucket_dir_name(start_ms)
+        self.count = 0
+        self.nbytes = 0
+        self.flushed_count = 0
+        self.flushed_bytes = 0
+        self.dispatched = 0
+        self.min_due_ms = 0
+        self.wal_end = 0  # end offset of the last write-ahead log record replayed into it
+        self.loaded = False  # its undispatched messages are in the timer
+        self.dirty = False  # written since the last checkpoint
+        self.pending_messages = bytearray()
+        self.pending_index = bytearray()
+        self._messages_fd = -1
+        self._dispatch_fd = -1
+
+    @property
+    def pending(self) -> int:
+        """Messages not yet acknowledged by a broker."""
+        return self.count - self.dispatched
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self.pending_messages) + len(self.pending_index)
+
+    def create(self) -> None:
+        self.directory.mkdir(exist_ok=True)
+
+    def add(self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int) -> int:
+        """Buffer one record due at ``due_ms``; returns its entry number."""
+        entry = self.count
+        if entry >= ENTRIES_MAX:
+            raise OverflowError(f"time bucket {self.start_ms} holds {entry} messages, the most one can")
+        size = len(record)
+        self.pending_index += INDEX_ENTRY.pack(due_ms, self.nbytes, size)
+        self.pending_messages += record
+        if not entry or due_ms < self.min_due_ms:
+            self.min_due_ms = due_ms
+        self.count = entry + 1
+        self.nbytes += size
+        self.wal_end = wal_end
+        return entry
+
+    def flush(self) -> int:
+        """Write what is buffered (messages first, then their index entries); returns bytes written."""
+        if not self.pending_messages:
+            return 0
+        written = len(self.pending_messages) + len(self.pending_index)
+        _append_file(self.directory / MESSAGES, self.pending_messages)
+        _append_file(self.directory / INDEX, self.pending_index)
+        self.pending_messages = bytearray()
+        self.pending_index = bytearray()
+        self.flushed_count = self.count
+        self.flushed_bytes = self.nbytes
+        self.dirty = True
+        return written
+
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes of ``messages`` at ``offset`` (flushing the buffer first if they are in it)."""
+        if offset + size > self.flushed_bytes:
+            self.flush()
+        if self._messages_fd < 0:
+            self._messages_fd = os.open(self.directory / MESSAGES, os.O_RDONLY)
+        data = os.pread(self._messages_fd, size, offset)
+        if len(data) != size:
+            raise OSError(f"schedule log {self.directory / MESSAGES} ends before {offset + size}")
+        return data
+
+    def append_dispatch(self, entries: bytes) -> None:
+        if self._dispatch_fd < 0:
+            self._dispatch_fd = os.open(self.directory / DISPATCH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        written = os.write(self._dispatch_fd, entries)
+        if written != len(entries):
+            raise OSError(f"short write to {self.directory / DISPATCH}: {written} of {len(entries)} bytes")
+        self.dispatched += len(entries) // DISPATCH_ENTRY_BYTES
+        self.dirty = True
+
+    def load_index(self, entries: int) -> npt.NDArray[Any]:
+        """The first ``entries`` index entries (flushed first), as an array of INDEX_DTYPE."""
+        if entries > self.flushed_count:
+            self.flush()
+        if not entries:
+            return np.empty(0, dtype=INDEX_DTYPE)
+        index = np.fromfile(self.directory / INDEX, dtype=INDEX_DTYPE, count=entries)
+        if len(index) != entries:
+            raise OSError(f"index {self.directory / INDEX} holds {len(index)} entries, {entries} expected")
+        return index
+
+    def read_dispatched(self) -> npt.NDArray[np.uint32]:
+        """The entry numbers the dispatch log holds (whole entries only)."""
+        path = self.directory / DISPATCH
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return np.empty(0, dtype=DISPATCH_DTYPE)
+        return np.fromfile(path, dtype=DISPATCH_DTYPE, count=size // DISPATCH_ENTRY_BYTES)
+
+    def rewrite_dispatch(self, entries: npt.NDArray[np.uint32]) -> None:
+        """Replace the dispatch log (recovery: drop entries of messages that are no longer there)."""
+        self.close()
+        tmp = self.directory / (DISPATCH + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, entries.astype(DISPATCH_DTYPE).tobytes())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.directory / DISPATCH)
+        self.dispatched = len(entries)
+
+    def truncate(self, nbytes: int, entries: int) -> None:
+        """Cut ``messages`` and ``index`` back to a checkpointed size (recovery)."""
+        self.close()
+        for name, size in ((MESSAGES, nbytes), (INDEX, entries * INDEX_ENTRY_BYTES)):
+            path = self.directory / name
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_size > size:
+                    os.truncate(path, size)
+        self.count = self.flushed_count = entries
+        self.nbytes = self.flushed_bytes = nbytes
+
+    def file_paths(self) -> list[Path]:
+        return [self.directory / MESSAGES, self.directory / INDEX, self.directory / DISPATCH]
+
+    def close(self) -> None:
+        for name in ("_messages_fd", "_dispatch_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+    def remove(self) -> None:
+        """Delete the bucket's files and directory."""
+        self.close()
+        for path in [*self.file_paths(), self.directory / (DISPATCH + ".tmp")]:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.directory.rmdir()
+
+    def summary(self) -> list[int]:
+        """What a checkpoint keeps of the bucket: [start_ms, bytes, entries, min due, wal_end]."""
+        return [self.start_ms, self.flushed_bytes, self.flushed_count, self.min_due_ms, self.wal_end]
+
+
+def _append_file(path: Path, data: bytes | bytearray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:  # bounded: every write moves forward or raises
+            written = os.write(fd, view)
+            if written <= 0:
+                raise OSError(f"write to {path} made no progress")
+            view = view[written:]
+    finally:
+        os.close(fd)
+
+
+def fsync_paths(paths: list[Path]) -> None:
+    """fsync files by path (from a worker thread); files deleted meanwhile are skipped."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,111 @@
+"""Group commit of the write-ahead log: sends wait for one fdatasync that covers many of them.
+
+Under ``sync`` a send is answered once an fsync that began after its write has returned, and
+the timer gets its messages only then; under ``periodic`` a send is answered once written and
+a timer fsyncs every ``flush_interval_ms``. One fsync runs at a time, on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from qmq.delay.store import DelayStore
+from qmq.store.broker_store import FlushTicket
+
+log = logging.getLogger(__name__)
+
+# called with None once durable, or with the reason it never will be
+Reply = Callable[[str | None], None]
+
+
+class WalFlusher:
+    def __init__(
+        self,
+        store: DelayStore,
+        observe_seconds: Callable[[float], None],
+        on_failure: Callable[[BaseException], None],
+    ) -> None:
+        self.store = store
+        self.observe_seconds = observe_seconds
+        self.on_failure = on_failure
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-delay-fsync")
+        self._waiting: deque[tuple[int, Reply]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._periodic: asyncio.Task[None] | None = None
+        self.failed: BaseException | None = None
+        self.flushed_offset = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def after_write(self, end_offset: int, reply: Reply) -> None:
+        """Call ``reply`` once the write-ahead log is fsynced up to ``end_offset``."""
+        self._waiting.append((end_offset, reply))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting and self.failed is None:
+                await self.flush_once()
+        except OSError:
+            pass  # flush_once answered every waiting send and reported the failure
+        finally:
+            self._task = None
+
+    async def flush_once(self) -> None:
+        wal = self.store.wal
+        ticket = FlushTicket(wal.segments.sync_fds(), wal.end)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, ticket.run)
+        except OSError as exc:
+            # After a failed fsync the page cache state is unknown: stop taking writes.
+            self.failed = exc
+            log.critical("fsync of the write-ahead log failed: %s; the delay server stops accepting sends", exc)
+            while self._waiting:
+                self._waiting.popleft()[1](f"fsync of the write-ahead log failed: {exc}")
+            self.on_failure(exc)
+            raise
+        self.observe_seconds(time.perf_counter() - t0)
+        self.flushed_offset = max(self.flushed_offset, ticket.offset)
+        waiting = self._waiting
+        while waiting and waiting[0][0] <= ticket.offset:
+            waiting.popleft()[1](None)
+
+    def start_periodic(self, interval_ms: int) -> None:
+        self._periodic = asyncio.get_running_loop().create_task(self._every(interval_ms / 1000))
+
+    async def _every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # the periodic flush policy's period
+            try:
+                await self.flush_once()
+            except OSError:
+                return
+
+    async def drain(self, deadline_s: float) -> bool:
+        """Wait until every waiting send is answered (or the deadline passes); True if all were."""
+        end = time.monotonic() + deadline_s
+        while self._waiting and time.monotonic() < end and self.failed is None:
+            task = self._task
+            if task is None:
+                try:
+                    await self.flush_once()
+                except OSError:
+                    break
+            else:
+                await asyncio.wait([task], timeout=max(0.0, end - time.monotonic()))
+        return not self._waiting
+
+    async def stop(self) -> None:
+        if self._periodic is not None:
+            self._periodic.cancel()
+            await asyncio.gather(self._periodic, return_exceptions=True)
+        self.executor.shutdown(wait=True)

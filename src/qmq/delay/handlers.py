@@ -1,0 +1,176 @@
+"""What the delay server does for each request code: PING, SEND_MESSAGES (the broker's contract,
+answered once the write-ahead log is durable) and DELAY_STATS. Other commands are a broker's
+and are refused with UNKNOWN_COMMAND saying so."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from qmq.delay.store import DiskFullError, StoreError
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.frame import Frame
+from qmq.protocol.message import scan_batch
+
+if TYPE_CHECKING:
+    from qmq.delay.server import DelayServer
+
+log = logging.getLogger(__name__)
+
+_DISK_CHECK_S = 1.0
+STATS_BUCKETS_DEFAULT = 100
+# The answer is a frame header (at most frame_header_bytes_max, 64 KiB); a bucket row is < 100 bytes.
+STATS_BUCKETS_MAX = 500
+
+
+class BadRequest(Exception):
+    """The request is malformed; the text names what is wrong."""
+
+
+class Responder(Protocol):
+    def respond(
+        self,
+        code: int,
+        request_id: int,
+        header: dict[str, Any] | None,
+        chunks: Sequence[bytes] = (),
+        status: int = Status.OK,
+    ) -> None: ...
+
+
+class Handlers:
+    def __init__(self, server: DelayServer) -> None:
+        self.server = server
+        self.store = server.store
+        self.limits = server.limits
+        self.metrics = server.metrics
+        self._disk_checked = 0.0
+        self._disk_full = False
+        self.table = {
+            RequestCode.PING: self.ping,
+            RequestCode.SEND_MESSAGES: self.send,
+            RequestCode.DELAY_STATS: self.delay_stats,
+        }
+
+    def dispatch(self, conn: Responder, frame: Frame) -> None:
+        handler = self.table.get(frame.code)  # type: ignore[call-overload]
+        if handler is None:
+            conn.respond(
+                frame.code,
+                frame.request_id,
+                {
+                    "error": f"command code {frame.code} is not served by a delay server (group "
+                    f"{self.server.config.group}); it takes PING, SEND_MESSAGES and DELAY_STATS: "
+                    "pull from a broker"
+                },
+                status=Status.UNKNOWN_COMMAND,
+            )
+            return
+        self.metrics.requests.labels(RequestCode(frame.code).name).inc()
+        try:
+            handler(conn, frame)
+        except BadRequest as exc:
+            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.BAD_REQUEST)
+        except Exception as exc:  # a bug or a disk error must cost one request, not the server
+            if isinstance(exc, DiskFullError):
+                status = Status.DISK_FULL
+            elif isinstance(exc, StoreError):
+                log.error("store error on %s: %s", RequestCode(frame.code).name, exc)
+                status = Status.INTERNAL_ERROR
+            else:
+                log.exception("%s failed", RequestCode(frame.code).name)
+                status = Status.INTERNAL_ERROR
+            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=status)
+
+    def ping(self, conn: Responder, frame: Frame) -> None:
+        header = {"role": "delay", "group": self.server.config.group, "time_ms": self.server.clock.now_ms()}
+        conn.respond(frame.code, frame.request_id, header)
+
+    def _refusal(self) -> tuple[Status, str] | None:
+        server = self.server
+        if server.stopping:
+            return Status.SHUTTING_DOWN, "the delay server is shutting down; send to another delay group or retry"
+        failed = server.flusher.failed or server.disk_error
+        if failed is not None:
+            return Status.INTERNAL_ERROR, f"the delay server's disk failed ({failed}); it takes no sends"
+        now = time.monotonic()
+        if now - self._disk_checked >= _DISK_CHECK_S:
+            self._disk_checked = now
+            st = os.statvfs(self.store.dir)
+            self._disk_full = st.f_bavail * st.f_frsize < server.config.disk_free_bytes_min
+        if self._disk_full:
+            return Status.DISK_FULL, (
+                f"free space on the disk of {str(self.store.dir)!r} is below disk_free_bytes_min "
+                f"{server.config.disk_free_bytes_min}; free space or move the data directory"
+            )
+        if self.store.wal.end - server.flusher.flushed_offset > server.config.pending_flush_bytes_max:
+            return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
+        return None
+
+    def send(self, conn: Responder, frame: Frame) -> None:
+        refusal = self._refusal()
+        if refusal is not None:
+            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+            return
+        body = bytes(frame.body)
+        try:
+            scanned = scan_batch(body, self.limits)
+        except RemoteProtocolError as exc:
+            raise BadRequest(f"the send batch is malformed: {exc}") from None
+        if not scanned:
+            raise BadRequest("the send batch holds no message")
+        server = self.server
+        store = self.store
+        result = store.append(body, scanned)
+        metrics = self.metrics
+        if result.stored:
+            metrics.messages_in.inc(result.stored)
+            metrics.bytes_in.inc(result.stored_bytes)
+        for err in result.errors:
+            metrics.refused.labels(Status(err[1]).name).inc()
+        if store.created_bucket:
+            store.created_bucket = False
+            server.poke_dispatcher()  # a new bucket may need loading now
+        header = {"errors": result.errors, "duplicates": 0}
+        code, request_id = frame.code, frame.request_id
+        if not store.sync_policy:
+            conn.respond(code, request_id, header)
+            server.arrived(result.arrivals)
+            return
+        end = store.wal.end
+        if len(result.arrivals):
+            server.unflushed.append((end, result.arrivals))
+
+        def durable(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, header)
+            else:
+                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+            server.release_durable()
+
+        server.flusher.after_write(end, durable)
+
+    def delay_stats(self, conn: Responder, frame: Frame) -> None:
+        buckets_max = frame.header.get("buckets_max", STATS_BUCKETS_DEFAULT)
+        is_int = isinstance(buckets_max, int) and not isinstance(buckets_max, bool)
+        if not is_int or not 0 <= buckets_max <= STATS_BUCKETS_MAX:
+            raise BadRequest(f"'buckets_max' = {buckets_max!r} must be a whole number from 0 to {STATS_BUCKETS_MAX}")
+        server = self.server
+        header = server.scheduler.stats(buckets_max)
+        d = server.dispatcher
+        header.update(
+            {
+                "group": server.config.group,
+                "time_ms": server.clock.now_ms(),
+                "bucket_ms": self.store.bucket_ms,
+                "horizon_days": server.config.horizon_days,
+                "dispatched_last_minute": d.dispatched_last_minute() if d else 0,
+                "dispatched_total": d.dispatched_total if d else 0,
+                "handover_in_flight": d.in_flight if d else 0,
+            }
+        )
+        conn.respond(frame.code, frame.request_id, header)

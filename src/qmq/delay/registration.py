@@ -1,0 +1,81 @@
+"""Registration with the meta server: the delay server reports itself (role "delay") at start and
+on every heartbeat, so producers find it in ``delay_groups`` of ``GET /meta/address``.
+
+The same protocol as a broker's (``POST /meta/register``); servers never import one another,
+so the few lines live here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+
+from qmq.common.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_REQUEST_TIMEOUT_S = 5.0
+_RETRY_S_MIN = 0.05
+_RETRY_S_MAX = 2.0
+
+
+def register_url(meta_server: str) -> str:
+    """``http://host:port/meta/address`` (as printed by ``qmq ready``) → ``http://host:port/meta/register``."""
+    parts = urlsplit(meta_server)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(
+            f"meta_server {meta_server!r} is not an http URL; pass it as printed by `qmq ready`, "
+            "e.g. http://127.0.0.1:8080/meta/address"
+        )
+    return urlunsplit((parts.scheme, parts.netloc, "/meta/register", "", ""))
+
+
+def delay_payload(group: str, address: str, http: str) -> dict[str, Any]:
+    return {"role": "delay", "group": group, "address": address, "http": http, "pid": os.getpid()}
+
+
+class Registration:
+    def __init__(self, meta_server: str, payload: dict[str, Any], interval_ms: int) -> None:
+        self.url = register_url(meta_server)
+        self.payload = payload
+        self.interval_s = interval_ms / 1000
+        self.registered = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S))
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._session is not None
+        retry_s = _RETRY_S_MIN
+        while True:
+            try:
+                async with self._session.post(self.url, json=self.payload) as resp:
+                    body = await resp.json(content_type=None)
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {body}")
+                if not self.registered.is_set():
+                    log.info("registered with the meta server at %s as %s", self.url, self.payload)
+                self.registered.set()
+                retry_s = _RETRY_S_MIN
+                await asyncio.sleep(self.interval_s)  # the heartbeat period
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the meta server may be down or restarting: keep trying
+                log.warning("meta server %s did not take the heartbeat: %s; retrying", self.url, exc)
+                await asyncio.sleep(retry_s)  # bounded exponential back-off
+                retry_s = min(_RETRY_S_MAX, retry_s * 2)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()

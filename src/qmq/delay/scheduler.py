@@ -1,0 +1,263 @@
+"""What is loaded into the timer, what is due, and what a broker has acknowledged.
+
+Synchronous and clock-free (every call takes ``now_ms``), so its rules are tested with a
+manual clock: a bucket is loaded once its start is within ``preload_ms`` of now (past and
+current buckets are always loaded); loading reads its index and drops the entries its
+dispatch log holds. Due rows are read from the schedule logs with one ``pread`` per run of
+adjacent records, each record's CRC checked, and turned into what a broker takes: the
+producer's bytes with ``deliver_at_ms`` set to 0 (id, subject and attempt unchanged, so the
+broker's duplicate window drops a message handed over twice). Acknowledged entries go to
+the bucket's dispatch log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import crc32c
+import numpy as np
+
+from qmq.delay.bucket import Bucket
+from qmq.delay.store import DELIVER_AT_POS, DelayStore, StoreError
+from qmq.delay.timer import ROW, Rows, Timer, sort_rows
+from qmq.protocol.message import HEADER_BYTES
+from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+
+log = logging.getLogger(__name__)
+
+# Adjacent-enough records are read with one pread: gaps up to this are read and skipped...
+_READ_GAP_BYTES_MAX = 16 * 1024
+# ...and one read is at most this long (a single larger record is read alone).
+_READ_BYTES_MAX = 1024 * 1024
+_ZERO8 = bytes(8)
+_NAMES_CACHED_MAX = 10_000
+
+
+class Handover(NamedTuple):
+    """Due messages ready for a broker, in the order of ``rows``."""
+
+    rows: Rows
+    subjects: list[str]
+    encoded: list[bytes]
+    message_ids: list[str]
+    corrupt: Rows  # rows whose record failed its check: never handed over
+
+
+class Scheduler:
+    def __init__(self, store: DelayStore, preload_ms: int) -> None:
+        self.store = store
+        self.preload_ms = preload_ms
+        self.timer = Timer()
+        self._subject_names: dict[bytes, str] = {}
+
+    # -- loading -----------------------------------------------------------------------
+
+    def load_due(self, now_ms: int) -> int:
+        """Load every bucket starting at or before ``now_ms + preload_ms``; returns rows loaded."""
+        limit = now_ms + self.preload_ms
+        rows = 0
+        for b in self.store.iter_buckets():
+            if b.start_ms > limit:
+                break
+            if not b.loaded:
+                rows += self.load(b)
+        return rows
+
+    def next_load_ms(self) -> int | None:
+        """When the next bucket not yet loaded must be: its start minus the preload window."""
+        for b in self.store.iter_buckets():
+            if not b.loaded:
+                return b.start_ms - self.preload_ms
+        return None
+
+    def load(self, b: Bucket) -> int:
+        """Put a bucket's undispatched messages into the timer; later arrivals join it as they come."""
+        entries = b.count
+        try:
+            index = b.load_index(entries)
+            dispatched = b.read_dispatched()
+        except OSError as exc:
+            raise StoreError(f"cannot load time bucket {b.start_ms}: {exc}") from exc
+        keep = np.ones(entries, dtype=bool)
+        done = dispatched[dispatched < entries]
+        keep[done] = False
+        numbers = np.flatnonzero(keep)
+        rows = np.empty(len(numbers), dtype=ROW)
+        picked = index[numbers]
+        rows["due"] = picked["due"]
+        rows["bucket"] = b.start_ms
+        rows["offset"] = picked["offset"]
+        rows["entry"] = numbers
+        rows["size"] = picked["size"]
+        self.timer.add_sorted_main(sort_rows(rows))
+        b.loaded = True
+        # the dispatch log is the truth for a loaded bucket
+        b.dispatched = entries - len(numbers)
+        log.debug("loaded time bucket %d: %d of %d messages still due", b.start_ms, len(numbers), entries)
+        return len(numbers)
+
+    def unload(self, b: Bucket) -> None:
+        if b.loaded:
+            self.timer.drop_bucket(b.start_ms)
+            b.loaded = False
+            b.close()
+
+    # -- firing --------------------------------------------------------------------------
+
+    def next_due(self) -> int | None:
+        return self.timer.next_due()
+
+    def take(self, now_ms: int, rows_max: int, bytes_max: int) -> Rows:
+        """Due rows, earliest first: at most ``rows_max`` and (beyond the first) ``bytes_max`` bytes."""
+        rows = self.timer.take(now_ms, rows_max)
+        if len(rows) > 1:
+            sizes = np.cumsum(rows["size"], dtype=np.int64)
+            fit = max(1, int(np.searchsorted(sizes, bytes_max, side="right")))
+            if fit < len(rows):
+                self.timer.add(rows[fit:])
+                rows = rows[:fit]
+        return rows
+
+    def requeue(self, rows: Rows) -> None:
+        """Rows whose hand-over failed: due again (at once, since their time has come)."""
+        self.timer.add(rows)
+
+    def read(self, rows: Rows) -> Handover:
+        """Read the records of ``rows`` and make the messages a broker takes."""
+        n = len(rows)
+        encoded: list[bytes] = [b""] * n
+        subjects: list[str] = [""] * n
+        ids: list[str] = [""] * n
+        bad: list[int] = []
+        buckets = self.store.buckets
+        order = np.lexsort((rows["offset"], rows["bucket"]))
+        starts = rows["bucket"][order].tolist()
+        offsets = rows["offset"][order].tolist()
+        sizes = rows["size"][order].tolist()
+        positions = order.tolist()
+        i = 0
+        while i < n:
+            start, run_off = starts[i], offsets[i]
+            run_end = run_off + sizes[i]
+            j = i + 1
+            while (
+                j < n
+                and starts[j] == start
+                and offsets[j] - run_end <= _READ_GAP_BYTES_MAX
+                and offsets[j] + sizes[j] - run_off <= _READ_BYTES_MAX
+            ):
+                run_end = max(run_end, offsets[j] + sizes[j])
+                j += 1
+            b = buckets.get(start)
+            if b is None:
+                raise StoreError(f"time bucket {start} is gone while {j - i} of its messages are due")
+            try:
+                data = bytearray(b.read(run_off, run_end - run_off))
+            except OSError as exc:
+                raise StoreError(f"cannot read the schedule log of time bucket {start}: {exc}") from exc
+            view = memoryview(data)
+            for k in range(i, j):
+                p = offsets[k] - run_off
+                size = sizes[k]
+                at = positions[k]
+                problem = _record_problem(view, p, size)
+                if problem is not None:
+                    log.error("time bucket %d: record at offset %d %s; it is skipped", start, offsets[k], problem)
+                    bad.append(at)
+                    continue
+                m = p + RECORD_HEADER_BYTES
+                data[m + DELIVER_AT_POS : m + DELIVER_AT_POS + 8] = _ZERO8
+                slen = data[m + 2] | data[m + 3] << 8
+                ilen = data[m + 4]
+                s = m + HEADER_BYTES
+                raw_subject = bytes(view[s : s + slen])
+                subject = self._subject_names.get(raw_subject)
+                if subject is None:
+                    subject = raw_subject.decode("utf-8")
+                    if len(self._subject_names) >= _NAMES_CACHED_MAX:
+                        self._subject_names.clear()
+                    self._subject_names[raw_subject] = subject
+                subjects[at] = subject
+                ids[at] = bytes(view[s + slen : s + slen + ilen]).decode("utf-8", "replace")
+                encoded[at] = bytes(view[m : p + size])
+            i = j
+        if bad:
+            keep = np.ones(n, dtype=bool)
+            keep[bad] = False
+            idx = np.flatnonzero(keep).tolist()
+            return Handover(
+                rows[keep], [subjects[x] for x in idx], [encoded[x] for x in idx], [ids[x] for x in idx], rows[~keep]
+            )
+        return Handover(rows, subjects, encoded, ids, rows[:0])
+
+    # -- acknowledgements ----------------------------------------------------------------
+
+    def dispatched(self, start_ms: int, entries: bytes) -> int:
+        """Record entries of one bucket as handed over for good; returns how many."""
+        b = self.store.buckets.get(start_ms)
+        if b is None:
+            return 0
+        before = b.dispatched
+        try:
+            b.append_dispatch(entries)
+        except OSError as exc:
+            raise StoreError(f"cannot write the dispatch log of time bucket {start_ms}: {exc}") from exc
+        n = b.dispatched - before
+        self.store.pending_total -= n
+        return n
+
+    def remove_finished(self, now_ms: int) -> list[int]:
+        """Delete the buckets the store says are finished; returns their starts."""
+        gone = []
+        for b in self.store.finished_buckets(now_ms):
+            self.unload(b)
+            self.store.remove_bucket(b)
+            gone.append(b.start_ms)
+        return gone
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def stats(self, buckets_max: int) -> dict[str, Any]:
+        rows: list[dict[str, Any]] = []
+        next_due: int | None = self.timer.next_due()
+        total = 0
+        for b in self.store.iter_buckets():
+            if b.loaded:
+                held = self.timer.rows_of(b.start_ms)
+                bucket_next: int | None = int(held["due"].min()) if len(held) else None
+            else:
+                bucket_next = b.min_due_ms if b.pending else None
+                if bucket_next is not None and (next_due is None or bucket_next < next_due):
+                    next_due = bucket_next
+            total += 1
+            if len(rows) < buckets_max:
+                rows.append(
+                    {
+                        "start_ms": b.start_ms,
+                        "messages": b.count,
+                        "dispatched": b.dispatched,
+                        "pending": b.pending,
+                        "next_due_ms": bucket_next,
+                        "loaded": b.loaded,
+                    }
+                )
+        return {
+            "pending": self.store.pending_total,
+            "next_due_ms": next_due,
+            "buckets_total": total,
+            "buckets": rows,
+            "timer_rows": len(self.timer),
+            "timer_bytes": self.timer.nbytes,
+        }
+
+
+def _record_problem(view: memoryview, p: int, size: int) -> str | None:
+    if size < RECORD_HEADER_BYTES + HEADER_BYTES or p + size > len(view):
+        return f"of {size} bytes is shorter than a record or runs past the log"
+    magic, crc, length, _seq, _ms = RECORD_HEADER.unpack_from(view, p)
+    if magic != RECORD_MAGIC or length != size - RECORD_HEADER_BYTES:
+        return "has no record header"
+    if crc32c.crc32c(view[p + 8 : p + size]) != crc:
+        return "fails its CRC check"
+    return None

@@ -1,0 +1,364 @@
+"""The delay server's store: its write-ahead log, the schedule logs of its time buckets, its checkpoint.
+
+Directory layout under ``data_dir``::
+
+    LOCK                   held (flock) by the one delay server using this directory
+    checkpoint             qmq.store.checkpoint, holding {"version": 1, "wal_offset", "wal_messages",
+                           "bucket_ms", "buckets": [[start_ms, bytes, entries, min_due_ms, wal_end], ...]}
+    wal/<base>.log         the write-ahead log: records exactly like a broker's message log
+                           (qmq.store.message_log); a record's sequence counts the messages before it
+    schedule/<start_ms>/   the schedule log of one time bucket (bucket.py)
+
+A send frame's accepted messages are appended to the write-ahead log with one write (the
+server acknowledges them once that is durable), then replayed at once, in order, into the
+buffers of their buckets: a message belongs to the bucket of ``max(due, stored time)``, so a
+message already due joins the current bucket and no message ever joins a past one. Buffers
+are written to the schedule logs when they pass ``schedule_buffer_bytes_max`` and before
+every checkpoint. A checkpoint fsyncs the schedule logs written since the last one and then
+records the write-ahead log offset they cover, with each bucket's sizes; write-ahead log
+segments wholly before that offset are deleted. Recovery (recovery.py) cuts buckets back to
+the checkpoint and replays the write-ahead log from its offset.
+
+Everything here is synchronous and runs on the server's event loop, except what
+``CheckpointJob.run`` does on a worker thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from qmq.common.clock import SYSTEM_CLOCK, Clock
+from qmq.common.config import DelayConfig
+from qmq.common.errors import InvalidSubjectError, QmqError
+from qmq.common.limits import DEFAULT_LIMITS, Limits
+from qmq.common.naming import check_subject
+from qmq.delay.bucket import Bucket, bucket_start_of, fsync_paths
+from qmq.delay.timer import ROW, Rows
+from qmq.protocol.codes import Status
+from qmq.protocol.message import ScannedMessage
+from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
+from qmq.store.checkpoint import write_checkpoint
+from qmq.store.message_log import MessageLog
+
+log = logging.getLogger(__name__)
+
+DAY_MS = 86_400_000
+CHECKPOINT_VERSION = 1
+# Subjects checked once and remembered by their bytes; cleared when full so memory stays bounded.
+_SUBJECTS_CACHED_MAX = 10_000
+DELIVER_AT = struct.Struct("<q")
+DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.message)
+
+
+class StoreError(QmqError):
+    """The store cannot carry on (data directory in use, disk error)."""
+
+
+class DiskFullError(StoreError):
+    retriable = True
+
+
+class AppendResult(NamedTuple):
+    errors: list[list[Any]]  # [index, status, text]
+    stored: int
+    stored_bytes: int
+    arrivals: Rows  # rows for the timer: accepted messages of loaded buckets
+
+
+class CheckpointJob:
+    """A checkpoint captured on the loop; ``run`` fsyncs and writes it on a worker thread."""
+
+    __slots__ = ("directory", "paths", "state")
+
+    def __init__(self, directory: Path, paths: list[Path], state: dict[str, Any]) -> None:
+        self.directory = directory
+        self.paths = paths
+        self.state = state
+
+    @property
+    def wal_offset(self) -> int:
+        return int(self.state["wal_offset"])
+
+    def run(self) -> None:
+        fsync_paths(self.paths)
+        write_checkpoint(self.directory, self.state)
+
+
+class DelayStore:
+    def __init__(self, config: DelayConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.config = config
+        self.clock = clock
+        self.limits = limits
+        self.bucket_ms = config.bucket_length_ms
+        self.horizon_ms = config.horizon_days * DAY_MS
+        self.dir = Path(config.data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreError(
+                f"data directory {str(self.dir)!r} is in use by another delay server; "
+                "stop it or choose another --data-dir"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        self.sync_policy = config.flush == "sync"
+        self.wal = MessageLog(self.dir / "wal", config.wal_segment_bytes)
+        self.schedule_dir = self.dir / "schedule"
+        self.schedule_dir.mkdir(exist_ok=True)
+        self.buckets: dict[int, Bucket] = {}
+        self.starts: list[int] = []  # bucket starts, sorted
+        self.wal_messages = 0
+        self.checkpointed_offset = 0
+        self.buffered_bytes = 0
+        self.pending_total = 0  # messages not yet acknowledged by a broker, over every bucket
+        self._subjects: dict[bytes, bool] = {}
+        self._new_dirs = False
+        self.created_bucket = False  # set when a bucket is created; the server clears it
+
+    def open(self) -> dict[str, Any]:
+        """Recover whatever state the last stop left (recovery.py); returns a report."""
+        from qmq.delay.recovery import recover
+
+        return recover(self)
+
+    # -- buckets -----------------------------------------------------------------------
+
+    def bucket_start(self, due_ms: int, stored_ms: int) -> int:
+        t = due_ms if due_ms > stored_ms else stored_ms
+        return t - t % self.bucket_ms
+
+    def bucket(self, start_ms: int) -> Bucket:
+        """The bucket starting at ``start_ms``, created if new."""
+        b = self.buckets.get(start_ms)
+        if b is None:
+            b = Bucket(self.schedule_dir, start_ms)
+            b.create()
+            self.buckets[start_ms] = b
+            bisect.insort(self.starts, start_ms)
+            self._new_dirs = True
+            self.created_bucket = True
+        return b
+
+    def existing_bucket_starts(self) -> list[int]:
+        """Starts of the bucket directories on disk."""
+        out = []
+        for path in self.schedule_dir.iterdir():
+            start = bucket_start_of(path.name)
+            if start is None:
+                log.warning("ignoring %s in the schedule directory: not a time bucket", path)
+                continue
+            out.append(start)
+        return sorted(out)
+
+    def iter_buckets(self) -> Iterator[Bucket]:
+        """Buckets in time order."""
+        for start in list(self.starts):
+            b = self.buckets.get(start)
+            if b is not None:
+                yield b
+
+    def remove_bucket(self, b: Bucket) -> None:
+        b.remove()
+        self.buckets.pop(b.start_ms, None)
+        i = bisect.bisect_left(self.starts, b.start_ms)
+        if i < len(self.starts) and self.starts[i] == b.start_ms:
+            self.starts.pop(i)
+        self.buffered_bytes -= b.buffered_bytes
+        self.pending_total -= b.pending
+
+    # -- sends -------------------------------------------------------------------------
+
+    def _subject_problem(self, raw: bytes) -> str | None:
+        if raw in self._subjects:
+            return None
+        try:
+            check_subject(raw.decode("utf-8"), self.limits)
+        except UnicodeDecodeError:
+            return f"subject {raw[:60]!r} is not valid UTF-8"
+        except InvalidSubjectError as exc:
+            return str(exc)
+        if len(self._subjects) >= _SUBJECTS_CACHED_MAX:
+            self._subjects.clear()
+        self._subjects[raw] = True
+        return None
+
+    def append(self, body: bytes, scanned: list[ScannedMessage]) -> AppendResult:
+        """Append the acceptable messages of one send frame to the write-ahead log with one write,
+        replay them into their buckets, and refuse the rest by index."""
+        now = self.clock.now_ms()
+        limits = self.limits
+        horizon_end = now + self.horizon_ms
+        errors: list[list[Any]] = []
+        accepted: list[ScannedMessage] = []
+        total = 0
+        for i, sm in enumerate(scanned):
+            problem = self._subject_problem(sm.subject)
+            if problem is not None:
+                errors.append([i, Status.INVALID_SUBJECT, problem])
+                continue
+            if sm.length > limits.message_bytes_max:
+                errors.append(
+                    [
+                        i,
+                        Status.MESSAGE_TOO_LARGE,
+                        f"message of {sm.length} bytes exceeds message_bytes_max {limits.message_bytes_max}",
+                    ]
+                )
+                continue
+            if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
+                errors.append([i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"])
+                continue
+            if sm.tags and _tag_count(sm.tags) > limits.tags_max:
+                errors.append([i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"])
+                continue
+            if sm.deliver_at_ms > horizon_end:
+                errors.append([i, Status.INVALID_MESSAGE, self.beyond_horizon(sm.deliver_at_ms, now)])
+                continue
+            accepted.append(sm)
+            total += RECORD_HEADER_BYTES + sm.length
+        if not accepted:
+            return AppendResult(errors, 0, 0, np.empty(0, dtype=ROW))
+        base = self.wal.offset_for_append(total)
+        out = bytearray(total)
+        view = memoryview(body)
+        pos = 0
+        seq = self.wal_messages
+        for sm in accepted:
+            pos = pack_record_into(out, pos, view[sm.pos : sm.pos + sm.length], seq, now)
+            seq += 1
+        try:
+            self.wal.append(out)
+        except OSError as exc:
+            raise _store_error(exc, self.dir) from exc
+        self.wal_messages = seq
+        arrivals: list[tuple[int, int, int, int, int]] = []
+        out_view = memoryview(out)
+        pos = 0
+        for sm in accepted:
+            end = pos + RECORD_HEADER_BYTES + sm.length
+            row = self.replay(out_view[pos:end], sm.deliver_at_ms, now, base + end)
+            if row is not None:
+                arrivals.append(row)
+            pos = end
+        self.after_replay()
+        rows = np.array(arrivals, dtype=ROW) if arrivals else np.empty(0, dtype=ROW)
+        return AppendResult(errors, len(accepted), total, rows)
+
+    def replay(
+        self, record: memoryview, due_ms: int, stored_ms: int, wal_end: int
+    ) -> tuple[int, int, int, int, int] | None:
+        """Add one write-ahead log record to its bucket; the timer row if the bucket is loaded."""
+        b = self.bucket(self.bucket_start(due_ms, stored_ms))
+        offset = b.nbytes
+        entry = b.add(record, due_ms, wal_end)
+        self.buffered_bytes += len(record) + 20
+        self.pending_total += 1
+        if b.loaded:
+            return (due_ms, b.start_ms, offset, entry, len(record))
+        return None
+
+    def after_replay(self) -> None:
+        if self.buffered_bytes > self.config.schedule_buffer_bytes_max:
+            self.flush_buffers()
+
+    def flush_buffers(self) -> int:
+        """Write every bucket's buffer to its schedule log; returns bytes written."""
+        written = 0
+        if self.buffered_bytes:
+            for b in self.buckets.values():
+                if b.pending_messages:
+                    try:
+                        written += b.flush()
+                    except OSError as exc:
+                        raise _store_error(exc, self.dir) from exc
+        self.buffered_bytes = 0
+        return written
+
+    def beyond_horizon(self, deliver_at_ms: int, now_ms: int) -> str:
+        when = _iso(deliver_at_ms)
+        days = (deliver_at_ms - now_ms) / DAY_MS
+        return (
+            f"deliver_at {when} is {days:,.1f} days ahead; the horizon is {self.config.horizon_days} days "
+            "(horizon_days): send it later, or raise horizon_days on the delay server"
+        )
+
+    # -- checkpoints and deletion -------------------------------------------------------
+
+    def checkpoint_job(self) -> CheckpointJob:
+        """Write every buffer and capture the checkpoint; the job's ``run`` makes it durable."""
+        self.flush_buffers()
+        paths: list[Path] = []
+        for b in self.buckets.values():
+            if b.dirty:
+                paths.extend(b.file_paths())
+                b.dirty = False
+        if self._new_dirs:
+            paths.append(self.schedule_dir)
+            self._new_dirs = False
+        state = {
+            "version": CHECKPOINT_VERSION,
+            "time_ms": self.clock.now_ms(),
+            "wal_offset": self.wal.end,
+            "wal_messages": self.wal_messages,
+            "bucket_ms": self.bucket_ms,
+            "buckets": [b.summary() for b in self.iter_buckets()],
+        }
+        return CheckpointJob(self.dir, paths, state)
+
+    def after_checkpoint(self, job: CheckpointJob) -> int:
+        """The checkpoint is durable: delete write-ahead log segments it covers; returns how many."""
+        self.checkpointed_offset = max(self.checkpointed_offset, job.wal_offset)
+        return len(self.wal.segments.delete_before(self.checkpointed_offset))
+
+    def finished_buckets(self, now_ms: int) -> list[Bucket]:
+        """Buckets that can be deleted: past, every message acknowledged, and covered by a checkpoint
+        (so a replay after a crash can never bring one of their messages back)."""
+        out = []
+        for b in self.iter_buckets():
+            if b.start_ms + self.bucket_ms > now_ms:
+                break
+            if b.dispatched >= b.count and not b.pending_messages and b.wal_end <= self.checkpointed_offset:
+                out.append(b)
+        return out
+
+    def close(self) -> None:
+        for b in self.buckets.values():
+            b.close()
+        self.wal.close()
+        os.close(self._lock_fd)
+
+
+def _tag_count(tags_block: bytes) -> int:
+    n = 0
+    pos = 0
+    while pos < len(tags_block):  # bounded: moves forward at least one byte per tag
+        pos += 1 + tags_block[pos]
+        n += 1
+    return n
+
+
+def _iso(epoch_ms: int) -> str:
+    try:
+        return datetime.fromtimestamp(epoch_ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    except (OverflowError, ValueError, OSError):
+        return f"{epoch_ms} ms after the epoch"
+
+
+def _store_error(exc: OSError, directory: Path) -> StoreError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"the disk of {str(directory)!r} is full; free space or move the data directory")
+    return StoreError(f"writing to {str(directory)!r} failed: {exc}")

@@ -1,0 +1,174 @@
+"""The delay store: buckets by due time, refusals by index, the files' bytes, checkpoints,
+deletion of replayed write-ahead log segments, and recovery after a crash."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from delayhelpers import T0_MS, append, encoded, manual_clock, open_store
+
+from qmq.delay.bucket import DISPATCH, INDEX, INDEX_ENTRY, MESSAGES
+from qmq.delay.store import DAY_MS
+from qmq.protocol.codes import Status
+from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+
+MINUTE = 60_000
+
+
+def test_a_message_goes_to_the_bucket_of_its_due_time(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    result = append(store, [("s", "a", T0_MS + 30_000), ("s", "b", T0_MS + 90_000), ("s", "c", T0_MS + 10 * MINUTE)])
+    assert result.errors == []
+    assert result.stored == 3
+    assert store.starts == [T0_MS, T0_MS + MINUTE, T0_MS + 10 * MINUTE]
+    assert [store.buckets[s].count for s in store.starts] == [1, 1, 1]
+    assert store.pending_total == 3
+    store.close()
+
+
+def test_a_message_already_due_joins_the_current_bucket_never_a_past_one(tmp_path: Path) -> None:
+    clock = manual_clock()
+    clock.advance(5 * 60)  # T0 + 5 min
+    store = open_store(tmp_path, clock)
+    append(store, [("s", "old", T0_MS - DAY_MS), ("s", "now", 0)])
+    assert store.starts == [T0_MS + 5 * MINUTE]
+    b = store.buckets[T0_MS + 5 * MINUTE]
+    assert b.count == 2
+    # the due times are kept as sent: both are due at once
+    assert b.load_index(2)["due"].tolist() == [T0_MS - DAY_MS, 0]
+    store.close()
+
+
+def test_refusals_name_the_message_by_index_and_say_what_to_do(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock, horizon_days=730)
+    beyond = T0_MS + 731 * DAY_MS
+    frame = encoded("ok", "a", T0_MS + 1000) + encoded("bad subject", "b", T0_MS) + encoded("ok", "c", beyond)
+    from qmq.protocol.message import scan_batch
+
+    result = store.append(frame, scan_batch(frame))
+    assert result.stored == 1
+    by_index = {e[0]: e for e in result.errors}
+    assert by_index[1][1] == Status.INVALID_SUBJECT
+    assert by_index[2][1] == Status.INVALID_MESSAGE
+    text = by_index[2][2]
+    assert "is 731.0 days ahead" in text
+    assert "the horizon is 730 days (horizon_days)" in text
+    assert "2025-11-14" in text  # the due time, readable
+    store.close()
+
+
+def test_files_hold_records_index_entries_and_dispatch_entries_byte_by_byte(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    append(store, [("s", "a", T0_MS + 2000), ("s", "b", T0_MS + 1000)], body=b"hello")
+    store.flush_buffers()
+    b = store.buckets[T0_MS]
+    messages = (b.directory / MESSAGES).read_bytes()
+    index = (b.directory / INDEX).read_bytes()
+    assert len(index) == 2 * 20
+    due0, off0, size0 = INDEX_ENTRY.unpack_from(index, 0)
+    due1, off1, size1 = INDEX_ENTRY.unpack_from(index, 20)
+    assert (due0, off0) == (T0_MS + 2000, 0)
+    assert (due1, off1) == (T0_MS + 1000, size0)
+    assert off1 + size1 == len(messages)
+    magic, _crc, length, seq, stored_ms = RECORD_HEADER.unpack_from(messages, off1)
+    assert magic == RECORD_MAGIC
+    assert seq == 1  # the write-ahead log's message count
+    assert stored_ms == T0_MS
+    assert messages[off1 + RECORD_HEADER_BYTES : off1 + size1] == encoded("s", "b", T0_MS + 1000, b"hello")
+    b.append_dispatch(struct.pack("<I", 1))
+    assert (b.directory / DISPATCH).read_bytes() == b"\x01\x00\x00\x00"
+    assert b.dispatched == 1
+    store.close()
+
+
+def test_checkpoint_deletes_replayed_wal_segments(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock, wal_segment_bytes=64 * 1024)
+    for i in range(40):
+        append(store, [("s", f"m{i}-{k}", T0_MS + 3 * MINUTE) for k in range(10)], body=b"x" * 300)
+    segments_before = len(store.wal.segments.segments)
+    assert segments_before > 2
+    job = store.checkpoint_job()
+    job.run()
+    deleted = store.after_checkpoint(job)
+    assert deleted == segments_before - 1  # all but the active one
+    assert len(list((tmp_path / "wal").glob("*.log"))) == 1
+    store.close()
+
+
+def test_recovery_replays_the_wal_after_the_checkpoint_with_the_same_entry_numbers(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    append(store, [("s", "a", T0_MS + 1000), ("s", "b", T0_MS + 2000)])
+    job = store.checkpoint_job()
+    job.run()
+    store.after_checkpoint(job)
+    append(store, [("s", "c", T0_MS + 3000), ("s", "d", T0_MS + 4000)])
+    store.flush_buffers()
+    b = store.buckets[T0_MS]
+    b.append_dispatch(struct.pack("<II", 0, 3))  # a and d were handed over
+    store.close()  # a crash: no checkpoint after c and d
+
+    store = open_store(tmp_path, clock)
+    b = store.buckets[T0_MS]
+    assert b.count == 4
+    assert b.dispatched == 2
+    assert store.pending_total == 2
+    index = b.load_index(4)
+    assert index["due"].tolist() == [T0_MS + 1000, T0_MS + 2000, T0_MS + 3000, T0_MS + 4000]
+    store.close()
+
+
+def test_recovery_cuts_schedule_logs_written_after_the_checkpoint_and_rebuilds_them(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    append(store, [("s", "a", T0_MS + 1000)])
+    job = store.checkpoint_job()
+    job.run()
+    store.after_checkpoint(job)
+    append(store, [("s", "b", T0_MS + 2000)])
+    store.flush_buffers()
+    bucket_dir = store.buckets[T0_MS].directory
+    store.close()
+    # garbage after what the log holds: recovery must cut it, not trust it
+    with open(bucket_dir / INDEX, "ab") as fh:
+        fh.write(INDEX_ENTRY.pack(T0_MS, 999_999, 50))
+    store = open_store(tmp_path, clock)
+    b = store.buckets[T0_MS]
+    assert b.count == 2
+    assert (bucket_dir / INDEX).stat().st_size == 40
+    store.close()
+
+
+def test_a_torn_wal_tail_is_cut_and_its_dispatch_entries_dropped(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    append(store, [("s", "a", T0_MS + 1000)])
+    append(store, [("s", "b", T0_MS + 2000)])
+    store.flush_buffers()
+    store.buckets[T0_MS].append_dispatch(struct.pack("<I", 1))
+    wal_file = sorted((tmp_path / "wal").glob("*.log"))[-1]
+    store.close()
+    size = wal_file.stat().st_size
+    os.truncate(wal_file, size - 5)  # the second record is torn
+    store = open_store(tmp_path, clock)
+    b = store.buckets[T0_MS]
+    assert b.count == 1
+    assert b.dispatched == 0  # entry 1 no longer exists
+    store.close()
+
+
+def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -> None:
+    from qmq.delay.store import StoreError
+
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    with pytest.raises(StoreError, match="in use by another delay server"):
+        open_store(tmp_path, clock)
+    store.close()
