@@ -77,6 +77,7 @@ def test_files_hold_records_index_entries_and_dispatch_entries_byte_by_byte(tmp_
     assert (due1, off1) == (T0_MS + 1000, size0)
     assert off1 + size1 == len(messages)
     magic, _crc, length, seq, stored_ms = RECORD_HEADER.unpack_from(messages, off1)
+    assert length == size1 - RECORD_HEADER_BYTES
     assert magic == RECORD_MAGIC
     assert seq == 1  # the write-ahead log's message count
     assert stored_ms == T0_MS

@@ -90,7 +90,8 @@ def delay_stats(meta_server: str, buckets: int, as_json: bool) -> None:
         ) + f"bucket length {h['bucket_ms'] // 60_000 or h['bucket_ms']} {'min' if h['bucket_ms'] >= 60_000 else 'ms'}"
         console.print(
             f"[bold]delay group {name}[/bold]: {h['pending']:,} pending, next due {_time(h['next_due_ms'])}, "
-            f"{h['dispatched_last_minute']:,} dispatched in the last minute, {h['handover_in_flight']:,} in flight"
+            f"{h['dispatched_last_minute']:,} dispatched in the last minute, {h['handover_in_flight']:,} in flight",
+            soft_wrap=True,
         )
         console.print(table)
     for name, text in sorted(failed.items()):

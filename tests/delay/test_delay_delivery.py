@@ -1,0 +1,150 @@
+"""Delay messages through `qmq standalone` and the SDK: due, never early, soon after; a past time
+now; beyond the horizon refused; buckets roll over and finished ones are deleted."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from delaywire import collect, delay_group, now_ms, request, wait_until
+
+from qmq import SendError
+from qmq.aio import Consumer, Producer
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.message import encode_message
+from qmq.testing import ReadyProcess, running_standalone
+
+pytestmark = pytest.mark.integration
+
+# Small buckets so that a few seconds of delays span several of them (bucket_ms is for tests).
+BUCKET_MS = 1_000
+# How late a message may arrive on a 2-core machine shared with other test runs.
+LATE_MS_MAX = 1_500
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadyProcess]:
+    data_dir = tmp_path_factory.mktemp("delay") / "qmq-data"
+    config = {"delay": {"bucket_ms": BUCKET_MS, "preload_ms": 300, "checkpoint_interval_ms": 200}}
+    with running_standalone(data_dir, config) as proc:
+        yield proc
+
+
+@pytest.fixture
+def subject() -> str:
+    return f"delay.{uuid.uuid4().hex[:12]}"
+
+
+async def test_delayed_messages_arrive_when_due_never_before(standalone: ReadyProcess, subject: str) -> None:
+    url = standalone.meta_server
+    due: dict[str, int] = {}
+    async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
+        pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+        start = time.time()
+        futures = []
+        for i in range(60):  # due over 1.0..3.95 s: across three or four 1-second buckets
+            m = producer.generate_message(subject)
+            m.body = f"{i}".encode()
+            if i % 2:
+                m.set_delay(1.0 + i * 0.05)
+            else:
+                m.set_deliver_at(start + 1.0 + i * 0.05)
+            due[m.message_id] = m.deliver_at_ms
+            futures.append(producer.send_nowait(m))
+        for f in futures:
+            await f
+        got = await collect(pull, len(due), timeout_s=15)
+    assert set(got) == set(due)
+    lateness = {mid: got[mid] - due[mid] for mid in due}
+    assert min(lateness.values()) >= 0, f"delivered early: {sorted(lateness.values())[:3]} ms"
+    assert max(lateness.values()) <= LATE_MS_MAX
+
+
+async def test_a_time_in_the_past_is_delivered_now(standalone: ReadyProcess, subject: str) -> None:
+    url = standalone.meta_server
+    async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
+        pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+        m = producer.generate_message(subject)
+        m.set_deliver_at(datetime.now(UTC) - timedelta(hours=1))
+        sent_at = now_ms()
+        await producer.send(m)
+        got = await collect(pull, 1, timeout_s=5)
+    assert got[m.message_id] - sent_at < LATE_MS_MAX
+
+
+async def test_a_past_time_sent_straight_to_the_delay_server_is_handed_over_at_once(
+    standalone: ReadyProcess, subject: str
+) -> None:
+    url = standalone.meta_server
+    raw = encode_message(subject.encode(), b"raw-past-1", b"", 0, b"", b"x", int(now_ms()), int(now_ms()) - 3_600_000)
+    async with Consumer(app_code="t", meta_server=url) as consumer:
+        pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+        frame = await request(delay_group(url)["address"], RequestCode.SEND_MESSAGES, {}, [raw])
+        assert frame.header == {"errors": [], "duplicates": 0}
+        sent_at = now_ms()
+        got = await collect(pull, 1, timeout_s=5)
+    assert got["raw-past-1"] - sent_at < LATE_MS_MAX
+
+
+async def test_beyond_the_horizon_the_send_fails_with_a_clear_error(standalone: ReadyProcess, subject: str) -> None:
+    async with Producer(app_code="t", meta_server=standalone.meta_server) as producer:
+        m = producer.generate_message(subject)
+        m.set_delay(timedelta(days=731))
+        with pytest.raises(SendError) as info:
+            await producer.send(m)
+    text = str(info.value)
+    assert "days ahead; the horizon is 730 days (horizon_days)" in text
+    assert "delay group delay-1 refused it" in text
+    assert not info.value.retriable
+
+
+async def test_finished_buckets_are_deleted(standalone: ReadyProcess, subject: str, tmp_path: Path) -> None:
+    url = standalone.meta_server
+    async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
+        pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+        for i in range(5):
+            m = producer.generate_message(subject)
+            m.set_delay(0.5 + i * 0.3)
+            await producer.send(m)
+        assert len(await collect(pull, 5, timeout_s=10)) == 5
+    address = delay_group(url)["address"]
+
+    async def nothing_pending() -> bool:
+        stats = (await request(address, RequestCode.DELAY_STATS, {})).header
+        return stats["pending"] == 0 and stats["buckets_total"] <= 1  # at most the current bucket remains
+
+    await wait_until("deletion of finished buckets", nothing_pending, timeout_s=10)
+
+
+async def test_delay_stats_answers_per_bucket(standalone: ReadyProcess, subject: str) -> None:
+    url = standalone.meta_server
+    async with Producer(app_code="t", meta_server=url) as producer:
+        m = producer.generate_message(subject)
+        m.set_delay(timedelta(minutes=10))
+        await producer.send(m)
+    stats = (await request(delay_group(url)["address"], RequestCode.DELAY_STATS, {"buckets_max": 500})).header
+    assert stats["group"] == "delay-1"
+    assert stats["pending"] >= 1
+    later = [b for b in stats["buckets"] if b["start_ms"] <= m.deliver_at_ms < b["start_ms"] + BUCKET_MS]
+    assert later
+    assert later[0]["pending"] == 1
+    assert later[0]["next_due_ms"] == m.deliver_at_ms
+    assert later[0]["loaded"] is False
+
+
+async def test_a_delay_server_refuses_what_only_a_broker_serves(standalone: ReadyProcess) -> None:
+    address = delay_group(standalone.meta_server)["address"]
+    ping = await request(address, RequestCode.PING, {})
+    assert ping.header["role"] == "delay"
+    from qmq.common.errors import BrokerError
+
+    with pytest.raises(BrokerError) as info:
+        await request(address, RequestCode.PULL, {"subject": "s"})
+    assert info.value.status == Status.UNKNOWN_COMMAND
+    assert "pull from a broker" in str(info.value)
+    with pytest.raises(BrokerError, match="buckets_max"):
+        await request(address, RequestCode.DELAY_STATS, {"buckets_max": -1})
