@@ -138,13 +138,17 @@ def test_a_concurrent_delivery_waits_then_skips_or_takes_over(server_db: Databas
         b.start()
         waiting = _lock_waits(server_db, app_name)
         deadline = time.monotonic() + 20
-        with observer.connect() as conn:
-            while waiting(conn) < 1:
-                assert time.monotonic() < deadline, "the second delivery never waited for the first's lock"
-                time.sleep(0.02)  # polling a condition, bounded by the deadline
-        release.set()
-        a.join(20)
-        b.join(20)
+        try:
+            with observer.connect() as conn:
+                while waiting(conn) < 1:
+                    assert time.monotonic() < deadline, "the second delivery never waited for the first's lock"
+                    # InnoDB refreshes information_schema.innodb_trx only when nobody read it for
+                    # 100 ms: polling faster would keep reading the snapshot taken before the wait.
+                    time.sleep(0.15)  # polling a condition, bounded by the deadline
+        finally:
+            release.set()
+            a.join(20)
+            b.join(20)
         if first_commits:
             assert outcomes == {"first": Outcome.PROCESSED, "second": Outcome.DUPLICATE}
         else:
