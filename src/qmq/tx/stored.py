@@ -11,8 +11,9 @@ from __future__ import annotations
 from qmq.client.message import Message
 from qmq.protocol.message import HEADER, HEADER_BYTES, with_times
 
-# Index of created_ms in qmq.protocol.message.HEADER.
+# Indexes of created_ms and deliver_at_ms in qmq.protocol.message.HEADER.
 _CREATED = 6
+_DELIVER_AT = 7
 
 
 class StoredMessage(Message):
@@ -23,7 +24,11 @@ class StoredMessage(Message):
     def __init__(self, subject: str, message_id: str, encoded: bytes) -> None:
         super().__init__(subject, message_id=message_id)
         if len(encoded) >= HEADER_BYTES:
-            self._created_ms = int(HEADER.unpack_from(encoded, 0)[_CREATED])
+            # What a producer reads of the object rather than of the bytes must agree with them
+            # (a message due later goes to a delay server).
+            header = HEADER.unpack_from(encoded, 0)
+            self._created_ms = int(header[_CREATED])
+            self._deliver_at_ms = int(header[_DELIVER_AT])
         self._encoded = encoded
 
     def encode(self, times: int = 0) -> bytes:
