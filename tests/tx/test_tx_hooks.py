@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -18,6 +19,14 @@ from qmq.tx import hooks
 
 class Rollback(Exception):
     """Raised inside a transaction block to roll it back."""
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> Iterator[sa.Engine]:
+    """For what does not depend on the database: the hooks' own bookkeeping."""
+    engine = sa.create_engine(f"sqlite:///{tmp_path}/app.db")
+    yield engine
+    engine.dispose()
 
 
 def _adder(log: list[str], item: str) -> Callable[[], None]:
@@ -86,7 +95,8 @@ def test_session_commit_and_rollback(engine: sa.Engine) -> None:
     assert ran == ["session"]
 
 
-def test_a_failing_callback_never_fails_the_commit(engine: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_callback_never_fails_the_commit(sqlite: sa.Engine, caplog: pytest.LogCaptureFixture) -> None:
+    engine = sqlite
     hooks.install(engine)
     ran: list[str] = []
 
@@ -124,7 +134,8 @@ def test_failed_commit_runs_nothing(pg: Database) -> None:
         engine.dispose()
 
 
-def test_engine_copies_share_the_hooks(engine: sa.Engine) -> None:
+def test_engine_copies_share_the_hooks(sqlite: sa.Engine) -> None:
+    engine = sqlite
     hooks.install(engine)
     ran: list[str] = []
     with engine.execution_options(logging_token="copy").begin() as conn:
@@ -132,8 +143,8 @@ def test_engine_copies_share_the_hooks(engine: sa.Engine) -> None:
     assert ran == ["copy"]
 
 
-def test_refusals_name_the_problem(db: Database) -> None:
-    other = db.engine()
+def test_refusals_name_the_problem(tmp_path: Path) -> None:
+    other = sa.create_engine(f"sqlite:///{tmp_path}/other.db")
     try:
         with other.connect() as conn, pytest.raises(ConfigError, match="no after-commit hooks"):
             hooks.call_after_commit(conn, lambda: None)

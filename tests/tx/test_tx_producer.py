@@ -123,6 +123,7 @@ def test_refusals_name_the_problem(pg: Database, producer: Producer, subject: st
         other.dispose()
 
 
+@pytest.mark.slow
 def test_broker_down_at_commit(pg: Database, tmp_path: Path, subject: str) -> None:
     """The commit neither waits nor fails; the row stays; once a broker is back the watchdog sends it."""
     engine = pg.engine()
