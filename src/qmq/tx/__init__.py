@@ -5,8 +5,8 @@ outbox table in the application's own transaction; after the commit it is sent a
 its row deleted; a ``Watchdog`` (``qmq watchdog``) resends rows left behind by a crash or
 an unreachable broker. The asyncio variant is ``qmq.aio.tx``. See docs/transactions.md.
 
-Imports ``qmq.client`` and ``qmq.common``; nothing of qmq imports it but the CLI and
-``qmq.aio.tx``.
+Imports ``qmq.client``, ``qmq.protocol`` and ``qmq.common``; of qmq, only the CLI,
+``qmq.aio.tx`` and ``qmq.idempotency`` (for portable SQL) import it.
 """
 
 from qmq.tx.producer import TransactionalProducer
