@@ -50,6 +50,6 @@ def cli(log_level: str) -> None:
 
 def main() -> None:
     # they register their commands
-    from qmq.cli import client_commands, delay_commands, group_commands, roles  # noqa: F401
+    from qmq.cli import client_commands, delay_commands, group_commands, roles, tx_commands  # noqa: F401
 
     cli(prog_name="qmq")

@@ -341,7 +341,7 @@ class Consumer:
         self,
         subject: str,
         group: str,
-        handler: Callable[[ReceivedMessage], Awaitable[object]],
+        handler: Callable[..., Awaitable[object]],
         *,
         start_from: StartFrom = "latest",
         concurrency: int = 32,

@@ -23,7 +23,7 @@ from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.options import StartFrom
 from qmq.client.puller import SubjectPuller
 from qmq.client.received import M
-from qmq.common.errors import QmqError
+from qmq.common.errors import AlreadyProcessedError, QmqError
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,8 @@ class Listener(Generic[M]):
                     m._ack_now()
                     continue
                 await handler(m)
+            except AlreadyProcessedError:
+                m._ack_now()  # its work was done by an earlier delivery
             except Exception as exc:
                 error = exc
                 self.failed += 1

@@ -92,3 +92,8 @@ class NeedRetry(QmqError):
             raise ConfigError(f"NeedRetry(after={after!r}): use a timedelta or a number of seconds >= 0")
         self.reason = reason
         super().__init__(reason or f"retry requested after {self.after_ms} ms")
+
+
+class AlreadyProcessedError(QmqError):
+    """Raised by a handler (or an idempotent checker inside it) for a message whose work is
+    done already: the listener acknowledges it instead of retrying."""

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from qmq.client.options import check_identifier, check_int
-from qmq.common.errors import ConfigError, QmqError
+from qmq.common.errors import AlreadyProcessedError, ConfigError, QmqError
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class MessageInProgressError(QmqError):
         )
 
 
-class DuplicateMessageError(QmqError):
+class DuplicateMessageError(AlreadyProcessedError):
     """``checker.transaction(message)`` found the message processed already: do nothing, acknowledge it."""
 
     def __init__(self, message_id: str, key: str) -> None:
