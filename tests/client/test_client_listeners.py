@@ -90,7 +90,7 @@ async def test_a_handler_that_raises_once_gets_the_message_again_with_times_2(me
         await producer.send(msg)
     async with Consumer(app_code="billing", meta_server=meta_server) as consumer:
 
-        @consumer.listener(subject, _group(), start_from="earliest", concurrency=1)
+        @consumer.listener(subject, _group(), start_from="earliest", concurrency=1, retry_backoff=[0])
         async def on_message(m: ReceivedMessage) -> None:
             attempts.append((m.message_id, m.times, m.subject))
             if m.times == 1:
@@ -107,7 +107,7 @@ async def test_a_nacked_pulled_message_comes_back_to_the_pull_consumer(meta_serv
         msg = producer.generate_message(subject)
         await producer.send(msg)
     async with Consumer(app_code="billing", meta_server=meta_server, retry_pull_interval_ms=50) as consumer:
-        pull = consumer.pull_consumer(subject, _group(), start_from="earliest")
+        pull = consumer.pull_consumer(subject, _group(), start_from="earliest", retry_backoff=[0])
         [first] = await pull_until(pull, 1, ack=False)
         await first.nack(ValueError("not now"))
         [again] = await pull_until(pull, 1, timeout_s=5)

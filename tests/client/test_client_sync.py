@@ -128,7 +128,7 @@ def test_a_blocking_nack_brings_the_message_back_with_times_2(meta_server: str, 
         qmq.Producer(app_code="shop", meta_server=meta_server) as producer,
         qmq.Consumer(app_code="billing", meta_server=meta_server, retry_pull_interval_ms=20) as consumer,
     ):
-        pull = consumer.pull_consumer(subject, _group(), start_from="earliest")
+        pull = consumer.pull_consumer(subject, _group(), start_from="earliest", retry_backoff=[0])
         msg = producer.generate_message(subject)
         producer.send(msg)
         [first] = pull.pull(max_messages=10, timeout_ms=5000)

@@ -214,6 +214,8 @@ class Consumer:
         tags: Sequence[str] | None = None,
         tag_type: str = "or",
         broadcast: bool = False,
+        max_retries: int | None = None,
+        retry_backoff: Sequence[float] | None = None,
     ) -> PullConsumer:
         """A pull consumer of ``subject`` in consumer ``group`` (the same one for the same pair).
 
@@ -222,7 +224,9 @@ class Consumer:
         carrying any (``tag_type="or"``) or all (``"and"``) of them are pulled; the broker
         filters. With ``broadcast`` every consumer gets every message, from the latest.
         """
-        sub = make_subscription(tags, tag_type, broadcast, self.options.max_retries)
+        sub = make_subscription(
+            tags, tag_type, broadcast, self.options.max_retries if max_retries is None else max_retries, retry_backoff
+        )
         pc = self._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumer, sub)
         assert isinstance(pc, PullConsumer)
         return pc

@@ -321,9 +321,17 @@ class Consumer:
         tags: Sequence[str] | None = None,
         tag_type: str = "or",
         broadcast: bool = False,
+        max_retries: int | None = None,
+        retry_backoff: Sequence[float] | None = None,
     ) -> PullConsumer:
         """A pull consumer of ``subject`` in consumer ``group`` (see ``qmq.aio.Consumer.pull_consumer``)."""
-        sub = make_subscription(tags, tag_type, broadcast, self._async.options.max_retries)
+        sub = make_subscription(
+            tags,
+            tag_type,
+            broadcast,
+            self._async.options.max_retries if max_retries is None else max_retries,
+            retry_backoff,
+        )
         inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumerBase, sub)
         return PullConsumer(inner, self._io, self._async.options.request_timeout_ms)
 
