@@ -49,10 +49,10 @@ def test_send_with_delay_and_at(shared_standalone: ReadyProcess, subject: str) -
     at_sent = qmq("send", subject, "--at", at, "--body", "at", meta_server=url)
     assert at_sent.returncode == 0, at_sent.stderr
     docs = consume_json(subject, 2, url)
-    assert sorted(d["body"] for d in docs) == ["at", "later"]
+    assert sorted(d["body"] for d in docs) == ["at", "later"], docs
     for d in docs:
         stored = datetime.fromisoformat(str(d["stored_at"])).timestamp()
-        assert stored >= before + 1.0  # stored by the broker only once due
+        assert stored >= before + 1.0, (d, before)  # stored by the broker only once due
 
 
 def test_send_refuses_bad_delay_and_at(shared_standalone: ReadyProcess, subject: str) -> None:

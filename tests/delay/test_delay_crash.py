@@ -47,9 +47,10 @@ async def test_kill_9_while_messages_come_due_loses_none_and_repeats_none(tmp_pa
         url = standalone.meta_server
         old_address = standalone.ready["delay"]
         due: dict[str, int] = {}
-        async with Producer(app_code="t", meta_server=url) as producer, Consumer(
-            app_code="t", meta_server=url
-        ) as consumer:
+        async with (
+            Producer(app_code="t", meta_server=url) as producer,
+            Consumer(app_code="t", meta_server=url) as consumer,
+        ):
             pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
             start = time.time()
             futures = []

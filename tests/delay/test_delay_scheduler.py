@@ -8,6 +8,7 @@ from array import array
 from pathlib import Path
 
 import numpy as np
+import pytest
 from delayhelpers import T0_MS, append, ids_of, manual_clock, open_store
 
 from qmq.common.clock import ManualClock
@@ -165,4 +166,24 @@ def test_a_past_bucket_left_undispatched_is_loaded_at_start(tmp_path: Path) -> N
     store = open_store(tmp_path, clock)
     sched = Scheduler(store, PRELOAD)
     assert fire(sched, clock) == ["old"]
+    store.close()
+
+
+def test_a_damaged_record_is_never_handed_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    sched = Scheduler(store, PRELOAD)
+    append(store, [("s", "good", T0_MS + 10), ("s", "bad", T0_MS + 20)], body=b"payload")
+    store.flush_buffers()
+    b = store.buckets[T0_MS]
+    path = b.directory / "messages"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # flip a bit of the second record's body
+    path.write_bytes(raw)
+    clock.advance(1)
+    sched.load_due(clock.now_ms())
+    handover = sched.read(sched.take(clock.now_ms(), 10, 1 << 20))
+    assert ids_of(handover.encoded) == ["good"]
+    assert handover.corrupt["entry"].tolist() == [1]
+    assert "fails its check" in caplog.text
     store.close()

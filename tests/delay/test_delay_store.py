@@ -173,3 +173,32 @@ def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -> None
     with pytest.raises(StoreError, match="in use by another delay server"):
         open_store(tmp_path, clock)
     store.close()
+
+
+def test_a_batch_spread_over_many_buckets_keeps_log_order_in_each(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    # 100 messages over 50 one-minute buckets, two in each, plus 40 in one bucket (the numpy path)
+    messages = [("s", f"m{i}", T0_MS + (i % 50) * MINUTE + i) for i in range(100)]
+    messages += [("s", f"n{i}", T0_MS + 7 * MINUTE + 500 + i) for i in range(40)]
+    append(store, messages)
+    assert len(store.starts) == 50
+    assert store.pending_total == 140
+    b7 = store.buckets[T0_MS + 7 * MINUTE]
+    assert b7.count == 42
+    assert b7.load_index(42)["due"].tolist() == [T0_MS + 7 * MINUTE + 7, T0_MS + 7 * MINUTE + 57] + [
+        T0_MS + 7 * MINUTE + 500 + i for i in range(40)
+    ]
+    store.close()
+    # replayed from the write-ahead log (no checkpoint): the same buckets, entries in the same order
+    for d in (tmp_path / "schedule").iterdir():
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    store = open_store(tmp_path, clock)
+    assert len(store.starts) == 50
+    assert store.buckets[T0_MS + 7 * MINUTE].load_index(42)["due"].tolist()[:2] == [
+        T0_MS + 7 * MINUTE + 7,
+        T0_MS + 7 * MINUTE + 57,
+    ]
+    store.close()

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import struct
 import time
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Literal
 
@@ -36,6 +37,7 @@ from qmq.client.options import (
 )
 from qmq.client.sender import ProducerStats, Sender, fail_entries
 from qmq.common.errors import BufferFullError, SendError
+from qmq.protocol.codes import RequestCode
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +300,30 @@ class Producer:
                     entries, f"not sent within send_timeout_ms={self.options.send_timeout_ms}: {why}", retriable=True
                 )
                 self._acc.release(entries)
+
+    async def prepare(self, subjects: Iterable[str] = ()) -> None:
+        """Look up the routes of ``subjects`` and connect to their broker groups now (to every
+        available broker group when no subject is given), so a first send waits neither for the
+        meta server nor for a TCP connect. Best effort: what fails here the sends try again."""
+        if self._state != "open":
+            raise self._not_open()
+        meta, pool = self._meta, self._pool
+        assert meta is not None
+        assert pool is not None
+        wanted = list(subjects)
+        groups: set[str] = set() if wanted else set(meta.groups)
+        for subject in wanted:
+            key = await meta.resolve(subject)
+            if key:
+                self._routes.setdefault(subject, key)
+                groups.update(key)
+        targets = meta.available(sorted(groups))
+        results = await asyncio.gather(
+            *(pool.get(g.address).request(RequestCode.PING, {}) for g in targets), return_exceptions=True
+        )
+        for g, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                log.debug("preparing %s: %s", describe_target(g.name), result)
 
     async def flush(self, timeout_ms: int | None = None) -> None:
         """Wait until every message buffered before this call is stored or failed.

@@ -122,20 +122,51 @@ class Bucket:
     def create(self) -> None:
         self.directory.mkdir(exist_ok=True)
 
-    def add(self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int) -> int:
-        """Buffer one record due at ``due_ms``; returns its entry number."""
+    def add(self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int) -> tuple[int, int]:
+        """Buffer one record due at ``due_ms``; returns its entry number and its offset in ``messages``."""
         entry = self.count
         if entry >= ENTRIES_MAX:
             raise OverflowError(f"time bucket {self.start_ms} holds {entry} messages, the most one can")
+        offset = self.nbytes
         size = len(record)
-        self.pending_index += INDEX_ENTRY.pack(due_ms, self.nbytes, size)
+        self.pending_index += INDEX_ENTRY.pack(due_ms, offset, size)
         self.pending_messages += record
         if not entry or due_ms < self.min_due_ms:
             self.min_due_ms = due_ms
         self.count = entry + 1
-        self.nbytes += size
+        self.nbytes = offset + size
         self.wal_end = wal_end
-        return entry
+        return entry, offset
+
+    def add_run(
+        self,
+        records: bytes | bytearray | memoryview,
+        dues: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        wal_end: int,
+    ) -> tuple[int, npt.NDArray[np.int64]]:
+        """Buffer records (back to back, due at ``dues``, ``sizes`` bytes each).
+
+        Returns the entry number of the first and the offset of each in ``messages``.
+        """
+        k = len(dues)
+        entry = self.count
+        if entry + k > ENTRIES_MAX:
+            raise OverflowError(f"time bucket {self.start_ms} would hold {entry + k} messages, more than {ENTRIES_MAX}")
+        offsets = np.cumsum(sizes) - sizes + self.nbytes
+        index = np.empty(k, dtype=INDEX_DTYPE)
+        index["due"] = dues
+        index["offset"] = offsets
+        index["size"] = sizes
+        self.pending_index += index.tobytes()
+        self.pending_messages += records
+        lowest = int(dues.min())
+        if not entry or lowest < self.min_due_ms:
+            self.min_due_ms = lowest
+        self.count = entry + k
+        self.nbytes += int(sizes.sum())
+        self.wal_end = wal_end
+        return entry, offsets
 
     def flush(self) -> int:
         """Write what is buffered (messages first, then their index entries); returns bytes written."""

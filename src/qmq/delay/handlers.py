@@ -132,6 +132,9 @@ class Handlers:
             metrics.bytes_in.inc(result.stored_bytes)
         for err in result.errors:
             metrics.refused.labels(Status(err[1]).name).inc()
+        if store.new_subjects:
+            server.prepare_routes(store.new_subjects)
+            store.new_subjects = []
         if store.created_bucket:
             store.created_bucket = False
             server.poke_dispatcher()  # a new bucket may need loading now

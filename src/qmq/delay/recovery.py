@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_CHUNK_BYTES = 4 * 1024 * 1024
+
 
 def recover(store: DelayStore) -> dict[str, Any]:
     t0 = time.monotonic()
@@ -82,19 +84,18 @@ def recover(store: DelayStore) -> dict[str, Any]:
 
     replayed = 0
     result: list[ScanResult] = []
+    chunk = _Chunk()
     for rec in wal.scan(replay_from, result):
         msg = rec.message
         if len(msg) < HEADER_BYTES:
             result.append(ScanResult(rec.offset, wal.end - rec.offset))
             break
-        (due_ms,) = DELIVER_AT.unpack_from(msg, DELIVER_AT_POS)
-        # the schedule log takes the whole record, header included, as the write-ahead log has it
-        record = bytearray(RECORD_HEADER_BYTES + len(msg))
-        pack_record_into(record, 0, msg, rec.sequence, rec.stored_ms)
-        store.replay(memoryview(record), due_ms, rec.stored_ms, rec.offset + len(record))
+        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
         store.wal_messages = max(store.wal_messages, rec.sequence + 1)
         replayed += 1
-        store.after_replay()
+        if len(chunk.records) >= _CHUNK_BYTES:
+            chunk.replay_into(store)
+    chunk.replay_into(store)
     store.flush_buffers()
     good_end, torn = result[-1] if result else (wal.end, 0)
     if torn:
@@ -128,6 +129,44 @@ def recover(store: DelayStore) -> dict[str, Any]:
         "pending": store.pending_total,
         "seconds": round(time.monotonic() - t0, 3),
     }
+
+
+class _Chunk:
+    """Write-ahead log records gathered to be replayed together (they are contiguous in the log)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.base = -1
+        self.records = bytearray()
+        self.dues: list[int] = []
+        self.sizes: list[int] = []
+        self.stored: list[int] = []
+
+    def add(self, offset: int, message: memoryview, sequence: int, stored_ms: int) -> None:
+        if self.base < 0:
+            self.base = offset
+        (due_ms,) = DELIVER_AT.unpack_from(message, DELIVER_AT_POS)
+        # the schedule log takes the whole record, header included, as the write-ahead log has it
+        at = len(self.records)
+        self.records += bytes(RECORD_HEADER_BYTES + len(message))
+        pack_record_into(self.records, at, message, sequence, stored_ms)
+        self.dues.append(due_ms)
+        self.sizes.append(RECORD_HEADER_BYTES + len(message))
+        self.stored.append(stored_ms)
+
+    def replay_into(self, store: DelayStore) -> None:
+        if self.dues:
+            store.replay(
+                self.records,
+                np.array(self.dues, dtype=np.int64),
+                np.array(self.sizes, dtype=np.int64),
+                np.array(self.stored, dtype=np.int64),
+                self.base,
+            )
+            store.after_replay()
+        self.reset()
 
 
 def _adopt_files(b: Bucket) -> None:

@@ -31,6 +31,7 @@ _READ_GAP_BYTES_MAX = 16 * 1024
 # ...and one read is at most this long (a single larger record is read alone).
 _READ_BYTES_MAX = 1024 * 1024
 _ZERO8 = bytes(8)
+_NO_RECORD = (0, 0, 0, 0, 0)
 _NAMES_CACHED_MAX = 10_000
 
 
@@ -131,6 +132,8 @@ class Scheduler:
         ids: list[str] = [""] * n
         bad: list[int] = []
         buckets = self.store.buckets
+        names = self._subject_names
+        unpack_record = RECORD_HEADER.unpack_from
         order = np.lexsort((rows["offset"], rows["bucket"]))
         starts = rows["bucket"][order].tolist()
         offsets = rows["offset"][order].tolist()
@@ -161,25 +164,28 @@ class Scheduler:
                 p = offsets[k] - run_off
                 size = sizes[k]
                 at = positions[k]
-                problem = _record_problem(view, p, size)
-                if problem is not None:
-                    log.error("time bucket %d: record at offset %d %s; it is skipped", start, offsets[k], problem)
+                m = p + RECORD_HEADER_BYTES
+                # the record's check, inline: this loop runs once per message handed over
+                magic, crc, length, _seq, _ms = unpack_record(data, p) if m <= len(data) else _NO_RECORD
+                if (
+                    magic != RECORD_MAGIC
+                    or length != size - RECORD_HEADER_BYTES
+                    or length < HEADER_BYTES
+                    or p + size > len(data)
+                    or crc32c.crc32c(view[p + 8 : p + size]) != crc
+                ):
+                    log.error("time bucket %d: the record at offset %d fails its check; skipped", start, offsets[k])
                     bad.append(at)
                     continue
-                m = p + RECORD_HEADER_BYTES
                 data[m + DELIVER_AT_POS : m + DELIVER_AT_POS + 8] = _ZERO8
                 slen = data[m + 2] | data[m + 3] << 8
-                ilen = data[m + 4]
                 s = m + HEADER_BYTES
                 raw_subject = bytes(view[s : s + slen])
-                subject = self._subject_names.get(raw_subject)
+                subject = names.get(raw_subject)
                 if subject is None:
-                    subject = raw_subject.decode("utf-8")
-                    if len(self._subject_names) >= _NAMES_CACHED_MAX:
-                        self._subject_names.clear()
-                    self._subject_names[raw_subject] = subject
+                    subject = self._subject_name(raw_subject)
                 subjects[at] = subject
-                ids[at] = bytes(view[s + slen : s + slen + ilen]).decode("utf-8", "replace")
+                ids[at] = str(view[s + slen : s + slen + data[m + 4]], "utf-8", "replace")
                 encoded[at] = bytes(view[m : p + size])
             i = j
         if bad:
@@ -190,6 +196,13 @@ class Scheduler:
                 rows[keep], [subjects[x] for x in idx], [encoded[x] for x in idx], [ids[x] for x in idx], rows[~keep]
             )
         return Handover(rows, subjects, encoded, ids, rows[:0])
+
+    def _subject_name(self, raw: bytes) -> str:
+        name = raw.decode("utf-8", "replace")
+        if len(self._subject_names) >= _NAMES_CACHED_MAX:
+            self._subject_names.clear()
+        self._subject_names[raw] = name
+        return name
 
     # -- acknowledgements ----------------------------------------------------------------
 
@@ -250,14 +263,3 @@ class Scheduler:
             "timer_rows": len(self.timer),
             "timer_bytes": self.timer.nbytes,
         }
-
-
-def _record_problem(view: memoryview, p: int, size: int) -> str | None:
-    if size < RECORD_HEADER_BYTES + HEADER_BYTES or p + size > len(view):
-        return f"of {size} bytes is shorter than a record or runs past the log"
-    magic, crc, length, _seq, _ms = RECORD_HEADER.unpack_from(view, p)
-    if magic != RECORD_MAGIC or length != size - RECORD_HEADER_BYTES:
-        return "has no record header"
-    if crc32c.crc32c(view[p + 8 : p + size]) != crc:
-        return "fails its CRC check"
-    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import os
 import signal
@@ -38,7 +39,7 @@ from qmq.delay.registration import Registration, delay_payload
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore, StoreError
 from qmq.delay.timer import Rows
-from qmq.protocol.codes import Status
+from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import FrameDecoder, encode_frame_parts
 
@@ -50,6 +51,8 @@ _PRODUCER_APP_CODE = "qmq-delay"
 _HANDOVER_BATCH_MESSAGES = 2_000
 _HANDOVER_FRAMES_IN_FLIGHT = 8
 _HANDOVER_SEND_TIMEOUT_MS = 10_000
+# Route look-ups of new subjects running at once; past it, hand-overs look routes up themselves.
+_PREPARING_MAX = 16
 
 
 class StartupError(Exception):
@@ -57,12 +60,18 @@ class StartupError(Exception):
 
 
 class DelayConnection(asyncio.Protocol):
+    """One client connection. At most one send frame is handled per loop turn: the rest of what
+    arrived waits (reading paused) for the next turn, so the firing loop runs between frames
+    and a burst of sends delays due messages by one frame's work, not by a whole burst's."""
+
     def __init__(self, server: DelayServer) -> None:
         self.server = server
         self.decoder = FrameDecoder(server.limits)
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.closed = False
+        self._flow_paused = False  # the client reads our answers too slowly
+        self._turn_paused = False  # frames left for the next loop turn
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport is not a subclass
@@ -82,18 +91,50 @@ class DelayConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        try:
+            self.decoder.receive_data(data)
+        except RemoteProtocolError as exc:
+            self._protocol_error(exc)
+            return
+        if not self._turn_paused:
+            self._handle_frames()
+
+    def _handle_frames(self) -> None:
         decoder = self.decoder
         dispatch = self.server.handlers.dispatch
         try:
-            decoder.receive_data(data)
-            while (frame := decoder.next_frame()) is not None:
+            while not self.closed and (frame := decoder.next_frame()) is not None:
                 if frame.response:
                     raise RemoteProtocolError("a client sent a response frame; only requests are accepted")
                 dispatch(self, frame)
+                if frame.code == RequestCode.SEND_MESSAGES and decoder.buffered_bytes:
+                    self._next_turn()
+                    return
         except RemoteProtocolError as exc:
-            log.warning("closing connection from %s: %s", self.peer, exc)
-            self.respond(0, 0, {"error": f"protocol error: {exc}; closing the connection"}, status=Status.BAD_REQUEST)
-            self.close()
+            self._protocol_error(exc)
+            return
+        if self._turn_paused:
+            self._turn_paused = False
+            self._set_reading()
+
+    def _next_turn(self) -> None:
+        if not self._turn_paused:
+            self._turn_paused = True
+            self._set_reading()
+        asyncio.get_running_loop().call_soon(self._handle_frames)
+
+    def _set_reading(self) -> None:
+        if self.transport is None or self.closed:
+            return
+        if self._flow_paused or self._turn_paused:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        log.warning("closing connection from %s: %s", self.peer, exc)
+        self.respond(0, 0, {"error": f"protocol error: {exc}; closing the connection"}, status=Status.BAD_REQUEST)
+        self.close()
 
     def respond(
         self,
@@ -114,12 +155,12 @@ class DelayConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         # The client reads slower than we answer: stop reading its requests until it catches up.
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self._flow_paused = True
+        self._set_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.resume_reading()
+        self._flow_paused = False
+        self._set_reading()
 
     def close(self) -> None:
         if not self.closed:
@@ -158,6 +199,7 @@ class DelayServer:
         self._timers: list[asyncio.Task[None]] = []
         self._checkpointing: asyncio.Lock | None = None
         self._checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-delay-checkpoint")
+        self._preparing: set[asyncio.Task[None]] = set()
 
     @property
     def address(self) -> str:
@@ -192,6 +234,7 @@ class DelayServer:
         except MetaServerError as exc:
             raise StartupError(f"cannot reach the meta server to find brokers: {exc}") from None
         self.producer = producer
+        await producer.prepare()  # connect to the brokers before the first message is due
         self.dispatcher = Dispatcher(
             self.scheduler,
             producer,
@@ -264,6 +307,20 @@ class DelayServer:
                     len(gone),
                 )
 
+    def prepare_routes(self, subjects: list[str]) -> None:
+        """Look up the routes of subjects new to this server now, long before their messages are due."""
+        producer = self.producer
+        if producer is None or len(self._preparing) >= _PREPARING_MAX or self.stopping:
+            return  # the hand-over will look them up itself
+        task = asyncio.ensure_future(producer.prepare(subjects))
+        self._preparing.add(task)
+        task.add_done_callback(self._prepared)
+
+    def _prepared(self, task: asyncio.Task[None]) -> None:
+        self._preparing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("looking up routes ahead of time failed: %s", task.exception())
+
     def poke_dispatcher(self) -> None:
         if self.dispatcher is not None:
             self.dispatcher.poke()
@@ -307,6 +364,8 @@ class DelayServer:
             self._server.close()
         if self._registration is not None:
             await self._registration.stop()
+        for task in list(self._preparing):
+            task.cancel()
         if not await self.flusher.drain(grace_s):
             log.warning("shutdown: %d sends were still waiting for fsync after the grace period", self.flusher.waiting)
         if self.dispatcher is not None:
@@ -366,6 +425,9 @@ async def _serve(config: DelayConfig) -> int:
         print(f"qmq delay: cannot start: {exc}", file=sys.stderr, flush=True)
         await server.stop()
         return EXIT_STARTUP_FAILED
+    # What start-up made lives as long as the process: keep it out of the collector's full passes,
+    # which would otherwise pause the firing loop for longer as it grows.
+    gc.freeze()
     try:
         registered = asyncio.ensure_future(server.wait_registered())
         stopped = asyncio.ensure_future(stop.wait())

@@ -37,13 +37,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import DelayConfig
 from qmq.common.errors import InvalidSubjectError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import check_subject
-from qmq.delay.bucket import Bucket, bucket_start_of, fsync_paths
+from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket, bucket_start_of, fsync_paths
 from qmq.delay.timer import ROW, Rows
 from qmq.protocol.codes import Status
 from qmq.protocol.message import ScannedMessage
@@ -59,6 +60,8 @@ CHECKPOINT_VERSION = 1
 _SUBJECTS_CACHED_MAX = 10_000
 DELIVER_AT = struct.Struct("<q")
 DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.message)
+# A bucket's share of a batch this large is added with numpy; smaller shares message by message.
+_RUN_ROWS_MIN = 32
 
 
 class StoreError(QmqError):
@@ -126,6 +129,9 @@ class DelayStore:
         self.buffered_bytes = 0
         self.pending_total = 0  # messages not yet acknowledged by a broker, over every bucket
         self._subjects: dict[bytes, bool] = {}
+        # subjects seen for the first time (since the cache was last cleared): the server looks
+        # up their routes before their messages come due; it empties the list
+        self.new_subjects: list[str] = []
         self._new_dirs = False
         self.created_bucket = False  # set when a bucket is created; the server clears it
 
@@ -186,7 +192,7 @@ class DelayStore:
         if raw in self._subjects:
             return None
         try:
-            check_subject(raw.decode("utf-8"), self.limits)
+            name = check_subject(raw.decode("utf-8"), self.limits)
         except UnicodeDecodeError:
             return f"subject {raw[:60]!r} is not valid UTF-8"
         except InvalidSubjectError as exc:
@@ -194,6 +200,8 @@ class DelayStore:
         if len(self._subjects) >= _SUBJECTS_CACHED_MAX:
             self._subjects.clear()
         self._subjects[raw] = True
+        if len(self.new_subjects) < _SUBJECTS_CACHED_MAX:
+            self.new_subjects.append(name)
         return None
 
     def append(self, body: bytes, scanned: list[ScannedMessage]) -> AppendResult:
@@ -201,26 +209,28 @@ class DelayStore:
         replay them into their buckets, and refuse the rest by index."""
         now = self.clock.now_ms()
         limits = self.limits
+        size_max = limits.message_bytes_max
+        id_max = limits.message_id_chars_max
         horizon_end = now + self.horizon_ms
+        known = self._subjects
         errors: list[list[Any]] = []
         accepted: list[ScannedMessage] = []
         total = 0
         for i, sm in enumerate(scanned):
-            problem = self._subject_problem(sm.subject)
-            if problem is not None:
-                errors.append([i, Status.INVALID_SUBJECT, problem])
-                continue
-            if sm.length > limits.message_bytes_max:
+            if sm.subject not in known:
+                problem = self._subject_problem(sm.subject)
+                if problem is not None:
+                    errors.append([i, Status.INVALID_SUBJECT, problem])
+                    continue
+            length = sm.length
+            if length > size_max:
                 errors.append(
-                    [
-                        i,
-                        Status.MESSAGE_TOO_LARGE,
-                        f"message of {sm.length} bytes exceeds message_bytes_max {limits.message_bytes_max}",
-                    ]
+                    [i, Status.MESSAGE_TOO_LARGE, f"message of {length} bytes exceeds message_bytes_max {size_max}"]
                 )
                 continue
-            if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
-                errors.append([i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"])
+            mid = sm.message_id
+            if not mid or len(mid) > id_max:
+                errors.append([i, Status.INVALID_MESSAGE, f"message id must be 1..{id_max} bytes"])
                 continue
             if sm.tags and _tag_count(sm.tags) > limits.tags_max:
                 errors.append([i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"])
@@ -229,7 +239,7 @@ class DelayStore:
                 errors.append([i, Status.INVALID_MESSAGE, self.beyond_horizon(sm.deliver_at_ms, now)])
                 continue
             accepted.append(sm)
-            total += RECORD_HEADER_BYTES + sm.length
+            total += RECORD_HEADER_BYTES + length
         if not accepted:
             return AppendResult(errors, 0, 0, np.empty(0, dtype=ROW))
         base = self.wal.offset_for_append(total)
@@ -238,38 +248,81 @@ class DelayStore:
         pos = 0
         seq = self.wal_messages
         for sm in accepted:
-            pos = pack_record_into(out, pos, view[sm.pos : sm.pos + sm.length], seq, now)
+            p = sm.pos
+            pos = pack_record_into(out, pos, view[p : p + sm.length], seq, now)
             seq += 1
         try:
             self.wal.append(out)
         except OSError as exc:
             raise _store_error(exc, self.dir) from exc
         self.wal_messages = seq
-        arrivals: list[tuple[int, int, int, int, int]] = []
-        out_view = memoryview(out)
-        pos = 0
-        for sm in accepted:
-            end = pos + RECORD_HEADER_BYTES + sm.length
-            row = self.replay(out_view[pos:end], sm.deliver_at_ms, now, base + end)
-            if row is not None:
-                arrivals.append(row)
-            pos = end
+        n = len(accepted)
+        dues = np.fromiter([sm.deliver_at_ms for sm in accepted], dtype=np.int64, count=n)
+        sizes = np.fromiter([sm.length for sm in accepted], dtype=np.int64, count=n) + RECORD_HEADER_BYTES
+        rows = self.replay(out, dues, sizes, now, base)
         self.after_replay()
-        rows = np.array(arrivals, dtype=ROW) if arrivals else np.empty(0, dtype=ROW)
-        return AppendResult(errors, len(accepted), total, rows)
+        return AppendResult(errors, n, total, rows)
 
     def replay(
-        self, record: memoryview, due_ms: int, stored_ms: int, wal_end: int
-    ) -> tuple[int, int, int, int, int] | None:
-        """Add one write-ahead log record to its bucket; the timer row if the bucket is loaded."""
-        b = self.bucket(self.bucket_start(due_ms, stored_ms))
-        offset = b.nbytes
-        entry = b.add(record, due_ms, wal_end)
-        self.buffered_bytes += len(record) + 20
-        self.pending_total += 1
-        if b.loaded:
-            return (due_ms, b.start_ms, offset, entry, len(record))
-        return None
+        self, records: bytearray, dues: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], stored_ms: Any, base: int
+    ) -> Rows:
+        """Add write-ahead log records (``records``, back to back, from offset ``base``) to their
+        buckets, each bucket's in log order; returns the timer rows of those in loaded buckets.
+
+        ``stored_ms`` is the records' stored time, one for all or an array of one per record.
+        """
+        n = len(dues)
+        ends = np.cumsum(sizes)
+        due_or_stored = np.maximum(dues, stored_ms)
+        starts = due_or_stored - due_or_stored % self.bucket_ms
+        first = int(starts[0])
+        view = memoryview(records)
+        if n == 1 or bool((starts == first).all()):
+            # the common case (a batch due within one bucket): one run, numpy all the way
+            b = self.bucket(first)
+            entry, offsets = b.add_run(view, dues, sizes, base + int(ends[-1]))
+            rows = _rows(first, entry, dues, offsets, sizes) if b.loaded else np.empty(0, dtype=ROW)
+        else:
+            rows = self._replay_spread(view, dues, sizes, ends, starts, base)
+        self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
+        self.pending_total += n
+        return rows
+
+    def _replay_spread(
+        self,
+        view: memoryview,
+        dues: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        base: int,
+    ) -> Rows:
+        """A batch due across many buckets (few messages in each): plain Python per message."""
+        by_bucket: dict[int, list[int]] = {}
+        for i, start in enumerate(starts.tolist()):
+            at = by_bucket.get(start)
+            if at is None:
+                by_bucket[start] = [i]
+            else:
+                at.append(i)
+        dues_l, sizes_l, ends_l = dues.tolist(), sizes.tolist(), ends.tolist()
+        arrivals: list[tuple[int, int, int, int, int]] = []
+        for start, members in by_bucket.items():
+            b = self.bucket(start)
+            if len(members) >= _RUN_ROWS_MIN:
+                idx = np.array(members, dtype=np.intp)
+                run = b"".join([view[e - z : e] for z, e in zip(sizes[idx].tolist(), ends[idx].tolist(), strict=True)])
+                entry, offsets = b.add_run(run, dues[idx], sizes[idx], base + ends_l[members[-1]])
+                if b.loaded:
+                    arrivals.extend(_rows(start, entry, dues[idx], offsets, sizes[idx]).tolist())
+                continue
+            for i in members:
+                end = ends_l[i]
+                size = sizes_l[i]
+                entry, offset = b.add(view[end - size : end], dues_l[i], base + end)
+                if b.loaded:
+                    arrivals.append((dues_l[i], start, offset, entry, size))
+        return np.array(arrivals, dtype=ROW) if arrivals else np.empty(0, dtype=ROW)
 
     def after_replay(self) -> None:
         if self.buffered_bytes > self.config.schedule_buffer_bytes_max:
@@ -340,6 +393,22 @@ class DelayStore:
             b.close()
         self.wal.close()
         os.close(self._lock_fd)
+
+
+def _rows(
+    start_ms: int,
+    entry: int,
+    dues: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    sizes: npt.NDArray[np.int64],
+) -> Rows:
+    rows = np.empty(len(dues), dtype=ROW)
+    rows["due"] = dues
+    rows["bucket"] = start_ms
+    rows["offset"] = offsets
+    rows["entry"] = np.arange(entry, entry + len(dues))
+    rows["size"] = sizes
+    return rows
 
 
 def _tag_count(tags_block: bytes) -> int:
