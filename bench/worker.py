@@ -1,8 +1,11 @@
-"""One worker process: one role (setup, producer or consumer) of one system in one cell.
+"""One worker process: one role of one system in one cell.
 
-Run by the driver as `python -m bench.worker SPEC_JSON`. It connects (bounded retries),
-prints `READY` on stdout, waits for `GO` on stdin when the spec asks it to, runs, and
-prints its result as the last stdout line, one JSON object. Progress goes to stderr."""
+Roles: `setup` (fresh destinations, or why delay cannot be measured), `prepare` (several
+cells' destinations and untimed backlogs), `producer` and `consumer` (which may set their
+cell up first). Run by the driver as `python -m bench.worker SPEC_JSON`. It connects
+(bounded retries), prints `READY` on stdout, waits for `GO` on stdin when the spec asks it
+to, runs, and prints its result, one JSON line. A spec with `rounds` repeats that for each
+round in one process (W6's consumer pool). Progress goes to stderr."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from bench.producers import produce_bulk, produce_delayed, produce_paced
 from bench.settings import Settings
 from bench.tally import Tally
 
-CONNECT_ATTEMPTS_MAX = 40
+CONNECT_ATTEMPTS_MAX = 20
 CONNECT_RETRY_S = 0.5
 GO_WAIT_S = 120.0
 CLOSE_LIMIT_S = 5.0
