@@ -142,9 +142,12 @@ _DELIVER_AT_MS_MAX = 253_402_300_799_999
 def _ceil_ms(seconds: float) -> int:
     """Epoch seconds as whole milliseconds, rounded up (a due time is never moved earlier).
 
-    Rounded to the microsecond first, so float noise (1.0000000000002 ms) does not add a millisecond.
+    Less than a microsecond past a millisecond counts as float noise (1.7e12 ms carries about
+    2e-4 ms of it), not as a reason to add a millisecond.
     """
-    return math.ceil(round(seconds * 1000, 3))
+    ms = seconds * 1000.0
+    whole = int(ms)
+    return whole + 1 if ms - whole > 0.001 else whole
 
 
 def _seconds(what: str, value: object) -> float:

@@ -77,7 +77,9 @@ class Bucket:
 
     __slots__ = (
         "_dispatch_fd",
+        "_index_wfd",
         "_messages_fd",
+        "_messages_wfd",
         "count",
         "directory",
         "dirty",
@@ -109,11 +111,19 @@ class Bucket:
         self.pending_index = bytearray()
         self._messages_fd = -1
         self._dispatch_fd = -1
+        # append-only descriptors of the replayer's writes, kept while the store's cache says so
+        self._messages_wfd = -1
+        self._index_wfd = -1
 
     @property
     def pending(self) -> int:
         """Messages not yet acknowledged by a broker."""
         return self.count - self.dispatched
+
+    @property
+    def writing(self) -> bool:
+        """Whether the replayer's descriptors are open."""
+        return self._messages_wfd >= 0
 
     @property
     def buffered_bytes(self) -> int:
@@ -173,8 +183,12 @@ class Bucket:
         if not self.pending_messages:
             return 0
         written = len(self.pending_messages) + len(self.pending_index)
-        _append_file(self.directory / MESSAGES, self.pending_messages)
-        _append_file(self.directory / INDEX, self.pending_index)
+        if self._messages_wfd < 0:
+            self._messages_wfd = _open_append(self.directory / MESSAGES)
+        if self._index_wfd < 0:
+            self._index_wfd = _open_append(self.directory / INDEX)
+        _write_all(self._messages_wfd, self.pending_messages, self.directory / MESSAGES)
+        _write_all(self._index_wfd, self.pending_index, self.directory / INDEX)
         self.pending_messages = bytearray()
         self.pending_index = bytearray()
         self.flushed_count = self.count
@@ -249,7 +263,15 @@ class Bucket:
     def file_paths(self) -> list[Path]:
         return [self.directory / MESSAGES, self.directory / INDEX, self.directory / DISPATCH]
 
+    def close_writers(self) -> None:
+        for name in ("_messages_wfd", "_index_wfd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
     def close(self) -> None:
+        self.close_writers()
         for name in ("_messages_fd", "_dispatch_fd"):
             fd = getattr(self, name)
             if fd >= 0:
@@ -270,17 +292,17 @@ class Bucket:
         return [self.start_ms, self.flushed_bytes, self.flushed_count, self.min_due_ms, self.wal_end]
 
 
-def _append_file(path: Path, data: bytes | bytearray) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        view = memoryview(data)
-        while view:  # bounded: every write moves forward or raises
-            written = os.write(fd, view)
-            if written <= 0:
-                raise OSError(f"write to {path} made no progress")
-            view = view[written:]
-    finally:
-        os.close(fd)
+def _open_append(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+
+def _write_all(fd: int, data: bytes | bytearray, path: Path) -> None:
+    view = memoryview(data)
+    while view:  # bounded: every write moves forward or raises
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(f"write to {path} made no progress")
+        view = view[written:]
 
 
 def fsync_paths(paths: list[Path]) -> None:

@@ -15,6 +15,7 @@ import errno
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -179,6 +180,7 @@ class DelayServer:
         self.config = config
         self.clock = clock
         self.limits = limits
+        _raise_fd_limit()
         self.store = DelayStore(config, clock, limits)
         self.scheduler = Scheduler(self.store, config.preload_ms)
         self.metrics = DelayMetrics()
@@ -389,6 +391,13 @@ class DelayServer:
         await self.flusher.stop()
         self._checkpoint_executor.shutdown(wait=True)
         self.store.close()
+
+
+def _raise_fd_limit() -> None:
+    # Schedule logs being written and client connections are open files: use what the system allows.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _listen_error(what: str, host: str, port: int, exc: OSError, option: str) -> str:

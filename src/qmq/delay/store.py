@@ -30,7 +30,9 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import struct
+from collections import OrderedDict
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,6 +62,9 @@ CHECKPOINT_VERSION = 1
 _SUBJECTS_CACHED_MAX = 10_000
 DELIVER_AT = struct.Struct("<q")
 DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.message)
+# Buckets that keep their two append descriptors open between flushes: opening a file per
+# flush per bucket would cost more than the writes when a backlog spreads over many buckets.
+_WRITING_BUCKETS_MAX = 2_000
 # A bucket's share of a batch this large is added with numpy; smaller shares message by message.
 _RUN_ROWS_MIN = 32
 
@@ -133,6 +138,11 @@ class DelayStore:
         # up their routes before their messages come due; it empties the list
         self.new_subjects: list[str] = []
         self._new_dirs = False
+        # buckets whose schedule-log descriptors stay open between flushes, least recent first
+        self._writers: OrderedDict[int, Bucket] = OrderedDict()
+        # two descriptors each, within a quarter of what the process may open beyond connections
+        soft_fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._writers_max = max(16, min(_WRITING_BUCKETS_MAX, (soft_fds - config.connections_max) // 8))
         self.created_bucket = False  # set when a bucket is created; the server clears it
 
     def open(self) -> dict[str, Any]:
@@ -178,6 +188,7 @@ class DelayStore:
                 yield b
 
     def remove_bucket(self, b: Bucket) -> None:
+        self._writers.pop(b.start_ms, None)
         b.remove()
         self.buckets.pop(b.start_ms, None)
         i = bisect.bisect_left(self.starts, b.start_ms)
@@ -281,12 +292,27 @@ class DelayStore:
             # the common case (a batch due within one bucket): one run, numpy all the way
             b = self.bucket(first)
             entry, offsets = b.add_run(view, dues, sizes, base + int(ends[-1]))
-            rows = _rows(first, entry, dues, offsets, sizes) if b.loaded else np.empty(0, dtype=ROW)
+            self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
+            if b.loaded:
+                rows = _rows(first, entry, dues, offsets, sizes)
+                self._write_through(b)
+            else:
+                rows = np.empty(0, dtype=ROW)
         else:
+            self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
             rows = self._replay_spread(view, dues, sizes, ends, starts, base)
-        self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
         self.pending_total += n
         return rows
+
+    def _write_through(self, b: Bucket) -> None:
+        """A loaded bucket's messages are read as soon as they are due: write them at once
+        instead of holding them in memory."""
+        held = b.buffered_bytes
+        try:
+            b.flush()
+        except OSError as exc:
+            raise _store_error(exc, self.dir) from exc
+        self.buffered_bytes -= held
 
     def _replay_spread(
         self,
@@ -315,6 +341,7 @@ class DelayStore:
                 entry, offsets = b.add_run(run, dues[idx], sizes[idx], base + ends_l[members[-1]])
                 if b.loaded:
                     arrivals.extend(_rows(start, entry, dues[idx], offsets, sizes[idx]).tolist())
+                    self._write_through(b)
                 continue
             for i in members:
                 end = ends_l[i]
@@ -322,6 +349,8 @@ class DelayStore:
                 entry, offset = b.add(view[end - size : end], dues_l[i], base + end)
                 if b.loaded:
                     arrivals.append((dues_l[i], start, offset, entry, size))
+            if b.loaded:
+                self._write_through(b)
         return np.array(arrivals, dtype=ROW) if arrivals else np.empty(0, dtype=ROW)
 
     def after_replay(self) -> None:
@@ -332,12 +361,17 @@ class DelayStore:
         """Write every bucket's buffer to its schedule log; returns bytes written."""
         written = 0
         if self.buffered_bytes:
+            writers = self._writers
             for b in self.buckets.values():
                 if b.pending_messages:
                     try:
                         written += b.flush()
                     except OSError as exc:
                         raise _store_error(exc, self.dir) from exc
+                    writers[b.start_ms] = b
+                    writers.move_to_end(b.start_ms)
+            while len(writers) > self._writers_max:
+                writers.popitem(last=False)[1].close_writers()
         self.buffered_bytes = 0
         return written
 
