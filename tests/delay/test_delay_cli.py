@@ -138,3 +138,21 @@ def test_standalone_ready_line_names_the_delay_role(shared_standalone: ReadyProc
     assert ready["delay"] == delay_group(shared_standalone.meta_server)["address"]
     os.kill(int(ready["delay_pid"]), 0)  # a live process of its own
     assert int(ready["delay_pid"]) not in (shared_standalone.pid, int(ready["broker_pid"]))
+
+
+async def test_a_restart_over_a_large_write_ahead_log_still_takes_sends(lone_meta: str, tmp_path: Path) -> None:
+    """What recovery finds counts as flushed: a log larger than pending_flush_bytes_max must not
+    leave the restarted server refusing every send as busy."""
+    data = tmp_path / "big-wal"
+    args = ["delay", "--data-dir", str(data), "--meta-server", lone_meta, "--group", "d6"]
+    args += ["--pending-flush-bytes-max", str(1 << 20), "--checkpoint-interval-ms", "3600000"]
+    body = b"x" * 200_000
+    for round_no in range(2):
+        with running_role(args):
+            async with Producer(app_code="t", meta_server=lone_meta, send_timeout_ms=5_000) as producer:
+                for _ in range(8):  # 1.6 MB: more than pending_flush_bytes_max
+                    m = producer.generate_message("big.wal")
+                    m.body = body
+                    m.set_delay(timedelta(hours=1))
+                    await producer.send(m)
+        assert sum(f.stat().st_size for f in (data / "wal").glob("*.log")) > (round_no + 1) * 1_500_000

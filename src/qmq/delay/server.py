@@ -220,6 +220,8 @@ class DelayServer:
             )
         report = self.store.open()
         log.info("delay store recovered: %s", report)
+        # what recovery found is on disk already; only later writes wait for an fsync
+        self.flusher.flushed_offset = self.store.wal.end
         self._checkpointing = asyncio.Lock()
         loop = asyncio.get_running_loop()
         producer = Producer(
