@@ -83,6 +83,10 @@ class QmqServer(ServerProcess):
             f.write(f'[broker]\nflush = "{self.flush}"\n')
             if self.flush == "periodic":
                 f.write(f"flush_interval_ms = {self.settings.qmq_flush_interval_ms}\n")
+            # the delay server (W4, W5) acknowledges under the same policy as the broker
+            f.write(f'[delay]\nflush = "{self.flush}"\n')
+            if self.flush == "periodic":
+                f.write(f"flush_interval_ms = {self.settings.qmq_flush_interval_ms}\n")
         return path
 
     def start(self) -> dict[str, Any]:
