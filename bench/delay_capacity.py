@@ -38,7 +38,9 @@ from bench.procfs import rss_kib
 _APP = "bench-delay"
 _WINDOW = 20_000  # sends in flight from the producer
 _STAMP = struct.Struct("<q")  # due time (epoch ms) at the front of each body
-_CONSUMER_IDLE_S = 20.0
+_CONSUMER_START_S = 15.0
+# how long after the last due time the consumer waits for stragglers
+_CONSUMER_AFTER_S = 30.0
 
 
 def _body(due_ms: int, body_bytes: int, filler: bytes) -> bytes:
@@ -174,7 +176,7 @@ async def backlog_run(meta_server: str, delay_pid: int, data_dir: Path, args: ar
     return out
 
 
-def _consume(meta_server: str, subject: str, n: int, ready: Any, result: Any) -> None:
+def _consume(meta_server: str, subject: str, n: int, give_up_epoch_s: float, ready: Any, result: Any) -> None:
     """Consumer process of the coming-due run: lateness of every message, in ms."""
     import uvloop
 
@@ -188,12 +190,9 @@ def _consume(meta_server: str, subject: str, n: int, ready: Any, result: Any) ->
             pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
             await pull.pull(max_messages=1, timeout_ms=0)
             ready.set()
-            idle_since = time.monotonic()
-            while len(lateness) < n and time.monotonic() - idle_since < _CONSUMER_IDLE_S:
+            while len(lateness) < n and time.time() < give_up_epoch_s:
                 batch = await pull.pull(max_messages=1000, timeout_ms=1000)
                 now_ms = time.time() * 1000
-                if batch:
-                    idle_since = time.monotonic()
                 for m in batch:
                     if m.message_id in seen:
                         duplicates += 1
@@ -222,15 +221,17 @@ async def coming_due_run(meta_server: str, args: argparse.Namespace) -> dict[str
 
     n = int(args.due_rate * args.due_seconds)
     subject = f"cap.due.{os.getpid()}"
+    # due times start once the consumer runs and every message is surely sent: the sends must
+    # not overlap the run
+    lead_s = _CONSUMER_START_S + 5.0 + n / args.send_rate_estimate
+    first_due = time.time() + lead_s
+    give_up = first_due + args.due_seconds + _CONSUMER_AFTER_S
     ctx = multiprocessing.get_context("spawn")
     ready, result = ctx.Event(), ctx.Queue()
-    consumer = ctx.Process(target=_consume, args=(meta_server, subject, n, ready, result), daemon=True)
+    consumer = ctx.Process(target=_consume, args=(meta_server, subject, n, give_up, ready, result), daemon=True)
     consumer.start()
-    if not ready.wait(60):
-        raise RuntimeError("the consumer process did not start within 60 s")
-    # due times start once every message is surely sent: the sends must not overlap the run
-    lead_s = 5.0 + n / args.send_rate_estimate
-    first_due = time.time() + lead_s
+    if not ready.wait(_CONSUMER_START_S):
+        raise RuntimeError(f"the consumer process did not start within {_CONSUMER_START_S} s")
     async with Producer(app_code=_APP, meta_server=meta_server) as producer:
         send_rate = await _send_all(
             producer, subject, n, lambda i: first_due + i / args.due_rate, max(args.body_bytes, _STAMP.size)
