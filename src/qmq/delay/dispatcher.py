@@ -111,6 +111,7 @@ class Dispatcher:
         self._waiter: asyncio.Future[None] | None = None
         self._wake_at_ms = math.inf
         self._stopping = False
+        self._waiting_for_room = False
         self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
 
@@ -140,7 +141,9 @@ class Dispatcher:
                         self._hand_over(rows, now)
                         await asyncio.sleep(0)  # let sends and acknowledgements in between chunks
                     else:
+                        self._waiting_for_room = True
                         await self._sleep(None)  # until acknowledgements free room
+                        self._waiting_for_room = False
                     continue
                 wake = now + _IDLE_WAKE_MS
                 if nd is not None:
@@ -149,7 +152,8 @@ class Dispatcher:
                 if nl is not None:
                     wake = min(wake, max(nl, now + 1))
                 self._wake_at_ms = wake
-                # whole milliseconds: the wall clock is read in them, so waking is never early
+                # Woken early (the loop's timers round), the next turn reads the wall clock again
+                # and sleeps the rest: nothing is handed over before it is due.
                 await self._sleep((wake - now) / 1000)
             except QmqError as exc:
                 # a schedule log that cannot be read or written: the disk is failing
@@ -267,7 +271,8 @@ class Dispatcher:
             self._backoff_s = 0.0
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()
-        self.poke()
+        if self._waiting_for_room or self._stopping:
+            self.poke()
 
     def _pause(self, exc: BaseException | None) -> None:
         self._backoff_s = min(_BACKOFF_S_MAX, max(_BACKOFF_S_MIN, self._backoff_s * 2))
