@@ -187,3 +187,26 @@ def test_a_damaged_record_is_never_handed_over(tmp_path: Path, caplog: pytest.Lo
     assert handover.corrupt["entry"].tolist() == [1]
     assert "fails its check" in caplog.text
     store.close()
+
+
+def test_loading_in_two_steps_counts_arrivals_and_acks_made_meanwhile(tmp_path: Path) -> None:
+    """A large bucket is read on a worker thread: messages arriving (and acknowledged) in between
+    must neither be lost nor counted twice."""
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    sched = Scheduler(store, PRELOAD)
+    append(store, [("s", f"old{i}", T0_MS + 1000 + i) for i in range(5)])
+    b = store.buckets[T0_MS]
+    job = sched.begin_load(b)
+    arrived = append(store, [("s", "new0", T0_MS + 10), ("s", "new1", T0_MS + 20)])
+    assert len(arrived.arrivals) == 2  # the bucket counts as loaded already: rows for the timer
+    sched.timer.add(arrived.arrivals)
+    clock.advance(0.015)
+    assert fire(sched, clock) == ["new0"]  # handed over and acknowledged before the load ends
+    job.run()
+    assert sched.finish_load(job) == 5
+    assert b.dispatched == 1
+    clock.advance(2)
+    assert fire(sched, clock) == ["new1", "old0", "old1", "old2", "old3", "old4"]
+    assert b.dispatched == b.count == 7
+    store.close()

@@ -220,12 +220,7 @@ class Bucket:
         """The first ``entries`` index entries (flushed first), as an array of INDEX_DTYPE."""
         if entries > self.flushed_count:
             self.flush()
-        if not entries:
-            return np.empty(0, dtype=INDEX_DTYPE)
-        index = np.fromfile(self.directory / INDEX, dtype=INDEX_DTYPE, count=entries)
-        if len(index) != entries:
-            raise OSError(f"index {self.directory / INDEX} holds {len(index)} entries, {entries} expected")
-        return index
+        return read_index(self.directory, entries)
 
     def read_dispatched(self) -> npt.NDArray[np.uint32]:
         """The entry numbers the dispatch log holds (whole entries only)."""
@@ -290,6 +285,16 @@ class Bucket:
     def summary(self) -> list[int]:
         """What a checkpoint keeps of the bucket: [start_ms, bytes, entries, min due, wal_end]."""
         return [self.start_ms, self.flushed_bytes, self.flushed_count, self.min_due_ms, self.wal_end]
+
+
+def read_index(directory: Path, entries: int) -> npt.NDArray[Any]:
+    """The first ``entries`` entries of a bucket's ``index`` file (already written), as INDEX_DTYPE."""
+    if not entries:
+        return np.empty(0, dtype=INDEX_DTYPE)
+    index = np.fromfile(directory / INDEX, dtype=INDEX_DTYPE, count=entries)
+    if len(index) != entries:
+        raise OSError(f"index {directory / INDEX} holds {len(index)} entries, {entries} expected")
+    return index
 
 
 def _open_append(path: Path) -> int:

@@ -14,10 +14,12 @@ for good is logged and recorded as dispatched, since it can never be delivered.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from array import array
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ import numpy as np
 from qmq.client.producer import Producer
 from qmq.common.clock import Clock
 from qmq.common.errors import QmqError, SendError
-from qmq.delay.scheduler import Scheduler
+from qmq.delay.scheduler import LoadJob, Scheduler
 from qmq.delay.timer import Rows
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ _BACKOFF_S_MIN = 0.05
 _BACKOFF_S_MAX = 5.0
 _LATENESS_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 250, 500, 1000, 5000, 60_000)
 _LAST_MINUTE_S = 60
+# A bucket with more messages than this is loaded on a worker thread (about 5 ms of work on the loop).
+_LOAD_ON_LOOP_ENTRIES_MAX = 50_000
 
 
 class _Waiter:
@@ -114,6 +118,8 @@ class Dispatcher:
         self._waiting_for_room = False
         self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
+        self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-delay-load")
+        self._loading: set[asyncio.Future[None]] = set()
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -129,7 +135,7 @@ class Dispatcher:
         while not self._stopping:
             try:
                 now = clock.now_ms()
-                sched.load_due(now)
+                self._load(now)
                 nd = sched.next_due()
                 if nd is not None and nd <= now:
                     paused_s = self._paused_until - loop.time()
@@ -160,6 +166,31 @@ class Dispatcher:
                 log.critical("the delay server's schedule logs failed (%s); it stops handing messages over", exc)
                 self.on_disk_error(exc)
                 return
+
+    def _load(self, now_ms: int) -> None:
+        """Load the buckets coming due: small ones at once, large ones on a worker thread (reading
+        and sorting a large index would hold up firing); their arrivals join the timer meanwhile."""
+        sched = self.scheduler
+        for b in sched.to_load(now_ms):
+            if b.count <= _LOAD_ON_LOOP_ENTRIES_MAX:
+                sched.load(b)
+                continue
+            job = sched.begin_load(b)
+            fut = asyncio.get_running_loop().run_in_executor(self._load_executor, job.run)
+            self._loading.add(fut)
+            fut.add_done_callback(functools.partial(self._loaded, job))
+
+    def _loaded(self, job: LoadJob, fut: asyncio.Future[None]) -> None:
+        self._loading.discard(fut)
+        if self._stopping:
+            return
+        try:
+            self.scheduler.finish_load(job)
+        except QmqError as exc:
+            log.critical("the delay server's schedule logs failed (%s); it stops handing messages over", exc)
+            self.on_disk_error(exc)
+            self._stopping = True
+        self.poke()
 
     async def _sleep(self, delay_s: float | None) -> None:
         loop = asyncio.get_running_loop()
@@ -313,6 +344,9 @@ class Dispatcher:
         self.poke()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._loading:
+            await asyncio.gather(*self._loading, return_exceptions=True)
+        self._load_executor.shutdown(wait=True)
         if self.in_flight and self._idle is not None:
             try:
                 async with asyncio.timeout(grace_s):

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import crc32c
 import numpy as np
 
-from qmq.delay.bucket import Bucket
+from qmq.delay.bucket import Bucket, read_index
 from qmq.delay.store import DELIVER_AT_POS, DelayStore, StoreError
 from qmq.delay.timer import ROW, Rows, Timer, sort_rows
 from qmq.protocol.message import HEADER_BYTES
@@ -45,6 +45,40 @@ class Handover(NamedTuple):
     corrupt: Rows  # rows whose record failed its check: never handed over
 
 
+class LoadJob:
+    """The reading of one bucket's index and dispatch log into timer rows (thread-safe: files only)."""
+
+    __slots__ = ("bucket", "dispatched_before", "entries", "error", "rows")
+
+    def __init__(self, bucket: Bucket, entries: int, dispatched_before: int) -> None:
+        self.bucket = bucket
+        self.entries = entries
+        self.dispatched_before = dispatched_before
+        self.rows: Rows = np.empty(0, dtype=ROW)
+        self.error: OSError | None = None
+
+    def run(self) -> None:
+        b = self.bucket
+        entries = self.entries
+        try:
+            index = read_index(b.directory, entries)
+            dispatched = b.read_dispatched()
+        except OSError as exc:
+            self.error = exc
+            return
+        keep = np.ones(entries, dtype=bool)
+        keep[dispatched[dispatched < entries]] = False
+        numbers = np.flatnonzero(keep)
+        rows = np.empty(len(numbers), dtype=ROW)
+        picked = index[numbers]
+        rows["due"] = picked["due"]
+        rows["bucket"] = b.start_ms
+        rows["offset"] = picked["offset"]
+        rows["entry"] = numbers
+        rows["size"] = picked["size"]
+        self.rows = sort_rows(rows)
+
+
 class Scheduler:
     def __init__(self, store: DelayStore, preload_ms: int) -> None:
         self.store = store
@@ -56,14 +90,18 @@ class Scheduler:
 
     def load_due(self, now_ms: int) -> int:
         """Load every bucket starting at or before ``now_ms + preload_ms``; returns rows loaded."""
+        return sum(self.load(b) for b in self.to_load(now_ms))
+
+    def to_load(self, now_ms: int) -> list[Bucket]:
+        """Buckets starting at or before ``now_ms + preload_ms`` that are not loaded (or loading)."""
         limit = now_ms + self.preload_ms
-        rows = 0
+        out = []
         for b in self.store.iter_buckets():
             if b.start_ms > limit:
                 break
             if not b.loaded:
-                rows += self.load(b)
-        return rows
+                out.append(b)
+        return out
 
     def next_load_ms(self) -> int | None:
         """When the next bucket not yet loaded must be: its start minus the preload window."""
@@ -74,29 +112,30 @@ class Scheduler:
 
     def load(self, b: Bucket) -> int:
         """Put a bucket's undispatched messages into the timer; later arrivals join it as they come."""
-        entries = b.count
+        job = self.begin_load(b)
+        job.run()
+        return self.finish_load(job)
+
+    def begin_load(self, b: Bucket) -> LoadJob:
+        """Mark ``b`` loaded (arrivals from now on go to the timer) and capture what ``LoadJob.run``
+        must read; the reading may run on a worker thread, then ``finish_load`` on the loop."""
         try:
-            index = b.load_index(entries)
-            dispatched = b.read_dispatched()
+            b.flush()
         except OSError as exc:
             raise StoreError(f"cannot load time bucket {b.start_ms}: {exc}") from exc
-        keep = np.ones(entries, dtype=bool)
-        done = dispatched[dispatched < entries]
-        keep[done] = False
-        numbers = np.flatnonzero(keep)
-        rows = np.empty(len(numbers), dtype=ROW)
-        picked = index[numbers]
-        rows["due"] = picked["due"]
-        rows["bucket"] = b.start_ms
-        rows["offset"] = picked["offset"]
-        rows["entry"] = numbers
-        rows["size"] = picked["size"]
-        self.timer.add_sorted_main(sort_rows(rows))
         b.loaded = True
-        # the dispatch log is the truth for a loaded bucket
-        b.dispatched = entries - len(numbers)
-        log.debug("loaded time bucket %d: %d of %d messages still due", b.start_ms, len(numbers), entries)
-        return len(numbers)
+        return LoadJob(b, b.count, b.dispatched)
+
+    def finish_load(self, job: LoadJob) -> int:
+        b = job.bucket
+        if job.error is not None:
+            b.loaded = False
+            raise StoreError(f"cannot load time bucket {b.start_ms}: {job.error}")
+        self.timer.add_sorted_main(job.rows)
+        # the dispatch log is the truth for what was there; acks of later arrivals came on top
+        b.dispatched = job.entries - len(job.rows) + (b.dispatched - job.dispatched_before)
+        log.debug("loaded time bucket %d: %d of %d messages still due", b.start_ms, len(job.rows), job.entries)
+        return len(job.rows)
 
     def unload(self, b: Bucket) -> None:
         if b.loaded:
