@@ -218,3 +218,16 @@ def test_full_disk_refuses_sends_with_a_retriable_status(tmp_path: Path) -> None
         assert "disk_free_bytes_min" in resp.header["error"]
         assert c.call(RequestCode.PING).status == Status.OK
         c.close()
+
+
+def test_read_by_sequence_outside_any_group(client: RawClient, subject: str) -> None:
+    client.send(*[message(subject, f"r{i}") for i in range(5)])
+    resp = client.call(RequestCode.READ, {"subject": subject, "from": 2, "max": 2})
+    assert resp.status == Status.OK
+    assert (resp.header["first"], resp.header["count"], resp.header["start"], resp.header["end"]) == (2, 2, 0, 5)
+    assert [seq for seq, _m in split_records(bytes(resp.body))] == [2, 3]
+    empty = client.call(RequestCode.READ, {"subject": subject, "from": 5, "max": 10})
+    assert empty.header["count"] == 0
+    assert not empty.body
+    unknown = client.call(RequestCode.READ, {"subject": "never.sent", "from": 0, "max": 10})
+    assert unknown.header == {"first": 0, "count": 0, "start": 0, "end": 0}

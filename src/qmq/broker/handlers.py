@@ -63,6 +63,7 @@ class Handlers:
             RequestCode.DEAD_LETTERS: self.dead_letters,
             RequestCode.RESEND_DEAD: self.resend_dead,
             RequestCode.PURGE_DEAD: self.purge_dead,
+            RequestCode.READ: self.read,
         }
 
     def dispatch(self, conn: Responder, frame: Frame) -> None:
@@ -349,3 +350,13 @@ class Handlers:
         purged = purge_dead(self.store, subject, group, message_id)
         log.info("purged %d dead letter(s) of %r / %r", purged, subject, group)
         conn.respond(frame.code, frame.request_id, {"purged": purged})
+
+    def read(self, conn: Responder, frame: Frame) -> None:
+        header = frame.header
+        subject = get_subject(header)
+        from_seq = get_int(header, "from", 0, 1 << 62)
+        max_n = get_int(header, "max", 1, self.limits.pull_messages_max)
+        first, count, chunks = self.store.read_range(subject, from_seq, max_n)
+        st = self.store.subjects.get(subject)
+        bounds = {"start": st.clog.min_seq if st else 0, "end": st.visible_seq if st else 0}
+        conn.respond(frame.code, frame.request_id, {"first": first, "count": count, **bounds}, chunks)

@@ -19,6 +19,8 @@ class RequestCode(IntEnum):
     DEAD_LETTERS = 9
     RESEND_DEAD = 10
     PURGE_DEAD = 11
+    # reading a subject by sequence, outside any consumer group (data jobs, docs/protocol.md)
+    READ = 12
 
 
 class Status(IntEnum):

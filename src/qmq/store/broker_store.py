@@ -410,6 +410,40 @@ class BrokerStore:
                 out = take_matching(self, gp, cp, st, left, budget, tag_filter, out)
         return out if out.messages else None
 
+    def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
+        """Up to ``max_n`` visible records of ``subject`` from sequence ``from_seq`` (or the first
+        one kept, if retention removed it), outside any consumer group: ``(first, count, chunks)``."""
+        st = self.subjects.get(subject)
+        if st is None:
+            return from_seq, 0, []
+        first = max(from_seq, st.clog.min_seq)
+        entries = st.clog.read(first, max(0, min(max_n, st.visible_seq - first)))
+        log_start = self.mlog.start
+        skip = 0
+        for off, _size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
+            if off >= log_start:
+                break
+            skip += 1
+        budget = self.limits.pull_bytes_max
+        k = 0
+        acc = 0
+        run_off = run_end = -1
+        chunks: list[bytes] = []
+        for off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries[skip * ENTRY_BYTES :]):
+            if k and acc + size > budget:
+                break
+            acc += size
+            k += 1
+            if off == run_end:
+                run_end += size
+            else:
+                if run_end > run_off >= 0:
+                    self.read_into(run_off, run_end - run_off, chunks)
+                run_off, run_end = off, off + size
+        if run_end > run_off >= 0:
+            self.read_into(run_off, run_end - run_off, chunks)
+        return first + skip, k, chunks
+
     def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
         """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""
         self.alog.append([act.PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, runs, new_offset])
