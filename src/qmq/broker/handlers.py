@@ -6,16 +6,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from qmq.broker.pulls import ParkedPull
-from qmq.broker.requests import BadRequest, get_bool, get_group, get_int, get_ranges, get_str, get_subject, get_tags
 from qmq.common.naming import dead_subject, retry_subject
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import scan_batch
+from qmq.serving.connection import Responder
+from qmq.serving.requests import BadRequest, get_bool, get_group, get_int, get_ranges, get_str, get_subject, get_tags
 from qmq.store.broker_store import DiskFullError, PullResult, StoreError
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
@@ -30,17 +30,6 @@ _DISK_CHECK_S = 1.0
 _ID_CHARS_MAX = 200
 _TAG_FILTERS_CACHED_MAX = 4096
 _DEAD_LIST_MAX = 1000
-
-
-class Responder(Protocol):
-    def respond(
-        self,
-        code: int,
-        request_id: int,
-        header: dict[str, Any] | None,
-        chunks: Sequence[bytes] = (),
-        status: int = Status.OK,
-    ) -> None: ...
 
 
 class Handlers:

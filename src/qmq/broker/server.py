@@ -1,131 +1,41 @@
 """The broker process: listens for clients, serves metrics, registers with the meta server,
-checkpoints and applies retention on timers, and shuts down in order.
-
-Each connection is an ``asyncio.Protocol`` feeding a sans-IO ``FrameDecoder``; requests are
-handled as they are decoded, on the loop, without a task per request. A frame that cannot be
-decoded costs only its own connection.
+checkpoints, applies retention and moves silent consumers' messages to retry on timers, and
+shuts down in order. Connections, group commit, registration and the process runner come
+from ``qmq.serving``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import resource
-import signal
-import socket
-import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable
 
-import uvloop
 from aiohttp import web
 
-from qmq.broker.flusher import Flusher
 from qmq.broker.handlers import Handlers
 from qmq.broker.metrics import CONTENT_TYPE, BrokerMetrics
 from qmq.broker.pulls import ParkedPulls
-from qmq.broker.registration import Registration, broker_payload
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
-from qmq.common.errors import ConfigError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import RETRY_PREFIX
-from qmq.protocol.codes import Status
-from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.frame import FrameDecoder, encode_frame_parts
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.frame import Frame
+from qmq.serving.connection import FrameConnection
+from qmq.serving.group_commit import GroupCommit
+from qmq.serving.registration import Registration, server_payload
+from qmq.serving.runner import StartupError, listen_error, run_server, serve_http
 from qmq.store.broker_store import BrokerStore, StoreError
 from qmq.store.redelivery import expire_silent_consumers
+from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
 
-EXIT_STARTUP_FAILED = 3
-
-
-class StartupError(Exception):
-    """The broker cannot start; the text says why and what to do."""
-
-
-class BrokerConnection(asyncio.Protocol):
-    def __init__(self, broker: BrokerServer) -> None:
-        self.broker = broker
-        self.decoder = FrameDecoder(broker.limits)
-        self.transport: asyncio.Transport | None = None
-        self.peer = "?"
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport is not a subclass
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        broker = self.broker
-        if len(broker.connections) >= broker.config.connections_max:
-            log.warning(
-                "refusing connection from %s: connections_max %d reached",
-                self.peer,
-                broker.config.connections_max,
-            )
-            transport.close()
-            self.closed = True
-            return
-        broker.connections.add(self)
-        broker.metrics.connections.set(len(broker.connections))
-
-    def data_received(self, data: bytes) -> None:
-        if self.closed:
-            return
-        decoder = self.decoder
-        dispatch = self.broker.handlers.dispatch
-        try:
-            decoder.receive_data(data)
-            while (frame := decoder.next_frame()) is not None:
-                if frame.response:
-                    raise RemoteProtocolError("a client sent a response frame; only requests are accepted")
-                dispatch(self, frame)
-        except RemoteProtocolError as exc:
-            log.warning("closing connection from %s: %s", self.peer, exc)
-            self.respond(0, 0, {"error": f"protocol error: {exc}; closing the connection"}, status=Status.BAD_REQUEST)
-            self.close()
-
-    def respond(
-        self,
-        code: int,
-        request_id: int,
-        header: dict[str, Any] | None,
-        chunks: Sequence[bytes] = (),
-        status: int = Status.OK,
-    ) -> None:
-        if self.closed or self.transport is None:
-            return
-        body_len = sum(len(c) for c in chunks) if chunks else 0
-        head = encode_frame_parts(code, request_id, header, body_len, status=status, response=True)
-        if chunks:
-            self.transport.writelines([head, *chunks])
-        else:
-            self.transport.write(head)
-
-    def pause_writing(self) -> None:
-        # The client reads slower than we answer: stop reading its requests until it catches up.
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.resume_reading()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
-        self.broker.forget(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.broker.forget(self)
-
 
 class BrokerServer:
+    # after a send frame, the rest of what a connection sent waits a loop turn: fair to the others
+    yield_after: frozenset[int] = frozenset({RequestCode.SEND_MESSAGES})
+
     def __init__(self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS) -> None:
         self.config = config
         self.clock = clock
@@ -133,9 +43,15 @@ class BrokerServer:
         self.store = BrokerStore(config, clock, limits)
         self.metrics = BrokerMetrics(self.store)
         self.parked = ParkedPulls(self.store, self.metrics.waiting_pulls.set)
-        self.flusher = Flusher(self.store, self.parked.notify, self.metrics.flush_seconds.observe, self._disk_failed)
+        self.flusher = GroupCommit(
+            "the message log",
+            self.store.begin_flush,
+            self._flushed,
+            self.metrics.flush_seconds.observe,
+            self._disk_failed,
+        )
         self.handlers = Handlers(self)
-        self.connections: set[BrokerConnection] = set()
+        self.connections: set[FrameConnection] = set()
         self.stopping = False
         self.port = 0
         self.http_port = 0
@@ -153,33 +69,54 @@ class BrokerServer:
     def http_url(self) -> str:
         return f"http://{self.config.host}:{self.http_port}"
 
+    def ready_line(self) -> str:
+        import os
+
+        return (
+            f"qmq ready role=broker group={self.config.group} address={self.address} "
+            f"http={self.http_url} pid={os.getpid()}"
+        )
+
+    # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
+
+    def admit(self, conn: FrameConnection) -> bool:
+        if len(self.connections) >= self.config.connections_max:
+            log.warning(
+                "refusing connection from %s: connections_max %d reached", conn.peer, self.config.connections_max
+            )
+            return False
+        self.connections.add(conn)
+        self.metrics.connections.set(len(self.connections))
+        return True
+
+    def dispatch(self, conn: FrameConnection, frame: Frame) -> None:
+        self.handlers.dispatch(conn, frame)
+
+    def forget(self, conn: FrameConnection) -> None:
+        if conn in self.connections:
+            self.connections.discard(conn)
+            self.metrics.connections.set(len(self.connections))
+        self.parked.drop_owner(conn)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
     async def start(self) -> None:
         """Recover the store, listen, serve metrics, and (with a meta server) register."""
-        _raise_fd_limit()
         report = self.store.open()
         log.info("store recovered: %s", report)
+        self.flusher.flushed_offset = self.store.mlog.end
         self._checkpointing = asyncio.Lock()
         loop = asyncio.get_running_loop()
         cfg = self.config
         try:
-            self._server = await loop.create_server(lambda: BrokerConnection(self), cfg.host, cfg.port, backlog=1024)
+            self._server = await loop.create_server(lambda: FrameConnection(self), cfg.host, cfg.port, backlog=1024)
         except OSError as exc:
-            raise StartupError(_listen_error("broker", cfg.host, cfg.port, exc, "--port")) from None
+            raise StartupError(listen_error("broker", cfg.host, cfg.port, exc, "--port")) from None
         self.port = self._server.sockets[0].getsockname()[1]
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
-        self._http = web.AppRunner(app, access_log=None)
-        await self._http.setup()
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((cfg.host, cfg.http_port))
-        except OSError as exc:
-            sock.close()
-            raise StartupError(_listen_error("metrics", cfg.host, cfg.http_port, exc, "--http-port")) from None
-        self.http_port = sock.getsockname()[1]
-        await web.SockSite(self._http, sock).start()
+        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
         if cfg.flush == "periodic":
             self.flusher.start_periodic(cfg.flush_interval_ms)
         self._timers.append(loop.create_task(self._every(cfg.checkpoint_interval_ms, self.checkpoint)))
@@ -189,7 +126,7 @@ class BrokerServer:
         if cfg.meta_server:
             self._registration = Registration(
                 cfg.meta_server,
-                broker_payload(cfg.group, self.address, f"{cfg.host}:{self.http_port}"),
+                server_payload("broker", cfg.group, self.address, f"{cfg.host}:{self.http_port}"),
                 cfg.heartbeat_interval_ms,
             )
             self._registration.start()
@@ -198,13 +135,18 @@ class BrokerServer:
         if self._registration is not None:
             await self._registration.registered.wait()
 
-    async def _every(self, interval_ms: int, job: Any) -> None:
+    async def _every(self, interval_ms: int, job: Callable[[], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(interval_ms / 1000)
+            await asyncio.sleep(interval_ms / 1000)  # the job's period
             try:
                 await job()
             except Exception:  # a failed checkpoint or retention run is retried next time
                 log.exception("periodic %s failed", getattr(job, "__name__", job))
+
+    def _flushed(self, ticket: FlushTicket) -> None:
+        moved = self.store.complete_flush(ticket)
+        if moved:
+            self.parked.notify(moved)
 
     async def checkpoint(self) -> None:
         assert self._checkpointing is not None
@@ -238,12 +180,6 @@ class BrokerServer:
         ok = not self.stopping and self.flusher.failed is None
         return web.json_response({"ok": ok, "group": self.config.group}, status=200 if ok else 503)
 
-    def forget(self, conn: BrokerConnection) -> None:
-        if conn in self.connections:
-            self.connections.discard(conn)
-            self.metrics.connections.set(len(self.connections))
-        self.parked.drop_owner(conn)
-
     def _disk_failed(self, exc: BaseException) -> None:
         log.critical("the broker's disk failed (%s); it no longer takes sends", exc)
 
@@ -262,10 +198,11 @@ class BrokerServer:
         for task in self._timers:
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
-        try:
-            await self.checkpoint()
-        except (OSError, StoreError) as exc:
-            log.error("shutdown: the final checkpoint failed: %s", exc)
+        if self._checkpointing is not None:
+            try:
+                await self.checkpoint()
+            except (OSError, StoreError) as exc:
+                log.error("shutdown: the final checkpoint failed: %s", exc)
         for conn in list(self.connections):
             conn.close()
         if self._server is not None:
@@ -276,62 +213,10 @@ class BrokerServer:
         self.store.close()
 
 
-def _raise_fd_limit() -> None:
-    # One consume log per subject is one open file: let the broker use what the system allows.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _listen_error(what: str, host: str, port: int, exc: OSError, option: str) -> str:
-    if exc.errno == errno.EADDRINUSE:
-        return f"{what} port {port} on {host} is already in use; choose another with {option} (0 picks a free one)"
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return f"cannot listen on {host}: it is not an address of this machine; use --host 127.0.0.1 or a local address"
-    return f"cannot listen on {host}:{port}: {exc}"
-
-
 def run_broker(config: BrokerConfig) -> int:
     """Run a broker until SIGTERM or SIGINT; 0 after a clean shutdown, 3 when it cannot start.
 
     Prints one line to stdout once it serves (and, with a meta server, is registered):
     ``qmq ready role=broker group=G address=HOST:PORT http=http://HOST:PORT pid=N``.
     """
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_serve(config))
-
-
-async def _serve(config: BrokerConfig) -> int:
-    import os
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        broker = BrokerServer(config)
-    except (StoreError, ConfigError, OSError) as exc:
-        print(f"qmq broker: cannot start: {exc}", file=sys.stderr, flush=True)
-        return EXIT_STARTUP_FAILED
-    try:
-        await broker.start()
-    except (StartupError, StoreError, ConfigError, OSError) as exc:
-        print(f"qmq broker: cannot start: {exc}", file=sys.stderr, flush=True)
-        await broker.stop()
-        return EXIT_STARTUP_FAILED
-    try:
-        registered = asyncio.ensure_future(broker.wait_registered())
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([registered, stopped], return_when=asyncio.FIRST_COMPLETED)
-        registered.cancel()
-        if not stop.is_set():
-            print(
-                f"qmq ready role=broker group={config.group} address={broker.address} "
-                f"http={broker.http_url} pid={os.getpid()}",
-                flush=True,
-            )
-            await stopped
-        log.info("broker %s shutting down", broker.address)
-    finally:
-        await broker.stop()
-    return 0
+    return run_server("broker", lambda: BrokerServer(config))

@@ -7,14 +7,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from qmq.delay.store import DiskFullError, StoreError
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import scan_batch
+from qmq.serving.connection import Responder
+from qmq.serving.requests import BadRequest
 
 if TYPE_CHECKING:
     from qmq.delay.server import DelayServer
@@ -25,21 +26,6 @@ _DISK_CHECK_S = 1.0
 STATS_BUCKETS_DEFAULT = 100
 # The answer is a frame header (at most frame_header_bytes_max, 64 KiB); a bucket row is < 100 bytes.
 STATS_BUCKETS_MAX = 500
-
-
-class BadRequest(Exception):
-    """The request is malformed; the text names what is wrong."""
-
-
-class Responder(Protocol):
-    def respond(
-        self,
-        code: int,
-        request_id: int,
-        header: dict[str, Any] | None,
-        chunks: Sequence[bytes] = (),
-        status: int = Status.OK,
-    ) -> None: ...
 
 
 class Handlers:

@@ -41,6 +41,7 @@ from qmq.store.dedup import DedupWindow
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.tags import TagFilter
+from qmq.store.segments import FlushTicket
 from qmq.store.take import take_matching, take_next
 
 if TYPE_CHECKING:
@@ -85,24 +86,6 @@ class PullResult(NamedTuple):
     chunks: list[bytes]  # stored records, back to back
     messages: int
     nbytes: int
-
-
-class FlushTicket:
-    """fsync work captured on the loop thread; ``run`` may execute on any thread."""
-
-    __slots__ = ("fds", "offset")
-
-    def __init__(self, fds: list[int], offset: int) -> None:
-        self.fds = fds
-        self.offset = offset
-
-    def run(self) -> None:
-        try:
-            for fd in self.fds:
-                os.fdatasync(fd)
-        finally:
-            for fd in self.fds:
-                os.close(fd)
 
 
 class BrokerStore:

@@ -157,3 +157,21 @@ class SegmentedLog:
             os.close(fd)
         self.segments = []
         self.retired_fds = []
+
+
+class FlushTicket:
+    """fsync work captured on the loop thread; ``run`` may execute on any thread."""
+
+    __slots__ = ("fds", "offset")
+
+    def __init__(self, fds: list[int], offset: int) -> None:
+        self.fds = fds
+        self.offset = offset
+
+    def run(self) -> None:
+        try:
+            for fd in self.fds:
+                os.fdatasync(fd)
+        finally:
+            for fd in self.fds:
+                os.close(fd)

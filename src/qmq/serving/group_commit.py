@@ -1,8 +1,12 @@
-"""Group commit of the write-ahead log: sends wait for one fdatasync that covers many of them.
+"""Group commit: writes wait for one fdatasync that covers many of them.
 
-Under ``sync`` a send is answered once an fsync that began after its write has returned, and
-the timer gets its messages only then; under ``periodic`` a send is answered once written and
-a timer fsyncs every ``flush_interval_ms``. One fsync runs at a time, on a worker thread.
+Under the ``sync`` policy a write is answered only when an fsync that started after it has
+returned. While one fsync runs on the worker thread, every write made meanwhile waits for the
+next one, so many producers share each fsync. Under ``periodic`` a write is answered once
+written and a timer fsyncs every ``flush_interval_ms``.
+
+The role says what one flush covers (``begin``: fds and the offset they reach, on the loop)
+and what becomes true once it has (``complete``: e.g. messages made visible to consumers).
 """
 
 from __future__ import annotations
@@ -14,8 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from qmq.delay.store import DelayStore
-from qmq.store.broker_store import FlushTicket
+from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +26,21 @@ log = logging.getLogger(__name__)
 Reply = Callable[[str | None], None]
 
 
-class WalFlusher:
+class GroupCommit:
     def __init__(
         self,
-        store: DelayStore,
+        what: str,
+        begin: Callable[[], FlushTicket],
+        complete: Callable[[FlushTicket], None],
         observe_seconds: Callable[[float], None],
         on_failure: Callable[[BaseException], None],
     ) -> None:
-        self.store = store
+        self.what = what  # "the message log", "the write-ahead log": named in errors
+        self.begin = begin
+        self.complete = complete
         self.observe_seconds = observe_seconds
         self.on_failure = on_failure
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-delay-fsync")
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-fsync")
         self._waiting: deque[tuple[int, Reply]] = deque()
         self._task: asyncio.Task[None] | None = None
         self._periodic: asyncio.Task[None] | None = None
@@ -45,7 +52,7 @@ class WalFlusher:
         return len(self._waiting)
 
     def after_write(self, end_offset: int, reply: Reply) -> None:
-        """Call ``reply`` once the write-ahead log is fsynced up to ``end_offset``."""
+        """Call ``reply`` once everything up to ``end_offset`` is fsynced."""
         self._waiting.append((end_offset, reply))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._drain())
@@ -55,26 +62,26 @@ class WalFlusher:
             while self._waiting and self.failed is None:
                 await self.flush_once()
         except OSError:
-            pass  # flush_once answered every waiting send and reported the failure
+            pass  # flush_once answered every waiting write and reported the failure
         finally:
             self._task = None
 
     async def flush_once(self) -> None:
-        wal = self.store.wal
-        ticket = FlushTicket(wal.segments.sync_fds(), wal.end)
+        ticket = self.begin()
         t0 = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(self.executor, ticket.run)
         except OSError as exc:
             # After a failed fsync the page cache state is unknown: stop taking writes.
             self.failed = exc
-            log.critical("fsync of the write-ahead log failed: %s; the delay server stops accepting sends", exc)
+            log.critical("fsync of %s failed: %s; no more writes are taken", self.what, exc)
             while self._waiting:
-                self._waiting.popleft()[1](f"fsync of the write-ahead log failed: {exc}")
+                self._waiting.popleft()[1](f"fsync of {self.what} failed: {exc}")
             self.on_failure(exc)
             raise
         self.observe_seconds(time.perf_counter() - t0)
         self.flushed_offset = max(self.flushed_offset, ticket.offset)
+        self.complete(ticket)
         waiting = self._waiting
         while waiting and waiting[0][0] <= ticket.offset:
             waiting.popleft()[1](None)
@@ -91,7 +98,7 @@ class WalFlusher:
                 return
 
     async def drain(self, deadline_s: float) -> bool:
-        """Wait until every waiting send is answered (or the deadline passes); True if all were."""
+        """Wait until every waiting write is answered (or the deadline passes); True if all were."""
         end = time.monotonic() + deadline_s
         while self._waiting and time.monotonic() < end and self.failed is None:
             task = self._task

@@ -1,9 +1,5 @@
-"""Registration with the meta server: the delay server reports itself (role "delay") at start and
-on every heartbeat, so producers find it in ``delay_groups`` of ``GET /meta/address``.
-
-The same protocol as a broker's (``POST /meta/register``); servers never import one another,
-so the few lines live here too.
-"""
+"""Registration with the meta server: a server reports itself at start and on every heartbeat
+(``POST /meta/register``), so clients find it in ``GET /meta/address``."""
 
 from __future__ import annotations
 
@@ -35,8 +31,8 @@ def register_url(meta_server: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/meta/register", "", ""))
 
 
-def delay_payload(group: str, address: str, http: str) -> dict[str, Any]:
-    return {"role": "delay", "group": group, "address": address, "http": http, "pid": os.getpid()}
+def server_payload(role: str, group: str, address: str, http: str) -> dict[str, Any]:
+    return {"role": role, "group": group, "address": address, "http": http, "pid": os.getpid()}
 
 
 class Registration:

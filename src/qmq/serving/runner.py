@@ -1,0 +1,131 @@
+"""Running a server role as a process: uvloop, SIGTERM/SIGINT for an ordered shutdown, one
+``qmq ready`` line on stdout once serving (flushed, also into a pipe), exit 0 after a clean
+stop and 3 when the server cannot start (one line on stderr naming why, no traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import gc
+import logging
+import resource
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+import uvloop
+from aiohttp import web
+
+from qmq.common.errors import QmqError
+
+log = logging.getLogger(__name__)
+
+EXIT_STARTUP_FAILED = 3
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MALLOC_THRESHOLD_BYTES = 256 * 1024
+
+
+class StartupError(Exception):
+    """The server cannot start; the text says why and what to do."""
+
+
+class RunnableServer(Protocol):
+    async def start(self) -> None: ...
+
+    async def wait_registered(self) -> None: ...
+
+    def ready_line(self) -> str: ...
+
+    async def stop(self) -> None: ...
+
+
+def run_server(role: str, make: Callable[[], RunnableServer]) -> int:
+    """Run the server ``make()`` builds until SIGTERM or SIGINT (see the module docstring)."""
+    return_freed_memory()
+    raise_fd_limit()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_serve(role, make))
+
+
+async def _serve(role: str, make: Callable[[], RunnableServer]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        server = make()
+    except (QmqError, OSError) as exc:
+        print(f"qmq {role}: cannot start: {exc}", file=sys.stderr, flush=True)
+        return EXIT_STARTUP_FAILED
+    try:
+        await server.start()
+    except (StartupError, QmqError, OSError) as exc:
+        print(f"qmq {role}: cannot start: {exc}", file=sys.stderr, flush=True)
+        await server.stop()
+        return EXIT_STARTUP_FAILED
+    # What start-up made lives as long as the process: keep it out of the collector's full
+    # passes, which would otherwise pause the loop for longer as the heap grows.
+    gc.freeze()
+    try:
+        registered = asyncio.ensure_future(server.wait_registered())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([registered, stopped], return_when=asyncio.FIRST_COMPLETED)
+        registered.cancel()
+        if not stop.is_set():
+            print(server.ready_line(), flush=True)
+            await stopped
+        log.info("%s shutting down", role)
+    finally:
+        await server.stop()
+    return 0
+
+
+def return_freed_memory() -> None:
+    """Have glibc give large freed blocks (frames, batch buffers) back to the system.
+
+    By default glibc raises its mmap threshold after large blocks are freed, so later large
+    blocks come from the heap and the resident size keeps the high-water mark of every burst.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MALLOC_THRESHOLD_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, _MALLOC_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+def raise_fd_limit() -> None:
+    # Consume logs, schedule logs and client connections are open files: use what the system allows.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def listen_error(what: str, host: str, port: int, exc: OSError, option: str) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"{what} port {port} on {host} is already in use; choose another with {option} (0 picks a free one)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}: it is not an address of this machine; use --host 127.0.0.1 or a local address"
+    return f"cannot listen on {host}:{port}: {exc}"
+
+
+async def serve_http(app: web.Application, host: str, port: int, what: str, option: str) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on host:port (0 picks a free port); returns the runner and the port bound."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        await runner.cleanup()
+        raise StartupError(listen_error(what, host, port, exc, option)) from None
+    bound = int(sock.getsockname()[1])
+    await web.SockSite(runner, sock).start()
+    return runner, bound
