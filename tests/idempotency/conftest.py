@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import redis
 import sqlalchemy as sa
-from dedup_dbs import KINDS, Database, fresh_database
 
 from qmq.common.clock import ManualClock
+from scratch_dbs import KINDS, Database, fresh_database
 
 
 @pytest.fixture(params=KINDS)

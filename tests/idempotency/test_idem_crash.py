@@ -13,10 +13,10 @@ import uuid
 from pathlib import Path
 
 import sqlalchemy as sa
-from dedup_dbs import Database
 
 from qmq.client.message import Message
 from qmq.idempotency import Outcome, TransactionalIdempotentChecker
+from scratch_dbs import Database
 
 _APP = Path(__file__).with_name("dedup_crash_app.py")
 _LINE_TIMEOUT_S = 20.0

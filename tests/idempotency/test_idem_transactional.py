@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from dedup_dbs import Database, fresh_database
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from qmq.client.message import Message
@@ -22,6 +21,7 @@ from qmq.idempotency import (
     Outcome,
     TransactionalIdempotentChecker,
 )
+from scratch_dbs import Database, fresh_database
 
 _meta = sa.MetaData()
 effects = sa.Table("effects", _meta, sa.Column("n", sa.Integer, primary_key=True), sa.Column("message_id", sa.Text))

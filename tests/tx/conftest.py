@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from outbox_dbs import KINDS, Database, fresh_database
+
+from scratch_dbs import KINDS, Database, fresh_database
 
 
 @pytest.fixture(params=KINDS)

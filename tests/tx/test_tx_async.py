@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from outbox_dbs import fresh_database
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 from qmq.aio import Consumer, Message, Producer
 from qmq.aio.tx import TransactionalProducer
 from qmq.common.errors import QmqError
+from scratch_dbs import fresh_database
 
 pytestmark = pytest.mark.integration
 

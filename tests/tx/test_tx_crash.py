@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from outbox_dbs import Database
 from outbox_helpers import consume, outbox_rows
 
 from qmq.client.sync import Producer
 from qmq.tx import Watchdog
+from scratch_dbs import Database
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from outbox_dbs import fresh_database
+
+from scratch_dbs import fresh_database
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from outbox_dbs import Database
 from sqlalchemy.orm import Session
 
 from qmq.common.errors import ConfigError
 from qmq.tx import hooks
+from scratch_dbs import Database
 
 
 class Rollback(Exception):

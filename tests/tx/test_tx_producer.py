@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from outbox_dbs import Database
 from outbox_helpers import consume, outbox_rows, wait_until
 from sqlalchemy.orm import Session
 
@@ -21,6 +20,7 @@ from qmq.common.clock import ManualClock
 from qmq.common.errors import ConfigError
 from qmq.testing import running_standalone
 from qmq.tx import TransactionalProducer, Watchdog
+from scratch_dbs import Database
 
 pytestmark = pytest.mark.integration
 

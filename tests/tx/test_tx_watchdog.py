@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
-from outbox_dbs import Database
 from outbox_helpers import consume, leave_rows, outbox_rows
 
 from qmq.client.message import Message
@@ -20,6 +19,7 @@ from qmq.client.sync import Producer
 from qmq.common.clock import ManualClock
 from qmq.tx import Watchdog, create_outbox_tables, list_blocked, unblock
 from qmq.tx.schema import outbox_table
+from scratch_dbs import Database
 
 pytestmark = pytest.mark.integration
 

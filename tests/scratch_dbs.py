@@ -1,4 +1,4 @@
-"""Databases for the idempotency tests: a fresh, empty one of each kind per test, dropped afterwards.
+"""Databases for tests that need one: a fresh, empty one of each kind per test, dropped afterwards.
 
 A helper module, not a conftest: test modules import it by name (it sits beside them).
 """
@@ -58,7 +58,7 @@ def fresh_database(kind: str, tmp_path: Path) -> Iterator[Database]:
     if kind == "sqlite":
         yield Database(kind, f"sqlite:///{tmp_path / 'app.db'}")
         return
-    name = f"qmq_idem_test_{uuid.uuid4().hex[:12]}"
+    name = f"qmq_test_{uuid.uuid4().hex[:12]}"
     admin = _admin(kind)
     if kind == "postgresql":
         with admin.connect() as conn:
