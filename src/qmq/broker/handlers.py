@@ -4,8 +4,6 @@ handler may answer at once (most) or later (a send waiting for fsync, a parked p
 from __future__ import annotations
 
 import logging
-import os
-import time
 from typing import TYPE_CHECKING
 
 from qmq.broker.pulls import ParkedPull
@@ -15,6 +13,7 @@ from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import scan_batch
 from qmq.serving.connection import Responder
+from qmq.serving.disk import FreeSpace
 from qmq.serving.requests import BadRequest, get_bool, get_group, get_int, get_ranges, get_str, get_subject, get_tags
 from qmq.store.broker_store import DiskFullError, PullResult, StoreError
 from qmq.store.progress import ConsumerProgress, GroupProgress
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DISK_CHECK_S = 1.0
 _ID_CHARS_MAX = 200
 _TAG_FILTERS_CACHED_MAX = 4096
 _DEAD_LIST_MAX = 1000
@@ -38,8 +36,7 @@ class Handlers:
         self.store = broker.store
         self.limits = broker.limits
         self.metrics = broker.metrics
-        self._disk_checked = 0.0
-        self._disk_full = False
+        self.free_space = FreeSpace(self.store.dir, broker.config.disk_free_bytes_min)
         self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
         self.table = {
             RequestCode.PING: self.ping,
@@ -99,16 +96,9 @@ class Handlers:
                 Status.INTERNAL_ERROR,
                 f"the broker's disk failed ({broker.flusher.failed}); it takes no sends",
             )
-        now = time.monotonic()
-        if now - self._disk_checked >= _DISK_CHECK_S:
-            self._disk_checked = now
-            st = os.statvfs(self.store.dir)
-            self._disk_full = st.f_bavail * st.f_frsize < broker.config.disk_free_bytes_min
-        if self._disk_full:
-            return Status.DISK_FULL, (
-                f"free space on the disk of {str(self.store.dir)!r} is below disk_free_bytes_min "
-                f"{broker.config.disk_free_bytes_min}; free space or move the data directory"
-            )
+        low = self.free_space.low()
+        if low is not None:
+            return Status.DISK_FULL, low
         if self.store.unflushed_bytes > broker.config.pending_flush_bytes_max:
             return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
         return None

@@ -5,8 +5,6 @@ and are refused with UNKNOWN_COMMAND saying so."""
 from __future__ import annotations
 
 import logging
-import os
-import time
 from typing import TYPE_CHECKING
 
 from qmq.delay.store import DiskFullError, StoreError
@@ -15,6 +13,7 @@ from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import scan_batch
 from qmq.serving.connection import Responder
+from qmq.serving.disk import FreeSpace
 from qmq.serving.requests import BadRequest
 
 if TYPE_CHECKING:
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DISK_CHECK_S = 1.0
 STATS_BUCKETS_DEFAULT = 100
 # The answer is a frame header (at most frame_header_bytes_max, 64 KiB); a bucket row is < 100 bytes.
 STATS_BUCKETS_MAX = 500
@@ -34,8 +32,7 @@ class Handlers:
         self.store = server.store
         self.limits = server.limits
         self.metrics = server.metrics
-        self._disk_checked = 0.0
-        self._disk_full = False
+        self.free_space = FreeSpace(self.store.dir, server.config.disk_free_bytes_min)
         self.table = {
             RequestCode.PING: self.ping,
             RequestCode.SEND_MESSAGES: self.send,
@@ -83,16 +80,9 @@ class Handlers:
         failed = server.flusher.failed or server.disk_error
         if failed is not None:
             return Status.INTERNAL_ERROR, f"the delay server's disk failed ({failed}); it takes no sends"
-        now = time.monotonic()
-        if now - self._disk_checked >= _DISK_CHECK_S:
-            self._disk_checked = now
-            st = os.statvfs(self.store.dir)
-            self._disk_full = st.f_bavail * st.f_frsize < server.config.disk_free_bytes_min
-        if self._disk_full:
-            return Status.DISK_FULL, (
-                f"free space on the disk of {str(self.store.dir)!r} is below disk_free_bytes_min "
-                f"{server.config.disk_free_bytes_min}; free space or move the data directory"
-            )
+        low = self.free_space.low()
+        if low is not None:
+            return Status.DISK_FULL, low
         if self.store.wal.end - server.flusher.flushed_offset > server.config.pending_flush_bytes_max:
             return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
         return None
