@@ -231,3 +231,14 @@ def test_read_by_sequence_outside_any_group(client: RawClient, subject: str) -> 
     assert not empty.body
     unknown = client.call(RequestCode.READ, {"subject": "never.sent", "from": 0, "max": 10})
     assert unknown.header == {"first": 0, "count": 0, "start": 0, "end": 0}
+
+
+def test_message_size_limit_is_configurable_and_refused_by_index(tmp_path: Path) -> None:
+    with running_role(["broker", "--data-dir", str(tmp_path / "b"), "--message-bytes-max", "2048"]) as proc:
+        c = RawClient(proc.ready["address"])
+        resp = c.send(message("s", "small", b"x" * 100), message("s", "big", b"x" * 4000))
+        assert resp.status == Status.OK
+        [(index, status, text)] = resp.header["errors"]
+        assert (index, status) == (1, Status.MESSAGE_TOO_LARGE)
+        assert "message_bytes_max 2048" in text
+        c.close()

@@ -7,6 +7,7 @@ from ``qmq.serving``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -36,10 +37,10 @@ class BrokerServer:
     # after a send frame, the rest of what a connection sent waits a loop turn: fair to the others
     yield_after: frozenset[int] = frozenset({RequestCode.SEND_MESSAGES})
 
-    def __init__(self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits | None = None) -> None:
         self.config = config
         self.clock = clock
-        self.limits = limits
+        self.limits = limits = limits or dataclasses.replace(DEFAULT_LIMITS, message_bytes_max=config.message_bytes_max)
         self.store = BrokerStore(config, clock, limits)
         self.metrics = BrokerMetrics(self.store)
         self.parked = ParkedPulls(self.store, self.metrics.waiting_pulls.set)

@@ -112,6 +112,11 @@ class BrokerConfig:
         _range(10, 86_400_000),
     )
     shutdown_grace_ms: int = _opt("how long shutdown waits for in-flight requests", 5_000, _range(0, 600_000))
+    message_bytes_max: int = _opt(
+        "largest message the broker stores (bytes of the encoded message); larger ones are refused by index",
+        4 * MiB,
+        _range(1024, 16 * MiB - 64 * 1024),
+    )
 
 
 def _bucket_ms(v: Any) -> str | None:
