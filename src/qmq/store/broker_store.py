@@ -40,8 +40,8 @@ from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
-from qmq.store.tags import TagFilter
 from qmq.store.segments import FlushTicket
+from qmq.store.tags import TagFilter
 from qmq.store.take import take_matching, take_next
 
 if TYPE_CHECKING:
