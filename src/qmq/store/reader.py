@@ -1,0 +1,419 @@
+"""A read-only view of a broker's data directory, for data jobs (Spark, archive, trace).
+
+It never takes the broker's ``LOCK`` and never writes, truncates or deletes a file, so it is
+safe to use while the broker runs. It reads what the files hold at the moment it looks:
+
+- consume logs and the message log (layouts in ``consume_log.py``, ``message_log.py``,
+  ``qmq.protocol.record``): a subject's records by sequence. Each record is checked (magic,
+  CRC32C, sequence, length) and reading stops at the first one that does not check out — a
+  tail being written, or a torn tail a crashed broker has not cut yet. While the broker runs,
+  the last records read may not be fsynced yet.
+- the action log (``action_log.py``) from its oldest kept segment, the checkpoint
+  (``checkpoint.py``), and the consumer progress they give together (``progress.py``).
+- dead letters (``dead_letters.py``), with the ones resent or purged marked as removed.
+
+Files that retention deletes while a read runs count as gone: a read then starts at the
+first record still kept.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import crc32c
+import msgpack
+
+from qmq.common.errors import QmqError
+from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.store import action_log as act
+from qmq.store.checkpoint import read_checkpoint
+from qmq.store.consume_log import ENTRY, ENTRY_BYTES, SUBJECT_FILE
+from qmq.store.progress import Progress
+
+# A read gathers at most this many bytes of records (and the entries that point at them).
+READ_BYTES_MAX = 8 * 1024 * 1024
+_ACTION_FRAME = struct.Struct("<II")
+_ACTION_BYTES_MAX = 64 * 1024 * 1024  # no action is larger than a segment
+_DEAD_READ_BYTES = 4 * 1024 * 1024
+_REMOVED = struct.Struct("<Q")
+# Re-listing segments after one vanished mid-read: retention deletes from the front, so a
+# couple of tries always find the new front.
+_RELIST_TRIES_MAX = 3
+
+
+class DataDirError(QmqError):
+    """The directory is not a broker's data directory, or cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Seg:
+    base: int
+    path: Path
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.base + self.size
+
+
+def _segments(directory: Path, suffix: str) -> list[_Seg]:
+    out: list[_Seg] = []
+    try:
+        paths = sorted(directory.glob(f"*{suffix}"))
+    except OSError:
+        return out
+    for path in paths:
+        stem = path.name[: -len(suffix)]
+        if len(stem) != 20 or not stem.isdigit():
+            continue
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            continue
+        out.append(_Seg(int(stem), path, size))
+    return out
+
+
+def _pread(path: Path, size: int, offset: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+
+
+class RecordRun(NamedTuple):
+    """Records of one subject, back to back as in the message log (and in a READ answer)."""
+
+    first: int  # sequence of the first record
+    records: int
+    data: bytes
+
+
+class ActionAt(NamedTuple):
+    offset: int  # position in the action log
+    action: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterInfo:
+    dead_subject: str  # %DEAD_RETRY%<subject>%<group>
+    letter: int
+    dead_at_ms: int
+    removed: bool  # resent or purged since
+    message: bytes  # the encoded message (qmq.protocol.message)
+
+
+def _is_broker_dir(path: Path) -> bool:
+    return (path / "log").is_dir() and (path / "consume").is_dir()
+
+
+class StoreReader:
+    """Reads a broker's data directory without changing it; see the module docstring."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.dir = Path(data_dir)
+        if not _is_broker_dir(self.dir) and _is_broker_dir(self.dir / "broker"):
+            self.dir = self.dir / "broker"  # the --data-dir of `qmq standalone`
+        if not _is_broker_dir(self.dir):
+            raise DataDirError(
+                f"{str(self.dir)!r} is not a broker's data directory (no log/ and consume/ in it); "
+                "pass the --data-dir a broker or `qmq standalone` was started with"
+            )
+
+    # -- subjects ----------------------------------------------------------------------
+
+    def subjects(self) -> dict[str, Path]:
+        """Every subject with a consume log, and the directory of that log."""
+        out: dict[str, Path] = {}
+        for sub in sorted((self.dir / "consume").iterdir()):
+            try:
+                name = (sub / SUBJECT_FILE).read_text(encoding="utf-8")
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            out[name] = sub
+        return out
+
+    def bounds(self, subject: str) -> tuple[int, int]:
+        """``(first, end)``: the first sequence kept and the sequence after the last good record."""
+        clog = self.subjects().get(subject)
+        if clog is None:
+            return 0, 0
+        segs = _segments(clog, ".cl")
+        if not segs:
+            return 0, 0
+        first = self._first_kept(subject, clog, segs)
+        end = segs[-1].end // ENTRY_BYTES
+        if end <= first:
+            return first, first
+        return first, self._last_good_end(clog, first, end)
+
+    def _first_kept(self, subject: str, clog: Path, segs: list[_Seg]) -> int:
+        """The first sequence whose record the message log still holds (retention goes by whole segments)."""
+        logs = _segments(self.dir / "log", ".log")
+        log_start = logs[0].base if logs else 0
+        seq = -(-segs[0].base // ENTRY_BYTES)
+        end = segs[-1].end // ENTRY_BYTES
+        # entries point forward in the log, so the kept ones are a suffix: binary search
+        lo, hi = seq, end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            raw = self._entries(clog, mid, 1)
+            if len(raw) == ENTRY_BYTES and ENTRY.unpack(raw)[0] < log_start:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _last_good_end(self, clog: Path, first: int, end: int) -> int:
+        """Walk back from the end over entries whose record is not (yet) whole and good."""
+        back_max = 4096  # a torn tail is one write; a broker's batch is far smaller than this
+        seq = end
+        while seq > first and end - seq < back_max:
+            raw = self._entries(clog, seq - 1, 1)
+            if len(raw) == ENTRY_BYTES:
+                off, size, _ms, _bloom, _r = ENTRY.unpack(raw)
+                if self._record_ok(off, size, seq - 1):
+                    return seq
+            seq -= 1
+        return seq
+
+    def _record_ok(self, offset: int, size: int, seq: int) -> bool:
+        data = self._read_log(offset, size)
+        if len(data) != size:
+            return False
+        h = read_record_header(data, 0)
+        return (
+            h is not None and h.sequence == seq and RECORD_HEADER_BYTES + h.length == size and record_crc_ok(data, 0, h)
+        )
+
+    def _entries(self, clog: Path, seq: int, count: int) -> bytes:
+        out = bytearray()
+        offset = seq * ENTRY_BYTES
+        want = count * ENTRY_BYTES
+        for seg in _segments(clog, ".cl"):
+            if seg.end <= offset or len(out) >= want:
+                continue
+            if seg.base > offset:
+                break  # a hole: never happens in a broker's files; stop rather than guess
+            try:
+                chunk = _pread(seg.path, min(want - len(out), seg.end - offset), offset - seg.base)
+            except FileNotFoundError:
+                break
+            out += chunk
+            offset += len(chunk)
+            if len(chunk) == 0:
+                break
+        return bytes(out[: len(out) // ENTRY_BYTES * ENTRY_BYTES])
+
+    def _read_log(self, offset: int, size: int) -> bytes:
+        for seg in _segments(self.dir / "log", ".log"):
+            if seg.base <= offset < seg.end:
+                try:
+                    return _pread(seg.path, min(size, seg.end - offset), offset - seg.base)
+                except FileNotFoundError:
+                    return b""
+        return b""
+
+    # -- records -----------------------------------------------------------------------
+
+    def read(
+        self,
+        subject: str,
+        from_seq: int,
+        to_seq: int,
+        bytes_max: int = READ_BYTES_MAX,
+        verify: bool = True,
+    ) -> RecordRun:
+        """Good records of ``subject`` with sequences in ``[from_seq, to_seq)``, from the first
+        one kept at or after ``from_seq``, at most ``bytes_max`` bytes (at least one record).
+
+        Stops early at a record that does not check out; ``count`` 0 means nothing (more) to read.
+        """
+        clog = self.subjects().get(subject)
+        if clog is None or to_seq <= from_seq:
+            return RecordRun(from_seq, 0, b"")
+        for _ in range(_RELIST_TRIES_MAX):
+            try:
+                return self._read(subject, clog, from_seq, to_seq, bytes_max, verify)
+            except FileNotFoundError:
+                continue  # a segment went away under us: list again
+        raise DataDirError(
+            f"segments of {subject!r} in {str(self.dir)!r} kept vanishing while being read; is retention "
+            "deleting them this fast? try again"
+        )
+
+    def _read(self, subject: str, clog: Path, from_seq: int, to_seq: int, bytes_max: int, verify: bool) -> RecordRun:
+        segs = _segments(clog, ".cl")
+        if not segs:
+            return RecordRun(from_seq, 0, b"")
+        first = max(from_seq, self._first_kept(subject, clog, segs))
+        n = min(to_seq - first, bytes_max // 64 + 1, segs[-1].end // ENTRY_BYTES - first)
+        if n <= 0:
+            return RecordRun(first, 0, b"")
+        entries = self._entries(clog, first, n)
+        logs = _segments(self.dir / "log", ".log")
+        out = bytearray()
+        count = 0
+        run_off = run_end = -1
+        expect = first
+        runs: list[tuple[int, int]] = []
+        total = 0
+        for off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
+            if count and total + size > bytes_max:
+                break
+            total += size
+            count += 1
+            if off == run_end:
+                run_end += size
+            else:
+                if run_end > run_off >= 0:
+                    runs.append((run_off, run_end))
+                run_off, run_end = off, off + size
+        if run_end > run_off >= 0:
+            runs.append((run_off, run_end))
+        for start, end in runs:
+            out += self._read_span(logs, start, end)
+        # check every record: stop at the first that is not whole and good
+        good = 0
+        pos = 0
+        for i, (_off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries[: count * ENTRY_BYTES])):
+            h = read_record_header(out, pos)
+            if (
+                h is None
+                or h.sequence != expect + i
+                or RECORD_HEADER_BYTES + h.length != size
+                or pos + size > len(out)
+                or (verify and not record_crc_ok(out, pos, h))
+            ):
+                break
+            pos += size
+            good += 1
+        return RecordRun(first, good, bytes(out[:pos]) if pos != len(out) else bytes(out))
+
+    @staticmethod
+    def _read_span(logs: list[_Seg], start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the message log; fewer if it ends (or was cut) first."""
+        out = bytearray()
+        pos = start
+        for seg in logs:
+            if seg.end <= pos or pos >= end:
+                continue
+            if seg.base > pos:
+                break
+            chunk = _pread(seg.path, min(end, seg.end) - pos, pos - seg.base)
+            out += chunk
+            pos += len(chunk)
+            if len(chunk) == 0:
+                break
+        return bytes(out)
+
+    def iter_records(self, subject: str, from_seq: int = 0, to_seq: int | None = None) -> Iterator[RecordRun]:
+        """Successive runs of ``subject`` from ``from_seq`` (or the first kept) to ``to_seq`` (or the end)."""
+        end = self.bounds(subject)[1] if to_seq is None else to_seq
+        seq = from_seq
+        while seq < end:  # bounded: every run moves seq forward, or the loop stops
+            run = self.read(subject, seq, end)
+            if run.records == 0:
+                return
+            yield run
+            seq = run.first + run.records
+
+    # -- consumer progress -------------------------------------------------------------
+
+    def checkpoint(self) -> dict[str, Any] | None:
+        return read_checkpoint(self.dir)
+
+    def actions(self, start: int = 0) -> Iterator[ActionAt]:
+        """Actions from offset ``start`` (or the oldest kept) to the first that does not check out."""
+        segs = _segments(self.dir / "action", ".act")
+        for seg in segs:
+            if seg.end <= start:
+                continue
+            try:
+                data = _pread(seg.path, seg.size, 0)
+            except FileNotFoundError:
+                continue  # deleted after a checkpoint: its actions are in the checkpoint
+            pos = max(0, start - seg.base)
+            while pos + _ACTION_FRAME.size <= len(data):
+                length, crc = _ACTION_FRAME.unpack_from(data, pos)
+                body_at = pos + _ACTION_FRAME.size
+                if length > _ACTION_BYTES_MAX or body_at + length > len(data):
+                    return
+                payload = data[body_at : body_at + length]
+                if crc32c.crc32c(payload) != crc:
+                    return
+                try:
+                    action = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+                except Exception:  # a CRC-valid record that does not decode: stop as at a torn tail
+                    return
+                if not isinstance(action, list) or not action:
+                    return
+                yield ActionAt(seg.base + pos, action)
+                pos = body_at + length
+
+    def progress(self) -> tuple[Progress, int]:
+        """Consumer progress now (checkpoint plus the actions after it) and the checkpoint's time (ms, 0 if none)."""
+        state = self.checkpoint()
+        if state is None:
+            progress, start, at_ms = Progress(), 0, 0
+        else:
+            progress = Progress.from_snapshot(state["progress"])
+            start, at_ms = int(state["action_offset"]), int(state.get("time_ms", 0))
+        for item in self.actions(start):
+            apply_action(progress, item.action)
+        return progress, at_ms
+
+    # -- dead letters ------------------------------------------------------------------
+
+    def dead_letters(self) -> Iterator[DeadLetterInfo]:
+        """Every dead letter of every (subject, group), oldest first within each."""
+        dead = self.dir / "dead"
+        if not dead.is_dir():
+            return
+        for box in sorted(dead.iterdir()):
+            try:
+                name = (box / "subject").read_text(encoding="utf-8")
+                raw_removed = (box / "removed").read_bytes() if (box / "removed").exists() else b""
+                letters = (box / "letters").read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            removed = {n for (n,) in _REMOVED.iter_unpack(raw_removed[: len(raw_removed) // 8 * 8])}
+            pos = 0
+            while True:
+                h = read_record_header(letters, pos)
+                if (
+                    h is None
+                    or pos + RECORD_HEADER_BYTES + h.length > len(letters)
+                    or not record_crc_ok(letters, pos, h)
+                ):
+                    break
+                end = pos + RECORD_HEADER_BYTES + h.length
+                yield DeadLetterInfo(
+                    name, h.sequence, h.stored_ms, h.sequence in removed, letters[pos + RECORD_HEADER_BYTES : end]
+                )
+                pos = end
+
+
+def apply_action(progress: Progress, action: list[Any]) -> None:
+    """Replay one action into ``progress`` by the broker's rules (see ``recovery.py``)."""
+    kind = action[0]
+    if kind == act.CREATE_GROUP and len(action) == 4:
+        progress.create_group(str(action[1]), str(action[2]), int(action[3]))
+        return
+    if len(action) < 4:
+        return
+    gp = progress.get(str(action[1]), str(action[2]))
+    if gp is None:
+        return
+    if kind == act.PULL and len(action) == 7:
+        Progress.record_pull(gp, gp.consumer(str(action[3])), action[5], int(action[6]))
+    elif kind == act.ACK and len(action) == 5:
+        Progress.apply_ack(gp.consumer(str(action[3])), action[4])
+    elif kind == act.RESET:
+        gp.pull_offset = int(action[3])
