@@ -313,6 +313,23 @@ class StoreReader:
                 break
         return bytes(out)
 
+    def seq_at_time(self, subject: str, time_ms: int) -> int:
+        """The first kept sequence of ``subject`` stored at or after ``time_ms`` (stored times never go
+        back within a subject), or the end when none is."""
+        first, end = self.bounds(subject)
+        clog = self.subjects().get(subject)
+        if clog is None:
+            return end
+        lo, hi = first, end
+        while lo < hi:  # bounded: binary search
+            mid = (lo + hi) // 2
+            raw = self._entries(clog, mid, 1)
+            if len(raw) == ENTRY_BYTES and ENTRY.unpack(raw)[2] < time_ms:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def iter_records(self, subject: str, from_seq: int = 0, to_seq: int | None = None) -> Iterator[RecordRun]:
         """Successive runs of ``subject`` from ``from_seq`` (or the first kept) to ``to_seq`` (or the end)."""
         end = self.bounds(subject)[1] if to_seq is None else to_seq

@@ -1,0 +1,277 @@
+"""Spark jobs for people: ``qmq archive``, ``qmq query``, ``qmq trace``, ``qmq report``.
+
+Each starts a SparkSession (``--spark-master``, ``local[*]`` by default), shows a progress
+bar of Spark's tasks on stderr and ends with a summary. PySpark comes with the ``spark``
+extra and is imported only when one of these commands runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from qmq.cli.main import cli
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+_TEXT_CHARS_MAX = 60
+
+spark_master_option = click.option(
+    "--spark-master",
+    default="local[*]",
+    show_default=True,
+    metavar="URL",
+    help="Spark master: local[*] runs here; spark://host:7077, yarn, k8s://… run on a cluster",
+)
+
+
+@contextmanager
+def _session(master: str, app: str) -> Iterator[SparkSession]:
+    try:
+        from qmq.spark.session import build_session
+    except ImportError as exc:
+        raise click.ClickException(
+            f"qmq {app} runs on Spark, which is not installed ({exc}); install it with: pip install 'qmq[spark]'"
+        ) from None
+    console = Console(stderr=True)
+    with console.status(f"starting Spark ({master})"):
+        spark = build_session(master, app_name=f"qmq {app}")
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def _progress(spark: SparkSession, text: str) -> Any:
+    from qmq.spark.progress import SparkProgress
+
+    return SparkProgress(spark, text)
+
+
+def _short(value: object) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str) if value is not None else ""
+    return text if len(text) <= _TEXT_CHARS_MAX else text[: _TEXT_CHARS_MAX - 1] + "…"
+
+
+@cli.command()
+@click.option("--meta-server", metavar="URL", help="read through the brokers of this meta server (`qmq ready` URL)")
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="read a broker's data directory offline instead (safe while the broker runs)",
+)
+@click.option("--broker-group", default=None, metavar="NAME", help="broker group named in rows read from --data-dir")
+@click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="archive directory")
+@spark_master_option
+def archive(
+    meta_server: str | None, data_dir: Path | None, broker_group: str | None, to: Path, spark_master: str
+) -> None:
+    """Export stored messages to Parquet, partitioned by subject and date; a re-run adds only what is new.
+
+    Also records each consumer group's lag and the new dead letters (for `qmq report`).
+    """
+    from qmq.spark.archive import run_archive, source_options
+
+    source = source_options(meta_server, str(data_dir) if data_dir else None, broker_group)
+    with _session(spark_master, "archive") as spark, _progress(spark, f"archiving into {to}") as bar:
+        result = run_archive(spark, source, to, on_plan=lambda n: bar.describe(f"archiving {n:,} messages"))
+    table = Table(title=f"archived into {to}")
+    table.add_column("subject")
+    table.add_column("messages", justify="right")
+    for subject, n in sorted(result.per_subject.items()):
+        table.add_row(subject, f"{n:,}")
+    console = Console()
+    if result.per_subject:
+        console.print(table)
+    rate = result.messages / result.seconds if result.seconds else 0.0
+    console.print(
+        f"{result.messages:,} messages of {result.subjects} subjects in {result.seconds:.1f} s ({rate:,.0f}/s); "
+        f"{result.dead_letters} new dead letters; lag of {result.groups} consumer groups"
+        + (f"; {result.skipped:,} messages were removed by retention before being archived" if result.skipped else "")
+    )
+
+
+def _prop(value: str) -> tuple[str, str]:
+    key, sep, text = value.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"{value!r} is not k=v", param_hint="--property")
+    return key, text
+
+
+_QUERY_COLUMNS = ("subject", "sequence", "message_id", "created_at", "stored_at", "tags", "properties", "body")
+
+
+@cli.command()
+@click.option(
+    "--archive",
+    "archive_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="the --to of `qmq archive`",
+)
+@click.option("--message-id", metavar="ID", help="find one message by id (its time prunes the dates read)")
+@click.option("--subject", metavar="SUBJECT", help="messages of this subject")
+@click.option("--since", metavar="TIME", help="created at or after this ISO 8601 time (UTC without an offset)")
+@click.option("--until", metavar="TIME", help="created before this ISO 8601 time")
+@click.option("--property", "props", multiple=True, metavar="K=V", help="property K has value V (repeatable)")
+@click.option("--limit", default=100, show_default=True, help="most messages to show (with --subject)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON lines instead of a table")
+@spark_master_option
+def query(
+    archive_dir: Path,
+    message_id: str | None,
+    subject: str | None,
+    since: str | None,
+    until: str | None,
+    props: tuple[str, ...],
+    limit: int,
+    as_json: bool,
+    spark_master: str,
+) -> None:
+    """Find messages in an archive: by --message-id, or by --subject with times and properties."""
+    from qmq.spark.query import SubjectQuery, body_text, find_by_id, find_by_subject, json_ready
+
+    if (message_id is None) == (subject is None):
+        raise click.UsageError("give --message-id or --subject")
+    if message_id is not None and (since or until or props):
+        raise click.UsageError("--since, --until and --property go with --subject")
+    pairs = tuple(_prop(p) for p in props)
+    with _session(spark_master, "query") as spark:
+        t0 = time.monotonic()
+        with _progress(spark, "searching the archive"):
+            if message_id is not None:
+                rows = find_by_id(spark, archive_dir, message_id)
+            else:
+                assert subject is not None
+                rows = find_by_subject(spark, archive_dir, SubjectQuery(subject, since, until, pairs, limit))
+        seconds = time.monotonic() - t0
+    if as_json:
+        for row in json_ready(rows):
+            click.echo(json.dumps(row, ensure_ascii=False))
+        return
+    table = Table()
+    for col in _QUERY_COLUMNS:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*(_short(body_text(row[c]) if c == "body" else row.get(c)) for c in _QUERY_COLUMNS))
+    console = Console()
+    console.print(table)
+    console.print(f"{len(rows)} message(s) in {seconds:.2f} s")
+
+
+@cli.command()
+@click.argument("message_id")
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="the broker's data directory: needed for who pulled and acked (the action log)",
+)
+@click.option(
+    "--archive",
+    "archive_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="an archive (`qmq archive --to`) to search too, for messages retention removed",
+)
+@click.option("--meta-server", metavar="URL", help="without --data-dir: where it is stored (no consumer history)")
+@click.option("--broker-group", default="broker-1", show_default=True, help="the broker group of --data-dir")
+@click.option("--json", "as_json", is_flag=True, help="print the trace as one JSON object")
+@spark_master_option
+def trace(
+    message_id: str,
+    data_dir: Path | None,
+    archive_dir: Path | None,
+    meta_server: str | None,
+    broker_group: str,
+    as_json: bool,
+    spark_master: str,
+) -> None:
+    """The life of MESSAGE_ID: stored, pulled by which consumer of which group, acked or retried
+    (attempts, errors), dead-lettered.
+
+    Consumer history comes from the broker's files, so give --data-dir on the broker's machine;
+    with only --meta-server or --archive the trace says where the message is stored.
+    """
+    from qmq.spark.trace import trace as run_trace
+
+    with _session(spark_master, "trace") as spark, _progress(spark, f"tracing {message_id}"):
+        result = run_trace(
+            spark,
+            message_id,
+            data_dir=str(data_dir) if data_dir else None,
+            archive=archive_dir,
+            meta_server=meta_server,
+            broker_group=broker_group,
+        )
+    if as_json:
+        click.echo(result.to_json())
+        return
+    console = Console()
+    console.print(f"[bold]message {message_id}[/bold]")
+    for s in result.stored:
+        attempt = "" if s.attempt is None else f" attempt {s.attempt}"
+        error = f" error: {_short(s.error)}" if s.error else ""
+        console.print(
+            f"  stored    {s.stored_at}  {s.subject} #{s.sequence} ({s.broker_group}, {s.found_in}){attempt}{error}"
+        )
+        for d in result.deliveries:
+            if d.subject == s.subject:
+                who = f"consumer {d.consumer_id}" if d.consumer_id else "a consumer"
+                state = "acked" if d.acked else "not acked"
+                at = f" at pull-log offset {d.pull_log_offset}" if d.pull_log_offset is not None else ""
+                console.print(f"    pulled by {who} of group {d.consumer_group}{at}: {state} ({d.known_from})")
+    for letter in result.dead:
+        state = " (since resent or purged)" if letter.removed else ""
+        console.print(
+            f"  dead      {letter.dead_at}  group {letter.consumer_group} after {letter.attempts} attempts"
+            f"{': ' + _short(letter.error) if letter.error else ''}{state}"
+        )
+    for note in result.notes:
+        console.print(f"  note: {note}")
+
+
+@cli.command()
+@click.option(
+    "--archive",
+    "archive_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="the --to of `qmq archive`",
+)
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path), help="where to write [default: ARCHIVE/_report]"
+)
+@spark_master_option
+def report(archive_dir: Path, out: Path | None, spark_master: str) -> None:
+    """Per subject and day: messages, bytes, retry and dead-letter rates, consumer lag (Parquet and a table)."""
+    from qmq.spark.report import COLUMNS, run_report
+
+    with _session(spark_master, "report") as spark, _progress(spark, "building the report"):
+        target, rows = run_report(spark, archive_dir, out)
+    table = Table(title=f"qmq report of {archive_dir}")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("subject", "date") else "right")
+    for row in rows:
+        cells = []
+        for col in COLUMNS:
+            value = row[col]
+            if value is None:
+                cells.append("-")
+            elif col.endswith("_rate"):
+                cells.append(f"{value:.2%}")
+            elif isinstance(value, int):
+                cells.append(f"{value:,}")
+            else:
+                cells.append(str(value))
+        table.add_row(*cells)
+    console = Console()
+    console.print(table)
+    console.print(f"{len(rows)} row(s) written to {target}")

@@ -1,0 +1,356 @@
+"""The archive job (``qmq archive``): stored messages → Parquet, incrementally.
+
+Layout of an archive directory::
+
+    subject=<subject>/date=<yyyy-MM-dd>/part-*.parquet   messages (the data source's columns
+                                                         but subject; date is created_at's UTC date)
+    _groups/part-<run ms>.parquet    consumer groups' lag at each run (subject, group, …)
+    _dead/part-<run ms>.parquet      dead letters found since the last run
+    _qmq_archive.json                what the last successful run reached (below)
+
+``_qmq_archive.json`` holds, per (broker group, subject), the next sequence to archive and,
+per dead-letter subject, the last letter archived. A run reads from there to what is
+stored when it starts, appends, and only then rewrites the file (write to a temporary file,
+rename), so a run that fails adds nothing the next run will not add again… except the
+Parquet files it wrote before failing: Spark commits a write job as a whole, so those are
+only the rare files of a job that failed while committing. Names starting with ``_`` are
+hidden from ``spark.read.parquet(archive)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from qmq.client.connection import Connection
+from qmq.common.errors import ConfigError
+from qmq.common.naming import parse_internal_subject
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.message import decode_message, decode_properties
+from qmq.spark.offsets import Positions, SourceOptions, from_json, parse_options, to_json
+from qmq.spark.records import property_text
+from qmq.spark.sources import broker_groups, fetch_bounds
+from qmq.store.dead_letters import ERROR_PROPERTY
+from qmq.store.reader import StoreReader
+
+STATE_FILE = "_qmq_archive.json"
+GROUPS_DIR = "_groups"
+DEAD_DIR = "_dead"
+_STATE_VERSION = 1
+_DEAD_PAGE = 1000
+_DEAD_PAGES_MAX = 10_000  # per (subject, group) and run: ten million letters
+_REQUEST_TIMEOUT_S = 60.0
+
+GROUPS_SCHEMA = pa.schema(
+    [
+        ("run_at", pa.timestamp("us", tz="UTC")),
+        ("broker_group", pa.string()),
+        ("subject", pa.string()),
+        ("consumer_group", pa.string()),
+        ("messages", pa.int64()),
+        ("backlog", pa.int64()),
+        ("unacked", pa.int64()),
+    ]
+)
+DEAD_SCHEMA = pa.schema(
+    [
+        ("broker_group", pa.string()),
+        ("subject", pa.string()),
+        ("consumer_group", pa.string()),
+        ("letter", pa.int64()),
+        ("message_id", pa.string()),
+        ("attempts", pa.int64()),
+        ("error", pa.string()),
+        ("dead_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+@dataclass
+class ArchiveState:
+    offsets: Positions = field(default_factory=dict)
+    dead: dict[str, int] = field(default_factory=dict)  # "<broker group>/<dead subject>" -> last letter
+
+    @classmethod
+    def load(cls, archive: Path) -> ArchiveState:
+        path = archive / STATE_FILE
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return cls()
+        except ValueError as exc:
+            raise ConfigError(
+                f"{path} is not valid JSON ({exc}); restore it, or archive into a new directory"
+            ) from None
+        if not isinstance(doc, dict) or doc.get("version") != _STATE_VERSION:
+            raise ConfigError(f"{path} is not an archive state file of version {_STATE_VERSION}; use a new directory")
+        return cls(from_json(doc.get("offsets", {})), {str(k): int(v) for k, v in doc.get("dead", {}).items()})
+
+    def save(self, archive: Path) -> None:
+        doc = {"version": _STATE_VERSION, "offsets": to_json(self.offsets), "dead": dict(sorted(self.dead.items()))}
+        tmp = archive / (STATE_FILE + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, archive / STATE_FILE)
+
+
+@dataclass
+class ArchiveResult:
+    messages: int
+    skipped: int  # removed by retention before they were archived
+    subjects: int
+    dead_letters: int
+    groups: int
+    seconds: float
+    per_subject: dict[str, int]
+
+
+def source_options(meta_server: str | None, data_dir: str | None, broker_group: str | None) -> dict[str, str]:
+    if (meta_server is None) == (data_dir is None):
+        raise ConfigError("give exactly one of --meta-server (read through the brokers) or --data-dir (read files)")
+    if meta_server is not None:
+        return {"meta_server": meta_server}
+    opts = {"path": str(data_dir)}
+    if broker_group:
+        opts["brokerGroup"] = broker_group
+    return opts
+
+
+def plan_run(state: ArchiveState, bounds: dict[tuple[str, str], tuple[int, int]]) -> tuple[Positions, Positions, int]:
+    """Start and end of this run per pair, and how many messages retention removed unarchived."""
+    start: Positions = {}
+    end: Positions = {}
+    skipped = 0
+    for pair, (first, stored) in bounds.items():
+        done = state.offsets.get(pair, 0)
+        begin = max(done, first)
+        skipped += max(0, min(first, stored) - done)
+        start[pair] = begin
+        end[pair] = max(begin, stored)
+    return start, end, skipped
+
+
+def with_date(df: DataFrame) -> DataFrame:
+    return df.withColumn("date", F.date_format(F.col("created_at"), "yyyy-MM-dd"))
+
+
+def run_archive(
+    spark: SparkSession,
+    source: dict[str, str],
+    to: Path,
+    on_plan: Callable[[int], None] | None = None,
+) -> ArchiveResult:
+    """Archive what is new since the last run into ``to``; see the module docstring."""
+    t0 = time.monotonic()
+    to.mkdir(parents=True, exist_ok=True)
+    state = ArchiveState.load(to)
+    options = parse_options({**source, "subscribePattern": ".*"}, streaming=False)
+    found = fetch_bounds(options)
+    start, end, skipped = plan_run(state, found.bounds)
+    todo = {p: end[p] - start[p] for p in end if end[p] > start[p]}
+    if on_plan is not None:
+        on_plan(sum(todo.values()))
+    if todo:
+        df = (
+            spark.read.format("qmq")
+            .options(**source)
+            .option("subscribePattern", ".*")
+            .option("startingOffsets", json.dumps(to_json(start)))
+            .option("endingOffsets", json.dumps(to_json(end)))
+            .option("failOnDataLoss", "false")
+            .load()
+        )
+        with_date(df).write.mode("append").partitionBy("subject", "date").parquet(str(to))
+    run_ms = time.time_ns() // 1_000_000
+    groups = _lag_rows(options, found.bounds, run_ms)
+    dead = _dead_rows(options, state)
+    if groups:
+        _write_table(to / GROUPS_DIR, run_ms, pa.Table.from_pylist(groups, GROUPS_SCHEMA))
+    if dead:
+        _write_table(to / DEAD_DIR, run_ms, pa.Table.from_pylist(dead, DEAD_SCHEMA))
+    for row in dead:
+        key = f"{row['broker_group']}/%DEAD_RETRY%{row['subject']}%{row['consumer_group']}"
+        state.dead[key] = max(state.dead.get(key, -1), int(row["letter"]))
+    state.offsets.update(end)
+    state.save(to)
+    per_subject: dict[str, int] = {}
+    for (_g, subject), n in todo.items():
+        per_subject[subject] = per_subject.get(subject, 0) + n
+    return ArchiveResult(
+        messages=sum(todo.values()),
+        skipped=skipped,
+        subjects=len(per_subject),
+        dead_letters=len(dead),
+        groups=len(groups),
+        seconds=round(time.monotonic() - t0, 3),
+        per_subject=per_subject,
+    )
+
+
+def _write_table(directory: Path, run_ms: int, table: pa.Table) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".part-{run_ms}.parquet.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, directory / f"part-{run_ms}.parquet")
+
+
+def _ts(ms: int) -> Any:
+    return pa.scalar(ms * 1000, pa.timestamp("us", tz="UTC")).as_py()
+
+
+def _lag_rows(
+    options: SourceOptions, bounds: dict[tuple[str, str], tuple[int, int]], run_ms: int
+) -> list[dict[str, Any]]:
+    """Each consumer group's lag now: from the brokers (LAG), or from the files (progress)."""
+    if options.path is not None:
+        reader = StoreReader(options.path)
+        progress, _at = reader.progress()
+        rows = []
+        for gp in progress.groups.values():
+            stored = bounds.get((options.broker_group, gp.subject), (0, 0))[1]
+            unacked = sum(cp.unacked for cp in gp.consumers.values())
+            rows.append(_lag_row(run_ms, options.broker_group, gp.subject, gp.group, stored, gp.pull_offset, unacked))
+        return rows
+    assert options.meta_server is not None
+    return asyncio.run(_remote_lag(options.meta_server, run_ms))
+
+
+def _lag_row(
+    run_ms: int, broker_group: str, subject: str, group: str, stored: int, pull_offset: int, unacked: int
+) -> dict[str, Any]:
+    return {
+        "run_at": _ts(run_ms),
+        "broker_group": broker_group,
+        "subject": subject,
+        "consumer_group": group,
+        "messages": stored,
+        "backlog": max(0, stored - pull_offset),
+        "unacked": unacked,
+    }
+
+
+async def _remote_lag(meta_server: str, run_ms: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for group_name, address in sorted((await broker_groups(meta_server)).items()):
+        conn = Connection(address, connect_timeout_ms=5_000)
+        try:
+            async with asyncio.timeout(_REQUEST_TIMEOUT_S):
+                subjects = (await conn.request(RequestCode.SUBJECTS, {})).header.get("subjects", [])
+                for item in subjects:
+                    for g in item.get("groups", []):
+                        h = (await conn.request(RequestCode.LAG, {"subject": item["subject"], "group": g})).header
+                        rows.append(
+                            _lag_row(
+                                run_ms,
+                                group_name,
+                                item["subject"],
+                                g,
+                                int(h["messages"]),
+                                int(h["pull_offset"]),
+                                int(h["unacked"]),
+                            )
+                        )
+        finally:
+            await conn.close()
+    return rows
+
+
+def _dead_rows(options: SourceOptions, state: ArchiveState) -> list[dict[str, Any]]:
+    """Dead letters numbered after the last run's, of every (subject, group)."""
+    if options.path is not None:
+        rows = []
+        for letter in StoreReader(options.path).dead_letters():
+            key = f"{options.broker_group}/{letter.dead_subject}"
+            if letter.letter <= state.dead.get(key, -1):
+                continue
+            _kind, subject, group = parse_internal_subject(letter.dead_subject)
+            fields = decode_message(letter.message)
+            error = decode_properties(fields.properties_raw).get(ERROR_PROPERTY)
+            rows.append(
+                _dead_row(
+                    options.broker_group,
+                    subject,
+                    group,
+                    letter.letter,
+                    fields.message_id,
+                    fields.times,
+                    property_text(error) if error is not None else None,
+                    letter.dead_at_ms,
+                )
+            )
+        return rows
+    assert options.meta_server is not None
+    return asyncio.run(_remote_dead(options.meta_server, state))
+
+
+def _dead_row(
+    broker_group: str,
+    subject: str,
+    group: str,
+    letter: int,
+    message_id: str,
+    attempts: int,
+    error: str | None,
+    dead_at_ms: int,
+) -> dict[str, Any]:
+    return {
+        "broker_group": broker_group,
+        "subject": subject,
+        "consumer_group": group,
+        "letter": letter,
+        "message_id": message_id,
+        "attempts": attempts,
+        "error": error,
+        "dead_at": _ts(dead_at_ms),
+    }
+
+
+async def _remote_dead(meta_server: str, state: ArchiveState) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for group_name, address in sorted((await broker_groups(meta_server)).items()):
+        conn = Connection(address, connect_timeout_ms=5_000)
+        try:
+            async with asyncio.timeout(_REQUEST_TIMEOUT_S):
+                subjects = (await conn.request(RequestCode.SUBJECTS, {})).header.get("subjects", [])
+                for item in subjects:
+                    subject = item["subject"]
+                    if subject.startswith("%"):
+                        continue
+                    for g in item.get("groups", []):
+                        key = f"{group_name}/%DEAD_RETRY%{subject}%{g}"
+                        after = state.dead.get(key, -1)
+                        for _ in range(_DEAD_PAGES_MAX):
+                            header = {"subject": subject, "group": g, "limit": _DEAD_PAGE, "after": after}
+                            letters = (await conn.request(RequestCode.DEAD_LETTERS, header)).header.get("letters", [])
+                            for x in letters:
+                                rows.append(
+                                    _dead_row(
+                                        group_name,
+                                        subject,
+                                        g,
+                                        int(x["letter"]),
+                                        str(x["message_id"]),
+                                        int(x["attempts"]),
+                                        str(x.get("error") or "") or None,
+                                        int(x["dead_at_ms"]),
+                                    )
+                                )
+                            if len(letters) < _DEAD_PAGE:
+                                break
+                            after = int(letters[-1]["letter"])
+        finally:
+            await conn.close()
+    return rows
