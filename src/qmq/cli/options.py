@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import click
 
@@ -26,6 +27,7 @@ def config_options(
     """Decorate a click command with an option per field of ``cls`` (``only`` limits which)."""
     rename = rename or {}
     fields = [f for f in dataclasses.fields(cls) if only is None or f.name in only]
+    hints = typing.get_type_hints(cls)
 
     def decorate(fn: F) -> F:
         for f in reversed(fields):
@@ -35,7 +37,7 @@ def config_options(
                 flag,
                 f.name,
                 default=None,
-                metavar=_metavar(f.type),
+                metavar=_metavar(hints[f.name]),
                 help=f"{f.metadata.get('doc', '')} [default: {default}]",
             )(fn)
         return fn
@@ -43,17 +45,11 @@ def config_options(
     return decorate
 
 
-def _metavar(type_: object) -> str:
-    text = str(type_)
-    if "int" in text:
-        return "N"
-    if "float" in text:
-        return "X"
-    if "Path" in text:
-        return "DIR"
-    if "FlushPolicy" in text or "Literal" in text:
-        return "sync|periodic"
-    return "TEXT"
+def _metavar(hint: object) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "|".join(str(a) for a in typing.get_args(hint))
+    names: dict[object, str] = {int: "N", float: "X", bool: "true|false", Path: "DIR", str: "TEXT"}
+    return names.get(hint, "TEXT")
 
 
 def load(cls: type[T], config_file: Path | None, section: str, values: dict[str, Any]) -> T:

@@ -112,6 +112,21 @@ class BrokerConfig:
         _range(10, 86_400_000),
     )
     shutdown_grace_ms: int = _opt("how long shutdown waits for in-flight requests", 5_000, _range(0, 600_000))
+    role: Literal["master", "slave"] = _opt(
+        "what this broker starts as in its group; the meta server decides from then on (docs/cluster.md)", "master"
+    )
+    wait_slave_wrote: bool = _opt(
+        "when the group has a slave, acknowledge a send only once the slave has written it", True
+    )
+    slave_timeout_ms: int = _opt(
+        "a master whose slave has not replicated for this long turns read-only (or degrades, see below)",
+        10_000,
+        _range(10, 3_600_000),
+    )
+    degrade_unreplicated: bool = _opt(
+        "when the slave is gone, keep acknowledging sends on the master's copy alone instead of turning read-only",
+        False,
+    )
     message_bytes_max: int = _opt(
         "largest message the broker stores (bytes of the encoded message); larger ones are refused by index",
         4 * MiB,
