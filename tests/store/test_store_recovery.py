@@ -137,3 +137,15 @@ def test_retention_deletes_old_segments_and_pulls_skip_them(open_store: Callable
     assert seqs[0] > 0
     assert seqs[-1] == 599
     assert seqs == list(range(seqs[0], 600))
+
+
+def test_dead_letters_are_indexed_once_and_removals_replayed(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("%DEAD_RETRY%s%g", ["d1", "d2"]))
+    [first, second] = store.dead.letters("%DEAD_RETRY%s%g")
+    store.remove_dead("%DEAD_RETRY%s%g", [first.number])
+    store.close()  # no checkpoint: recovery replays the whole message log and action log
+    again = open_store()
+    letters = again.dead.letters("%DEAD_RETRY%s%g")
+    assert [letter.number for letter in letters] == [second.number]
+    assert again.dead.live("%DEAD_RETRY%s%g") == 1

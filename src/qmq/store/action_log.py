@@ -12,6 +12,7 @@ Payloads (lists, first item the kind):
     [PULL, subject, group, consumer_id, pull_offset, [[seq, count], ...], new_group_pull_offset]
     [ACK, subject, group, consumer_id, [[start, end], ...]]
     [RESET, subject, group, new_group_pull_offset]
+    [DEAD_REMOVE, dead_letter_subject, [letter numbers]]   (resent or purged)
 
 A consumer's pull log is the sequence of its PULL runs; it lives in memory (``progress``),
 in checkpoints, and here. Writes go to the OS at once (so ``kill -9`` loses nothing) and
@@ -34,6 +35,7 @@ CREATE_GROUP = 1
 PULL = 2
 ACK = 3
 RESET = 4
+DEAD_REMOVE = 5
 
 _FRAME = struct.Struct("<II")
 _SEGMENT_BYTES = 64 * 1024 * 1024

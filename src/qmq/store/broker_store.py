@@ -177,12 +177,11 @@ class BrokerStore:
         (the broker's own resends) stores a message even if its key is in the duplicate window.
         """
         now = self.clock.now_ms()
-        dead_letters: dict[str, list[bytes]] = {}
         limits = self.limits
         errors: list[list[Any]] = []
-        accepted: list[tuple[ScannedMessage, SubjectState, int, int]] = []
+        # (message, its subject state or the name of its dead-letter subject, tag bloom, dedup key)
+        accepted: list[tuple[ScannedMessage, SubjectState | str, int, int]] = []
         seen: set[int] = set()
-        dead_keys: list[int] = []
         dedup = self.dedup
         duplicates = 0
         total = 0
@@ -229,36 +228,38 @@ class BrokerStore:
                 duplicates += 1
                 continue
             seen.add(key)
-            if st is None:
+            target: SubjectState | str
+            if st is not None:
+                target = st
+            else:
                 assert dead_name is not None
-                dead_letters.setdefault(dead_name, []).append(body[sm.pos : sm.pos + sm.length])
-                dead_keys.append(key)
-                continue
-            accepted.append((sm, st, bloom, key))
+                target = dead_name
+            accepted.append((sm, target, bloom, key))
             total += RECORD_HEADER_BYTES + sm.length
-        for name, messages in dead_letters.items():
-            try:
-                self.dead.append(name, list(messages), now)
-            except OSError as exc:
-                raise _store_error(exc, self.dir) from exc
-        if dead_keys:
-            dedup.add_many(dead_keys, now)
         if not accepted:
-            return AppendResult(errors, duplicates, sum(map(len, dead_letters.values())), 0, {})
+            return AppendResult(errors, duplicates, 0, 0, {})
 
         base = self.mlog.offset_for_append(total)
         out = bytearray(total)
         view = memoryview(body)
         touched: dict[SubjectState, int] = {}
         per_subject: dict[str, list[int]] = {}
+        dead_letters: dict[str, list[tuple[int, bytes | memoryview]]] = {}
         pos = 0
         pack_entry = ENTRY.pack
-        for sm, st, bloom, _key in accepted:
+        for sm, dest, bloom, _key in accepted:
+            message = view[sm.pos : sm.pos + sm.length]
+            if isinstance(dest, str):
+                # a dead letter: in the message log (so slaves get it) and kept apart, never pulled
+                dead_letters.setdefault(dest, []).append((base + pos, message))
+                pos = pack_record_into(out, pos, message, 0, now)
+                continue
+            st = dest
             if st not in touched:
                 touched[st] = st.next_seq
             seq = st.next_seq
             st.next_seq = seq + 1
-            end = pack_record_into(out, pos, view[sm.pos : sm.pos + sm.length], seq, now)
+            end = pack_record_into(out, pos, message, seq, now)
             st.pending += pack_entry(base + pos, end - pos, now, bloom, 0)
             pos = end
             counts = per_subject.get(st.name)
@@ -283,6 +284,11 @@ class BrokerStore:
             finally:
                 st.pending.clear()
             self._dirty_clogs.add(st)
+        for name, letters in dead_letters.items():
+            try:
+                self.dead.append(name, letters, now)
+            except OSError as exc:
+                raise _store_error(exc, self.dir) from exc
         dedup.add_many([a[3] for a in accepted], now)
         self.total_messages += len(accepted)
         if self.sync_policy:
@@ -358,6 +364,12 @@ class BrokerStore:
         self.alog.append([act.RESET, gp.subject, gp.group, seq])
         gp.pull_offset = seq
         return seq
+
+    def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
+        """Drop dead letters (resent or purged), logged so replay and slaves drop them too."""
+        if numbers:
+            self.alog.append([act.DEAD_REMOVE, dead_subject, numbers])
+            self.dead.remove(dead_subject, numbers)
 
     def ack_locally(self, cp: ConsumerProgress, ranges: list[list[int]]) -> None:
         """An ack the broker makes itself; replay reaches the same state by the same rule."""

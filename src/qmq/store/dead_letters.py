@@ -5,7 +5,8 @@ Layout under ``data_dir/dead/<escaped %DEAD_RETRY%subject%group>/``::
 
     subject     the dead-letter subject, as text
     letters     records as in the message log (qmq.protocol.record); a record's sequence is
-                its letter number, 0, 1, 2, … in arrival order
+                its letter number: the offset of the same record in the broker's message log,
+                so indexing a record twice (recovery, a slave catching up) adds it once
     removed     u64 letter numbers, appended when a letter is resent or purged
 
 Dead letters are rare, so each append is fsynced at once and a listing reads the file.
@@ -38,6 +39,7 @@ class DeadBox:
     removed_fd: int
     size: int
     count: int
+    last_number: int = -1
     removed: set[int] = field(default_factory=set)
 
     @property
@@ -85,7 +87,8 @@ class DeadLetters:
         box = DeadBox(subject, sub, letters_fd, removed_fd, os.fstat(letters_fd).st_size, 0)
         end = [0]
         for letter in self._scan(box, end):
-            box.count = letter.number + 1
+            box.count += 1
+            box.last_number = letter.number
         if end[0] < box.size:  # a torn last letter: cut it
             os.ftruncate(letters_fd, end[0])
             box.size = end[0]
@@ -124,12 +127,16 @@ class DeadLetters:
                 return
             pos += p
 
-    def append(self, subject: str, messages: list[bytes | memoryview], now_ms: int) -> None:
+    def append(self, subject: str, letters: list[tuple[int, bytes | memoryview]], now_ms: int) -> None:
+        """Keep ``letters`` (letter number, message); numbers at or below the last one kept are skipped."""
         box = self.boxes.get(subject) or self._open(subject, self.directory / subject_file_name(subject))
-        out = bytearray(sum(RECORD_HEADER_BYTES + len(m) for m in messages))
+        fresh = [(n, m) for n, m in letters if n > box.last_number]
+        if not fresh:
+            return
+        out = bytearray(sum(RECORD_HEADER_BYTES + len(m) for _n, m in fresh))
         pos = 0
-        for i, m in enumerate(messages):
-            pos = pack_record_into(out, pos, m, box.count + i, now_ms)
+        for number, message in fresh:
+            pos = pack_record_into(out, pos, message, number, now_ms)
         try:
             os.write(box.letters_fd, out)
             os.fsync(box.letters_fd)
@@ -137,7 +144,8 @@ class DeadLetters:
             os.ftruncate(box.letters_fd, box.size)
             raise
         box.size += len(out)
-        box.count += len(messages)
+        box.count += len(fresh)
+        box.last_number = fresh[-1][0]
 
     def letters(self, subject: str, after: int = -1, limit: int = 100, message_id: str | None = None) -> list[Letter]:
         """Live letters of a dead-letter subject with number > ``after``, oldest first."""

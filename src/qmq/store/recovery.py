@@ -16,13 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.message import scan_batch
-from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.store import action_log as act
-from qmq.store.broker_store import dedup_key
 from qmq.store.checkpoint import read_checkpoint
-from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ConsumeLog, tag_bloom
+from qmq.store.consume_log import ENTRY, ConsumeLog
+from qmq.store.indexer import RecordIndexer, UnreadableRecord
 from qmq.store.message_log import ScanResult
 from qmq.store.progress import Progress
 
@@ -81,56 +78,18 @@ def recover(store: BrokerStore) -> RecoveryReport:
     scan_from = max(mlog.start, min(index_from, dedup_from))
 
     scanned = 0
-    rebuilt = 0
-    keys: list[int] = []
-    last_ms = 0
-    pending: set[SubjectState] = set()
+    indexer = RecordIndexer(store, index_from)
     result: list[ScanResult] = []
     for rec in mlog.scan(scan_from, result):
         scanned += 1
         try:
-            (sm,) = scan_batch(bytes(rec.message))
-        except (RemoteProtocolError, ValueError):
+            indexer.add(rec.offset, rec.sequence, rec.stored_ms, rec.message)
+        except UnreadableRecord:
             # CRC-valid but unreadable: written by a different version; stop here like a torn tail
             result.append(ScanResult(rec.offset, mlog.end - rec.offset))
             break
-        keys.append(dedup_key(sm))
-        last_ms = rec.stored_ms
-        if len(keys) >= _DEDUP_CHUNK:
-            store.dedup.add_many(keys, last_ms)
-            keys = []
-        if rec.offset < index_from:
-            continue
-        store.total_messages += 1
-        st = store.subject_state(sm.subject.decode("utf-8"))
-        assert st is not None
-        expected = st.clog.next_seq + len(st.pending) // ENTRY_BYTES
-        if rec.sequence < expected:
-            continue
-        if rec.sequence > expected:
-            log.error(
-                "message log record at offset %d has sequence %d of %r but its consume log ends at %d; "
-                "the entries between cannot be rebuilt",
-                rec.offset,
-                rec.sequence,
-                st.name,
-                expected,
-            )
-            continue
-        st.pending += ENTRY.pack(
-            rec.offset, RECORD_HEADER_BYTES + len(rec.message), rec.stored_ms, tag_bloom(sm.tags), 0
-        )
-        pending.add(st)
-        rebuilt += 1
-        if len(st.pending) >= _INDEX_FLUSH_ENTRIES * ENTRY_BYTES:
-            st.clog.append(st.pending)
-            st.pending.clear()
-    if keys:
-        store.dedup.add_many(keys, last_ms)
-    for st in pending:
-        if st.pending:
-            st.clog.append(st.pending)
-            st.pending.clear()
+    indexer.finish()
+    rebuilt = indexer.rebuilt
     good_end, torn = result[-1] if result else (mlog.end, 0)
     if torn:
         mlog.truncate(good_end)
@@ -150,7 +109,7 @@ def recover(store: BrokerStore) -> RecoveryReport:
     torn_actions: list[int] = []
     replayed = 0
     for action in store.alog.replay(action_from, torn_actions):
-        _apply(store.progress, action)
+        apply_action(store, action)
         replayed += 1
     action_torn = torn_actions[-1] if torn_actions else 0
     if action_torn:
@@ -158,8 +117,8 @@ def recover(store: BrokerStore) -> RecoveryReport:
 
     now_ms = store.clock.now_ms()
     for gp in store.progress.groups.values():
-        st = store.subjects.get(gp.subject)
-        limit = st.next_seq if st else 0
+        sub = store.subjects.get(gp.subject)
+        limit = sub.next_seq if sub else 0
         if gp.pull_offset > limit:
             log.warning(
                 "group %r of %r was past the end of the subject; moved back to %d",
@@ -212,8 +171,15 @@ def _cut_dangling_entries(st: SubjectState, log_end: int) -> None:
         log.warning("consume log of %r: cut %d entries past the end of the message log", st.name, cut)
 
 
-def _apply(progress: Progress, action: list[Any]) -> None:
+def apply_action(store: BrokerStore, action: list[Any]) -> None:
+    """Apply one action-log record (replayed after a restart, or received by a slave)."""
+    progress = store.progress
     kind = action[0]
+    if kind == act.DEAD_REMOVE:
+        _k, dead_subject, numbers = action
+        if dead_subject in store.dead.boxes:
+            store.dead.remove(dead_subject, numbers)
+        return
     if kind == act.CREATE_GROUP:
         _k, subject, group, start = action
         progress.create_group(subject, group, start)

@@ -123,7 +123,7 @@ def resend_dead(store: BrokerStore, subject: str, group: str, message_id: str | 
             return resent
         body = b"".join(with_times(letter.message, 0, subject=target) for letter in letters)
         store.append(body, scan_batch(body), dedup_check=False)
-        store.dead.remove(name, [letter.number for letter in letters])
+        store.remove_dead(name, [letter.number for letter in letters])
         resent += len(letters)
 
 
@@ -134,5 +134,5 @@ def purge_dead(store: BrokerStore, subject: str, group: str, message_id: str | N
         letters = store.dead.letters(name, limit=_MOVE_BATCH_MAX, message_id=message_id)
         if not letters:
             return purged
-        store.dead.remove(name, [letter.number for letter in letters])
+        store.remove_dead(name, [letter.number for letter in letters])
         purged += len(letters)
