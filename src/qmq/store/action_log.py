@@ -22,7 +22,7 @@ are fsynced with the message log's group commit.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,11 @@ _SEGMENT_BYTES = 64 * 1024 * 1024
 
 
 class ActionLog:
-    def __init__(self, directory: Path, segment_bytes: int = _SEGMENT_BYTES) -> None:
+    def __init__(
+        self, directory: Path, segment_bytes: int = _SEGMENT_BYTES, on_append: Callable[[], None] | None = None
+    ) -> None:
         self.segments = SegmentedLog(directory, ".act", segment_bytes)
+        self.on_append = on_append
 
     @property
     def end(self) -> int:
@@ -52,6 +55,8 @@ class ActionLog:
     def append(self, action: list[Any]) -> None:
         payload = msgpack.packb(action, use_bin_type=True)
         self.segments.append(_FRAME.pack(len(payload), crc32c.crc32c(payload)) + payload)
+        if self.on_append is not None:
+            self.on_append()
 
     def replay(self, start: int, torn: list[int]) -> Iterator[list[Any]]:
         """Yield actions from ``start``; on a torn or corrupt record, cut the log there.

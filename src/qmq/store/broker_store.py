@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -34,7 +35,8 @@ from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import action_log as act
 from qmq.store.action_log import ActionLog
-from qmq.store.checkpoint import write_checkpoint
+from qmq.store.checkpoint import history as checkpoint_history
+from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ConsumeLog, tag_bloom
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 # A producer's clock may run a little ahead of the broker's; only later than this is "delayed".
 _DELIVER_AT_SLACK_MS = 1000
 _MARKS_MAX = 1000
+_CHECKPOINTS_KEPT = 4
 _DEAD_RAW = DEAD_PREFIX.encode()
 _DEAD_NAMES_CACHED_MAX = 10_000
 
@@ -106,8 +109,15 @@ class BrokerStore:
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         self.sync_policy = config.flush == "sync"
+        # called after anything is written to the message log or the action log (slaves wait on it)
+        self.on_grow: Callable[[], None] | None = None
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Open the logs and start from empty in-memory state (``open`` then recovers into it)."""
+        config = self.config
         self.mlog = MessageLog(self.dir / "log", config.segment_bytes)
-        self.alog = ActionLog(self.dir / "action")
+        self.alog = ActionLog(self.dir / "action", on_append=self._grew)
         self.consume_dir = self.dir / "consume"
         self.consume_dir.mkdir(exist_ok=True)
         self.subjects: dict[str, SubjectState] = {}
@@ -297,6 +307,7 @@ class BrokerStore:
         else:
             for st in touched:
                 st.visible_seq = st.next_seq
+        self._grew()
         return AppendResult(errors, duplicates, len(accepted), total, per_subject)
 
     # -- flush -------------------------------------------------------------------------
@@ -504,12 +515,19 @@ class BrokerStore:
         }
 
     def write_checkpoint(self, ticket: FlushTicket, state: dict[str, Any]) -> None:
-        """Thread-safe part of a checkpoint: fsync what it covers, then replace the checkpoint file."""
+        """Thread-safe part of a checkpoint: fsync what it covers, then replace the checkpoint file
+        (keeping the last few, for a demoted master cutting its logs back; see replica.rewind)."""
         ticket.run()
-        write_checkpoint(self.dir, state)
+        write_checkpoint(self.dir, state, history_key=state["message_offset"], history_max=_CHECKPOINTS_KEPT)
 
     def after_checkpoint(self, state: dict[str, Any]) -> None:
-        self.alog.delete_before(state["action_offset"])
+        # action-log segments are kept back to the oldest kept checkpoint, which may be recovered from
+        oldest = state["action_offset"]
+        for path in checkpoint_history(self.dir)[:1]:
+            kept = read_checkpoint(self.dir, path)
+            if kept is not None:
+                oldest = min(oldest, kept["action_offset"])
+        self.alog.delete_before(oldest)
 
     def run_retention(self) -> int:
         """Delete message-log segments older than the retention; returns segments deleted."""
@@ -536,12 +554,26 @@ class BrokerStore:
         log.info("retention deleted %d message-log segment(s) before offset %d", keep_from, offset)
         return keep_from
 
-    def close(self) -> None:
+    def _grew(self) -> None:
+        if self.on_grow is not None:
+            self.on_grow()
+
+    def close_files(self) -> None:
+        """Close every log, keeping the directory's lock (see replica.rewind)."""
         self.mlog.close()
         self.alog.close()
         self.dead.close()
         for st in self.subjects.values():
             st.clog.close()
+        self.subjects = {}
+        self._by_raw = {}
+
+    def reopen(self) -> RecoveryReport:
+        self._init_state()
+        return self.open()
+
+    def close(self) -> None:
+        self.close_files()
         os.close(self._lock_fd)
 
 

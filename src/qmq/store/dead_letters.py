@@ -44,7 +44,8 @@ class DeadBox:
 
     @property
     def live(self) -> int:
-        return self.count - len(self.removed)
+        # a removal may name a letter not kept yet (a slave learns of it first): it does not count
+        return self.count - sum(1 for n in self.removed if n <= self.last_number)
 
 
 @dataclass(slots=True)
@@ -163,8 +164,28 @@ class DeadLetters:
                 break
         return out
 
+    def cut_from(self, number: int) -> None:
+        """Forget every letter numbered ``number`` or later (a log cut back after a failover)."""
+        for box in self.boxes.values():
+            if box.last_number < number:
+                continue
+            keep = 0
+            count = 0
+            last = -1
+            for letter in self._scan(box, [0]):
+                if letter.number >= number:
+                    break
+                keep += RECORD_HEADER_BYTES + len(letter.message)
+                count += 1
+                last = letter.number
+            os.ftruncate(box.letters_fd, keep)
+            box.size, box.count, box.last_number = keep, count, last
+            box.removed = {n for n in box.removed if n < number}
+
     def remove(self, subject: str, numbers: list[int]) -> None:
-        box = self.boxes[subject]
+        """Drop letters by number; a number not kept yet (a slave may learn of a removal first)
+        is remembered, so the letter never counts when it comes."""
+        box = self.boxes.get(subject) or self._open(subject, self.directory / subject_file_name(subject))
         fresh = [n for n in numbers if n not in box.removed]
         if not fresh:
             return

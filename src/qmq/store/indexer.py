@@ -72,7 +72,10 @@ class RecordIndexer:
             log.error(
                 "message log record at offset %d has sequence %d of %r but its consume log ends at %d; "
                 "the entries between cannot be rebuilt",
-                offset, sequence, st.name, expected,
+                offset,
+                sequence,
+                st.name,
+                expected,
             )
             return
         st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + len(message), stored_ms, tag_bloom(sm.tags), 0)

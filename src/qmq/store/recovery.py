@@ -177,8 +177,7 @@ def apply_action(store: BrokerStore, action: list[Any]) -> None:
     kind = action[0]
     if kind == act.DEAD_REMOVE:
         _k, dead_subject, numbers = action
-        if dead_subject in store.dead.boxes:
-            store.dead.remove(dead_subject, numbers)
+        store.dead.remove(dead_subject, numbers)
         return
     if kind == act.CREATE_GROUP:
         _k, subject, group, start = action

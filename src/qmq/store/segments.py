@@ -80,9 +80,21 @@ class SegmentedLog:
             self.retired_fds.append(os.dup(seg.fd))
             self._new_segment(seg.end)
 
-    def append(self, data: bytes | bytearray | memoryview) -> int:
-        """Write ``data`` at the end; return its offset. On failure nothing is left half-written."""
-        self.roll_if_needed(len(data))
+    def start_segment(self, base: int) -> None:
+        """Begin a new segment at ``base`` (the end of the log), as a master did: a slave mirrors it."""
+        if base != self.end:
+            raise ValueError(f"a new segment must start at the log's end {self.end}, not {base}")
+        if self.active.size:
+            self.retired_fds.append(os.dup(self.active.fd))
+            self._new_segment(base)
+
+    def append(self, data: bytes | bytearray | memoryview, roll: bool = True) -> int:
+        """Write ``data`` at the end; return its offset. On failure nothing is left half-written.
+
+        ``roll=False`` (a slave) never begins a segment on its own: it follows the master's.
+        """
+        if roll:
+            self.roll_if_needed(len(data))
         seg = self.active
         offset = seg.end
         try:
