@@ -1,0 +1,22 @@
+"""Helpers of the Spark tests: sending test messages."""
+
+from __future__ import annotations
+
+import qmq
+
+
+def send_messages(meta_server: str, subject: str, n: int, body_bytes: int = 20, start: int = 0) -> list[str]:
+    """Send ``n`` messages (property i, tag odd/even) and return their ids, all stored."""
+    ids = []
+    with qmq.Producer(app_code="spark-tests", meta_server=meta_server) as producer:
+        futures = []
+        for i in range(start, start + n):
+            m = producer.generate_message(subject)
+            m.body = f"{i:0{body_bytes}d}".encode()
+            m.set_property("i", i)
+            m.add_tag("odd" if i % 2 else "even")
+            futures.append(producer.send_async(m))
+            ids.append(m.message_id)
+        for f in futures:
+            f.result(30)
+    return ids
