@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 _ID_CHARS_MAX = 200
 _TAG_FILTERS_CACHED_MAX = 4096
 _DEAD_LIST_MAX = 1000
+# what only a master does; a slave answers NOT_MASTER naming its master
+_MASTER_ONLY = frozenset(
+    {
+        RequestCode.SEND_MESSAGES,
+        RequestCode.PULL,
+        RequestCode.ACK,
+        RequestCode.RESET_OFFSET,
+        RequestCode.RESEND_DEAD,
+        RequestCode.PURGE_DEAD,
+        RequestCode.REPLICATE,
+    }
+)
 
 
 class Handlers:
@@ -50,6 +62,7 @@ class Handlers:
             RequestCode.RESEND_DEAD: self.resend_dead,
             RequestCode.PURGE_DEAD: self.purge_dead,
             RequestCode.READ: self.read,
+            RequestCode.REPLICATE: self.replicate,
         }
 
     def dispatch(self, conn: Responder, frame: Frame) -> None:
@@ -63,6 +76,9 @@ class Handlers:
             )
             return
         self.metrics.requests.labels(RequestCode(frame.code).name).inc()
+        if frame.code in _MASTER_ONLY and self.broker.role != "master":
+            conn.respond(frame.code, frame.request_id, {"error": self._not_master()}, status=Status.NOT_MASTER)
+            return
         try:
             handler(conn, frame)
         except BadRequest as exc:
@@ -87,8 +103,18 @@ class Handlers:
         header = {"role": "broker", "group": self.broker.config.group, "time_ms": self.broker.clock.now_ms()}
         conn.respond(frame.code, frame.request_id, header)
 
+    def _not_master(self) -> str:
+        broker = self.broker
+        master = broker.replicator.master if broker.replicator is not None else "unknown yet"
+        return (
+            f"broker {broker.address} is a slave of group {broker.config.group} (epoch {broker.epoch}); "
+            f"its master is {master}: clients find masters through the meta server"
+        )
+
     def _refusal(self) -> tuple[Status, str] | None:
         broker = self.broker
+        if broker.source.write_state() == "read-only":
+            return Status.NOT_MASTER, broker.source.read_only_text()
         if broker.stopping:
             return Status.SHUTTING_DOWN, "the broker is shutting down; send to another broker group or retry"
         if broker.flusher.failed is not None:
@@ -125,20 +151,28 @@ class Handlers:
             metrics.refused.labels(Status(err[1]).name).inc()
         header = {"errors": result.errors, "duplicates": result.duplicates}
         code, request_id = frame.code, frame.request_id
-        if not self.store.sync_policy:
-            conn.respond(code, request_id, header)
-            if result.per_subject:
-                self.broker.parked.notify(set(result.per_subject))
-            return
+        end = self.store.mlog.end
+        source = self.broker.source
 
-        def durable(error: str | None) -> None:
+        def replicated(error: str | None) -> None:
             if error is None:
                 conn.respond(code, request_id, header)
             else:
+                conn.respond(code, request_id, {"error": error}, status=Status.NOT_MASTER)
+
+        def durable(error: str | None) -> None:
+            if error is None:
+                source.after_log_replicated(end, replicated)
+            else:
                 conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
 
+        if not self.store.sync_policy:
+            durable(None)
+            if result.per_subject:
+                self.broker.parked.notify(set(result.per_subject))
+            return
         # Also when nothing new was stored: duplicates may belong to a batch still waiting for fsync.
-        self.broker.flusher.after_write(self.store.mlog.end, durable)
+        self.broker.flusher.after_write(end, durable)
 
     def _group_and_consumer(self, frame: Frame, create: bool) -> tuple[GroupProgress, ConsumerProgress]:
         header = frame.header
@@ -185,6 +219,13 @@ class Handlers:
         out_bytes = metrics.bytes_out.labels(gp.subject, gp.group)
 
         def answer(result: PullResult | None) -> None:
+            if ack_ranges:
+                # the acks it carried must reach the slave first, or a failover would deliver those again
+                self.broker.source.after_actions_replicated(self.store.alog.end, lambda _error: send_answer(result))
+            else:
+                send_answer(result)
+
+        def send_answer(result: PullResult | None) -> None:
             if result is None:
                 metrics.pulls.labels("empty").inc()
                 conn.respond(code, request_id, {"runs": []})
@@ -222,7 +263,12 @@ class Handlers:
     def ack(self, conn: Responder, frame: Frame) -> None:
         ranges = get_ranges(frame.header, "ranges")
         gp, cp = self._group_and_consumer(frame, create=False)
-        conn.respond(frame.code, frame.request_id, {"ack_offset": self._ack(gp, cp, ranges)})
+        ack_offset = self._ack(gp, cp, ranges)
+        code, request_id = frame.code, frame.request_id
+        # answered once the acks reached the slave: an answered ack survives a failover
+        self.broker.source.after_actions_replicated(
+            self.store.alog.end, lambda _error: conn.respond(code, request_id, {"ack_offset": ack_offset})
+        )
 
     def subjects(self, conn: Responder, frame: Frame) -> None:
         """Every subject with messages or consumer groups (a group may wait for a subject's first message)."""
@@ -339,3 +385,23 @@ class Handlers:
         st = self.store.subjects.get(subject)
         bounds = {"start": st.clog.min_seq if st else 0, "end": st.visible_seq if st else 0}
         conn.respond(frame.code, frame.request_id, {"first": first, "count": count, **bounds}, chunks)
+
+    def replicate(self, conn: Responder, frame: Frame) -> None:
+        header = frame.header
+        broker = self.broker
+        epoch = get_int(header, "epoch", 0, 1 << 62)
+        if epoch != broker.epoch:
+            conn.respond(
+                frame.code,
+                frame.request_id,
+                {"error": f"epoch {epoch} is not this master's ({broker.epoch}); ask the meta server for the master"},
+                status=Status.NOT_MASTER,
+            )
+            return
+        fields = {
+            "from": get_int(header, "from", 0, 1 << 62),
+            "action_from": get_int(header, "action_from", 0, 1 << 62),
+            "max_bytes": get_int(header, "max_bytes", 1024, 1 << 30),
+            "timeout_ms": get_int(header, "timeout_ms", 0, self.limits.pull_timeout_ms_max, default=0),
+        }
+        broker.source.request(conn, frame.code, frame.request_id, fields, get_str(header, "slave"))

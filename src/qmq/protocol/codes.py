@@ -21,6 +21,8 @@ class RequestCode(IntEnum):
     PURGE_DEAD = 11
     # reading a subject by sequence, outside any consumer group (data jobs, docs/protocol.md)
     READ = 12
+    # slave → master: copy the message log and the action log (docs/cluster.md)
+    REPLICATE = 13
 
 
 class Status(IntEnum):

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,10 +38,22 @@ def server_payload(role: str, group: str, address: str, http: str) -> dict[str, 
 
 
 class Registration:
-    def __init__(self, meta_server: str, payload: dict[str, Any], interval_ms: int) -> None:
+    """Heartbeats to the meta server. ``payload`` may be a function (re-read for every
+    heartbeat, for servers that report their state); ``on_answer`` gets the meta server's
+    answer to each one (it tells cluster members their role, docs/cluster.md)."""
+
+    def __init__(
+        self,
+        meta_server: str,
+        payload: dict[str, Any] | Callable[[], dict[str, Any]],
+        interval_ms: int,
+        on_answer: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.url = register_url(meta_server)
         self.payload = payload
+        self.on_answer = on_answer
         self.interval_s = interval_ms / 1000
+        self._wake = asyncio.Event()
         self.registered = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -53,21 +67,30 @@ class Registration:
         retry_s = _RETRY_S_MIN
         while True:
             try:
-                async with self._session.post(self.url, json=self.payload) as resp:
+                payload = self.payload() if callable(self.payload) else self.payload
+                async with self._session.post(self.url, json=payload) as resp:
                     body = await resp.json(content_type=None)
                     if resp.status != 200:
                         raise RuntimeError(f"HTTP {resp.status}: {body}")
                 if not self.registered.is_set():
-                    log.info("registered with the meta server at %s as %s", self.url, self.payload)
+                    log.info("registered with the meta server at %s as %s", self.url, payload)
+                if self.on_answer is not None and isinstance(body, dict):
+                    self.on_answer(body)
                 self.registered.set()
                 retry_s = _RETRY_S_MIN
-                await asyncio.sleep(self.interval_s)  # the heartbeat period
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.interval_s)  # the heartbeat period
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the meta server may be down or restarting: keep trying
                 log.warning("meta server %s did not take the heartbeat: %s; retrying", self.url, exc)
                 await asyncio.sleep(retry_s)  # bounded exponential back-off
                 retry_s = min(_RETRY_S_MAX, retry_s * 2)
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once (the server's state changed)."""
+        self._wake.set()
 
     async def stop(self) -> None:
         if self._task is not None:
