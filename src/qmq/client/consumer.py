@@ -470,6 +470,15 @@ class Consumer:
             await asyncio.sleep(interval_s)  # the ack flush period, not a readiness wait
             await self._flush_acks()
 
+    async def flush_acks(self) -> None:
+        """Send every pending acknowledgement now and wait until the brokers answered: an answered
+        ack survives a broker failover (the broker answers once its slave has it)."""
+        pending = [p for p in self._ctx.pullers if any(t.pending for t in p.trackers.values())]
+        results = await asyncio.gather(*(p.flush_acks() for p in pending), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
     async def _flush_acks(self) -> None:
         pending = [p for p in self._ctx.pullers if any(t.pending for t in p.trackers.values())]
         if pending:

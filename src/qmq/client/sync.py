@@ -405,6 +405,10 @@ class Consumer:
 
         self._io.call(add(), _MARGIN_S)
 
+    def flush_acks(self) -> None:
+        """Send every pending acknowledgement now and wait until the brokers answered."""
+        self._io.call(self._async.flush_acks(), 2 * self._async.options.request_timeout_ms / 1000 + _MARGIN_S)
+
     def close(self) -> None:
         """Stop listeners (running handlers finish, up to ``close_timeout_ms``), send the last acks."""
         if self._closed:
