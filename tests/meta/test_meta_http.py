@@ -90,6 +90,11 @@ async def test_registered_groups_are_discovered_with_their_state_and_routes(
     assert await _register(http, server, group="b1", port=20881) == {
         "ok": True,
         "heartbeat_ms": TIMEOUT_MS // 3,
+        "role_in_group": "master",
+        "epoch": 1,
+        "master": None,
+        "slaves": 0,
+        "truncate": None,
     }
     await _register(http, server, group="b2", port=20891)
     await _register(http, server, group="b2", port=20892, role_in_group="slave")
@@ -123,7 +128,7 @@ async def test_registered_groups_are_discovered_with_their_state_and_routes(
             },
         ],
         "routes": {},
-        "refresh_ms": TIMEOUT_MS // 3,
+        "refresh_ms": MetaConfig().client_refresh_ms,
     }
 
     view = await _address(http, server, "order.created", "order.paid", "order.created")

@@ -57,15 +57,15 @@ def test_first_report_registers_later_ones_are_heartbeats_and_a_new_pid_register
     store: MetaStore, clock: ManualClock
 ) -> None:
     reg = _registry(store, clock)
-    assert reg.register(_broker("b1", 20881, pid=100)) is True
+    assert reg.register(_broker("b1", 20881, pid=100)).is_new is True
     first_ms = clock.now_ms()
     clock.advance(5)
-    assert reg.register(_broker("b1", 20881, pid=100)) is False
+    assert reg.register(_broker("b1", 20881, pid=100)).is_new is False
     [row] = store.servers()
     assert (row.registered_at_ms, row.last_heartbeat_ms) == (first_ms, first_ms + 5_000)
 
     clock.advance(5)
-    assert reg.register(_broker("b1", 20881, pid=101)) is True
+    assert reg.register(_broker("b1", 20881, pid=101)).is_new is True
     [row] = store.servers()
     assert (row.pid, row.registered_at_ms, row.last_heartbeat_ms) == (
         101,

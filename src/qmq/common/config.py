@@ -253,6 +253,21 @@ class MetaConfig:
         2,
         _range(1, 64),
     )
+    auto_promote: bool = _opt(
+        "when a group's master is silent for heartbeat_timeout_ms, make its freshest slave master (docs/cluster.md)",
+        True,
+    )
+    leader_lease_ms: int = _opt(
+        "meta servers sharing db_url: how long the leader's lease lasts (renewed every third of it); "
+        "another meta server takes over this long after the leader stops",
+        15_000,
+        _range(100, 600_000),
+    )
+    client_refresh_ms: int = _opt(
+        "how often clients ask again for groups and routes (refresh_ms of GET /meta/address)",
+        2_000,
+        _range(100, 600_000),
+    )
 
 
 @dataclass(slots=True)

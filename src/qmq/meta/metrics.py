@@ -43,14 +43,25 @@ class MetaMetrics:
             ["role", "state"],
             registry=self.registry,
         )
-        self.subjects = Gauge(
-            "qmq_meta_subjects", "subjects routed to at least one group", registry=self.registry
-        )
+        self.subjects = Gauge("qmq_meta_subjects", "subjects routed to at least one group", registry=self.registry)
         self.routes = Gauge("qmq_meta_routes", "(subject, broker group) routes", registry=self.registry)
+        self.promotions = Counter(
+            "qmq_meta_promotions",
+            "slaves made master by this meta server, by role and how (auto: master silent; manual)",
+            ["role", "how"],
+            registry=self.registry,
+        )
+        self.leader = Gauge(
+            "qmq_meta_leader",
+            "1 while this meta server holds the leader lease (it alone promotes), else 0",
+            registry=self.registry,
+        )
         # Labelled series exist from the start, so a scrape shows zeros, not absences.
         for role in ROLES:
             self.registrations.labels(role=role)
             self.heartbeats.labels(role=role)
+            for how in ("auto", "manual"):
+                self.promotions.labels(role=role, how=how)
 
     def render(self, counts: RegistryCounts) -> bytes:
         """The exposition text, with gauges taken from ``counts``."""

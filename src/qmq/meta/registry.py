@@ -1,12 +1,17 @@
-"""The registry: which servers are alive, what each group's state is, and where subjects go.
+"""The registry: which servers are alive, what each group's epoch and master are, and where
+subjects go.
 
-Pure logic over a MetaStore and a clock; no asyncio, no locks. The meta server calls it from
-one thread only, so no two calls ever overlap.
+Logic over a MetaStore and a clock; no asyncio, no locks. The meta server calls it from one
+thread only, so no two calls ever overlap. The rules of each decision are in
+``qmq.meta.decisions``; this module reads what they need, and writes what they decide.
 
-A group's entry is its master: the server of the group registered with role_in_group
-"master" that reported itself last (after a promotion the new master reports, the old one
-falls silent). The group is "available" while that master's last heartbeat is at most
-``heartbeat_timeout_ms`` old.
+Several meta servers may share the store. So the servers and groups held in memory are a
+cache of the store, read again when older than ``cache_ms`` (a server registered at another
+meta server is seen here within that), and every decision starts from the group's row as
+stored and is written only if that row did not change meanwhile.
+
+A group is "available" while its master (the address in its row) heartbeats: its last
+report is at most ``heartbeat_timeout_ms`` old.
 
 Routing: the first time a subject is asked for, it is routed to ``route_groups`` available
 broker groups, those with the fewest subjects first (ties by name), and the routes are
@@ -17,6 +22,7 @@ were sent.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,36 +30,64 @@ from typing import Final, Literal
 
 from qmq.common.clock import Clock
 from qmq.common.errors import QmqError
-from qmq.meta.store import MetaStore, ServerRecord
+from qmq.meta.decisions import (
+    ROLES,
+    ROLES_IN_GROUP,
+    Registration,
+    Role,
+    RoleInGroup,
+    candidates,
+    decide,
+    is_fresh,
+    promoted,
+    slaves_heartbeating,
+)
+from qmq.meta.store import GroupRecord, MetaStore, MetaStoreError, ServerRecord
 
-Role = Literal["broker", "delay"]
-RoleInGroup = Literal["master", "slave"]
+__all__ = [
+    "ROLES",
+    "ROLES_IN_GROUP",
+    "STATES",
+    "GroupView",
+    "Heartbeat",
+    "Promotion",
+    "PromotionRefusedError",
+    "Registration",
+    "Registry",
+    "RegistryCounts",
+    "RegistryFullError",
+    "Reported",
+    "State",
+    "UnknownGroupError",
+]
+
+log = logging.getLogger(__name__)
+
 State = Literal["available", "unavailable"]
 
-ROLES: Final = ("broker", "delay")
-ROLES_IN_GROUP: Final = ("master", "slave")
 STATES: Final = ("available", "unavailable")
 
 # Bounds on what clients and servers can make the registry hold in memory. A deployment
 # has tens of servers and thousands of subjects; these are orders of magnitude above.
 SERVERS_MAX: Final = 4096
 SUBJECTS_MAX: Final = 1_000_000
+# How stale the servers and groups read from the store may be: a meta server sharing the
+# store sees another's registrations within this (well inside one heartbeat).
+READ_CACHE_MS: Final = 1_000
+# A decision whose group row changed under it is made again from the new row, this many times.
+_DECIDE_ATTEMPTS_MAX: Final = 3
 
 
 class RegistryFullError(QmqError):
     """The registry holds as many servers or subjects as it may; the message says which."""
 
 
-@dataclass(frozen=True, slots=True)
-class Registration:
-    """What a server reports about itself, first time and every heartbeat."""
+class UnknownGroupError(QmqError):
+    """No group of that role and name has registered; the message lists those that have."""
 
-    role: Role
-    group: str
-    address: str
-    http: str
-    pid: int
-    role_in_group: RoleInGroup = "master"
+
+class PromotionRefusedError(QmqError):
+    """A promotion cannot be done now; the message names the group and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +102,34 @@ class GroupView:
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The answer to a server's report: what it must be (docs/cluster.md, "Heartbeat answer")."""
+
+    role_in_group: RoleInGroup
+    epoch: int
+    master: str | None
+    slaves: int
+    truncate: tuple[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """A report taken: whether it registered a new process, and the answer to send back."""
+
+    is_new: bool
+    answer: Heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """A slave made master: the group's new row and the master it replaced."""
+
+    group: GroupRecord
+    previous_master: str
+    manual: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RegistryCounts:
     """Sizes for metrics: groups by (role, state), subjects routed, (subject, group) routes."""
 
@@ -77,10 +139,17 @@ class RegistryCounts:
 
 
 class Registry:
-    """Registered servers and subject routes, cached in memory and written through to the store."""
+    """Registered servers, group decisions and subject routes, cached and written through to the store."""
 
     def __init__(
-        self, store: MetaStore, clock: Clock, *, heartbeat_timeout_ms: int, route_groups: int
+        self,
+        store: MetaStore,
+        clock: Clock,
+        *,
+        heartbeat_timeout_ms: int,
+        route_groups: int,
+        owner: str = "meta",
+        cache_ms: int = READ_CACHE_MS,
     ) -> None:
         if heartbeat_timeout_ms <= 0:
             raise ValueError(f"heartbeat_timeout_ms must be positive, got {heartbeat_timeout_ms}")
@@ -88,20 +157,86 @@ class Registry:
             raise ValueError(f"route_groups must be positive, got {route_groups}")
         self._store = store
         self._clock = clock
-        self._heartbeat_timeout_ms = heartbeat_timeout_ms
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self._route_groups = route_groups
-        self._servers: dict[tuple[str, str, str], ServerRecord] = {
-            (r.role, r.group, r.address): r for r in store.servers()
-        }
+        self._owner = owner
+        self._cache_s = cache_ms / 1000
+        self._servers: dict[tuple[str, str, str], ServerRecord] = {}
+        self._groups: dict[tuple[str, str], GroupRecord] = {}
+        self._loaded_at = 0.0
+        self._reload_failures = 0
+        self.reload()
         self._routes: dict[str, list[str]] = store.routes()
+        # When an incomplete route was last read from the store (another meta server may widen it).
+        self._route_read_at: dict[str, float] = {}
         self._subjects_per_group: Counter[str] = Counter(g for gs in self._routes.values() for g in gs)
+        # Groups whose master is gone with no slave to promote, logged once until that changes.
+        self._stuck: set[tuple[str, str]] = set()
 
-    def register(self, reg: Registration) -> bool:
-        """Record a report from a server; True when it is a new registration, False for a heartbeat.
+    # -- reading ---------------------------------------------------------------------------
 
-        A report from an address already known under another pid is a new registration: the
-        process restarted.
+    def reload(self) -> None:
+        """Read the servers and groups from the store now."""
+        servers = self._store.servers()
+        groups = self._store.groups()
+        self._servers = {(r.role, r.group, r.address): r for r in servers}
+        self._groups = {(g.role, g.group): g for g in groups}
+        self._loaded_at = self._clock.monotonic()
+
+    def _fresh(self) -> None:
+        now = self._clock.monotonic()
+        if now - self._loaded_at < self._cache_s:
+            return
+        try:
+            self.reload()
+        except MetaStoreError as exc:
+            # Serve what memory holds through a database outage: clients keep finding brokers.
+            # Tried again after another cache period, not on every request.
+            self._loaded_at = now
+            self._reload_failures += 1
+            if self._reload_failures == 1 or self._reload_failures % 100 == 0:
+                log.warning("serving the servers and groups read before: %s", exc)
+        else:
+            self._reload_failures = 0
+
+    def _members(self, role: str, group: str) -> list[ServerRecord]:
+        return [r for (ro, g, _a), r in sorted(self._servers.items()) if ro == role and g == group]
+
+    def _master_of(self, group: GroupRecord) -> ServerRecord | None:
+        return self._servers.get((group.role, group.group, group.master))
+
+    def servers(self) -> list[ServerRecord]:
+        """Every server as it last reported, by role, group and address."""
+        self._fresh()
+        return [r for _k, r in sorted(self._servers.items())]
+
+    def group_records(self) -> list[GroupRecord]:
+        """Every group's row, by role and name."""
+        self._fresh()
+        return [g for _k, g in sorted(self._groups.items())]
+
+    def groups(self, role: Role) -> list[GroupView]:
+        """Every group of ``role`` with a master, sorted by name."""
+        self._fresh()
+        now_ms = self._clock.now_ms()
+        out = []
+        for (r, name), g in sorted(self._groups.items()):
+            master = self._master_of(g)
+            if r != role or master is None:
+                continue
+            state: State = "available" if is_fresh(master, now_ms, self.heartbeat_timeout_ms) else "unavailable"
+            out.append(GroupView(role=role, group=name, address=g.master, http=master.http, state=state))
+        return out
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def register(self, reg: Registration) -> Reported:
+        """Record a report from a server and decide what it must be.
+
+        ``is_new`` is True for a new registration, False for a heartbeat; a report from an
+        address already known under another pid is a new registration: the process restarted.
         """
+        self._fresh()
         now_ms = self._clock.now_ms()
         key = (reg.role, reg.group, reg.address)
         old = self._servers.get(key)
@@ -120,34 +255,155 @@ class Registry:
             role_in_group=reg.role_in_group,
             registered_at_ms=now_ms if is_new or old is None else old.registered_at_ms,
             last_heartbeat_ms=now_ms,
+            epoch=reg.epoch,
+            log_end=reg.log_end,
+            action_end=reg.action_end,
+            replicated_ms=reg.replicated_ms,
+            write_state=reg.write_state,
         )
         # Store first: when the write fails, memory still says what the store says.
         self._store.save_server(record)
         self._servers[key] = record
-        return is_new
+        return Reported(is_new, self._answer(reg, now_ms))
 
-    def groups(self, role: Role) -> list[GroupView]:
-        """Every group of ``role`` that has a master, sorted by name."""
-        masters: dict[str, ServerRecord] = {}
-        for r in self._servers.values():
-            if r.role != role or r.role_in_group != "master":
-                continue
-            best = masters.get(r.group)
-            if best is None or r.last_heartbeat_ms > best.last_heartbeat_ms:
-                masters[r.group] = r
-        now_ms = self._clock.now_ms()
-        return [
-            GroupView(
-                role=role,
-                group=name,
-                address=m.address,
-                http=m.http,
-                state="available"
-                if now_ms - m.last_heartbeat_ms <= self._heartbeat_timeout_ms
-                else "unavailable",
+    def _answer(self, reg: Registration, now_ms: int) -> Heartbeat:
+        # The group's row as stored, not as cached: another meta server may have just promoted.
+        group = self._store.group(reg.role, reg.group)
+        for _ in range(_DECIDE_ATTEMPTS_MAX):
+            master = None if group is None else self._master_of(group)
+            decision = decide(reg, group, master, now_ms=now_ms, by=self._owner)
+            after = decision.group_after
+            if after is None:
+                break
+            if group is None:
+                stored = self._store.create_group(after)
+                if stored == after:
+                    log.info(
+                        "%s group %r: %s is its first master, epoch %d", reg.role, reg.group, reg.address, after.epoch
+                    )
+                    group = after
+                    break
+                group = stored  # another meta server created it first: decide again from its row
+            elif self._store.change_group(group, after):
+                log.info(
+                    "%s group %r: master %s, epoch %d (was %s, epoch %d)",
+                    reg.role,
+                    reg.group,
+                    after.master,
+                    after.epoch,
+                    group.master,
+                    group.epoch,
+                )
+                group = after
+                break
+            else:
+                group = self._store.group(reg.role, reg.group)
+        else:
+            raise MetaStoreError(
+                f"group {reg.group!r} kept changing while the report of {reg.address} was decided; "
+                "the server's next heartbeat tries again"
             )
-            for name, m in sorted(masters.items())
-        ]
+        if group is None:
+            return Heartbeat("slave", 0, None, 0, None)
+        self._groups[(group.role, group.group)] = group
+        truncate = None
+        if decision.cut_after_epoch is not None:
+            truncate = self._store.offsets_after(group.role, group.group, decision.cut_after_epoch)
+        is_master = decision.role_in_group == "master"
+        slaves = slaves_heartbeating(group, self._members(reg.role, reg.group), now_ms, self.heartbeat_timeout_ms)
+        return Heartbeat(decision.role_in_group, group.epoch, None if is_master else group.master, slaves, truncate)
+
+    # -- promotion -------------------------------------------------------------------------
+
+    def check_promotions(self) -> list[Promotion]:
+        """Promote a slave in every group whose master is silent past the timeout, where one may be.
+
+        The caller makes sure this meta server leads and automatic promotion is on.
+        """
+        self.reload()  # decisions start from the store, not from a cache
+        now_ms = self._clock.now_ms()
+        done = []
+        for key, group in sorted(self._groups.items()):
+            master = self._master_of(group)
+            if master is not None and is_fresh(master, now_ms, self.heartbeat_timeout_ms):
+                self._stuck.discard(key)
+                continue
+            eligible, reasons = candidates(
+                group, self._members(*key), master, now_ms=now_ms, timeout_ms=self.heartbeat_timeout_ms
+            )
+            if not eligible:
+                if key not in self._stuck:
+                    self._stuck.add(key)
+                    log.warning(
+                        "%s group %r: master %s is silent and no slave can take over%s",
+                        group.role,
+                        group.group,
+                        group.master,
+                        (": " + "; ".join(reasons)) if reasons else "",
+                    )
+                continue
+            self._stuck.discard(key)
+            promotion = self._promote(group, eligible[0], now_ms, manual=False)
+            if promotion is not None:
+                done.append(promotion)
+        return done
+
+    def promote(self, role: Role, group_name: str) -> Promotion:
+        """Make the group's freshest slave its master now (``qmq admin promote``).
+
+        UnknownGroupError when no such group registered; PromotionRefusedError naming the group
+        when no slave may take over (saying why of each) or the group changed meanwhile.
+        """
+        self.reload()
+        group = self._groups.get((role, group_name))
+        if group is None:
+            known = sorted(g for (r, g) in self._groups if r == role)
+            raise UnknownGroupError(
+                f"no {role} group {group_name!r} has registered with the meta server; "
+                f"{role} groups: {', '.join(known) if known else 'none'}"
+            )
+        now_ms = self._clock.now_ms()
+        eligible, reasons = candidates(
+            group,
+            self._members(role, group_name),
+            self._master_of(group),
+            now_ms=now_ms,
+            timeout_ms=self.heartbeat_timeout_ms,
+        )
+        if not eligible:
+            why = "; ".join(reasons) if reasons else "it has no slave"
+            raise PromotionRefusedError(
+                f"{role} group {group_name!r} has no fresh slave to promote ({why}); "
+                "start a slave (--role slave) and let it catch up, then try again"
+            )
+        promotion = self._promote(group, eligible[0], now_ms, manual=True)
+        if promotion is None:
+            raise PromotionRefusedError(
+                f"{role} group {group_name!r} changed while it was being promoted (another meta server "
+                "decided first); look at `qmq cluster status` and try again if still needed"
+            )
+        return promotion
+
+    def _promote(self, group: GroupRecord, slave: ServerRecord, now_ms: int, *, manual: bool) -> Promotion | None:
+        after = promoted(group, slave, now_ms=now_ms, by=self._owner)
+        if not self._store.change_group(group, after):
+            self.reload()
+            return None
+        self._groups[(group.role, group.group)] = after
+        log.warning(
+            "%s group %r: promoted %s to master, epoch %d, from message offset %d, action offset %d (was %s, %s)",
+            group.role,
+            group.group,
+            slave.address,
+            after.epoch,
+            after.message_offset,
+            after.action_offset,
+            group.master,
+            "by hand" if manual else "silent past the heartbeat timeout",
+        )
+        return Promotion(after, group.master, manual)
+
+    # -- routes ----------------------------------------------------------------------------
 
     def routes(self, subjects: Iterable[str]) -> dict[str, list[str]]:
         """The broker groups of each subject (sorted), routing the ones not yet routed in full.
@@ -159,16 +415,20 @@ class Registry:
 
     def _route(self, subject: str, available: list[str]) -> list[str]:
         current = self._routes.get(subject)
-        if current is None:
-            # Another meta server sharing the store may have routed it since we loaded.
-            current = self._store.routes_of(subject)
+        if current is None or len(current) < self._route_groups:
+            # Another meta server sharing the store may have routed or widened it since.
+            mono = self._clock.monotonic()
+            if current is None or mono - self._route_read_at.get(subject, -self._cache_s) >= self._cache_s:
+                current = self._store.routes_of(subject)
+                if current and len(current) < self._route_groups:
+                    self._route_read_at[subject] = mono
+                else:
+                    self._route_read_at.pop(subject, None)
         missing = self._route_groups - len(current)
         if missing > 0:
             have = set(current)
-            candidates = sorted(
-                (g for g in available if g not in have), key=lambda g: (self._subjects_per_group[g], g)
-            )
-            extra = candidates[:missing]
+            picks = sorted((g for g in available if g not in have), key=lambda g: (self._subjects_per_group[g], g))
+            extra = picks[:missing]
             if extra:
                 if subject not in self._routes and len(self._routes) >= SUBJECTS_MAX:
                     raise RegistryFullError(

@@ -2,12 +2,17 @@
 
 Routes:
     GET  /meta/address[?subject=S...]  groups, their states and the routes of the subjects asked for
-    POST /meta/register                a broker or delay server reporting itself (also its heartbeat)
+    POST /meta/register                a broker or delay server reporting itself (also its heartbeat);
+                                       the answer says what it must be (docs/cluster.md)
+    GET  /meta/cluster[?routes_max=N]  every group and server, routes, the leading meta server
+    POST /meta/promote                 {"group": G, "role": "broker"}: make G's freshest slave master
     GET  /health                       {"ok": true}
     GET  /metrics                      Prometheus text
 
 The registry and its store are synchronous and run on one dedicated thread, so database
-calls never block the event loop and never overlap one another.
+calls never block the event loop and never overlap one another. A periodic tick on that
+thread takes or renews the leader lease and, on the leader, promotes slaves of groups whose
+master went silent.
 """
 
 from __future__ import annotations
@@ -30,16 +35,26 @@ from aiohttp import web
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import MetaConfig
 from qmq.common.errors import QmqError
+from qmq.meta.leader import LeaderLease, default_owner
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
 from qmq.meta.payload import (
     REGISTER_BODY_BYTES_MAX,
     REQUEST_LINE_BYTES_MAX,
     PayloadError,
+    parse_promote,
     parse_registration,
     parse_subjects,
 )
-from qmq.meta.registry import ROLES, GroupView, Registry, RegistryFullError
+from qmq.meta.registry import (
+    ROLES,
+    Promotion,
+    PromotionRefusedError,
+    Registry,
+    RegistryFullError,
+    UnknownGroupError,
+)
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
+from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +62,8 @@ T = TypeVar("T")
 
 ADDRESS_PATH: Final = "/meta/address"
 REGISTER_PATH: Final = "/meta/register"
+CLUSTER_PATH: Final = "/meta/cluster"
+PROMOTE_PATH: Final = "/meta/promote"
 
 # Meta requests are short; shutdown waits this long for those in flight, then cuts them.
 SHUTDOWN_GRACE_S: Final = 5.0
@@ -56,10 +73,26 @@ EXIT_STARTUP_FAILED: Final = 3
 # after two reports in a row went missing, and clients learn of it within one more third.
 _HEARTBEATS_PER_TIMEOUT: Final = 3
 _INTERVAL_MS_MIN: Final = 10
+# The leader tick: promotion is checked four times per heartbeat timeout, and the lease is
+# renewed three times per lease, whichever is more often; at most every 10 s.
+_TICKS_PER_TIMEOUT: Final = 4
+_TICKS_PER_LEASE: Final = 3
+_TICK_MS_MAX: Final = 10_000
+# Routes listed by GET /meta/cluster: by default, and at most when asked (the rest are counted).
+CLUSTER_ROUTES_DEFAULT: Final = 1_000
+CLUSTER_ROUTES_MAX: Final = 10_000
 
 
 class MetaStartupError(QmqError):
     """The meta server cannot start; the message names the cause and what to do."""
+
+
+class _NotLeaderError(QmqError):
+    """Another meta server holds the leader lease; ``leader_url`` is where to ask instead."""
+
+    def __init__(self, text: str, leader_url: str) -> None:
+        super().__init__(text)
+        self.leader_url = leader_url
 
 
 def _error(status: int, text: str, field: str | None = None) -> web.Response:
@@ -67,10 +100,6 @@ def _error(status: int, text: str, field: str | None = None) -> web.Response:
     if field is not None:
         body["field"] = field
     return web.json_response(body, status=status)
-
-
-def _group_json(g: GroupView) -> dict[str, str]:
-    return {"group": g.group, "address": g.address, "http": g.http, "state": g.state, "role": "master"}
 
 
 def _url_host(host: str) -> str:
@@ -88,10 +117,21 @@ class MetaServer:
         self.url = ""
         self.meta_server_url = ""
         self.interval_ms = max(_INTERVAL_MS_MIN, config.heartbeat_timeout_ms // _HEARTBEATS_PER_TIMEOUT)
+        self.tick_ms = max(
+            _INTERVAL_MS_MIN,
+            min(
+                config.heartbeat_timeout_ms // _TICKS_PER_TIMEOUT,
+                config.leader_lease_ms // _TICKS_PER_LEASE,
+                _TICK_MS_MAX,
+            ),
+        )
+        self.owner = default_owner()
         self._executor: ThreadPoolExecutor | None = None
         self._store: MetaStore | None = None
         self._registry: Registry | None = None
+        self._lease: LeaderLease | None = None
         self._runner: web.AppRunner | None = None
+        self._ticker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Open the store and listen on host:port; MetaStartupError when either cannot be done."""
@@ -101,12 +141,16 @@ class MetaServer:
         try:
             await self._call(self._open)
             await self._listen()
+            assert self._store is not None
+            self._lease = LeaderLease(self._store, self.owner, self.url, self.config.leader_lease_ms)
+            await self.tick()
         except MetaStoreError as exc:
             await self.stop()
             raise MetaStartupError(str(exc)) from None
         except BaseException:
             await self.stop()
             raise
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
 
     def _open(self) -> None:
         url = self.config.db_url or sqlite_url(self.config.data_dir)
@@ -117,6 +161,7 @@ class MetaServer:
                 self.clock,
                 heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
                 route_groups=self.config.route_groups,
+                owner=self.owner,
             )
         except BaseException:
             self._store.close()
@@ -127,6 +172,8 @@ class MetaServer:
         app = web.Application(middlewares=[self._observe], client_max_size=REGISTER_BODY_BYTES_MAX)
         app.router.add_get(ADDRESS_PATH, self._address)
         app.router.add_post(REGISTER_PATH, self._register)
+        app.router.add_get(CLUSTER_PATH, self._cluster)
+        app.router.add_post(PROMOTE_PATH, self._promote)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
@@ -143,15 +190,26 @@ class MetaServer:
         self.meta_server_url = self.url + ADDRESS_PATH
 
     async def stop(self) -> None:
-        """Stop listening, let requests in flight finish (bounded), then close the store."""
+        """Stop listening, let requests in flight finish (bounded), give up the lease, close the store."""
+        if self._ticker is not None:
+            ticker, self._ticker = self._ticker, None
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
         if self._executor is not None:
             executor, self._executor = self._executor, None
             store, self._store, self._registry = self._store, None, None
+            lease, self._lease = self._lease, None
+            loop = asyncio.get_running_loop()
+            if lease is not None:
+                try:
+                    await loop.run_in_executor(executor, lease.release)
+                except MetaStoreError as exc:
+                    log.warning("could not give up the leader lease (it runs out by itself): %s", exc)
             if store is not None:
-                await asyncio.get_running_loop().run_in_executor(executor, store.close)
+                await loop.run_in_executor(executor, store.close)
             # The one thread is idle now (the close above was its last task), so this is instant.
             executor.shutdown(wait=True)
 
@@ -164,6 +222,40 @@ class MetaServer:
         if self._registry is None:
             raise MetaStoreError("the meta server is stopped")
         return self._registry
+
+    def _lease_now(self) -> LeaderLease:
+        if self._lease is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._lease
+
+    async def tick(self) -> list[Promotion]:
+        """Take or renew the leader lease; leading with auto_promote on, promote where due."""
+        promotions = await self._call(self._tick)
+        for p in promotions:
+            self.metrics.promotions.labels(role=p.group.role, how="auto").inc()
+        return promotions
+
+    def _tick(self) -> list[Promotion]:
+        leads = self._lease_now().acquire(self.clock.now_ms())
+        self.metrics.leader.set(1 if leads else 0)
+        if not leads or not self.config.auto_promote:
+            return []
+        return self._registry_now().check_promotions()
+
+    async def _tick_forever(self) -> None:
+        failures = 0
+        while True:
+            await asyncio.sleep(self.tick_ms / 1000)  # the period of the tick, not a wait for readiness
+            try:
+                await self.tick()
+                failures = 0
+            except (MetaStoreError, RegistryFullError) as exc:
+                failures += 1
+                # first, then rarely: a database outage must not flood the log
+                if failures == 1 or failures % 100 == 0:
+                    log.warning("leader tick failed %d time(s): %s", failures, exc)
+            except Exception:
+                log.exception("leader tick failed")
 
     @web.middleware
     async def _observe(
@@ -186,9 +278,7 @@ class MetaServer:
             response = _error(503, str(exc))
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
-            response = _error(
-                500, f"{request.method} {request.path}: internal error of the meta server (see its log)"
-            )
+            response = _error(500, f"{request.method} {request.path}: internal error of the meta server (see its log)")
         self.metrics.http_requests.labels(path=path, status=str(response.status)).inc()
         return response
 
@@ -202,38 +292,113 @@ class MetaServer:
 
     def _address_view(self, subjects: list[str]) -> dict[str, Any]:
         registry = self._registry_now()
-        groups = {role: [_group_json(g) for g in registry.groups(role)] for role in ROLES}
-        return {
-            "broker_groups": groups["broker"],
-            "delay_groups": groups["delay"],
-            "routes": registry.routes(subjects) if subjects else {},
-            "refresh_ms": self.interval_ms,
-        }
+        groups = {role: registry.groups(role) for role in ROLES}
+        routes = registry.routes(subjects) if subjects else {}
+        return address_json(groups, routes, self.config.client_refresh_ms)
 
-    async def _register(self, request: web.Request) -> web.Response:
+    async def _json_body(self, request: web.Request, what: str) -> object:
         raw = await request.read()
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            return _error(400, f"the register body is not JSON ({exc}); send a JSON object", "body")
+            raise PayloadError("body", f"the {what} body is not JSON ({exc}); send a JSON object") from None
+
+    async def _register(self, request: web.Request) -> web.Response:
         try:
-            reg = parse_registration(body)
+            reg = parse_registration(await self._json_body(request, "register"))
         except PayloadError as exc:
             return _error(400, str(exc), exc.field)
-        is_new = await self._call(lambda: self._registry_now().register(reg))
-        if is_new:
+        reported = await self._call(lambda: self._registry_now().register(reg))
+        answer = reported.answer
+        if reported.is_new:
             log.info(
-                "registered %s %s (%s) of group %r, pid %d",
+                "registered %s %s of group %r, pid %d: reports %s epoch %s, is %s of epoch %d",
                 reg.role,
                 reg.address,
-                reg.role_in_group,
                 reg.group,
                 reg.pid,
+                reg.role_in_group,
+                reg.epoch,
+                answer.role_in_group,
+                answer.epoch,
             )
             self.metrics.registrations.labels(role=reg.role).inc()
         else:
             self.metrics.heartbeats.labels(role=reg.role).inc()
-        return web.json_response({"ok": True, "heartbeat_ms": self.interval_ms})
+        return web.json_response(heartbeat_json(answer, self.interval_ms))
+
+    async def _cluster(self, request: web.Request) -> web.Response:
+        text = request.query.get("routes_max", str(CLUSTER_ROUTES_DEFAULT))
+        if not text.isascii() or not text.isdigit() or int(text) > CLUSTER_ROUTES_MAX:
+            return _error(
+                400, f"routes_max {text!r} must be a whole number from 0 to {CLUSTER_ROUTES_MAX}", "routes_max"
+            )
+        return web.json_response(await self._call(self._cluster_view, int(text)))
+
+    def _cluster_view(self, routes_max: int) -> dict[str, Any]:
+        registry = self._registry_now()
+        store = self._store
+        assert store is not None
+        lease = self._lease_now()
+        now_ms = self.clock.now_ms()
+        me = MetaSelf(
+            owner=self.owner,
+            url=self.url,
+            leading=lease.leads(now_ms),
+            heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+            auto_promote=self.config.auto_promote,
+            route_groups=self.config.route_groups,
+        )
+        return cluster_json(
+            me,
+            now_ms,
+            registry.servers(),
+            registry.group_records(),
+            lease.holder(),
+            store.routes(routes_max) if routes_max else {},
+            store.subjects_routed(),
+        )
+
+    async def _promote(self, request: web.Request) -> web.Response:
+        try:
+            role, group = parse_promote(await self._json_body(request, "promote"))
+        except PayloadError as exc:
+            return _error(400, str(exc), exc.field)
+        try:
+            promotion = await self._call(self._promote_now, role, group)
+        except UnknownGroupError as exc:
+            return _error(404, str(exc), "group")
+        except PromotionRefusedError as exc:
+            return _error(409, str(exc), "group")
+        except _NotLeaderError as exc:
+            return web.json_response({"error": str(exc), "leader": exc.leader_url}, status=421)
+        self.metrics.promotions.labels(role=role, how="manual").inc()
+        g = promotion.group
+        return web.json_response(
+            {
+                "ok": True,
+                "role": g.role,
+                "group": g.group,
+                "epoch": g.epoch,
+                "master": g.master,
+                "previous_master": promotion.previous_master,
+                "message_offset": g.message_offset,
+                "action_offset": g.action_offset,
+            }
+        )
+
+    def _promote_now(self, role: Any, group: str) -> Promotion:
+        lease = self._lease_now()
+        if not lease.acquire(self.clock.now_ms()):
+            holder = lease.holder()
+            url = holder.url if holder is not None else ""
+            raise _NotLeaderError(
+                f"this meta server ({self.url}) does not lead the meta servers sharing its database; "
+                f"send the promotion to the leader, {url or 'unknown'}",
+                url,
+            )
+        self.metrics.leader.set(1)
+        return self._registry_now().promote(role, group)
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -253,10 +418,7 @@ def _bind_problem(host: str, port: int, exc: OSError) -> str:
     if exc.errno == errno.EACCES:
         return f"cannot listen on {where}: permission denied; choose a port above 1023"
     if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
-        return (
-            f"cannot listen on {where}: {host!r} is not an address of this machine; "
-            "set host to one (e.g. 127.0.0.1)"
-        )
+        return f"cannot listen on {where}: {host!r} is not an address of this machine; set host to one (e.g. 127.0.0.1)"
     return f"cannot listen on {where}: {exc.strerror or exc}"
 
 

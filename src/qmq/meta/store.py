@@ -1,29 +1,14 @@
-"""The meta store: registered servers and subject routes in a SQL database.
+"""The meta store: registered servers, group decisions, epochs and subject routes in a SQL database.
 
 SQLAlchemy 2 Core on a synchronous engine. SQLite in ``<data_dir>/meta.db`` by default;
 ``db_url`` selects any other database, so every statement here is portable SQL (no
 dialect-only syntax, no upsert extensions): an upsert is an UPDATE, then an INSERT when
-nothing matched, retried once when another writer inserted the same key in between.
+nothing matched, retried once when another writer inserted the same key in between. A
+decision about a group is a conditional UPDATE on the epoch and master it was made from, so
+of two meta servers deciding at once exactly one wins. The tables are drawn in
+``qmq.meta.schema``.
 
 The store is not thread-safe by design: the meta server calls it from one thread only.
-
-Tables (created when absent):
-
-    qmq_meta_servers  key (role, group_name, address)
-        role              "broker" | "delay"
-        group_name        broker or delay group
-        address           host:port of the binary protocol
-        http              host:port of the server's /metrics and /health
-        pid               process id, so a restart at the same address is told from a heartbeat
-        role_in_group     "master" | "slave"
-        registered_at_ms  when this process first registered
-        last_heartbeat_ms when it last reported itself
-
-    qmq_meta_routes   key (subject, group_name)
-        created_at_ms     when the subject was routed to the group
-
-The tables carry a ``qmq_meta_`` prefix because the database behind ``db_url`` may be
-shared with other applications.
 """
 
 from __future__ import annotations
@@ -33,55 +18,27 @@ import errno
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import mysql
 
 from qmq.common.errors import QmqError
+from qmq.meta.schema import (
+    ADDRESS_CHARS_MAX,
+    EPOCHS_KEPT,
+    create_or_upgrade,
+    epochs_table,
+    groups_table,
+    routes_table,
+    servers_table,
+)
 
-# Column widths. Names are checked by qmq.common.naming before they get here; these only
-# need to hold what passes that check (subjects up to the internal-subject limit).
-_ROLE_CHARS = 16
-_GROUP_CHARS = 100
-_SUBJECT_CHARS = 255
-ADDRESS_CHARS_MAX = 300
+__all__ = ["ADDRESS_CHARS_MAX", "GroupRecord", "MetaStore", "MetaStoreError", "ServerRecord", "sqlite_url"]
 
 # One retry is enough for the only conflict possible: another writer inserting the same
 # key between our UPDATE and INSERT; after it, the row exists and the UPDATE matches.
 _WRITE_ATTEMPTS_MAX = 2
-
-
-def _name(chars: int) -> sa.types.TypeEngine[str]:
-    """A name column. MySQL and MariaDB compare strings case-insensitively by default, which
-    would make subjects "Order" and "order" one key; their binary collation keeps names exact."""
-    return sa.String(chars).with_variant(
-        mysql.VARCHAR(chars, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-    )
-
-
-_metadata = sa.MetaData()
-
-servers_table = sa.Table(
-    "qmq_meta_servers",
-    _metadata,
-    sa.Column("role", _name(_ROLE_CHARS), primary_key=True),
-    sa.Column("group_name", _name(_GROUP_CHARS), primary_key=True),
-    sa.Column("address", _name(ADDRESS_CHARS_MAX), primary_key=True),
-    sa.Column("http", _name(ADDRESS_CHARS_MAX), nullable=False),
-    sa.Column("pid", sa.BigInteger, nullable=False),
-    sa.Column("role_in_group", _name(_ROLE_CHARS), nullable=False),
-    sa.Column("registered_at_ms", sa.BigInteger, nullable=False),
-    sa.Column("last_heartbeat_ms", sa.BigInteger, nullable=False),
-)
-
-routes_table = sa.Table(
-    "qmq_meta_routes",
-    _metadata,
-    sa.Column("subject", _name(_SUBJECT_CHARS), primary_key=True),
-    sa.Column("group_name", _name(_GROUP_CHARS), primary_key=True),
-    sa.Column("created_at_ms", sa.BigInteger, nullable=False),
-)
 
 
 class MetaStoreError(QmqError):
@@ -92,7 +49,7 @@ class MetaStoreError(QmqError):
 
 @dataclass(frozen=True, slots=True)
 class ServerRecord:
-    """One registered server process, as stored."""
+    """One registered server process, as it last reported itself."""
 
     role: str
     group: str
@@ -102,6 +59,29 @@ class ServerRecord:
     role_in_group: str
     registered_at_ms: int
     last_heartbeat_ms: int
+    epoch: int | None = None
+    log_end: int = 0
+    action_end: int = 0
+    replicated_ms: int = 0
+    write_state: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRecord:
+    """What the meta server decided about a group: its epoch and the master of that epoch.
+
+    ``message_offset`` and ``action_offset`` are where the master's logs stood when it was
+    promoted (None: the epoch began without a promotion, with the group's first master).
+    """
+
+    role: str
+    group: str
+    epoch: int
+    master: str
+    message_offset: int | None
+    action_offset: int | None
+    changed_at_ms: int
+    changed_by: str
 
 
 def sqlite_url(data_dir: Path) -> str:
@@ -128,7 +108,7 @@ def _shown(url: str) -> str:
 
 
 class MetaStore:
-    """Servers and routes in a SQL database; every method is one short transaction."""
+    """Servers, groups, epochs and routes in a SQL database; every method is one short transaction."""
 
     def __init__(self, url: str) -> None:
         """Connect to ``url`` and create the tables if absent; MetaStoreError on any failure."""
@@ -149,14 +129,21 @@ class MetaStore:
             # WAL makes each commit one append and fsync instead of a journal dance; the
             # heartbeat of every server is a commit.
             sa.event.listen(self._engine, "connect", _sqlite_wal)
-        try:
-            _metadata.create_all(self._engine, checkfirst=True)
-        except sa_exc.SQLAlchemyError as exc:
-            self._engine.dispose()
-            raise MetaStoreError(
-                f"cannot open the meta store at {self._url_shown!r}: {_first_line(exc)}; "
-                "check that the database is running and writable by this user"
-            ) from None
+        for attempt in range(_WRITE_ATTEMPTS_MAX):
+            try:
+                with self._engine.begin() as conn:
+                    create_or_upgrade(conn)
+                break
+            except sa_exc.SQLAlchemyError as exc:
+                # Meta servers started together race to create the tables; the loser's second
+                # look finds them.
+                if attempt + 1 < _WRITE_ATTEMPTS_MAX:
+                    continue
+                self._engine.dispose()
+                raise MetaStoreError(
+                    f"cannot open the meta store at {self._url_shown!r}: {_first_line(exc)}; "
+                    "check that the database is running and writable by this user"
+                ) from None
 
     @property
     def url_shown(self) -> str:
@@ -165,17 +152,20 @@ class MetaStore:
     def close(self) -> None:
         self._engine.dispose()
 
+    @property
+    def dialect(self) -> str:
+        return self._engine.dialect.name
+
     @contextlib.contextmanager
-    def _transaction(self, what: str) -> Iterator[sa.Connection]:
+    def transaction(self, what: str) -> Iterator[sa.Connection]:
+        """One transaction; a database failure becomes MetaStoreError naming ``what`` (IntegrityError passes)."""
         try:
             with self._engine.begin() as conn:
                 yield conn
         except sa_exc.IntegrityError:
             raise
         except sa_exc.SQLAlchemyError as exc:
-            raise MetaStoreError(
-                f"meta store {self._url_shown!r}: cannot {what}: {_first_line(exc)}"
-            ) from None
+            raise MetaStoreError(f"meta store {self._url_shown!r}: cannot {what}: {_first_line(exc)}") from None
 
     def save_server(self, record: ServerRecord) -> None:
         """Insert or replace the row of ``record``'s (role, group, address)."""
@@ -187,10 +177,15 @@ class MetaStore:
             "role_in_group": record.role_in_group,
             "registered_at_ms": record.registered_at_ms,
             "last_heartbeat_ms": record.last_heartbeat_ms,
+            "epoch": record.epoch,
+            "log_end": record.log_end,
+            "action_end": record.action_end,
+            "replicated_ms": record.replicated_ms,
+            "write_state": record.write_state,
         }
         for attempt in range(_WRITE_ATTEMPTS_MAX):
             try:
-                with self._transaction("save a server") as conn:
+                with self.transaction("save a server") as conn:
                     if conn.execute(sa.update(t).where(key).values(values)).rowcount == 0:
                         conn.execute(
                             sa.insert(t).values(
@@ -201,13 +196,12 @@ class MetaStore:
             except sa_exc.IntegrityError as exc:
                 if attempt + 1 == _WRITE_ATTEMPTS_MAX:
                     raise MetaStoreError(
-                        f"meta store {self._url_shown!r}: cannot save server {record.address}: "
-                        f"{_first_line(exc)}"
+                        f"meta store {self._url_shown!r}: cannot save server {record.address}: {_first_line(exc)}"
                     ) from None
 
     def servers(self) -> list[ServerRecord]:
         t = servers_table
-        with self._transaction("read the servers") as conn:
+        with self.transaction("read the servers") as conn:
             rows = conn.execute(sa.select(t).order_by(t.c.role, t.c.group_name, t.c.address)).all()
         return [
             ServerRecord(
@@ -219,50 +213,175 @@ class MetaStore:
                 role_in_group=r.role_in_group,
                 registered_at_ms=r.registered_at_ms,
                 last_heartbeat_ms=r.last_heartbeat_ms,
+                epoch=r.epoch,
+                log_end=r.log_end,
+                action_end=r.action_end,
+                replicated_ms=r.replicated_ms,
+                write_state=r.write_state,
             )
             for r in rows
         ]
+
+    def group(self, role: str, group: str) -> GroupRecord | None:
+        t = groups_table
+        with self.transaction("read a group") as conn:
+            row = conn.execute(sa.select(t).where(t.c.role == role, t.c.group_name == group)).first()
+        return None if row is None else _group_record(row)
+
+    def groups(self) -> list[GroupRecord]:
+        t = groups_table
+        with self.transaction("read the groups") as conn:
+            rows = conn.execute(sa.select(t).order_by(t.c.role, t.c.group_name)).all()
+        return [_group_record(r) for r in rows]
+
+    def create_group(self, record: GroupRecord) -> GroupRecord:
+        """Store ``record`` unless its group has a row already; the row stored either way."""
+        try:
+            with self.transaction("create a group") as conn:
+                conn.execute(sa.insert(groups_table).values(_group_values(record)))
+            return record
+        except sa_exc.IntegrityError:
+            pass  # another meta server created it first: its decision stands
+        stored = self.group(record.role, record.group)
+        if stored is None:
+            raise MetaStoreError(
+                f"meta store {self._url_shown!r}: group {record.group!r} could not be created and is not there"
+            )
+        return stored
+
+    def change_group(self, before: GroupRecord, after: GroupRecord) -> bool:
+        """Replace ``before`` by ``after`` if the stored row is still at ``before``'s epoch and master.
+
+        A promotion (``after`` at a higher epoch, with offsets) is recorded in the epochs table
+        in the same transaction. False when the row changed meanwhile (nothing is written).
+        """
+        t = groups_table
+        e = epochs_table
+        try:
+            with self.transaction("change a group") as conn:
+                changed = conn.execute(
+                    sa.update(t)
+                    .where(
+                        t.c.role == before.role,
+                        t.c.group_name == before.group,
+                        t.c.epoch == before.epoch,
+                        t.c.master == before.master,
+                    )
+                    .values(_group_values(after))
+                ).rowcount
+                if changed != 1:
+                    return False
+                if after.epoch > before.epoch and after.message_offset is not None:
+                    conn.execute(
+                        sa.insert(e).values(
+                            role=after.role,
+                            group_name=after.group,
+                            epoch=after.epoch,
+                            master=after.master,
+                            message_offset=after.message_offset,
+                            action_offset=after.action_offset or 0,
+                            started_at_ms=after.changed_at_ms,
+                        )
+                    )
+                    conn.execute(
+                        sa.delete(e).where(
+                            e.c.role == after.role,
+                            e.c.group_name == after.group,
+                            e.c.epoch <= after.epoch - EPOCHS_KEPT,
+                        )
+                    )
+                return True
+        except sa_exc.IntegrityError:
+            return False  # an epoch row of that number exists: another decision got there first
+
+    def offsets_after(self, role: str, group: str, epoch: int) -> tuple[int, int] | None:
+        """(message, action) offsets where the epoch after ``epoch`` began: where a server that
+        worked in ``epoch`` must cut its logs. When that epoch's row is no longer kept, the
+        smallest offsets of the later epochs kept (cutting earlier only costs a longer copy).
+        None when no later epoch began with a promotion."""
+        e = epochs_table
+        with self.transaction("read the epochs") as conn:
+            rows = conn.execute(
+                sa.select(e.c.epoch, e.c.message_offset, e.c.action_offset)
+                .where(e.c.role == role, e.c.group_name == group, e.c.epoch > epoch)
+                .order_by(e.c.epoch)
+                .limit(EPOCHS_KEPT)
+            ).all()
+        if not rows:
+            return None
+        if rows[0].epoch == epoch + 1:
+            return int(rows[0].message_offset), int(rows[0].action_offset)
+        return min(int(r.message_offset) for r in rows), min(int(r.action_offset) for r in rows)
 
     def add_routes(self, subject: str, groups: Sequence[str], created_at_ms: int) -> list[str]:
         """Route ``subject`` to ``groups`` too (existing routes stay); return all its groups, sorted."""
         t = routes_table
         for attempt in range(_WRITE_ATTEMPTS_MAX):
             try:
-                with self._transaction("save a route") as conn:
+                with self.transaction("save a route") as conn:
                     have = set(conn.scalars(sa.select(t.c.group_name).where(t.c.subject == subject)))
                     new = [g for g in dict.fromkeys(groups) if g not in have]
                     if new:
                         conn.execute(
                             sa.insert(t),
-                            [
-                                {"subject": subject, "group_name": g, "created_at_ms": created_at_ms}
-                                for g in new
-                            ],
+                            [{"subject": subject, "group_name": g, "created_at_ms": created_at_ms} for g in new],
                         )
                 return sorted(have.union(new))
             except sa_exc.IntegrityError as exc:
                 if attempt + 1 == _WRITE_ATTEMPTS_MAX:
                     raise MetaStoreError(
-                        f"meta store {self._url_shown!r}: cannot route subject {subject!r}: "
-                        f"{_first_line(exc)}"
+                        f"meta store {self._url_shown!r}: cannot route subject {subject!r}: {_first_line(exc)}"
                     ) from None
         raise AssertionError("unreachable: the loop returns or raises")
 
     def routes_of(self, subject: str) -> list[str]:
         t = routes_table
-        with self._transaction("read a route") as conn:
+        with self.transaction("read a route") as conn:
             return sorted(conn.scalars(sa.select(t.c.group_name).where(t.c.subject == subject)))
 
-    def routes(self) -> dict[str, list[str]]:
-        """Every subject's groups, each list sorted."""
+    def routes(self, subjects_max: int | None = None) -> dict[str, list[str]]:
+        """Every subject's groups (the first ``subjects_max`` subjects by name), each list sorted."""
         t = routes_table
+        query = sa.select(t.c.subject, t.c.group_name).order_by(t.c.subject, t.c.group_name)
+        if subjects_max is not None:
+            first = sa.select(t.c.subject).distinct().order_by(t.c.subject).limit(subjects_max).subquery()
+            query = query.where(t.c.subject.in_(sa.select(first.c.subject)))
         out: dict[str, list[str]] = {}
-        with self._transaction("read the routes") as conn:
-            for subject, group in conn.execute(
-                sa.select(t.c.subject, t.c.group_name).order_by(t.c.subject, t.c.group_name)
-            ):
+        with self.transaction("read the routes") as conn:
+            for subject, group in conn.execute(query):
                 out.setdefault(subject, []).append(group)
         return out
+
+    def subjects_routed(self) -> int:
+        t = routes_table
+        with self.transaction("count the routes") as conn:
+            return int(conn.scalar(sa.select(sa.func.count(sa.distinct(t.c.subject)))) or 0)
+
+
+def _group_values(record: GroupRecord) -> dict[str, object]:
+    return {
+        "role": record.role,
+        "group_name": record.group,
+        "epoch": record.epoch,
+        "master": record.master,
+        "message_offset": record.message_offset,
+        "action_offset": record.action_offset,
+        "changed_at_ms": record.changed_at_ms,
+        "changed_by": record.changed_by,
+    }
+
+
+def _group_record(r: sa.Row[Any]) -> GroupRecord:
+    return GroupRecord(
+        role=r.role,
+        group=r.group_name,
+        epoch=r.epoch,
+        master=r.master,
+        message_offset=r.message_offset,
+        action_offset=r.action_offset,
+        changed_at_ms=r.changed_at_ms,
+        changed_by=r.changed_by,
+    )
 
 
 def _sqlite_wal(dbapi_conn: object, _record: object) -> None:
