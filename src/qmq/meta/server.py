@@ -109,8 +109,10 @@ def _url_host(host: str) -> str:
 class MetaServer:
     """One meta server: ``await start()`` binds and serves, ``await stop()`` shuts it down."""
 
-    def __init__(self, config: MetaConfig, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, config: MetaConfig, clock: Clock = SYSTEM_CLOCK, *, autotick: bool = True) -> None:
+        """``autotick=False`` leaves the leader tick to calls of ``tick()`` (tests drive it by hand)."""
         self.config = config
+        self.autotick = autotick
         self.clock = clock
         self.metrics = MetaMetrics()
         self.port = 0
@@ -150,7 +152,8 @@ class MetaServer:
         except BaseException:
             await self.stop()
             raise
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+        if self.autotick:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
 
     def _open(self) -> None:
         url = self.config.db_url or sqlite_url(self.config.data_dir)
