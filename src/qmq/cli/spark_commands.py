@@ -258,7 +258,7 @@ def report(archive_dir: Path, out: Path | None, spark_master: str) -> None:
         target, rows = run_report(spark, archive_dir, out)
     table = Table(title=f"qmq report of {archive_dir}")
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("subject", "date") else "right")
+        table.add_column(col, justify="left" if col in ("subject", "date") else "right", overflow="fold")
     for row in rows:
         cells = []
         for col in COLUMNS:

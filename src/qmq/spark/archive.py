@@ -144,7 +144,7 @@ def plan_run(state: ArchiveState, bounds: dict[tuple[str, str], tuple[int, int]]
 
 
 def with_date(df: DataFrame) -> DataFrame:
-    return df.withColumn("date", F.date_format(F.col("created_at"), "yyyy-MM-dd"))
+    return df.withColumn("date", F.to_date(F.col("created_at")))
 
 
 def run_archive(

@@ -85,11 +85,12 @@ class QmqBatchReader(DataSourceReader):
         self._partitions = _tasks(options, start, end, state.addresses)
 
     def partitions(self) -> Sequence[InputPartition]:
-        return self._partitions
+        # Spark reads an empty list of partitions as one partition of value None
+        return self._partitions or [InputPartition(None)]
 
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        task: ReadTask = partition.value
-        return read_task(task)
+    def read(self, partition: InputPartition | None) -> Iterator[pa.RecordBatch]:
+        task: ReadTask | None = partition.value if partition is not None else None
+        return read_task(task) if task is not None else iter(())
 
 
 class QmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):

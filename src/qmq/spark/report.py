@@ -68,7 +68,7 @@ def build_report(spark: SparkSession, archive: Path) -> DataFrame:
     if dead is not None:
         dead_daily = (
             dead.dropDuplicates(["broker_group", "subject", "consumer_group", "letter"])
-            .select("subject", F.date_format("dead_at", "yyyy-MM-dd").alias("date"))
+            .select("subject", F.to_date("dead_at").alias("date"))
             .groupBy("subject", "date")
             .agg(F.count(F.lit(1)).alias("dead_letters"))
         )
@@ -77,7 +77,7 @@ def build_report(spark: SparkSession, archive: Path) -> DataFrame:
         report = report.withColumn("dead_letters", F.lit(None).cast("long"))
     groups = _optional(spark, archive / GROUPS_DIR)
     if groups is not None:
-        day = F.date_format("run_at", "yyyy-MM-dd")
+        day = F.to_date("run_at")
         last = Window.partitionBy("subject", "date").orderBy(F.col("run_at").desc())
         lag = (
             groups.where(~F.col("subject").startswith("%"))

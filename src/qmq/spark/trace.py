@@ -100,15 +100,15 @@ def trace(
         raise ConfigError("give --data-dir (the broker's files: full history), --archive, or --meta-server")
     out = Trace(message_id)
     seen: set[tuple[str, str, int]] = set()
-    if archive is not None:
-        for row in find_by_id(spark, archive, message_id):
-            _add(out, seen, _stored_from_row(row, "archive"))
     if data_dir is not None:
         _trace_files(spark, out, seen, data_dir, broker_group)
     elif meta_server is not None:
         for row in _search_source(spark, {"meta_server": meta_server}, message_id):
             _add(out, seen, _stored_from_row(row, "broker"))
         out.notes.append("consumption history needs the broker's files: run with --data-dir on the broker's machine")
+    if archive is not None:
+        for row in find_by_id(spark, archive, message_id):
+            _add(out, seen, _stored_from_row(row, "archive"))
     out.stored.sort(key=lambda s: (s.stored_at or "", s.subject))
     if not out.stored and not out.dead:
         out.notes.append(f"no subject holds message {message_id} (retention may have removed it)")
@@ -120,6 +120,10 @@ def _add(out: Trace, seen: set[tuple[str, str, int]], stored: Stored) -> None:
     if key not in seen:
         seen.add(key)
         out.stored.append(stored)
+        return
+    for known in out.stored:
+        if (known.broker_group, known.subject, known.sequence) == key and stored.found_in not in known.found_in:
+            known.found_in += f", {stored.found_in}"
 
 
 def _stored_from_row(row: dict[str, Any], found_in: str) -> Stored:

@@ -393,6 +393,11 @@ class StoreReader:
         dead = self.dir / "dead"
         if not dead.is_dir():
             return
+        removed_by_action: dict[str, set[int]] = {}
+        for item in self.actions():
+            a = item.action
+            if a[0] == act.DEAD_REMOVE and len(a) == 3 and isinstance(a[2], list):
+                removed_by_action.setdefault(str(a[1]), set()).update(int(n) for n in a[2])
         for box in sorted(dead.iterdir()):
             try:
                 name = (box / "subject").read_text(encoding="utf-8")
@@ -401,6 +406,7 @@ class StoreReader:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             removed = {n for (n,) in _REMOVED.iter_unpack(raw_removed[: len(raw_removed) // 8 * 8])}
+            removed |= removed_by_action.get(name, set())
             pos = 0
             while True:
                 h = read_record_header(letters, pos)
@@ -420,6 +426,8 @@ class StoreReader:
 def apply_action(progress: Progress, action: list[Any]) -> None:
     """Replay one action into ``progress`` by the broker's rules (see ``recovery.py``)."""
     kind = action[0]
+    if kind not in (act.CREATE_GROUP, act.PULL, act.ACK, act.RESET):
+        return  # dead-letter removals and kinds of later versions do not move consumers
     if kind == act.CREATE_GROUP and len(action) == 4:
         progress.create_group(str(action[1]), str(action[2]), int(action[3]))
         return
