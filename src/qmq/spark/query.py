@@ -151,7 +151,7 @@ def body_text(body: bytes | None) -> str | None:
 def json_ready(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Rows with JSON-friendly values: bodies per ``body_text``, dates in ISO 8601."""
     for row in rows:
-        out = {k: v.isoformat() if isinstance(v, date) else v for k, v in row.items()}
+        out: dict[str, Any] = {k: v.isoformat() if isinstance(v, date) else v for k, v in row.items()}
         if "body" in out:
-            out["body"] = body_text(out["body"])
+            out["body"] = body_text(row["body"])
         yield out
