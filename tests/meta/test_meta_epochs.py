@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from qmq.common.clock import ManualClock
 from qmq.meta.registry import (
+    SERVER_FORGET_MS,
     Heartbeat,
     PromotionRefusedError,
     Registration,
@@ -277,3 +278,12 @@ def test_a_database_from_before_epochs_gains_the_new_columns(tmp_path: Path, clo
         assert reg.register(_report(M, epoch=0)).answer.epoch == 1
     finally:
         store.close()
+
+
+def test_servers_silent_for_a_day_are_forgotten_except_the_master(store: MetaStore, clock: ManualClock) -> None:
+    reg = _registry(store, clock)
+    _pair(reg, clock)
+    clock.advance(SERVER_FORGET_MS / 1000 + 1)
+    assert reg.forget_silent() == 1
+    assert [s.address for s in reg.servers()] == [ADDR[M]]
+    assert _master_of(reg) == (ADDR[M], "unavailable")

@@ -14,7 +14,7 @@ from meta_databases import fresh_database
 
 from qmq.meta.leader import Holder, LeaderLease
 from qmq.meta.schema import EPOCHS_KEPT
-from qmq.meta.store import GroupRecord, MetaStore
+from qmq.meta.store import GroupRecord, MetaStore, ServerRecord
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
@@ -121,3 +121,14 @@ def test_meta_servers_racing_for_the_first_lease_get_one_leader(store: MetaStore
     finally:
         for s in stores:
             s.close()
+
+
+def test_silent_servers_are_forgotten_but_never_a_groups_master(store: MetaStore) -> None:
+    def server(address: str, last_heartbeat_ms: int, group: str = "b1") -> ServerRecord:
+        return ServerRecord("broker", group, address, "h:9", 1, "slave", 0, last_heartbeat_ms)
+
+    store.create_group(FIRST)  # master h:1
+    for record in (server("h:1", 10), server("h:2", 10), server("h:3", 500), server("h:1", 10, group="b2")):
+        store.save_server(record)
+    assert store.forget_servers(100) == 2
+    assert [(s.group, s.address) for s in store.servers()] == [("b1", "h:1"), ("b1", "h:3")]

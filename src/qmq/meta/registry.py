@@ -74,6 +74,9 @@ SUBJECTS_MAX: Final = 1_000_000
 # How stale the servers and groups read from the store may be: a meta server sharing the
 # store sees another's registrations within this (well inside one heartbeat).
 READ_CACHE_MS: Final = 1_000
+# A server silent this long is forgotten (unless it is its group's master): servers restarted on
+# new ports (port 0) would otherwise pile up towards SERVERS_MAX. One that comes back registers anew.
+SERVER_FORGET_MS: Final = 24 * 3600 * 1000
 # A decision whose group row changed under it is made again from the new row, this many times.
 _DECIDE_ATTEMPTS_MAX: Final = 3
 
@@ -347,6 +350,17 @@ class Registry:
             if promotion is not None:
                 done.append(promotion)
         return done
+
+    def forget_silent(self) -> int:
+        """Forget the servers silent for SERVER_FORGET_MS, except each group's master; how many.
+
+        The caller makes sure this meta server leads, so meta servers do not all delete at once.
+        """
+        forgotten = self._store.forget_servers(self._clock.now_ms() - SERVER_FORGET_MS)
+        if forgotten:
+            log.info("forgot %d server(s) silent for %d h", forgotten, SERVER_FORGET_MS // 3_600_000)
+            self.reload()
+        return forgotten
 
     def promote(self, role: Role, group_name: str) -> Promotion:
         """Make the group's freshest slave its master now (``qmq admin promote``).

@@ -241,9 +241,11 @@ class MetaServer:
     def _tick(self) -> list[Promotion]:
         leads = self._lease_now().acquire(self.clock.now_ms())
         self.metrics.leader.set(1 if leads else 0)
-        if not leads or not self.config.auto_promote:
+        if not leads:
             return []
-        return self._registry_now().check_promotions()
+        registry = self._registry_now()
+        registry.forget_silent()
+        return registry.check_promotions() if self.config.auto_promote else []
 
     async def _tick_forever(self) -> None:
         failures = 0

@@ -222,6 +222,13 @@ class MetaStore:
             for r in rows
         ]
 
+    def forget_servers(self, silent_before_ms: int) -> int:
+        """Delete the servers silent since before ``silent_before_ms``, except a group's master; how many."""
+        s, g = servers_table, groups_table
+        is_master = sa.exists().where(g.c.role == s.c.role, g.c.group_name == s.c.group_name, g.c.master == s.c.address)
+        with self.transaction("forget silent servers") as conn:
+            return int(conn.execute(sa.delete(s).where(s.c.last_heartbeat_ms < silent_before_ms, ~is_master)).rowcount)
+
     def group(self, role: str, group: str) -> GroupRecord | None:
         t = groups_table
         with self.transaction("read a group") as conn:

@@ -94,13 +94,21 @@ def cluster_json(
         ],
         "servers": [
             _server_row(s, rows.get((s.role, s.group)), masters.get((s.role, s.group)), now_ms, timeout_ms)
-            for role in ROLES
-            for s in servers
-            if s.role == role
+            for s in sorted(servers, key=lambda s: _server_order(s, rows.get((s.role, s.group))))
         ],
         "routes": routes,
         "subjects_total": subjects_total,
     }
+
+
+def _server_order(s: ServerRecord, group: GroupRecord | None) -> tuple[int, str, bool, str]:
+    """Brokers, then delay servers; by group; each group's master first."""
+    return (
+        ROLES.index(s.role) if s.role in ROLES else len(ROLES),
+        s.group,
+        not (group and group.master == s.address),
+        s.address,
+    )
 
 
 def _state(server: ServerRecord | None, now_ms: int, timeout_ms: int) -> str:

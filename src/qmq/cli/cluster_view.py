@@ -1,0 +1,124 @@
+"""``qmq cluster status`` for people: the meta server's ``GET /meta/cluster`` answer as tables of
+groups, servers and routes; with the cluster file of ``qmq cluster up``, each server's
+process name and whether that process still runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from qmq.cli.cluster_launch import Cluster, Member, is_running
+
+_NONE = "–"
+
+
+def _age(now_ms: int, then_ms: int | None) -> str:
+    if not then_ms:
+        return "never"
+    return f"{max(0, now_ms - then_ms) / 1000:.1f} s ago"
+
+
+def _state(state: str) -> str:
+    return "[green]available[/green]" if state == "available" else "[red]unavailable[/red]"
+
+
+def _writes(state: str | None) -> str:
+    colours = {"ok": "green", "read-only": "red", "degraded": "yellow"}
+    return f"[{colours[state]}]{state}[/{colours[state]}]" if state in colours else _NONE
+
+
+def render(console: Console, view: dict[str, Any], local: Cluster | None) -> None:
+    now_ms = int(view["time_ms"])
+    meta = view["meta"]
+    leader = meta.get("leader")
+    lead = _NONE if not leader else leader["url"] + (" (this one)" if meta.get("leading") else "")
+    console.print(
+        f"[bold]meta server[/bold] {meta['url']}  leader {lead}  "
+        f"auto_promote {'on' if meta['auto_promote'] else 'off'}  "
+        f"heartbeat timeout {meta['heartbeat_timeout_ms'] / 1000:g} s  route_groups {meta['route_groups']}",
+        soft_wrap=True,
+    )
+
+    groups = Table("role", "group", "epoch", "master", "state", "writes", "slaves", title="groups")
+    for g in view["groups"]:
+        groups.add_row(
+            g["role"],
+            g["group"],
+            str(g["epoch"]),
+            g["master"],
+            _state(g["state"]),
+            _writes(g["write_state"]),
+            str(g["slaves"]),
+        )
+    console.print(groups)
+
+    by_pid: dict[int, Member] = {m.pid: m for m in local.members} if local else {}
+    servers = Table(
+        "role",
+        "group",
+        "role in group",
+        "epoch",
+        "address",
+        "pid",
+        "process",
+        "state",
+        "last heartbeat",
+        "log end",
+        "lag",
+        "writes",
+        title="servers",
+    )
+    seen: set[int] = set()
+    for s in view["servers"]:
+        member = by_pid.get(s["pid"])
+        if member is not None:
+            seen.add(member.pid)
+        role_in_group = s["role_in_group"]
+        if s["reported_role_in_group"] != role_in_group:
+            role_in_group += f" (reports {s['reported_role_in_group']})"
+        servers.add_row(
+            s["role"],
+            s["group"],
+            role_in_group,
+            _NONE if s["epoch"] is None else str(s["epoch"]),
+            s["address"],
+            str(s["pid"]),
+            _process(member),
+            _state(s["state"]),
+            _age(now_ms, s["last_heartbeat_ms"]),
+            f"{s['log_end']:,}",
+            _NONE if s["lag"] is None else f"{s['lag']:,}",
+            _writes(s["write_state"]),
+        )
+    for m in local.members if local else []:
+        if m.role != "meta" and m.pid not in seen:
+            servers.add_row(
+                m.role,
+                m.group or _NONE,
+                m.role_in_group or _NONE,
+                _NONE,
+                _NONE,
+                str(m.pid),
+                _process(m),
+                "[red]not registered[/red]",
+                _NONE,
+                _NONE,
+                _NONE,
+                _NONE,
+            )
+    console.print(servers)
+
+    routes = Table("subject", "broker groups", title="routes")
+    for subject, names in view["routes"].items():
+        routes.add_row(subject, ", ".join(names))
+    shown, total = len(view["routes"]), int(view["subjects_total"])
+    routes.caption = f"{shown:,} of {total:,} subject(s)" + ("; more with --routes N" if total > shown else "")
+    console.print(routes)
+
+
+def _process(member: Member | None) -> str:
+    if member is None:
+        return _NONE
+    return member.name if is_running(member) else f"{member.name} [red](gone)[/red]"
