@@ -146,6 +146,8 @@ def _start_all(state: Cluster, members: list[Member], env: dict[str, Any], ready
     waves = [[meta], [m for m in rest if m.role_in_group != "slave"], [m for m in rest if m.role_in_group == "slave"]]
     procs = {}
     for wave in waves:
+        if not wave:
+            continue
         for m in wave:
             if m.role != "meta":
                 m.argv += ["--meta-server", state.meta_server]
