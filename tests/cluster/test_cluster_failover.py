@@ -1,13 +1,15 @@
 """kill -9 of a broker group's master in the middle of a steady send load, on a cluster started
 by `qmq cluster up` (2 broker groups of a master and a slave): sends carry on within 2 s on the
-other group, the meta server promotes the slave, no acknowledged message is lost, and a
-consumer group that had acknowledged messages never receives them again."""
+other group, the meta server promotes the slave and clients send to it, no acknowledged message
+is lost, a consumer group that had acknowledged messages never receives them again, and the
+old master, restarted, follows the new one and catches up."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from clusterhelpers import LocalCluster, cluster_up, fast_config
 
 from qmq import SendError
 from qmq.aio import Consumer, Producer, PullConsumer
+from qmq.cli.cluster_launch import child_env, start
 from qmq.common.errors import QmqError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -119,6 +122,29 @@ async def test_kill_9_of_a_master_mid_load_loses_and_repeats_nothing(tmp_path: P
             assert set(acked) <= set(everything)
         # Clients moved to the new master of b1: its log grew past where its epoch began.
         await asyncio.to_thread(c.wait_view, "sends to b1's new master", _b1_master_grew)
+
+        # The old master comes back (same data, new port): it follows the new master in epoch 2
+        # and catches up with it.
+        state = c.file()
+        [old] = [m for m in state.members if m.name == "b1-m"]
+        restarted = start(old, child_env("WARNING"))
+        try:
+            state.save()  # so `cluster down` stops it too
+            await asyncio.to_thread(c.wait_view, "b1's old master caught up as a slave", _rejoined(old.pid))
+        finally:
+            if restarted.poll() is None:
+                restarted.terminate()
+            restarted.wait(30)
+
+
+def _rejoined(pid: int) -> Callable[[dict[str, Any]], bool]:
+    def ok(view: dict[str, Any]) -> bool:
+        return any(
+            s["pid"] == pid and s["reported_role_in_group"] == "slave" and s["epoch"] == 2 and s["lag"] == 0
+            for s in view["servers"]
+        )
+
+    return ok
 
 
 def _b1_master_grew(view: dict[str, Any]) -> bool:
