@@ -49,7 +49,15 @@ def cli(log_level: str) -> None:
 
 
 def main() -> None:
-    # they register their commands
-    from qmq.cli import client_commands, delay_commands, group_commands, roles, tx_commands  # noqa: F401
+    # each module registers its commands
+    from qmq.cli import (  # noqa: F401
+        client_commands,
+        cluster_commands,
+        delay_commands,
+        group_commands,
+        roles,
+        spark_commands,
+        tx_commands,
+    )
 
     cli(prog_name="qmq")

@@ -27,7 +27,7 @@ def meta(config_file: Path | None, **values: Any) -> None:
 @config_file_option
 @config_options(BrokerConfig)
 def broker(config_file: Path | None, **values: Any) -> None:
-    """Run a realtime broker (one master of a broker group)."""
+    """Run a realtime broker (a master or a slave of a broker group)."""
     from qmq.broker import run_broker
 
     sys.exit(run_broker(load(BrokerConfig, config_file, "broker", values)))
