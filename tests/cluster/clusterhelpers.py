@@ -78,11 +78,15 @@ class LocalCluster:
             return doc
 
     def wait_view(self, what: str, ok: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> dict[str, Any]:
-        """Ask the meta server until ``ok(view)``; fail at the deadline with the last view."""
+        """Ask the meta server until ``ok(view)``; fail at the deadline with the last view (or error)."""
         deadline = time.monotonic() + timeout_s
+        view: dict[str, Any] | OSError = {}
         while True:
-            view = self.view()
-            if ok(view):
+            try:
+                view = self.view()
+            except OSError as exc:  # not answering (yet): restarting, say
+                view = exc
+            if isinstance(view, dict) and ok(view):
                 return view
             if time.monotonic() >= deadline:
                 raise AssertionError(f"{what}: not so within {timeout_s} s; the meta server says {view}")

@@ -165,6 +165,8 @@ class Registry:
         self._owner = owner
         self._cache_s = cache_ms / 1000
         self._servers: dict[tuple[str, str, str], ServerRecord] = {}
+        # The same records by group, so a heartbeat looks at its group's servers only.
+        self._by_group: dict[tuple[str, str], dict[str, ServerRecord]] = {}
         self._groups: dict[tuple[str, str], GroupRecord] = {}
         self._loaded_at = 0.0
         self._reload_failures = 0
@@ -183,6 +185,9 @@ class Registry:
         servers = self._store.servers()
         groups = self._store.groups()
         self._servers = {(r.role, r.group, r.address): r for r in servers}
+        self._by_group = {}
+        for r in servers:
+            self._by_group.setdefault((r.role, r.group), {})[r.address] = r
         self._groups = {(g.role, g.group): g for g in groups}
         self._loaded_at = self._clock.monotonic()
 
@@ -203,7 +208,8 @@ class Registry:
             self._reload_failures = 0
 
     def _members(self, role: str, group: str) -> list[ServerRecord]:
-        return [r for (ro, g, _a), r in sorted(self._servers.items()) if ro == role and g == group]
+        members = self._by_group.get((role, group), {})
+        return [members[a] for a in sorted(members)]
 
     def _master_of(self, group: GroupRecord) -> ServerRecord | None:
         return self._servers.get((group.role, group.group, group.master))
@@ -267,6 +273,7 @@ class Registry:
         # Store first: when the write fails, memory still says what the store says.
         self._store.save_server(record)
         self._servers[key] = record
+        self._by_group.setdefault((reg.role, reg.group), {})[reg.address] = record
         return Reported(is_new, self._answer(reg, now_ms))
 
     def _answer(self, reg: Registration, now_ms: int) -> Heartbeat:
