@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import qmq.cli.main
 from qmq.cli.cluster_launch import Cluster, is_running, stop
 from qmq.testing import write_config
 
@@ -28,12 +27,7 @@ CLI_TIMEOUT_S = 60.0
 
 
 def qmq_argv(*args: str) -> list[str]:
-    """``qmq ARGS`` as a child process; the cluster commands are loaded even before cli/main.py
-    imports them."""
-    if "cluster_commands" in Path(qmq.cli.main.__file__).read_text(encoding="utf-8"):
-        return [sys.executable, "-m", "qmq", *args]
-    code = "import qmq.cli.cluster_commands; from qmq.cli.main import main; main()"
-    return [sys.executable, "-c", code, *args]
+    return [sys.executable, "-m", "qmq", *args]
 
 
 def run_qmq(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
