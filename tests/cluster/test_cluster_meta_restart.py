@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from clusterhelpers import cluster_up, fast_config
+from clusterhelpers import cluster_up, fast_config, run_qmq
 
 from qmq import Producer
 from qmq.cli.cluster_launch import child_env, start
@@ -44,7 +44,13 @@ def test_a_meta_server_restart_loses_no_route_group_or_epoch(tmp_path: Path) -> 
             while _answers(c.base_url):
                 assert time.monotonic() < deadline, "the meta server still answers after kill -9"
                 time.sleep(0.05)  # polling for the kill to take effect, bounded by the deadline
-            # No meta server: the producer still knows where each subject goes.
+            # No meta server: the status says so, and lists the processes started here.
+            status = run_qmq("cluster", "status", "--data-dir", str(data_dir))
+            assert status.returncode == 2
+            assert "cannot reach the meta server" in status.stderr
+            assert "processes of" in status.stdout
+            assert "b2-m" in status.stdout
+            # ...and the producer still knows where each subject goes.
             for s in subjects:
                 producer.send(producer.generate_message(s))
 

@@ -34,7 +34,7 @@ from qmq.cli.cluster_launch import (
     stop,
     wait_ready,
 )
-from qmq.cli.cluster_view import render
+from qmq.cli.cluster_view import render, render_processes
 from qmq.cli.main import cli
 
 # Bounds of a local cluster: each process is a Python interpreter of its own.
@@ -42,6 +42,7 @@ BROKER_GROUPS_MAX: Final = 32
 SLAVES_MAX: Final = 8
 DELAY_GROUPS_MAX: Final = 32
 EXIT_STARTUP_FAILED: Final = 3
+EXIT_INTERRUPTED: Final = 130  # as a shell reports a command ended by SIGINT
 _HTTP_TIMEOUT_S: Final = 10.0
 _ERROR_CHARS_MAX: Final = 500
 _PIPED_WIDTH: Final = 200
@@ -123,6 +124,10 @@ def up(
         click.echo(f"qmq cluster: cannot start: {exc}", err=True)
         _abandon(state)
         sys.exit(EXIT_STARTUP_FAILED)
+    except KeyboardInterrupt:
+        _abandon(state)
+        click.echo("qmq cluster: interrupted; stopped what was started", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     except BaseException:
         _abandon(state)
         raise
@@ -208,14 +213,23 @@ def status(data_dir: Path | None, meta_server: str | None, routes_max: int, as_j
     url = meta_server or (local.meta_server if local else None)
     if not url:
         raise ClusterError("say which cluster: --data-dir DIR (of `qmq cluster up`) or --meta-server URL")
-    code, view = _http(f"{_base(url)}/meta/cluster?routes_max={routes_max}")
+    try:
+        code, view = _http(f"{_base(url)}/meta/cluster?routes_max={routes_max}")
+    except ClusterError:
+        if local is not None and not as_json:
+            render_processes(_console(), local)  # what runs here, at least
+        raise
     if code != 200:
         raise ClusterError(f"the meta server at {url} answered HTTP {code}: {_error_text(view)}")
     if as_json:
         click.echo(json.dumps(view, sort_keys=True))
         return
+    render(_console(), view, local)
+
+
+def _console() -> Console:
     # Piped into a file or a test, rich would squeeze the tables into 80 columns.
-    render(Console() if sys.stdout.isatty() else Console(width=_PIPED_WIDTH), view, local)
+    return Console() if sys.stdout.isatty() else Console(width=_PIPED_WIDTH)
 
 
 @cli.group()

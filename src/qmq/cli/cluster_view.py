@@ -122,3 +122,21 @@ def _process(member: Member | None) -> str:
     if member is None:
         return _NONE
     return member.name if is_running(member) else f"{member.name} [red](gone)[/red]"
+
+
+def render_processes(console: Console, local: Cluster) -> None:
+    """The processes ``qmq cluster up`` started, from its cluster file (when the meta server is away)."""
+    table = Table(
+        "process", "role", "group", "role in group", "pid", "running", "log", title=f"processes of {local.data_dir}"
+    )
+    for m in local.members:
+        table.add_row(
+            m.name,
+            m.role,
+            m.group or _NONE,
+            m.role_in_group or _NONE,
+            str(m.pid),
+            "yes" if is_running(m) else "[red]no[/red]",
+            m.log,
+        )
+    console.print(table)
