@@ -81,7 +81,7 @@ def bench_read_and_archive(spark: SparkSession, n: int, work: Path, do_read: boo
                 ("meta server", {"meta_server": proc.meta_server}),
                 ("data directory", {"path": str(data_dir)}),
             ):
-                for attempt in (1, 2):
+                for attempt in (1, 2, 3):
                     seconds = _timed_read(spark, options)
                     print(f"read via {label} (run {attempt}): {n:,} messages in {seconds:.2f} s = {n / seconds:,.0f}/s")
         if do_archive:

@@ -26,13 +26,17 @@ from qmq.common.errors import ConnectionLostError, QmqError
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
 from qmq.spark.offsets import Pair, SourceOptions
-from qmq.spark.records import records_to_batch
+from qmq.spark.records import record_starts, records_to_batch
 from qmq.store.reader import StoreReader
 
 log = logging.getLogger(__name__)
 
 # A READ asks for at most this many records (the broker's pull_messages_max).
 READ_RECORDS_MAX = 10_000
+# Records per Arrow batch handed to Spark, and its bytes: Spark takes large batches far faster
+# than small ones (measured: 2,000 rows a batch 0.48 M rows/s, 50,000 rows 0.7 M rows/s).
+BATCH_RECORDS_MAX = 50_000
+BATCH_BYTES_MAX = 32 * 1024 * 1024
 _CONNECT_TIMEOUT_MS = 5_000
 _META_TIMEOUT_MS = 10_000
 _REQUEST_TIMEOUT_S = 60.0
@@ -155,10 +159,13 @@ def _lost(task: ReadTask, expected: int, got: int) -> None:
 
 def _read_files(task: ReadTask) -> Iterator[pa.RecordBatch]:
     assert task.path is not None
-    reader = StoreReader(task.path)
+    yield from _gathered(_file_batches(task, StoreReader(task.path)))
+
+
+def _file_batches(task: ReadTask, reader: StoreReader) -> Iterator[pa.RecordBatch]:
     seq = task.start
     while seq < task.end:  # bounded: every run moves seq forward, or the loop ends
-        run = reader.read(task.subject, seq, task.end)
+        run = reader.read(task.subject, seq, min(task.end, seq + READ_RECORDS_MAX))
         if run.first > seq:
             _lost(task, seq, min(run.first, task.end))
         if run.records == 0:
@@ -170,6 +177,22 @@ def _read_files(task: ReadTask) -> Iterator[pa.RecordBatch]:
             return
         yield records_to_batch(run.data, task.subject, task.broker_group)
         seq = run.first + run.records
+
+
+def _gathered(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Batches of about BATCH_RECORDS_MAX records made of smaller ones (converted small: they
+    stay in the CPU's caches; handed over large: Spark takes them faster)."""
+    held: list[pa.RecordBatch] = []
+    records = size = 0
+    for batch in batches:
+        held.append(batch)
+        records += batch.num_rows
+        size += batch.nbytes
+        if records >= BATCH_RECORDS_MAX or size >= BATCH_BYTES_MAX:
+            yield held[0] if len(held) == 1 else pa.concat_batches(held)
+            held, records, size = [], 0, 0
+    if held:
+        yield held[0] if len(held) == 1 else pa.concat_batches(held)
 
 
 def _read_remote(task: ReadTask) -> Iterator[pa.RecordBatch]:
@@ -235,6 +258,11 @@ class _RemoteReader:
 
     def batches(self) -> Iterator[pa.RecordBatch]:
         task = self.task
+        return _gathered(records_to_batch(data, task.subject, task.broker_group) for data, _n in self._answers())
+
+    def _answers(self) -> Iterator[tuple[bytes, int]]:
+        """The records of each READ answer in ``[start, end)`` and how many they are."""
+        task = self.task
         seq = task.start
         pending: asyncio.Future[Frame] | None = None
         while seq < task.end:  # bounded: each answer moves seq forward, or the loop ends
@@ -256,7 +284,10 @@ class _RemoteReader:
             seq = first + n
             if seq < task.end:
                 pending = self._start(seq)
-            yield records_to_batch(bytes(frame.body), task.subject, task.broker_group, count=n)
+            body = bytes(frame.body)
+            if n < count:  # retention moved the start: the answer ran past this task's end
+                body = body[: int(record_starts(body)[n])]
+            yield body, n
 
     async def close(self) -> None:
         if self.conn is not None:

@@ -27,9 +27,11 @@ from typing import Any, NamedTuple
 
 import crc32c
 import msgpack
+import numpy as np
 
 from qmq.common.errors import QmqError
-from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.common.naming import subject_file_name
+from qmq.protocol.record import RECORD_HEADER_BYTES, RECORD_MAGIC, read_record_header, record_crc_ok
 from qmq.store import action_log as act
 from qmq.store.checkpoint import read_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, SUBJECT_FILE
@@ -44,6 +46,13 @@ _REMOVED = struct.Struct("<Q")
 # Re-listing segments after one vanished mid-read: retention deletes from the front, so a
 # couple of tries always find the new front.
 _RELIST_TRIES_MAX = 3
+# the layouts of consume_log.ENTRY and qmq.protocol.record's header, for numpy
+_ENTRY_DTYPE = np.dtype(
+    [("offset", "<u8"), ("size", "<u4"), ("stored_ms", "<i8"), ("bloom", "<u8"), ("reserved", "<u4")]
+)
+_RECORD_HEADER_DTYPE = np.dtype(
+    [("magic", "<u4"), ("crc", "<u4"), ("length", "<u4"), ("sequence", "<u8"), ("stored_ms", "<i8")]
+)
 
 
 class DataDirError(QmqError):
@@ -120,6 +129,7 @@ class StoreReader:
         self.dir = Path(data_dir)
         if not _is_broker_dir(self.dir) and _is_broker_dir(self.dir / "broker"):
             self.dir = self.dir / "broker"  # the --data-dir of `qmq standalone`
+        self._checked_from: int | None = None
         if not _is_broker_dir(self.dir):
             raise DataDirError(
                 f"{str(self.dir)!r} is not a broker's data directory (no log/ and consume/ in it); "
@@ -139,9 +149,19 @@ class StoreReader:
             out[name] = sub
         return out
 
+    def consume_dir(self, subject: str) -> Path | None:
+        """The consume-log directory of ``subject``, or None if it has none."""
+        guess = self.dir / "consume" / subject_file_name(subject)
+        try:
+            if (guess / SUBJECT_FILE).read_text(encoding="utf-8") == subject:
+                return guess
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return self.subjects().get(subject)  # named by another version's escaping: look at them all
+
     def bounds(self, subject: str) -> tuple[int, int]:
         """``(first, end)``: the first sequence kept and the sequence after the last good record."""
-        clog = self.subjects().get(subject)
+        clog = self.consume_dir(subject)
         if clog is None:
             return 0, 0
         segs = _segments(clog, ".cl")
@@ -235,7 +255,7 @@ class StoreReader:
 
         Stops early at a record that does not check out; ``count`` 0 means nothing (more) to read.
         """
-        clog = self.subjects().get(subject)
+        clog = self.consume_dir(subject)
         if clog is None or to_seq <= from_seq:
             return RecordRun(from_seq, 0, b"")
         for _ in range(_RELIST_TRIES_MAX):
@@ -256,45 +276,63 @@ class StoreReader:
         n = min(to_seq - first, bytes_max // 64 + 1, segs[-1].end // ENTRY_BYTES - first)
         if n <= 0:
             return RecordRun(first, 0, b"")
-        entries = self._entries(clog, first, n)
+        entries = np.frombuffer(self._entries(clog, first, n), dtype=_ENTRY_DTYPE)
+        if not len(entries):
+            return RecordRun(first, 0, b"")
+        offsets = entries["offset"].astype(np.int64)
+        sizes = entries["size"].astype(np.int64)
+        ends = np.cumsum(sizes)
+        count = max(1, int(np.searchsorted(ends, bytes_max, side="right")))
+        offsets, sizes, ends = offsets[:count], sizes[:count], ends[:count]
+        # records that follow each other in the message log are read with one pread
+        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1
         logs = _segments(self.dir / "log", ".log")
         out = bytearray()
-        count = 0
-        run_off = run_end = -1
-        expect = first
-        runs: list[tuple[int, int]] = []
-        total = 0
-        for off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
-            if count and total + size > bytes_max:
-                break
-            total += size
-            count += 1
-            if off == run_end:
-                run_end += size
-            else:
-                if run_end > run_off >= 0:
-                    runs.append((run_off, run_end))
-                run_off, run_end = off, off + size
-        if run_end > run_off >= 0:
-            runs.append((run_off, run_end))
-        for start, end in runs:
-            out += self._read_span(logs, start, end)
-        # check every record: stop at the first that is not whole and good
-        good = 0
-        pos = 0
-        for i, (_off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries[: count * ENTRY_BYTES])):
-            h = read_record_header(out, pos)
-            if (
-                h is None
-                or h.sequence != expect + i
-                or RECORD_HEADER_BYTES + h.length != size
-                or pos + size > len(out)
-                or (verify and not record_crc_ok(out, pos, h))
-            ):
-                break
-            pos += size
-            good += 1
+        for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
+            out += self._read_span(logs, int(offsets[a]), int(offsets[b - 1] + sizes[b - 1]))
+        good = self._good_prefix(out, offsets, sizes, ends, first, verify)
+        pos = int(ends[good - 1]) if good else 0
         return RecordRun(first, good, bytes(out[:pos]) if pos != len(out) else bytes(out))
+
+    def _good_prefix(
+        self, out: bytearray, offsets: np.ndarray, sizes: np.ndarray, ends: np.ndarray, first: int, verify: bool
+    ) -> int:
+        """How many records from the start of ``out`` are whole and check out (magic, length,
+        sequence; CRC32C for those a checkpoint does not yet cover)."""
+        starts = ends - sizes
+        whole = ends <= len(out)
+        buf = np.frombuffer(bytes(out), dtype=np.uint8) if out else np.zeros(0, dtype=np.uint8)
+        at = np.where(whole, starts, 0)
+        if len(buf) < RECORD_HEADER_BYTES:
+            return 0
+        head = buf[at[:, None] + np.arange(RECORD_HEADER_BYTES)]
+        fields = head.copy().view(_RECORD_HEADER_DTYPE).reshape(-1)
+        ok = (
+            whole
+            & (fields["magic"] == RECORD_MAGIC)
+            & (fields["length"].astype(np.int64) + RECORD_HEADER_BYTES == sizes)
+            & (fields["sequence"].astype(np.int64) == first + np.arange(len(sizes)))
+        )
+        bad = np.flatnonzero(~ok)
+        good = int(bad[0]) if len(bad) else len(sizes)
+        if verify:
+            # records a checkpoint covers were fsynced before it: only later ones can be torn
+            crc_from = self._crc_from()
+            view = memoryview(out)
+            crc = crc32c.crc32c
+            checked = np.flatnonzero(offsets[:good] >= crc_from).tolist()
+            crcs = fields["crc"][:good]
+            for i in checked:
+                if crc(view[int(starts[i]) + 8 : int(ends[i])]) != int(crcs[i]):
+                    return int(i)
+        return good
+
+    def _crc_from(self) -> int:
+        """Message-log offset from which records are CRC-checked: the checkpoint's, read once."""
+        if self._checked_from is None:
+            state = read_checkpoint(self.dir)
+            self._checked_from = int(state.get("message_offset", 0)) if state else 0
+        return self._checked_from
 
     @staticmethod
     def _read_span(logs: list[_Seg], start: int, end: int) -> bytes:
@@ -317,7 +355,7 @@ class StoreReader:
         """The first kept sequence of ``subject`` stored at or after ``time_ms`` (stored times never go
         back within a subject), or the end when none is."""
         first, end = self.bounds(subject)
-        clog = self.subjects().get(subject)
+        clog = self.consume_dir(subject)
         if clog is None:
             return end
         lo, hi = first, end
