@@ -108,7 +108,7 @@ class QmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict[str, Any]:
         state = self._fetch()
-        return to_json(resolve(self.options.starting, state.bounds, "latest"))
+        return to_json(resolve(self.options.starting, state.bounds, "earliest"))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         n = self.options.max_offsets_per_trigger
