@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from qmq.client.connection import Connection
-from qmq.common.errors import ConfigError
+from qmq.common.errors import BrokerError, ConfigError
 from qmq.common.naming import parse_internal_subject
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.message import decode_message, decode_properties
@@ -43,6 +44,8 @@ from qmq.spark.records import property_text
 from qmq.spark.sources import broker_groups, fetch_bounds
 from qmq.store.dead_letters import ERROR_PROPERTY
 from qmq.store.reader import StoreReader
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "_qmq_archive.json"
 GROUPS_DIR = "_groups"
@@ -250,8 +253,12 @@ async def _remote_lag(meta_server: str, run_ms: int) -> list[dict[str, Any]]:
             async with asyncio.timeout(_REQUEST_TIMEOUT_S):
                 subjects = (await conn.request(RequestCode.SUBJECTS, {})).header.get("subjects", [])
                 for item in subjects:
-                    for g in item.get("groups", []):
-                        h = (await conn.request(RequestCode.LAG, {"subject": item["subject"], "group": g})).header
+                    for g in _named_groups(item):
+                        try:
+                            h = (await conn.request(RequestCode.LAG, {"subject": item["subject"], "group": g})).header
+                        except BrokerError as exc:
+                            log.warning("no lag of group %r of %r: %s", g, item["subject"], exc)
+                            continue
                         rows.append(
                             _lag_row(
                                 run_ms,
@@ -266,6 +273,12 @@ async def _remote_lag(meta_server: str, run_ms: int) -> list[dict[str, Any]]:
         finally:
             await conn.close()
     return rows
+
+
+def _named_groups(item: dict[str, Any]) -> list[str]:
+    """The consumer groups of a SUBJECTS item the broker takes by name: a broadcast consumer's
+    own group (``<group>%<consumer id>``) is refused by LAG and DEAD_LETTERS, and never retried."""
+    return [g for g in item.get("groups", []) if isinstance(g, str) and "%" not in g]
 
 
 def _dead_rows(options: SourceOptions, state: ArchiveState) -> list[dict[str, Any]]:
@@ -329,7 +342,7 @@ async def _remote_dead(meta_server: str, state: ArchiveState) -> list[dict[str, 
                     subject = item["subject"]
                     if subject.startswith("%"):
                         continue
-                    for g in item.get("groups", []):
+                    for g in _named_groups(item):
                         key = f"{group_name}/%DEAD_RETRY%{subject}%{g}"
                         after = state.dead.get(key, -1)
                         for _ in range(_DEAD_PAGES_MAX):
