@@ -107,7 +107,7 @@ def test_ack_advances_and_lag_reports(client: RawClient, subject: str) -> None:
     lag = client.call(RequestCode.LAG, {"subject": subject, "group": "g"}).header
     assert (lag["messages"], lag["backlog"], lag["unacked"]) == (5, 0, 2)
     subjects = client.call(RequestCode.SUBJECTS).header["subjects"]
-    assert {"subject": subject, "messages": 5, "groups": ["g"]} in subjects
+    assert {"subject": subject, "messages": 5, "first": 0, "groups": ["g"]} in subjects
 
 
 @pytest.mark.parametrize(

@@ -279,7 +279,12 @@ class Handlers:
         for name in sorted(set(self.store.subjects) | set(groups)):
             st = self.store.subjects.get(name)
             out.append(
-                {"subject": name, "messages": st.visible_seq if st else 0, "groups": sorted(groups.get(name, []))}
+                {
+                    "subject": name,
+                    "messages": st.visible_seq if st else 0,
+                    "first": st.clog.min_seq if st else 0,
+                    "groups": sorted(groups.get(name, [])),
+                }
             )
         conn.respond(frame.code, frame.request_id, {"subjects": out})
 
