@@ -57,6 +57,10 @@ def test_a_torn_tail_is_not_read_and_a_copy_is_left_as_it_was(
     src = StoreReader(data_dir)
     copy = tmp_path / "copy"
     shutil.copytree(src.dir, copy, ignore=shutil.ignore_patterns("LOCK"))
+    # a torn tail can only lie past the last checkpoint (what it covers was fsynced), and the reader
+    # checks CRCs from there on: without a checkpoint in the copy, every record is past it
+    for checkpoint in copy.glob("checkpoint*"):
+        checkpoint.unlink()
     clog_dir = copy / "consume" / src.subjects()[subject].name
     last_clog = sorted(clog_dir.glob("*.cl"))[-1]
     last_log = sorted((copy / "log").glob("*.log"))[-1]
