@@ -9,12 +9,20 @@ from typing import TYPE_CHECKING
 from qmq.broker.pulls import ParkedPull
 from qmq.common.naming import dead_subject, retry_subject
 from qmq.protocol.codes import RequestCode, Status
-from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
-from qmq.protocol.message import scan_batch
 from qmq.serving.connection import Responder
 from qmq.serving.disk import FreeSpace
-from qmq.serving.requests import BadRequest, get_bool, get_group, get_int, get_ranges, get_str, get_subject, get_tags
+from qmq.serving.requests import (
+    BadRequest,
+    get_bool,
+    get_group,
+    get_int,
+    get_ranges,
+    get_str,
+    get_subject,
+    get_tags,
+    scan_send,
+)
 from qmq.store.broker_store import DiskFullError, PullResult, StoreError
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
@@ -135,12 +143,7 @@ class Handlers:
             conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
             return
         body = bytes(frame.body)
-        try:
-            scanned = scan_batch(body, self.limits)
-        except RemoteProtocolError as exc:
-            raise BadRequest(f"the send batch is malformed: {exc}") from None
-        if not scanned:
-            raise BadRequest("the send batch holds no message")
+        scanned = scan_send(body, self.limits)
         result = self.store.append(body, scanned)
         metrics = self.metrics
         if result.per_subject:

@@ -27,7 +27,7 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import RETRY_PREFIX
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
-from qmq.serving.connection import FrameConnection
+from qmq.serving.connection import Connections, FrameConnection
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.registration import Registration, server_payload
 from qmq.serving.runner import StartupError, listen_error, run_server, serve_http
@@ -66,7 +66,7 @@ class BrokerServer:
         self.replicator: Replicator | None = None
         self._transition: asyncio.Task[None] | None = None
         self.handlers = Handlers(self)
-        self.connections: set[FrameConnection] = set()
+        self.connections = Connections(config.connections_max, self.metrics.connections.set)
         self.stopping = False
         self.port = 0
         self.http_port = 0
@@ -95,22 +95,13 @@ class BrokerServer:
     # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
 
     def admit(self, conn: FrameConnection) -> bool:
-        if len(self.connections) >= self.config.connections_max:
-            log.warning(
-                "refusing connection from %s: connections_max %d reached", conn.peer, self.config.connections_max
-            )
-            return False
-        self.connections.add(conn)
-        self.metrics.connections.set(len(self.connections))
-        return True
+        return self.connections.admit(conn)
 
     def dispatch(self, conn: FrameConnection, frame: Frame) -> None:
         self.handlers.dispatch(conn, frame)
 
     def forget(self, conn: FrameConnection) -> None:
-        if conn in self.connections:
-            self.connections.discard(conn)
-            self.metrics.connections.set(len(self.connections))
+        self.connections.forget(conn)
         self.parked.drop_owner(conn)
         self.source.forget(conn)
 
@@ -324,8 +315,7 @@ class BrokerServer:
                 await self.checkpoint()
             except (OSError, StoreError) as exc:
                 log.error("shutdown: the final checkpoint failed: %s", exc)
-        for conn in list(self.connections):
-            conn.close()
+        self.connections.close_all()
         if self._server is not None:
             await self._server.wait_closed()
         if self._http is not None:

@@ -9,12 +9,10 @@ from typing import TYPE_CHECKING
 
 from qmq.delay.store import DiskFullError, StoreError
 from qmq.protocol.codes import RequestCode, Status
-from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
-from qmq.protocol.message import scan_batch
 from qmq.serving.connection import Responder
 from qmq.serving.disk import FreeSpace
-from qmq.serving.requests import BadRequest
+from qmq.serving.requests import BadRequest, scan_send
 
 if TYPE_CHECKING:
     from qmq.delay.server import DelayServer
@@ -93,12 +91,7 @@ class Handlers:
             conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
             return
         body = bytes(frame.body)
-        try:
-            scanned = scan_batch(body, self.limits)
-        except RemoteProtocolError as exc:
-            raise BadRequest(f"the send batch is malformed: {exc}") from None
-        if not scanned:
-            raise BadRequest("the send batch holds no message")
+        scanned = scan_send(body, self.limits)
         server = self.server
         store = self.store
         result = store.append(body, scanned)

@@ -32,7 +32,7 @@ from qmq.delay.store import DelayStore, StoreError
 from qmq.delay.timer import Rows
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
-from qmq.serving.connection import FrameConnection
+from qmq.serving.connection import Connections, FrameConnection
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.registration import Registration, server_payload
 from qmq.serving.runner import StartupError, listen_error, run_server, serve_http
@@ -71,7 +71,7 @@ class DelayServer:
         self.handlers = Handlers(self)
         self.producer: Producer | None = None
         self.dispatcher: Dispatcher | None = None
-        self.connections: set[FrameConnection] = set()
+        self.connections = Connections(config.connections_max, self.metrics.connections.set)
         # sync policy: timer rows of sends waiting for their fsync, by write-ahead log end offset
         self.unflushed: deque[tuple[int, Rows]] = deque()
         self.disk_error: BaseException | None = None
@@ -164,14 +164,7 @@ class DelayServer:
     # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
 
     def admit(self, conn: FrameConnection) -> bool:
-        if len(self.connections) >= self.config.connections_max:
-            log.warning(
-                "refusing connection from %s: connections_max %d reached", conn.peer, self.config.connections_max
-            )
-            return False
-        self.connections.add(conn)
-        self.metrics.connections.set(len(self.connections))
-        return True
+        return self.connections.admit(conn)
 
     def dispatch(self, conn: FrameConnection, frame: Frame) -> None:
         self.handlers.dispatch(conn, frame)
@@ -242,9 +235,7 @@ class DelayServer:
         return web.json_response({"ok": ok, "group": self.config.group}, status=200 if ok else 503)
 
     def forget(self, conn: FrameConnection) -> None:
-        if conn in self.connections:
-            self.connections.discard(conn)
-            self.metrics.connections.set(len(self.connections))
+        self.connections.forget(conn)
 
     def _disk_failed(self, exc: BaseException) -> None:
         if self.disk_error is None:
@@ -276,8 +267,7 @@ class DelayServer:
                 await self.checkpoint()
             except (OSError, StoreError) as exc:
                 log.error("shutdown: the final checkpoint failed: %s", exc)
-        for conn in list(self.connections):
-            conn.close()
+        self.connections.close_all()
         if self._server is not None:
             await self._server.wait_closed()
         if self._http is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from qmq.common.limits import Limits
@@ -154,3 +154,32 @@ class FrameConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.host.forget(self)
+
+
+class Connections:
+    """The open connections of a server, at most ``limit`` (a new one past it is refused)."""
+
+    def __init__(self, limit: int, on_count: Callable[[int], None]) -> None:
+        self.limit = limit
+        self.on_count = on_count
+        self._open: set[FrameConnection] = set()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def admit(self, conn: FrameConnection) -> bool:
+        if len(self._open) >= self.limit:
+            log.warning("refusing connection from %s: connections_max %d reached", conn.peer, self.limit)
+            return False
+        self._open.add(conn)
+        self.on_count(len(self._open))
+        return True
+
+    def forget(self, conn: FrameConnection) -> None:
+        if conn in self._open:
+            self._open.discard(conn)
+            self.on_count(len(self._open))
+
+    def close_all(self) -> None:
+        for conn in list(self._open):
+            conn.close()

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from qmq.common.errors import InvalidMessageError, InvalidSubjectError
+from qmq.common.limits import Limits
 from qmq.common.naming import check_name, check_subject
-from qmq.protocol.message import check_tag
+from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.message import ScannedMessage, check_tag, scan_batch
 
 _RANGES_MAX = 10_000
 
@@ -91,3 +93,14 @@ def get_ranges(header: dict[str, Any], key: str, required: bool = True) -> list[
         ):
             raise BadRequest(f"{key!r} holds {r!r}; each range must be [start, end] with 0 <= start < end")
     return value
+
+
+def scan_send(body: bytes, limits: Limits) -> list[ScannedMessage]:
+    """The messages of a SEND_MESSAGES body; BadRequest when it cannot be split or is empty."""
+    try:
+        scanned = scan_batch(body, limits)
+    except RemoteProtocolError as exc:
+        raise BadRequest(f"the send batch is malformed: {exc}") from None
+    if not scanned:
+        raise BadRequest("the send batch holds no message")
+    return scanned
