@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.errors import InvalidSubjectError, QmqError
@@ -46,7 +44,7 @@ from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.segments import FlushTicket
 from qmq.store.tags import TagFilter
-from qmq.store.take import take_matching, take_next
+from qmq.store.take import read_range, take_matching, take_next
 
 if TYPE_CHECKING:
     from qmq.store.recovery import RecoveryReport
@@ -57,15 +55,6 @@ log = logging.getLogger(__name__)
 _DELIVER_AT_SLACK_MS = 1000
 _MARKS_MAX = 1000
 _CHECKPOINTS_KEPT = 4
-# a consume-log entry (consume_log.ENTRY) as a numpy record, for reading many at once
-_ENTRY_DTYPE = np.dtype(
-    {
-        "names": ["offset", "size", "stored_ms", "bloom"],
-        "formats": ["<u8", "<u4", "<i8", "<u8"],
-        "offsets": [0, 8, 12, 20],
-        "itemsize": 32,
-    }
-)
 _DEAD_RAW = DEAD_PREFIX.encode()
 _DEAD_NAMES_CACHED_MAX = 10_000
 
@@ -428,34 +417,8 @@ class BrokerStore:
         return out if out.messages else None
 
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
-        """Up to ``max_n`` visible records of ``subject`` from sequence ``from_seq`` (or the first
-        one kept, if retention removed it), outside any consumer group: ``(first, count, chunks)``.
-
-        The entries are read as one numpy array: skipping removed records, the byte budget and
-        the runs of adjacent records (one read each) are found without a Python loop per record.
-        """
-        st = self.subjects.get(subject)
-        if st is None:
-            return from_seq, 0, []
-        first = max(from_seq, st.clog.min_seq)
-        raw = st.clog.read(first, max(0, min(max_n, st.visible_seq - first)))
-        entries = np.frombuffer(raw, dtype=_ENTRY_DTYPE)
-        kept = np.flatnonzero(entries["offset"] >= self.mlog.start)
-        if not len(kept):
-            return first + len(entries), 0, []
-        entries = entries[kept[0] :]
-        skip = int(kept[0])
-        sizes = entries["size"].astype(np.int64)
-        within = np.cumsum(sizes) <= self.limits.pull_bytes_max
-        count = max(1, int(np.count_nonzero(within)))
-        offsets = entries["offset"][:count].astype(np.int64)
-        sizes = sizes[:count]
-        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1
-        chunks: list[bytes] = []
-        for run in np.split(np.arange(count), breaks):
-            start_off = int(offsets[run[0]])
-            self.read_into(start_off, int(offsets[run[-1]] + sizes[run[-1]]) - start_off, chunks)
-        return first + skip, count, chunks
+        """Records of ``subject`` by sequence, outside any consumer group (see take.read_range)."""
+        return read_range(self, subject, from_seq, max_n)
 
     def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
         """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""

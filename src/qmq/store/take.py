@@ -1,5 +1,6 @@
 """Taking the group's next messages for a pull: the range after the group's pull offset,
-or, for a group subscribed with tags, the matching messages in it.
+or, for a group subscribed with tags, the matching messages in it; and reading a subject by
+sequence outside any group (READ, for data jobs).
 
 Entries whose records retention removed are skipped (never handed out). A filtered take
 scans at most ``_SCAN_ENTRIES_MAX`` entries per pull, so a subject full of other tags costs
@@ -9,6 +10,8 @@ bounded work; the group's pull offset moves past what was scanned either way.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES
 
@@ -112,3 +115,45 @@ def take_matching(
         out.runs.append([poff, len(matched)])
         out.chunks.extend(record for _s, record in matched)
     return out._replace(messages=out.messages + len(matched), nbytes=out.nbytes + nbytes)
+
+
+# a consume-log entry (consume_log.ENTRY) as a numpy record, for reading many at once
+_ENTRY_DTYPE = np.dtype(
+    {
+        "names": ["offset", "size", "stored_ms", "bloom"],
+        "formats": ["<u8", "<u4", "<i8", "<u8"],
+        "offsets": [0, 8, 12, 20],
+        "itemsize": 32,
+    }
+)
+
+
+def read_range(store: BrokerStore, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
+    """Up to ``max_n`` visible records of ``subject`` from sequence ``from_seq`` (or the first
+    one kept, if retention removed it), outside any consumer group: ``(first, count, chunks)``.
+
+    The entries are read as one numpy array: skipping removed records, the byte budget and
+    the runs of adjacent records (one read each) are found without a Python loop per record.
+    """
+    st = store.subjects.get(subject)
+    if st is None:
+        return from_seq, 0, []
+    first = max(from_seq, st.clog.min_seq)
+    raw = st.clog.read(first, max(0, min(max_n, st.visible_seq - first)))
+    entries = np.frombuffer(raw, dtype=_ENTRY_DTYPE)
+    kept = np.flatnonzero(entries["offset"] >= store.mlog.start)
+    if not len(kept):
+        return first + len(entries), 0, []
+    entries = entries[kept[0] :]
+    skip = int(kept[0])
+    sizes = entries["size"].astype(np.int64)
+    within = np.cumsum(sizes) <= store.limits.pull_bytes_max
+    count = max(1, int(np.count_nonzero(within)))
+    offsets = entries["offset"][:count].astype(np.int64)
+    sizes = sizes[:count]
+    breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1
+    chunks: list[bytes] = []
+    for run in np.split(np.arange(count), breaks):
+        start_off = int(offsets[run[0]])
+        store.read_into(start_off, int(offsets[run[-1]] + sizes[run[-1]]) - start_off, chunks)
+    return first + skip, count, chunks
