@@ -3,6 +3,7 @@ now; beyond the horizon refused; buckets roll over and finished ones are deleted
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -62,6 +63,28 @@ async def test_delayed_messages_arrive_when_due_never_before(standalone: ReadyPr
     lateness = {mid: got[mid] - due[mid] for mid in due}
     assert min(lateness.values()) >= 0, f"delivered early: {sorted(lateness.values())[:3]} ms"
     assert max(lateness.values()) <= LATE_MS_MAX
+
+
+async def test_a_message_due_milliseconds_ahead_is_not_delivered_early(standalone: ReadyProcess, subject: str) -> None:
+    """Due 2-6 ms ahead: sent as a realtime message it would be consumed before its time."""
+    url = standalone.meta_server
+    due: dict[str, int] = {}
+    async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
+        pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+        await producer.prepare([subject])
+        receiving = asyncio.ensure_future(collect(pull, 30, timeout_s=15))  # long-polling meanwhile
+        sends = []
+        for i in range(30):
+            m = producer.generate_message(subject)
+            m.set_deliver_at(time.time() + (2 + i % 5) / 1000)
+            due[m.message_id] = m.deliver_at_ms
+            sends.append(producer.send_nowait(m))
+            await asyncio.sleep(0.05)  # one at a time, each to a waiting consumer
+        await asyncio.gather(*sends)
+        got = await receiving
+    assert set(got) == set(due)
+    early = sorted(due[mid] - got[mid] for mid in due if got[mid] < due[mid])
+    assert not early, f"{len(early)} of {len(due)} delivered early, by up to {early[-1]:.2f} ms"
 
 
 async def test_a_time_in_the_past_is_delivered_now(standalone: ReadyProcess, subject: str) -> None:

@@ -6,8 +6,8 @@ accumulator queue of its subject's route → a SEND_MESSAGES frame → the waite
 the broker's answer. The route of a subject not seen before is asked of the meta server
 once; its messages wait aside meanwhile.
 
-A message due later (``set_delay``/``set_deliver_at``, more than ``DELIVER_AT_SLACK_MS``
-ahead) goes to a delay group instead: the available delay groups form one route, taken in
+A message due later (``set_delay``/``set_deliver_at``, even by a millisecond) goes to a
+delay group instead: the available delay groups form one route, taken in
 turn, with failover between them like broker groups. A message due now or in the past goes
 to the brokers as a realtime one.
 """
@@ -43,15 +43,14 @@ log = logging.getLogger(__name__)
 
 _State = Literal["new", "open", "closing", "closed"]
 _EXPIRE_PERIOD_S_MAX = 1.0
-# A message due less than this far ahead is sent as a realtime one: the hop through a delay
-# server would make it later, not more punctual.
-DELIVER_AT_SLACK_MS = 5
 _DELIVER_AT = struct.Struct("<q")
 _DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.message)
 
 
 def _is_delayed(deliver_at_ms: int) -> bool:
-    return deliver_at_ms > time.time_ns() // 1_000_000 + DELIVER_AT_SLACK_MS
+    # Even a message due a millisecond ahead goes through a delay server: sent as a realtime
+    # one it could be consumed before its time, and a delayed message is never early.
+    return deliver_at_ms > time.time_ns() // 1_000_000
 
 
 class Producer:
