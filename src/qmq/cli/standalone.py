@@ -5,7 +5,10 @@ server (data in ``DATA_DIR/delay``) does the same. When all have printed their r
 the supervisor prints its own::
 
     qmq ready meta_server=http://HOST:PORT/meta/address broker=HOST:PORT meta_pid=N broker_pid=N
-              delay=HOST:PORT delay_pid=N data_dir=DIR        (one line)
+              delay=HOST:PORT delay_pid=N data_dir=DIR
+              broker_http=http://HOST:PORT delay_http=http://HOST:PORT      (one line)
+
+``broker_http`` and ``delay_http`` serve each role's Prometheus ``/metrics``.
 
 Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they stop when the supervisor dies, even by
 ``kill -9``. A child that dies on its own is restarted (at most ``_RESTARTS_MAX`` times in
@@ -167,7 +170,8 @@ class Supervisor:
             f"qmq ready meta_server={meta_url} broker={self.broker.ready.get('address', '?')} "
             f"meta_pid={self.meta.proc.pid} broker_pid={self.broker.proc.pid} "
             f"delay={self.delay.ready.get('address', '?')} delay_pid={self.delay.proc.pid} "
-            f"data_dir={self.config.data_dir}",
+            f"data_dir={self.config.data_dir} broker_http={self.broker.ready.get('http', '?')} "
+            f"delay_http={self.delay.ready.get('http', '?')}",
             flush=True,
         )
         if self.demo:
