@@ -36,6 +36,8 @@ async def consume(
         raise ValueError(f"consumer mode {mode!r}: expected one of {MODES}")
     latencies_ns: list[int] = []
     from_schedule_ns: list[int] = []
+    due_ns: list[int] = []
+    clamped_ns: list[int] = []  # lateness of messages due before they were sent
     batches = 0
     started_ns = time.monotonic_ns()
     last_receipt_epoch_ns = 0
@@ -68,6 +70,9 @@ async def consume(
                 from_schedule_ns.append(now_ns - stamp_b)
             elif mode == "delayed":
                 latencies_ns.append(epoch_ns - stamp_a)
+                due_ns.append(stamp_a)
+                if stamp_b:
+                    clamped_ns.append(epoch_ns - stamp_a)
         await adapter.ack_batch([token for _body, token in batch])
         tally.publish()
     tally.publish()
@@ -94,5 +99,18 @@ async def consume(
     elif mode == "delayed":
         result["lateness_ms"] = distribution_ms(latencies_ns)
         result["early_count"] = sum(1 for x in latencies_ns if x < 0)
+        result["lateness_by_due_second"] = by_due_second(due_ns, latencies_ns)
+        result["lateness_due_before_sent_ms"] = distribution_ms(clamped_ns)
         result["last_receipt_epoch_ns"] = last_receipt_epoch_ns
     return result
+
+
+def by_due_second(due_ns: list[int], lateness_ns: list[int]) -> list[dict[str, Any]]:
+    """Lateness per second of due time from the first one: where in the window the tail comes from."""
+    if not due_ns:
+        return []
+    first = min(due_ns)
+    seconds: dict[int, list[int]] = {}
+    for due, late in zip(due_ns, lateness_ns, strict=True):
+        seconds.setdefault((due - first) // 1_000_000_000, []).append(late)
+    return [{"second": sec, **distribution_ms(values)} for sec, values in sorted(seconds.items())]

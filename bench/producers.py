@@ -145,10 +145,12 @@ async def produce_delayed(
         items: list[tuple[bytes, float]] = []
         for seq in order[sent : sent + batch]:
             due_s = first_due + offsets_s[seq]
-            if due_s < now:
+            late = due_s < now
+            if late:
                 due_s = now
                 clamped += 1
-            items.append((make_body(seq, int(due_s * 1e9), 0), due_s))
+            # the body's second stamp marks a message due before it was sent (consumers report those apart)
+            items.append((make_body(seq, int(due_s * 1e9), int(late)), due_s))
         window.add(await adapter.send_delayed_batch(subject, items), len(items))
         sent += len(items)
         await window.make_room(deadline)

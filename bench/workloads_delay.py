@@ -31,6 +31,14 @@ def _start_pair(
     return producer, consumer
 
 
+def _fire_lateness(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """Of the messages the server handed on during the cell, how many within each bound (ms,
+    cumulative): the server's own share of the lateness, apart from the broker and the client."""
+    if before is None or after is None:
+        return None
+    return {bound: count - before.get(bound, 0) for bound, count in after.items()}
+
+
 def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
     """w4_messages due uniformly over the next w4_spread_s: lateness, early deliveries, and
     the server memory that holding them costs."""
@@ -41,6 +49,7 @@ def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
     monitor = ServerMonitor(cell.server.pids)
     monitor.start()
     rss_before_kib = monitor.rss_now_kib()
+    fired_before = cell.server.delay_lateness_counts()
     producer.go()
     produced = producer.result(limit_s + 10.0)
     rss_scheduled_kib = monitor.rss_now_kib()
@@ -51,6 +60,7 @@ def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
         consumer.kill()
         return {"skipped": produced["skipped"]}
     require_ok(consumed, "consumer")
+    fired = _fire_lateness(fired_before, cell.server.delay_lateness_counts())
     # Messages already due when scheduling ended were (mostly) delivered, not held.
     held_fraction = max(0.0, 1.0 - produced["schedule_seconds"] / s.w4_spread_s)
     pending = round(n * held_fraction)
@@ -58,6 +68,9 @@ def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
     return {
         "ok": consumed.get("missing", 0) == 0,
         "lateness_ms": consumed.get("lateness_ms"),
+        "lateness_by_due_second": consumed.get("lateness_by_due_second"),
+        "lateness_due_before_sent_ms": consumed.get("lateness_due_before_sent_ms"),
+        "server_fire_lateness_le_ms": fired,
         "early_count": consumed.get("early_count"),
         "missing": consumed.get("missing"),
         "duplicates": consumed.get("duplicates"),

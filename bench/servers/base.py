@@ -51,6 +51,11 @@ class ServerProcess:
         """Why this server has no delayed delivery to measure (W4/W5), or None to try."""
         return None
 
+    def delay_lateness_counts(self) -> dict[str, int] | None:
+        """The server's own count of delayed messages by how late it handed them on (a
+        cumulative histogram, bucket bound in ms → count), or None where it keeps none."""
+        return None
+
     def extra_pids(self) -> list[int]:
         """Processes outside the main tree that serve the system (RabbitMQ's epmd)."""
         return []

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from typing import Any
 
 from bench.procfs import pid_alive
@@ -45,6 +46,7 @@ class QmqServer(ServerProcess):
         self.dir = os.path.join(data_root, f"qmq-{flush}")
         self.named_pids: list[int] = []
         self.ready_line = ""
+        self.delay_http = ""
         self._copier: threading.Thread | None = None
 
     def missing(self) -> str | None:
@@ -111,12 +113,23 @@ class QmqServer(ServerProcess):
         if meta is None:
             raise StartError(f"qmq ready line has no meta_server=URL: {line!r}")
         self.named_pids = [int(pid) for pid in re.findall(r"\b(?:broker|meta|delay)_pid=(\d+)", line)]
+        delay_http = re.search(r"delay_http=(http://\S+)", line)
+        self.delay_http = delay_http.group(1) if delay_http else ""
         assert self.proc is not None
         assert self.proc.stdout is not None
         stdout = self.proc.stdout
         self._copier = threading.Thread(target=self._copy_stdout, args=(stdout,), daemon=True)
         self._copier.start()
         return {"meta_server": meta.group(1)}
+
+    def delay_lateness_counts(self) -> dict[str, int] | None:
+        """The delay server's ``qmq_delay_fire_lateness_ms`` histogram (hand-over − due)."""
+        if not self.delay_http:
+            return None
+        with urllib.request.urlopen(f"{self.delay_http}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        found = re.findall(r'^qmq_delay_fire_lateness_ms_bucket\{le="([^"]+)"\} (\S+)$', text, re.MULTILINE)
+        return {bound: int(float(count)) for bound, count in found}
 
     def _wait_ready_line(self) -> str:
         assert self.proc is not None
