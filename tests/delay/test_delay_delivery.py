@@ -11,10 +11,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from delaywire import collect, delay_group, now_ms, request, wait_until
+from delaywire import collect, delay_group, meta_address, now_ms, request, wait_until
 
 from qmq import SendError
 from qmq.aio import Consumer, Producer
+from qmq.client.connection import Connection
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import encode_message
 from qmq.testing import ReadyProcess, running_standalone
@@ -66,7 +67,7 @@ async def test_delayed_messages_arrive_when_due_never_before(standalone: ReadyPr
 
 
 async def test_a_message_due_milliseconds_ahead_is_not_delivered_early(standalone: ReadyProcess, subject: str) -> None:
-    """Due 2-6 ms ahead: sent as a realtime message it would be consumed before its time."""
+    """Due 1-6 ms ahead: sent as a realtime message it would be consumed before its time."""
     url = standalone.meta_server
     due: dict[str, int] = {}
     async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
@@ -76,7 +77,7 @@ async def test_a_message_due_milliseconds_ahead_is_not_delivered_early(standalon
         sends = []
         for i in range(30):
             m = producer.generate_message(subject)
-            m.set_deliver_at(time.time() + (2 + i % 5) / 1000)
+            m.set_deliver_at(time.time() + (1 + i % 6) / 1000)  # 1-2 ms: held by the broker
             due[m.message_id] = m.deliver_at_ms
             sends.append(producer.send_nowait(m))
             await asyncio.sleep(0.05)  # one at a time, each to a waiting consumer
@@ -111,6 +112,33 @@ async def test_a_past_time_sent_straight_to_the_delay_server_is_handed_over_at_o
         sent_at = now_ms()
         got = await collect(pull, 1, timeout_s=5)
     assert got["raw-past-1"] - sent_at < LATE_MS_MAX
+
+
+async def test_a_broker_stores_a_message_due_a_moment_ahead_once_it_is_due(
+    standalone: ReadyProcess, subject: str
+) -> None:
+    """Due a moment ahead (producers send those due within HOLD_UNTIL_DUE_MS to a broker): the
+    broker stores and answers it only once it is due, and the same connection's next send
+    after it."""
+    broker = meta_address(standalone.meta_server)["broker_groups"][0]["address"]
+    conn = Connection(broker, connect_timeout_ms=5000)
+    try:
+        await conn.request(RequestCode.PING, {}, [])  # connected before the clock starts
+        due = int(now_ms()) + 30
+        soon = encode_message(subject.encode(), b"soon-1", b"", 0, b"", b"x", int(now_ms()), due)
+        now = encode_message(subject.encode(), b"now-1", b"", 0, b"", b"y", int(now_ms()), 0)
+        answered: list[tuple[str, float]] = []
+        sends = []
+        for name, raw in (("soon", soon), ("now", now)):
+            fut = asyncio.ensure_future(conn.request(RequestCode.SEND_MESSAGES, {}, [raw]))
+            fut.add_done_callback(lambda _f, name=name: answered.append((name, now_ms())))
+            sends.append(fut)
+        frames = await asyncio.gather(*sends)
+    finally:
+        await conn.close()
+    assert [f.header for f in frames] == [{"errors": [], "duplicates": 0}] * 2
+    assert [name for name, _at in answered] == ["soon", "now"]
+    assert answered[0][1] >= due, f"stored {due - answered[0][1]:.2f} ms before it was due"
 
 
 async def test_beyond_the_horizon_the_send_fails_with_a_clear_error(standalone: ReadyProcess, subject: str) -> None:

@@ -3,6 +3,7 @@ handler may answer at once (most) or later (a send waiting for fsync, a parked p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ from qmq.broker.pulls import ParkedPull
 from qmq.common.naming import dead_subject, retry_subject
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
+from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
 from qmq.serving.disk import FreeSpace
 from qmq.serving.requests import (
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ID_CHARS_MAX = 200
+# A send due at most this far ahead is stored once it is due (producers send those due within
+# qmq.common.limits.HOLD_UNTIL_DUE_MS here; the rest of the bound absorbs clock differences).
+_HOLD_UNTIL_DUE_MS_MAX = 50
 _TAG_FILTERS_CACHED_MAX = 4096
 _DEAD_LIST_MAX = 1000
 # what only a master does; a slave answers NOT_MASTER naming its master
@@ -144,6 +149,28 @@ class Handlers:
             return
         body = bytes(frame.body)
         scanned = scan_send(body, self.limits)
+        wait_ms = max((sm.deliver_at_ms for sm in scanned), default=0) - self.broker.clock.now_ms()
+        if 0 < wait_ms <= _HOLD_UNTIL_DUE_MS_MAX:
+            # Due a moment from now (the producer sends these here, not through a delay server):
+            # stored once due, never before; the connection's later requests wait for it.
+            conn.hold()
+            asyncio.get_running_loop().call_later((wait_ms + 1) / 1000, self._send_when_due, conn, frame, body, scanned)
+            return
+        self._store_and_answer(conn, frame, body, scanned)
+
+    def _send_when_due(self, conn: Responder, frame: Frame, body: bytes, scanned: list[ScannedMessage]) -> None:
+        conn.release()
+        refusal = self._refusal()
+        if refusal is not None:
+            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+            return
+        try:
+            self._store_and_answer(conn, frame, body, scanned)
+        except Exception as exc:  # as Handlers.dispatch would answer it
+            log.exception("SEND_MESSAGES failed")
+            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.INTERNAL_ERROR)
+
+    def _store_and_answer(self, conn: Responder, frame: Frame, body: bytes, scanned: list[ScannedMessage]) -> None:
         result = self.store.append(body, scanned)
         metrics = self.metrics
         if result.per_subject:

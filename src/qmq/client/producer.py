@@ -6,10 +6,11 @@ accumulator queue of its subject's route → a SEND_MESSAGES frame → the waite
 the broker's answer. The route of a subject not seen before is asked of the meta server
 once; its messages wait aside meanwhile.
 
-A message due later (``set_delay``/``set_deliver_at``, even by a millisecond) goes to a
-delay group instead: the available delay groups form one route, taken in
-turn, with failover between them like broker groups. A message due now or in the past goes
-to the brokers as a realtime one.
+A message due later (``set_delay``/``set_deliver_at``) goes to a delay group instead: the
+available delay groups form one route, taken in turn, with failover between them like broker
+groups. A message due now, in the past, or at most ``HOLD_UNTIL_DUE_MS`` ahead goes to the
+brokers, which store the last kind once it is due: never early, and not behind a delay
+server's queue of sends.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from qmq.client.options import (
 )
 from qmq.client.sender import ProducerStats, Sender, fail_entries
 from qmq.common.errors import BufferFullError, SendError
+from qmq.common.limits import HOLD_UNTIL_DUE_MS
 from qmq.protocol.codes import RequestCode
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,7 @@ _DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.mes
 
 
 def _is_delayed(deliver_at_ms: int) -> bool:
-    # Even a message due a millisecond ahead goes through a delay server: sent as a realtime
-    # one it could be consumed before its time, and a delayed message is never early.
-    return deliver_at_ms > time.time_ns() // 1_000_000
+    return deliver_at_ms > time.time_ns() // 1_000_000 + HOLD_UNTIL_DUE_MS
 
 
 class Producer:

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 KiB = 1024
 MiB = 1024 * KiB
 
+# A message due at most this far ahead goes to a broker, which stores it once it is due (and
+# holds that connection's later requests meanwhile): a delay server's queue of sends would
+# make it later, and a realtime send would let it be consumed early. Small, since it bounds
+# how long the hold delays a connection's other sends.
+HOLD_UNTIL_DUE_MS = 2
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
