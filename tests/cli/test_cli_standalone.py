@@ -104,3 +104,27 @@ def test_bad_config_value_is_named(standalone_dir: Path, tmp_path: Path) -> None
     assert out.returncode != 0
     assert "flush = 'sometimes'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_log_file_holds_each_role_apart(tmp_path: Path) -> None:
+    """`qmq --log-file F standalone` (here $QMQ_LOG_FILE): the supervisor logs to F, each role to
+    F-<role> beside it."""
+    log = tmp_path / "qmq.log"
+    with running_standalone(tmp_path / "data", env={"QMQ_LOG_FILE": str(log), "QMQ_LOG_LEVEL": "INFO"}) as proc:
+        assert proc.ready["meta_server"]
+    for role in ("meta", "broker", "delay"):
+        text = (tmp_path / f"qmq-{role}.log").read_text()
+        assert " INFO [" in text, f"the {role} logged nothing to its file"
+    assert "standalone" in log.read_text()
+
+
+def test_a_log_file_that_cannot_be_opened_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "no-such-dir" / "qmq.log"
+    done = subprocess.run(
+        [sys.executable, "-m", "qmq", "--log-file", str(bad), "meta", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert f"cannot open {str(bad)!r} for logging" in done.stderr

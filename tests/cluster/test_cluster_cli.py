@@ -76,6 +76,10 @@ def test_up_status_promote_down(tmp_path: Path) -> None:
                 assert f"--role {m.role_in_group}" in args
             # Detached: its own session, so it outlived `cluster up` and ignores the terminal's Ctrl-C.
             assert os.getsid(m.pid) == m.pid
+            # It logs to its own rotated file; its stdout (the ready line) goes beside it.
+            assert m.log == str(data_dir.resolve() / "logs" / f"{m.name}.log")
+            assert Path(m.log).is_file()
+            assert "qmq ready" in Path(m.log).with_suffix(".out").read_text()
 
         # A second `up` on a running cluster is refused, naming what runs.
         again = run_qmq("cluster", "up", "--data-dir", str(data_dir))

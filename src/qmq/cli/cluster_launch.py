@@ -2,8 +2,10 @@
 
 Each role is its own ``qmq meta|broker|delay`` process with its group, role and data directory
 on its command line (so ``ps`` shows what it is), started in a session of its own so that it
-outlives the command, with stdout and stderr appended to ``DATA_DIR/logs/<name>.log``. A
-process is ready when its log shows its ``qmq ready`` line.
+outlives the command. It logs to ``DATA_DIR/logs/<name>.log`` (``--log-file``: rotated, so
+bounded on disk); its stdout and stderr (the ready line, and anything printed before
+logging starts) go to ``DATA_DIR/logs/<name>.out``. A process is ready when that file shows
+its ``qmq ready`` line.
 
 ``DATA_DIR/cluster.json`` lists every process started (written before waiting for each, so
 ``down`` finds even a half-started cluster) with its pid and its start time in clock ticks
@@ -56,7 +58,7 @@ class Member:
     role_in_group: str | None
     data_dir: str
     argv: list[str]
-    log: str
+    log: str  # what it logs (rotated); its stdout and stderr go to ``out_path(log)``
     pid: int = 0
     start_ticks: int = 0
     ready: dict[str, str] = field(default_factory=dict)
@@ -144,17 +146,22 @@ def plan(
     return members
 
 
+def out_path(log: str) -> str:
+    """Where a member's stdout and stderr go, beside its log."""
+    return str(Path(log).with_suffix(".out"))
+
+
 def start(member: Member, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     """Start ``member`` detached (its own session), logging to its log file."""
     Path(member.data_dir).parent.mkdir(parents=True, exist_ok=True)
     Path(member.log).parent.mkdir(parents=True, exist_ok=True)
-    with open(member.log, "ab") as log:
+    with open(out_path(member.log), "ab") as out:
         proc = subprocess.Popen(
             member.argv,
             stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=dict(env),
+            stdout=out,
+            stderr=out,
+            env={**env, "QMQ_LOG_FILE": member.log},
             start_new_session=True,
         )
     member.pid = proc.pid
@@ -163,18 +170,19 @@ def start(member: Member, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
 
 
 class _LogWatch:
-    """Reads a member's log as it grows, looking for the ``qmq ready`` line."""
+    """Reads a member's stdout as it grows, looking for the ``qmq ready`` line."""
 
     def __init__(self, member: Member) -> None:
         self.member = member
+        self.path = out_path(member.log)
         try:
-            self.offset = os.path.getsize(member.log)  # a restarted cluster appends to old logs
+            self.offset = os.path.getsize(self.path)  # a restarted cluster appends to old output
         except OSError:
             self.offset = 0
         self.partial = b""
 
     def ready_line(self) -> dict[str, str] | None:
-        with open(self.member.log, "rb") as fh:
+        with open(self.path, "rb") as fh:
             fh.seek(self.offset)
             chunk = fh.read()
         self.offset += len(chunk)
@@ -202,7 +210,8 @@ def wait_ready(procs: Mapping[str, subprocess.Popen[bytes]], members: Sequence[M
             if code is not None:
                 raise StartupFailedError(
                     f"{w.member.name} ({' '.join(w.member.argv[2:4])}) exited with status {code} before it was "
-                    f"ready; its log {w.member.log} ends: {log_tail(Path(w.member.log))}"
+                    f"ready; its log {w.member.log} ends: {log_tail(Path(w.member.log))}; its output "
+                    f"{w.path} ends: {log_tail(Path(w.path))}"
                 )
         if not waiting:
             return

@@ -7,6 +7,7 @@ print one line naming the problem and exit non-zero, without a traceback.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
 import sys
 
@@ -14,8 +15,12 @@ import click
 
 from qmq import __version__
 from qmq.common.errors import QmqError
+from qmq.common.limits import MiB
 
 EXIT_USAGE = 2
+# A server's log file is bounded on disk: rotated at this size, this many old files kept.
+LOG_FILE_BYTES_MAX = 64 * MiB
+LOG_FILES_KEPT = 3
 
 
 class QmqGroup(click.Group):
@@ -35,15 +40,31 @@ class QmqGroup(click.Group):
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     help="how much the servers log to stderr [default: INFO, or $QMQ_LOG_LEVEL]",
 )
-def cli(log_level: str) -> None:
+@click.option(
+    "--log-file",
+    envvar="QMQ_LOG_FILE",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help=f"log to this file instead of stderr, rotated at {LOG_FILE_BYTES_MAX // MiB} MiB with "
+    f"{LOG_FILES_KEPT} old files kept (FILE.1 ...) [or $QMQ_LOG_FILE]",
+)
+def cli(log_level: str, log_file: str | None) -> None:
     """qmq: a message queue in the shape of Qunar's QMQ.
 
     Start everything on one machine with `qmq standalone`; it prints a `qmq ready` line with
     the meta_server URL every other command takes.
     """
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    if log_file:
+        try:
+            handler = logging.handlers.RotatingFileHandler(
+                log_file, maxBytes=LOG_FILE_BYTES_MAX, backupCount=LOG_FILES_KEPT
+            )
+        except OSError as exc:
+            raise click.BadParameter(f"cannot open {log_file!r} for logging: {exc}", param_hint="--log-file") from None
     logging.basicConfig(
         level=getattr(logging, log_level.upper()),
-        stream=sys.stderr,
+        handlers=[handler],
         format="%(asctime)s %(levelname)s [%(process)d %(name)s] %(message)s",
     )
 

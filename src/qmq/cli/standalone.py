@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import logging.handlers
 import os
 import select
 import signal
@@ -66,7 +67,11 @@ class Child:
 
     def start(self, deadline: float) -> None:
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_child_setup(os.getpid())
+            self.argv,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=_child_env(self.role),
+            preexec_fn=_child_setup(os.getpid()),
         )
         self.ready = _wait_ready(self.proc, self.role, deadline)
         # keep draining stdout so a chatty child can never block on a full pipe
@@ -83,6 +88,20 @@ class Child:
             log.error("%s (pid %d) did not stop within %.0f s; killing it", self.role, proc.pid, _STOP_TIMEOUT_S)
             proc.kill()
             return proc.wait()
+
+
+def _child_env(role: str) -> dict[str, str]:
+    """The environment of a role's process: when the supervisor logs to a file (``--log-file``),
+    each role logs to its own beside it (FILE-meta.log, FILE-broker.log, FILE-delay.log):
+    rotation is per process."""
+    env = dict(os.environ)
+    env.pop("QMQ_LOG_FILE", None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.handlers.RotatingFileHandler):
+            path = Path(handler.baseFilename)
+            name = role.split()[0]  # "meta server" -> meta
+            env["QMQ_LOG_FILE"] = str(path.with_name(f"{path.stem}-{name}{path.suffix}"))
+    return env
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], role: str, deadline: float) -> dict[str, str]:
