@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qmq.broker.pulls import ParkedPull
@@ -89,6 +90,10 @@ class Handlers:
             )
             return
         self.metrics.requests.labels(RequestCode(frame.code).name).inc()
+        self._guarded(conn, frame, handler)
+
+    def _guarded(self, conn: Responder, frame: Frame, handler: Callable[[Responder, Frame], None]) -> None:
+        """Run ``handler`` if this broker may serve ``frame``; answer any failure by its kind."""
         if frame.code in _MASTER_ONLY and self.broker.role != "master":
             conn.respond(frame.code, frame.request_id, {"error": self._not_master()}, status=Status.NOT_MASTER)
             return
@@ -160,15 +165,16 @@ class Handlers:
 
     def _send_when_due(self, conn: Responder, frame: Frame, body: bytes, scanned: list[ScannedMessage]) -> None:
         conn.release()
-        refusal = self._refusal()
-        if refusal is not None:
-            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
-            return
-        try:
-            self._store_and_answer(conn, frame, body, scanned)
-        except Exception as exc:  # as Handlers.dispatch would answer it
-            log.exception("SEND_MESSAGES failed")
-            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.INTERNAL_ERROR)
+
+        def store(conn: Responder, frame: Frame) -> None:
+            # checked again: the broker may have begun stopping, or stopped being master, meanwhile
+            refusal = self._refusal()
+            if refusal is not None:
+                conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+            else:
+                self._store_and_answer(conn, frame, body, scanned)
+
+        self._guarded(conn, frame, store)
 
     def _store_and_answer(self, conn: Responder, frame: Frame, body: bytes, scanned: list[ScannedMessage]) -> None:
         result = self.store.append(body, scanned)

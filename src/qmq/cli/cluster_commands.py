@@ -15,7 +15,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 from rich.console import Console
@@ -36,6 +35,7 @@ from qmq.cli.cluster_launch import (
 )
 from qmq.cli.cluster_view import render, render_processes
 from qmq.cli.main import cli
+from qmq.common.config import meta_base_url
 
 # Bounds of a local cluster: each process is a Python interpreter of its own.
 BROKER_GROUPS_MAX: Final = 32
@@ -214,7 +214,7 @@ def status(data_dir: Path | None, meta_server: str | None, routes_max: int, as_j
     if not url:
         raise ClusterError("say which cluster: --data-dir DIR (of `qmq cluster up`) or --meta-server URL")
     try:
-        code, view = _http(f"{_base(url)}/meta/cluster?routes_max={routes_max}")
+        code, view = _http(f"{meta_base_url(url)}/meta/cluster?routes_max={routes_max}")
     except ClusterError:
         if local is not None and not as_json:
             render_processes(_console(), local)  # what runs here, at least
@@ -245,11 +245,11 @@ def promote(group: str, role: str, meta_server: str) -> None:
     """Make GROUP's freshest slave its master now, in a new epoch; its old master is told to
     cut what it never replicated and follow. Refused when no slave is fresh."""
     body = {"group": group, "role": role}
-    url = f"{_base(meta_server)}/meta/promote"
+    url = f"{meta_base_url(meta_server)}/meta/promote"
     code, answer = _http(url, body)
     if code == 421 and isinstance(answer, dict) and answer.get("leader"):
         # Only the leading meta server decides; ask it.
-        url = f"{_base(str(answer['leader']))}/meta/promote"
+        url = f"{meta_base_url(str(answer['leader']))}/meta/promote"
         code, answer = _http(url, body)
     if code != 200 or not isinstance(answer, dict):
         raise ClusterError(f"promotion refused (HTTP {code}): {_error_text(answer)}")
@@ -258,17 +258,6 @@ def promote(group: str, role: str, meta_server: str) -> None:
         f"(was {answer['previous_master']}); the epoch begins at message offset {answer['message_offset']}, "
         f"action offset {answer['action_offset']}"
     )
-
-
-def _base(meta_server: str) -> str:
-    """``http://host:port`` of a meta_server URL as printed by ``qmq ready``."""
-    parts = urlsplit(meta_server)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ClusterError(
-            f"meta server {meta_server!r} is not an http URL; pass it as `qmq ready` printed it, "
-            "e.g. http://127.0.0.1:8080/meta/address"
-        )
-    return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
 
 
 def _http(url: str, body: object | None = None) -> tuple[int, Any]:

@@ -61,7 +61,10 @@ def cli(log_level: str, log_file: str | None) -> None:
                 log_file, maxBytes=LOG_FILE_BYTES_MAX, backupCount=LOG_FILES_KEPT
             )
         except OSError as exc:
-            raise click.BadParameter(f"cannot open {log_file!r} for logging: {exc}", param_hint="--log-file") from None
+            raise click.BadParameter(
+                f"cannot open {log_file!r} for logging: {exc}; pass a file in an existing, writable directory",
+                param_hint="--log-file",
+            ) from None
     logging.basicConfig(
         level=getattr(logging, log_level.upper()),
         handlers=[handler],

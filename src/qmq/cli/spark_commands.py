@@ -107,17 +107,19 @@ def _prop(value: str) -> tuple[str, str]:
     return key, text
 
 
-_QUERY_COLUMNS = ("subject", "sequence", "message_id", "created_at", "stored_at", "tags", "properties", "body")
-
-
-@cli.command()
-@click.option(
+_archive_option = click.option(
     "--archive",
     "archive_dir",
     required=True,
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="the --to of `qmq archive`",
 )
+
+_QUERY_COLUMNS = ("subject", "sequence", "message_id", "created_at", "stored_at", "tags", "properties", "body")
+
+
+@cli.command()
+@_archive_option
 @click.option("--message-id", metavar="ID", help="find one message by id (its time prunes the dates read)")
 @click.option("--subject", metavar="SUBJECT", help="messages of this subject")
 @click.option("--since", metavar="TIME", help="created at or after this ISO 8601 time (UTC without an offset)")
@@ -239,13 +241,7 @@ def trace(
 
 
 @cli.command()
-@click.option(
-    "--archive",
-    "archive_dir",
-    required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="the --to of `qmq archive`",
-)
+@_archive_option
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path), help="where to write [default: ARCHIVE/_report]"
 )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from qmq.common.errors import ConfigError
 from qmq.common.limits import MiB
@@ -377,3 +378,14 @@ def merged(path: Path | None, section: str, overrides: Mapping[str, Any]) -> dic
     values = load_toml_section(path, section)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return values
+
+
+def meta_base_url(meta_server: str) -> str:
+    """``http://host:port`` of a meta_server URL as printed by ``qmq ready``; ConfigError if it is none."""
+    parts = urlsplit(meta_server)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(
+            f"meta_server {meta_server!r} is not an http URL; pass it as printed by `qmq ready`, "
+            "e.g. http://127.0.0.1:8080/meta/address"
+        )
+    return urlunsplit((parts.scheme, parts.netloc, "", "", ""))

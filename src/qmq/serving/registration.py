@@ -9,11 +9,10 @@ import logging
 import os
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from qmq.common.errors import ConfigError
+from qmq.common.config import meta_base_url
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +23,7 @@ _RETRY_S_MAX = 2.0
 
 def register_url(meta_server: str) -> str:
     """``http://host:port/meta/address`` (as printed by ``qmq ready``) → ``http://host:port/meta/register``."""
-    parts = urlsplit(meta_server)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(
-            f"meta_server {meta_server!r} is not an http URL; pass it as printed by `qmq ready`, "
-            "e.g. http://127.0.0.1:8080/meta/address"
-        )
-    return urlunsplit((parts.scheme, parts.netloc, "/meta/register", "", ""))
+    return f"{meta_base_url(meta_server)}/meta/register"
 
 
 def server_payload(role: str, group: str, address: str, http: str) -> dict[str, Any]:

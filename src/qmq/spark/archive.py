@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,32 +247,36 @@ def _lag_row(
 
 async def _remote_lag(meta_server: str, run_ms: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    async for group_name, conn, subject, g in _subject_groups(meta_server, user_subjects_only=False):
+        try:
+            h = (await conn.request(RequestCode.LAG, {"subject": subject, "group": g})).header
+        except BrokerError as exc:
+            log.warning("no lag of group %r of %r: %s", g, subject, exc)
+            continue
+        rows.append(
+            _lag_row(run_ms, group_name, subject, g, int(h["messages"]), int(h["pull_offset"]), int(h["unacked"]))
+        )
+    return rows
+
+
+async def _subject_groups(
+    meta_server: str, *, user_subjects_only: bool
+) -> AsyncIterator[tuple[str, Connection, str, str]]:
+    """Every (broker group, its connection, subject, consumer group) the brokers know, each
+    broker group's requests bounded by _REQUEST_TIMEOUT_S together."""
     for group_name, address in sorted((await broker_groups(meta_server)).items()):
         conn = Connection(address, connect_timeout_ms=5_000)
         try:
             async with asyncio.timeout(_REQUEST_TIMEOUT_S):
                 subjects = (await conn.request(RequestCode.SUBJECTS, {})).header.get("subjects", [])
                 for item in subjects:
+                    subject = item["subject"]
+                    if user_subjects_only and subject.startswith("%"):
+                        continue
                     for g in _named_groups(item):
-                        try:
-                            h = (await conn.request(RequestCode.LAG, {"subject": item["subject"], "group": g})).header
-                        except BrokerError as exc:
-                            log.warning("no lag of group %r of %r: %s", g, item["subject"], exc)
-                            continue
-                        rows.append(
-                            _lag_row(
-                                run_ms,
-                                group_name,
-                                item["subject"],
-                                g,
-                                int(h["messages"]),
-                                int(h["pull_offset"]),
-                                int(h["unacked"]),
-                            )
-                        )
+                        yield group_name, conn, subject, g
         finally:
             await conn.close()
-    return rows
 
 
 def _named_groups(item: dict[str, Any]) -> list[str]:
@@ -333,37 +337,25 @@ def _dead_row(
 
 async def _remote_dead(meta_server: str, state: ArchiveState) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for group_name, address in sorted((await broker_groups(meta_server)).items()):
-        conn = Connection(address, connect_timeout_ms=5_000)
-        try:
-            async with asyncio.timeout(_REQUEST_TIMEOUT_S):
-                subjects = (await conn.request(RequestCode.SUBJECTS, {})).header.get("subjects", [])
-                for item in subjects:
-                    subject = item["subject"]
-                    if subject.startswith("%"):
-                        continue
-                    for g in _named_groups(item):
-                        key = f"{group_name}/%DEAD_RETRY%{subject}%{g}"
-                        after = state.dead.get(key, -1)
-                        for _ in range(_DEAD_PAGES_MAX):
-                            header = {"subject": subject, "group": g, "limit": _DEAD_PAGE, "after": after}
-                            letters = (await conn.request(RequestCode.DEAD_LETTERS, header)).header.get("letters", [])
-                            for x in letters:
-                                rows.append(
-                                    _dead_row(
-                                        group_name,
-                                        subject,
-                                        g,
-                                        int(x["letter"]),
-                                        str(x["message_id"]),
-                                        int(x["attempts"]),
-                                        str(x.get("error") or "") or None,
-                                        int(x["dead_at_ms"]),
-                                    )
-                                )
-                            if len(letters) < _DEAD_PAGE:
-                                break
-                            after = int(letters[-1]["letter"])
-        finally:
-            await conn.close()
+    async for group_name, conn, subject, g in _subject_groups(meta_server, user_subjects_only=True):
+        after = state.dead.get(f"{group_name}/%DEAD_RETRY%{subject}%{g}", -1)
+        for _ in range(_DEAD_PAGES_MAX):
+            header = {"subject": subject, "group": g, "limit": _DEAD_PAGE, "after": after}
+            letters = (await conn.request(RequestCode.DEAD_LETTERS, header)).header.get("letters", [])
+            for x in letters:
+                rows.append(
+                    _dead_row(
+                        group_name,
+                        subject,
+                        g,
+                        int(x["letter"]),
+                        str(x["message_id"]),
+                        int(x["attempts"]),
+                        str(x.get("error") or "") or None,
+                        int(x["dead_at_ms"]),
+                    )
+                )
+            if len(letters) < _DEAD_PAGE:
+                break
+            after = int(letters[-1]["letter"])
     return rows

@@ -121,13 +121,14 @@ def find_by_subject(spark: SparkSession, archive: Path, q: SubjectQuery) -> list
     return _collect(df.orderBy("created_at", "sequence").limit(q.limit))
 
 
-_ISO = "yyyy-MM-dd'T'HH:mm:ss.SSSXXX"
+# Spark datetime pattern of ISO 8601 text; "XXX" is the zone offset (Z for UTC), not a marker.
+ISO_TIMESTAMP = "yyyy-MM-dd'T'HH:mm:ss.SSSXXX"
 
 
 def _collect(df: DataFrame) -> list[dict[str, Any]]:
     """Rows as dicts; times as ISO 8601 text made by Spark (collected timestamps would be naive)."""
-    shown = df.withColumn("created_at", F.date_format("created_at", _ISO)).withColumn(
-        "stored_at", F.date_format("stored_at", _ISO)
+    shown = df.withColumn("created_at", F.date_format("created_at", ISO_TIMESTAMP)).withColumn(
+        "stored_at", F.date_format("stored_at", ISO_TIMESTAMP)
     )
     return [r.asDict(recursive=True) for r in shown.collect()]
 

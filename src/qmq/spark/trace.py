@@ -30,7 +30,7 @@ from qmq.common.naming import parse_internal_subject
 from qmq.protocol.message import decode_message, decode_properties
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.spark.offsets import DEFAULT_BROKER_GROUP, to_json
-from qmq.spark.query import find_by_id, id_date
+from qmq.spark.query import ISO_TIMESTAMP, find_by_id, id_date
 from qmq.spark.records import property_text
 from qmq.store import action_log as act
 from qmq.store.dead_letters import ERROR_PROPERTY
@@ -148,7 +148,7 @@ def _search_source(spark: SparkSession, source: dict[str, str], message_id: str,
         "broker_group",
         "sequence",
         "properties",
-        F.date_format("stored_at", "yyyy-MM-dd'T'HH:mm:ss.SSSXXX").alias("stored_at"),
+        F.date_format("stored_at", ISO_TIMESTAMP).alias("stored_at"),
     )
     return [r.asDict(recursive=True) for r in shown.collect()]
 
