@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from bench.cell import Cell, require_ok
-from bench.monitor import ServerMonitor
+from bench.monitor import ServerMonitor, total_rss_kib
 from bench.workers import WorkerProcess
 
 SLOWEST_SCHEDULE_MSGS_PER_S = 2_000
@@ -48,11 +48,14 @@ def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
     producer, consumer = _start_pair(cell, family, n, None, s.w4_spread_s, limit_s)
     monitor = ServerMonitor(cell.server.pids)
     monitor.start()
-    rss_before_kib = monitor.rss_now_kib()
+    holders = cell.server.delay_holder_pids
+    rss_before_kib = total_rss_kib(holders())
+    server_rss_before_kib = monitor.rss_now_kib()
     fired_before = cell.server.delay_lateness_counts()
     producer.go()
     produced = producer.result(limit_s + 10.0)
-    rss_scheduled_kib = monitor.rss_now_kib()
+    rss_scheduled_kib = total_rss_kib(holders())
+    server_rss_growth_kib = monitor.rss_now_kib() - server_rss_before_kib
     consumed = consumer.result(limit_s + 20.0)
     server = monitor.stop(n)
     require_ok(produced, "producer")
@@ -80,6 +83,7 @@ def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
         "rss_all_scheduled_mib": round(rss_scheduled_kib / 1024, 1),
         "pending_when_scheduled_est": pending,
         "rss_bytes_per_pending": round(rss_delta_bytes / pending, 1) if pending else None,
+        "server_rss_growth_mib": round(server_rss_growth_kib / 1024, 1),
         "poller": consumed.get("poller"),
         "server": server,
     }

@@ -56,6 +56,11 @@ class ServerProcess:
         cumulative histogram, bucket bound in ms → count), or None where it keeps none."""
         return None
 
+    def delay_holder_pids(self) -> list[int]:
+        """The processes that hold pending delayed messages (W4's RSS per pending): the whole
+        server unless a system keeps them in a process of their own."""
+        return self.pids()
+
     def extra_pids(self) -> list[int]:
         """Processes outside the main tree that serve the system (RabbitMQ's epmd)."""
         return []

@@ -45,6 +45,7 @@ class QmqServer(ServerProcess):
         self.flush = flush
         self.dir = os.path.join(data_root, f"qmq-{flush}")
         self.named_pids: list[int] = []
+        self.delay_pid: int | None = None
         self.ready_line = ""
         self.delay_http = ""
         self._copier: threading.Thread | None = None
@@ -113,6 +114,8 @@ class QmqServer(ServerProcess):
         if meta is None:
             raise StartError(f"qmq ready line has no meta_server=URL: {line!r}")
         self.named_pids = [int(pid) for pid in re.findall(r"\b(?:broker|meta|delay)_pid=(\d+)", line)]
+        delay_pid = re.search(r"\bdelay_pid=(\d+)", line)
+        self.delay_pid = int(delay_pid.group(1)) if delay_pid else None
         delay_http = re.search(r"delay_http=(http://\S+)", line)
         self.delay_http = delay_http.group(1) if delay_http else ""
         assert self.proc is not None
@@ -121,6 +124,13 @@ class QmqServer(ServerProcess):
         self._copier = threading.Thread(target=self._copy_stdout, args=(stdout,), daemon=True)
         self._copier.start()
         return {"meta_server": meta.group(1)}
+
+    def delay_holder_pids(self) -> list[int]:
+        """The delay server's process: it alone holds pending delayed messages (the broker
+        only stores what comes due, as for any send)."""
+        if self.delay_pid is not None and pid_alive(self.delay_pid):
+            return [self.delay_pid]
+        return self.pids()
 
     def delay_lateness_counts(self) -> dict[str, int] | None:
         """The delay server's ``qmq_delay_fire_lateness_ms`` histogram (hand-over − due)."""
