@@ -99,3 +99,25 @@ def test_memory_is_arrays_not_an_object_per_message() -> None:
         taken += len(t.take(30_000, 7_000))
     assert taken == n
     assert t.nbytes <= 64 * 7_000  # taken prefixes are dropped as the timer drains
+
+
+def test_small_batches_wait_unsorted_until_one_is_due_or_enough_came() -> None:
+    t = Timer(incoming_rows_max=100)
+    t.add_sorted_main(rows(list(range(1_000, 2_000, 100))))
+    for i in range(10):  # 50 rows in batches of 5: none merged yet, so no copy of the late run per batch
+        t.add(rows([5_000 - i * 10 - j for j in range(5)], first_entry=100 + 5 * i))
+    assert len(t._late) == 0
+    assert len(t) == 60
+    assert t.next_due() == 1_000
+    t.add(rows([900], first_entry=999))  # earlier than everything held: next_due sees it at once
+    assert t.next_due() == 900
+    assert t.take(950, 10)["entry"].tolist() == [999]  # a due one brings the batches into the late run
+    assert len(t._late) - t._late_head == 50
+    for i in range(10):
+        t.add(rows([9_000 + i] * 10, first_entry=200 + 10 * i))
+    assert len(t._late) - t._late_head == 150  # 100 incoming rows reached the bound and were merged
+    out = t.take(100_000, 1_000)
+    assert out["due"].tolist() == sorted(out["due"].tolist())
+    assert len(out) == 160
+    # equal due times kept the order their batches came in
+    assert out["entry"][out["due"] >= 9_000].tolist()[:10] == list(range(200, 210))

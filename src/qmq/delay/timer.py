@@ -9,9 +9,12 @@ One row per message (a numpy structured array, 32 bytes a row, no Python object 
     size    u32  bytes of its record
 
 Rows live in two runs, each sorted by due: the *main* run, built when buckets are loaded, and
-a small *late* run of rows added since (messages that arrived for a loaded bucket), merged
+a small *late* run of rows added since (messages that arrived for a loaded bucket). Added
+batches first wait, unsorted, in an *incoming* list (only their earliest due time is kept
+up to date); they are sorted and merged into the late run once ``incoming_rows_max`` rows
+wait or one of them is due, so a stream of small batches does not copy the late run once
 per batch. When the late run passes ``late_rows_max`` it is merged into the main run, so
-adding stays cheap and firing is a comparison of two heads. Taking rows only advances a head;
+adding stays cheap and firing is a comparison of heads. Taking rows only advances a head;
 the taken prefix is dropped when it is more than half of a run. Equal due times keep the
 order they were added in.
 """
@@ -29,6 +32,7 @@ ROW_BYTES = ROW.itemsize  # 32
 Rows = npt.NDArray[Any]  # a 1-d array of ROW
 
 _LATE_ROWS_MAX = 16_384
+_INCOMING_ROWS_MAX = 4_096
 _COMPACT_ROWS_MIN = 4_096
 
 
@@ -61,36 +65,53 @@ def merge_rows(a: Rows, b: Rows) -> tuple[Rows, npt.NDArray[np.intp]]:
 class Timer:
     """Rows of due messages, taken in due order; bounded only by what the loaded buckets hold."""
 
-    def __init__(self, late_rows_max: int = _LATE_ROWS_MAX) -> None:
+    def __init__(self, late_rows_max: int = _LATE_ROWS_MAX, incoming_rows_max: int = _INCOMING_ROWS_MAX) -> None:
         self.late_rows_max = late_rows_max
+        self.incoming_rows_max = incoming_rows_max
         self._main = empty_rows()
         self._main_head = 0
         self._late = empty_rows()
         self._late_head = 0
+        self._incoming: list[Rows] = []
+        self._incoming_rows = 0
+        self._incoming_min: int | None = None
 
     def __len__(self) -> int:
-        return len(self._main) - self._main_head + len(self._late) - self._late_head
+        return len(self._main) - self._main_head + len(self._late) - self._late_head + self._incoming_rows
 
     @property
     def nbytes(self) -> int:
         """Bytes the arrays hold (taken prefixes not yet dropped included)."""
-        return int(self._main.nbytes + self._late.nbytes)
+        return int(self._main.nbytes + self._late.nbytes + sum(r.nbytes for r in self._incoming))
 
     def add(self, rows: Rows) -> None:
         """Add rows in any order (a batch of arrivals, or rows handed back after a failed hand-over)."""
         if not len(rows):
             return
-        late, _ = merge_rows(self._late[self._late_head :], sort_rows(rows))
+        self._incoming.append(rows)
+        self._incoming_rows += len(rows)
+        first = int(rows["due"].min())
+        if self._incoming_min is None or first < self._incoming_min:
+            self._incoming_min = first
+        if self._incoming_rows >= self.incoming_rows_max:
+            self._merge_incoming()
+
+    def _merge_incoming(self) -> None:
+        if not self._incoming:
+            return
+        incoming = self._incoming[0] if len(self._incoming) == 1 else np.concatenate(self._incoming)
+        self._incoming, self._incoming_rows, self._incoming_min = [], 0, None
+        late, _ = merge_rows(self._late[self._late_head :], sort_rows(incoming))
         self._late, self._late_head = late, 0
         if len(late) > self.late_rows_max:
-            self.merge_late()
+            self._merge_late()
 
     def add_sorted_main(self, rows: Rows) -> None:
         """Add a large run already sorted by due (a bucket just loaded) straight to the main run."""
         main, _ = merge_rows(self._main[self._main_head :], rows)
         self._main, self._main_head = main, 0
 
-    def merge_late(self) -> None:
+    def _merge_late(self) -> None:
         main, _ = merge_rows(self._main[self._main_head :], self._late[self._late_head :])
         self._main, self._main_head = main, 0
         self._late, self._late_head = empty_rows(), 0
@@ -104,10 +125,15 @@ class Timer:
             d = int(self._late["due"][self._late_head])
             if best is None or d < best:
                 best = d
+        d_in = self._incoming_min
+        if d_in is not None and (best is None or d_in < best):
+            best = d_in
         return best
 
     def take(self, now_ms: int, rows_max: int) -> Rows:
         """Remove and return up to ``rows_max`` rows due at or before ``now_ms``, earliest first."""
+        if self._incoming_min is not None and self._incoming_min <= now_ms:
+            self._merge_incoming()
         a = self._due_prefix(self._main, self._main_head, now_ms, rows_max)
         b = self._due_prefix(self._late, self._late_head, now_ms, rows_max)
         if not len(b):
@@ -140,11 +166,13 @@ class Timer:
 
     def rows_of(self, bucket_start_ms: int) -> Rows:
         """The rows held for one bucket (for stats; O(rows))."""
+        self._merge_incoming()
         parts = [self._main[self._main_head :], self._late[self._late_head :]]
         return np.concatenate([p[p["bucket"] == bucket_start_ms] for p in parts])
 
     def drop_bucket(self, bucket_start_ms: int) -> int:
         """Remove every row of one bucket; returns how many there were."""
+        self._merge_incoming()
         removed = 0
         for name in ("_main", "_late"):
             head_name = name + "_head"
