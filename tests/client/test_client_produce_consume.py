@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+import urllib.request
 import uuid
 
 import pytest
@@ -11,6 +13,7 @@ from clienthelpers import pull_until, wait_for_lag
 from qmq import BufferFullError, SendError
 from qmq.aio import Consumer, Message, Producer
 from qmq.protocol.message import with_times
+from qmq.testing import ReadyProcess
 
 pytestmark = pytest.mark.integration
 
@@ -160,3 +163,67 @@ async def test_a_message_the_broker_refuses_fails_alone_with_the_brokers_reason(
     assert error.message_id == bad.message_id
     assert "INVALID_SUBJECT" in str(error)
     assert "no spaces allowed" in str(error)
+
+
+def _stored_count(broker_http: str, subject: str) -> float:
+    """The broker's qmq_messages_in for ``subject``, read with a blocking request (no event loop)."""
+    text = urllib.request.urlopen(broker_http.rstrip("/") + "/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith("qmq_messages_in_total{") and f'subject="{subject}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _busy(seconds: float) -> None:
+    """The caller's own work: holds the event loop (no await), so the sender loops cannot run."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _wait_stored(broker_http: str, subject: str, count: int) -> float:
+    """Poll the broker's count for ``subject`` with blocking requests (still holding the loop)."""
+    deadline = time.monotonic() + 10
+    while _stored_count(broker_http, subject) < count and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling another process's metrics, bounded by the deadline
+    return _stored_count(broker_http, subject)
+
+
+async def test_a_caller_that_holds_the_event_loop_still_gets_its_sends_written(
+    shared_standalone: ReadyProcess, subject: str
+) -> None:
+    broker_http = shared_standalone.ready["broker_http"]
+    async with Producer(app_code="shop", meta_server=shared_standalone.meta_server) as producer:
+        await producer.send(producer.generate_message(subject))  # connected
+        msgs = [producer.generate_message(subject) for _ in range(3)]
+        futures = [producer.send_nowait(msgs[0])]
+        _busy(0.003)
+        futures.append(producer.send_nowait(msgs[1]))  # finds msgs[0] queued for 3 ms: written now
+        # still without yielding, the broker (another process) stores what was written
+        assert _wait_stored(broker_http, subject, 3) == 3
+        futures.append(producer.send_nowait(msgs[2]))
+        producer.write_now()  # written at once, whatever its age
+        assert _wait_stored(broker_http, subject, 4) == 4
+        await asyncio.gather(*futures)
+    async with Consumer(app_code="billing", meta_server=shared_standalone.meta_server) as consumer:
+        got = await pull_until(consumer.pull_consumer(subject, _group(), start_from="earliest"), 4)
+    assert [m.message_id for m in got[1:]] == [m.message_id for m in msgs]
+
+
+async def test_eager_writes_keep_order_and_their_bound_on_frames(meta_server: str, subject: str) -> None:
+    n = 400
+    async with Producer(app_code="shop", meta_server=meta_server, max_in_flight=2) as producer:
+        await producer.send(producer.generate_message(subject))
+        frames_before = producer.stats.frames_sent
+        msgs = [producer.generate_message(subject) for _ in range(n)]
+        futures = []
+        for m in msgs:
+            futures.append(producer.send_nowait(m))
+            _busy(0.0002)
+        # with the loop held no answer can come back: at most 2 × max_in_flight frames went out
+        written = producer.stats.frames_sent - frames_before
+        assert 1 <= written <= 4
+        await asyncio.gather(*futures)
+    async with Consumer(app_code="billing", meta_server=meta_server) as consumer:
+        got = await pull_until(consumer.pull_consumer(subject, _group(), start_from="earliest"), n + 1)
+    assert [m.message_id for m in got[1:]] == [m.message_id for m in msgs]

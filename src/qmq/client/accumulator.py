@@ -122,6 +122,11 @@ class Accumulator:
             self._keys_of.setdefault(group, []).append(key)
         return q
 
+    def oldest_enqueued_at(self, group: str) -> float | None:
+        """When the oldest message queued for ``group`` entered, or None when none is queued."""
+        heads = [q[0][ENQUEUED_AT] for k in self._keys_of.get(group, ()) if (q := self._queues[k])]
+        return min(heads) if heads else None
+
     def queued_for(self, group: str) -> bool:
         return any(self._queues[k] for k in self._keys_of.get(group, ()))
 

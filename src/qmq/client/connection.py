@@ -212,6 +212,24 @@ class Connection:
             await p.drain()
         if p.lost is not None or p.transport is None:
             raise p._lost_error()
+        return self._write_request(p, code, header, body, with_session)
+
+    def writable(self) -> bool:
+        """Whether a request can be written now, without connecting or waiting for the socket."""
+        p = self._proto
+        return p is not None and p.lost is None and p.transport is not None and not p._paused
+
+    def write_request(self, code: int, header: dict[str, Any], body: Sequence[bytes] = ()) -> asyncio.Future[Frame]:
+        """``start_request`` for a connection that is ``writable()``: writes at once, no await."""
+        p = self._proto
+        if p is None or not self.writable():
+            raise ConnectionLostError(f"connection to broker {self.address} is not writable now")
+        return self._write_request(p, code, header, body, False)
+
+    def _write_request(
+        self, p: _FrameProtocol, code: int, header: dict[str, Any], body: Sequence[bytes], with_session: bool
+    ) -> asyncio.Future[Frame]:
+        assert p.transport is not None
         rid = self._next_id
         pending = p.pending
         while rid in pending:

@@ -93,6 +93,8 @@ class ProducerOptions:
     batch_messages_max: int = 1_000
     batch_bytes_max: int = 1 * MiB
     # Frames outstanding per broker group; sends arriving meanwhile coalesce into the next.
+    # A caller that holds the event loop (send_nowait in a long loop) still gets a message
+    # queued for 1 ms (or linger_ms) written by its next send, up to twice this many frames.
     max_in_flight: int = 4
     # How long a sender waits for a batch to fill before sending it; 0 sends at once.
     linger_ms: int = 0

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Literal
 
-from qmq.client.accumulator import Accumulator, Entry, RouteKey, Waiter
+from qmq.client.accumulator import ENQUEUED_AT, Accumulator, Entry, RouteKey, Waiter
 from qmq.client.connection import ConnectionPool
 from qmq.client.message import Message
 from qmq.client.meta import MetaClient, describe_target
@@ -228,10 +228,21 @@ class Producer:
                 retriable=True,
             )
             return
-        acc = self._acc
-        entry: Entry = (encoded, waiter, message_id, self._loop.time(), acc.epoch)  # type: ignore[union-attr]
-        if acc.append(key, entry):
-            self._sender.wake(key)  # type: ignore[union-attr]
+        self._append(key, (encoded, waiter, message_id, self._loop.time(), self._acc.epoch))  # type: ignore[union-attr]
+
+    def _append(self, key: RouteKey, entry: Entry) -> None:
+        sender = self._sender
+        assert sender is not None
+        if self._acc.append(key, entry):
+            sender.wake(key)
+        if entry[ENQUEUED_AT] >= sender.next_sweep_at:
+            sender.sweep(entry[ENQUEUED_AT])
+
+    def write_now(self) -> None:
+        """Write every buffered message whose route is known now, rather than at the sender loops'
+        next turn (for a caller on the loop that has just enqueued a batch and wants it on its way)."""
+        if self._sender is not None and self._loop is not None:
+            self._sender.sweep(self._loop.time(), age_s=0.0)
 
     def _enqueue(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
         acc = self._acc
@@ -245,8 +256,7 @@ class Producer:
                     self._route_later(subject)
                 return
             self._routes[subject] = key
-        if acc.append(key, entry):
-            self._sender.wake(key)  # type: ignore[union-attr]
+        self._append(key, entry)
 
     def _route_later(self, subject: str) -> None:
         if subject not in self._routing:

@@ -3,11 +3,17 @@ messages into SEND_MESSAGES frames, with at most ``max_in_flight`` frames outsta
 group, and the retry of whole frames.
 
 There is no linger by default: a lone message goes at once, and messages that arrive while
-frames are in flight coalesce into the next frame. A frame refused as a whole for a reason
-that may pass (BUSY, DISK_FULL, SHUTTING_DOWN, NOT_MASTER, a lost connection) is sent again
-with the same bytes (the same message ids, so the broker drops what it already stored),
-with backoff, to the next broker group of the route when there is one, until
-``send_timeout_ms`` after the oldest message entered the buffer.
+frames are in flight coalesce into the next frame. A caller that keeps the event loop busy
+(``send_nowait`` in a long loop) would hold its messages back until it yields, since the
+sender loops cannot run meanwhile; so each enqueue also ``sweep``s: a group whose oldest
+queued message waited ``EAGER_AFTER_S`` (or the linger, when longer) gets a frame written
+there and then, up to ``EAGER_FRAMES_FACTOR`` times ``max_in_flight`` frames.
+
+A frame refused as a whole for a reason that may pass (BUSY, DISK_FULL, SHUTTING_DOWN,
+NOT_MASTER, a lost connection) is sent again with the same bytes (the same message ids, so
+the broker drops what it already stored), with backoff, to the next broker group of the
+route when there is one, until ``send_timeout_ms`` after the oldest message entered the
+buffer.
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ from qmq.client.options import ProducerOptions
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError, SendError
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import status_name
+from qmq.protocol.frame import Frame
 
 log = logging.getLogger(__name__)
 
 _INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
+# A message queued this long while the caller holds the event loop is written by the next enqueue...
+EAGER_AFTER_S = 0.001
+# ...in a frame beyond max_in_flight, up to this many times max_in_flight outstanding per group.
+EAGER_FRAMES_FACTOR = 2
 
 
 @dataclass(slots=True)
@@ -70,8 +81,13 @@ class Sender:
         self.stats = stats
         self._loops: dict[str, asyncio.Task[None]] = {}
         self.ready: dict[str, asyncio.Event] = {}
+        self._in_flight: dict[str, int] = {}  # frames outstanding per group
+        self._slot_freed: dict[str, asyncio.Event] = {}
         self._turn: dict[RouteKey, int] = {}
         self._batches: set[asyncio.Task[None]] = set()
+        self._eager_after_s = max(EAGER_AFTER_S, options.linger_ms / 1000)
+        self._eager_frames_max = options.max_in_flight * EAGER_FRAMES_FACTOR
+        self.next_sweep_at = 0.0
 
     def reconcile(self) -> None:
         """Start a loop for each available broker or delay group, stop those of groups gone."""
@@ -79,6 +95,8 @@ class Sender:
         for name in groups:
             if name not in self._loops:
                 self.ready[name] = asyncio.Event()
+                self._slot_freed[name] = asyncio.Event()
+                self._in_flight.setdefault(name, 0)
                 self._loops[name] = asyncio.ensure_future(self._run(name))
         for name in [n for n in self._loops if n not in groups]:
             self._loops.pop(name).cancel()
@@ -108,10 +126,13 @@ class Sender:
         acc = self._acc
         opts = self._opts
         ready = self.ready[group]
-        slots = asyncio.Semaphore(opts.max_in_flight)
+        slot_freed = self._slot_freed[group]
+        in_flight = self._in_flight
         linger_s = opts.linger_ms / 1000
         while True:
-            await slots.acquire()
+            while in_flight[group] >= opts.max_in_flight:
+                slot_freed.clear()
+                await slot_freed.wait()
             batch = acc.drain(group, opts.batch_messages_max, opts.batch_bytes_max)
             while batch is None:
                 ready.clear()
@@ -119,13 +140,56 @@ class Sender:
                 if linger_s:
                     await asyncio.sleep(linger_s)  # the linger policy: let a batch fill for this long
                 batch = acc.drain(group, opts.batch_messages_max, opts.batch_bytes_max)
-            key, entries = batch
-            task = asyncio.ensure_future(self._send(group, key, entries))
-            self._batches.add(task)
-            task.add_done_callback(self._batches.discard)
-            task.add_done_callback(lambda _: slots.release())
+            self._start(group, *batch, None)
 
-    async def _send(self, group: str, key: RouteKey, entries: list[Entry]) -> None:
+    def sweep(self, now: float, *, age_s: float | None = None) -> None:
+        """Write frames now for each group whose oldest queued message waited ``age_s`` (default
+        ``EAGER_AFTER_S``, or the linger when longer): the caller has held the event loop since,
+        so the sender loops could not run. ``age_s=0`` writes everything queued."""
+        self.next_sweep_at = now + EAGER_AFTER_S
+        if age_s is None:
+            age_s = self._eager_after_s
+        opts = self._opts
+        acc = self._acc
+        for group in self._in_flight:
+            if group not in self._loops:
+                continue
+            while self._in_flight[group] < self._eager_frames_max:
+                oldest = acc.oldest_enqueued_at(group)
+                if oldest is None or now - oldest < age_s:
+                    break
+                bg = self._meta.target(group)
+                try:
+                    conn = self._pool.get(bg.address) if bg is not None else None
+                except ConnectionLostError:
+                    conn = None  # the producer is closing
+                if conn is None or not conn.writable():
+                    break  # the sender loop connects (or fails the batch) when it runs
+                batch = acc.drain(group, opts.batch_messages_max, opts.batch_bytes_max)
+                if batch is None:
+                    break
+                key, entries = batch
+                self.stats.frames_sent += 1
+                self.stats.messages_sent += len(entries)
+                first = conn.write_request(RequestCode.SEND_MESSAGES, {}, [e[ENCODED] for e in entries])
+                self._start(group, key, entries, first)
+
+    def _start(self, group: str, key: RouteKey, entries: list[Entry], first: asyncio.Future[Frame] | None) -> None:
+        """Track the frame of ``entries`` until it is answered, retried or failed."""
+        self._in_flight[group] += 1
+        task = asyncio.ensure_future(self._send(group, key, entries, first))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+        task.add_done_callback(lambda _: self._freed(group))
+
+    def _freed(self, group: str) -> None:
+        self._in_flight[group] -= 1
+        ev = self._slot_freed.get(group)
+        if ev is not None:
+            ev.set()
+
+    async def _send(self, group: str, key: RouteKey, entries: list[Entry], first: asyncio.Future[Frame] | None) -> None:
+        """One frame until answered: ``first`` is its response when the frame was already written."""
         loop = asyncio.get_running_loop()
         opts = self._opts
         stats = self.stats
@@ -136,14 +200,21 @@ class Sender:
         try:
             while True:
                 try:
-                    bg = self._meta.target(target)
-                    if bg is None:
-                        raise ConnectionLostError(f"{describe_target(target)} is not available (per the meta server)")
-                    conn = self._pool.get(bg.address)
-                    stats.frames_sent += 1
-                    stats.messages_sent += len(entries)
-                    async with asyncio.timeout_at(deadline):
-                        frame = await conn.request(RequestCode.SEND_MESSAGES, {}, body)
+                    if first is not None:
+                        written, first = first, None
+                        async with asyncio.timeout_at(deadline):
+                            frame = await written
+                    else:
+                        bg = self._meta.target(target)
+                        if bg is None:
+                            raise ConnectionLostError(
+                                f"{describe_target(target)} is not available (per the meta server)"
+                            )
+                        conn = self._pool.get(bg.address)
+                        stats.frames_sent += 1
+                        stats.messages_sent += len(entries)
+                        async with asyncio.timeout_at(deadline):
+                            frame = await conn.request(RequestCode.SEND_MESSAGES, {}, body)
                 except TimeoutError:
                     self._fail(
                         entries,

@@ -246,6 +246,8 @@ class Dispatcher:
                 return
             self.in_flight += 1
             self.in_flight_bytes += sizes[i]
+        # on the wire before the loop turns: it may turn through a long intake of new sends first
+        self.producer.write_now()
         if self._idle is not None:
             self._idle.clear()
 
