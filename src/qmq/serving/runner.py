@@ -28,6 +28,7 @@ EXIT_STARTUP_FAILED = 3
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MALLOC_THRESHOLD_BYTES = 256 * 1024
+_GC_YOUNG_THRESHOLD = 20_000
 
 
 class StartupError(Exception):
@@ -71,6 +72,9 @@ async def _serve(role: str, make: Callable[[], RunnableServer]) -> int:
     # What start-up made lives as long as the process: keep it out of the collector's full
     # passes, which would otherwise pause the loop for longer as the heap grows.
     gc.freeze()
+    # A burst of requests allocates many short-lived containers: collect the young generation
+    # every 20,000 of them rather than every 700 (CPython's default), fewer pauses under load.
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, 20, 50)
     try:
         registered = asyncio.ensure_future(server.wait_registered())
         stopped = asyncio.ensure_future(stop.wait())
