@@ -138,6 +138,8 @@ class Connection:
         self._retry_at = 0.0
         self._last_error = ""
         self._closed = False
+        self._queued = 0  # requests waiting to be written, in turn (see start_request)
+        self._turns = asyncio.Lock()
         self.incarnations = 0
 
     @property
@@ -207,17 +209,28 @@ class Connection:
         With ``with_session``, ``header["session"]`` is set to the session of the
         incarnation the request is written on.
         """
-        p = await self._protocol()
-        if p._paused:
-            await p.drain()
-        if p.lost is not None or p.transport is None:
-            raise p._lost_error()
-        return self._write_request(p, code, header, body, with_session)
+        if self.writable():
+            return self._write_request(self._proto, code, header, body, with_session)  # type: ignore[arg-type]
+        # Requests that must wait (for a connect, or for the socket to drain) are written in the
+        # order they were made, and none made meanwhile overtakes them: woken waiters run a loop
+        # turn or two after the connection is ready, when a newcomer could already have written.
+        self._queued += 1
+        try:
+            async with self._turns:
+                p = await self._protocol()
+                if p._paused:
+                    await p.drain()
+                if p.lost is not None or p.transport is None:
+                    raise p._lost_error()
+                return self._write_request(p, code, header, body, with_session)
+        finally:
+            self._queued -= 1
 
     def writable(self) -> bool:
-        """Whether a request can be written now, without connecting or waiting for the socket."""
+        """Whether a request can be written now: connected, the socket not full, and no earlier
+        request waiting to be written."""
         p = self._proto
-        return p is not None and p.lost is None and p.transport is not None and not p._paused
+        return p is not None and p.lost is None and p.transport is not None and not p._paused and not self._queued
 
     def write_request(self, code: int, header: dict[str, Any], body: Sequence[bytes] = ()) -> asyncio.Future[Frame]:
         """``start_request`` for a connection that is ``writable()``: writes at once, no await."""
