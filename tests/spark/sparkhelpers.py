@@ -6,9 +6,10 @@ import qmq
 
 
 def send_messages(meta_server: str, subject: str, n: int, body_bytes: int = 20, start: int = 0) -> list[str]:
-    """Send ``n`` messages (property i, tag odd/even) and return their ids, all stored."""
+    """Send ``n`` messages (property i, tag odd/even) and return their ids in the order stored."""
     ids = []
-    with qmq.Producer(app_code="spark-tests", meta_server=meta_server) as producer:
+    # one frame in flight: stored in the order sent even if a frame is retried
+    with qmq.Producer(app_code="spark-tests", meta_server=meta_server, max_in_flight=1) as producer:
         futures = []
         for i in range(start, start + n):
             m = producer.generate_message(subject)

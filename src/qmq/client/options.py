@@ -95,6 +95,8 @@ class ProducerOptions:
     # Frames outstanding per broker group; sends arriving meanwhile coalesce into the next.
     # A caller that holds the event loop (send_nowait in a long loop) still gets a message
     # queued for 1 ms (or linger_ms) written by its next send, up to twice this many frames.
+    # 1 keeps a producer's sends to a subject of one broker group in the order they were made,
+    # also across retries (a frame being retried holds the only slot).
     max_in_flight: int = 4
     # How long a sender waits for a batch to fill before sending it; 0 sends at once.
     linger_ms: int = 0

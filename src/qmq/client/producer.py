@@ -256,6 +256,9 @@ class Producer:
                     self._route_later(subject)
                 return
             self._routes[subject] = key
+            # Sends held while the route was looked up go first: the lookup has ended, but the
+            # task that queues them may not have run yet (a sync producer's thread gets here first).
+            self._route_held(subject, key)
         self._append(key, entry)
 
     def _route_later(self, subject: str) -> None:

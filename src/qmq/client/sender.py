@@ -7,7 +7,8 @@ frames are in flight coalesce into the next frame. A caller that keeps the event
 (``send_nowait`` in a long loop) would hold its messages back until it yields, since the
 sender loops cannot run meanwhile; so each enqueue also ``sweep``s: a group whose oldest
 queued message waited ``EAGER_AFTER_S`` (or the linger, when longer) gets a frame written
-there and then, up to ``EAGER_FRAMES_FACTOR`` times ``max_in_flight`` frames.
+there and then, up to ``EAGER_FRAMES_FACTOR`` times ``max_in_flight`` frames (just the one
+when ``max_in_flight`` is 1, which keeps the order of sends).
 
 A frame refused as a whole for a reason that may pass (BUSY, DISK_FULL, SHUTTING_DOWN,
 NOT_MASTER, a lost connection) is sent again with the same bytes (the same message ids, so
@@ -86,7 +87,8 @@ class Sender:
         self._turn: dict[RouteKey, int] = {}
         self._batches: set[asyncio.Task[None]] = set()
         self._eager_after_s = max(EAGER_AFTER_S, options.linger_ms / 1000)
-        self._eager_frames_max = options.max_in_flight * EAGER_FRAMES_FACTOR
+        # max_in_flight=1 promises order across retries: no eager frame may pass one being retried
+        self._eager_frames_max = options.max_in_flight * (EAGER_FRAMES_FACTOR if options.max_in_flight > 1 else 1)
         self.next_sweep_at = 0.0
 
     def reconcile(self) -> None:
