@@ -193,6 +193,12 @@ class DelayConfig:
         10_000,
         _range(10, 3_600_000),
     )
+    checkpoint_bytes: int = _opt(
+        "a checkpoint also begins once this many bytes of sends came in since the last one began, "
+        "so one checkpoint writes and fsyncs a bounded amount, not a burst's worth at once",
+        4 * MiB,
+        _range(64 * 1024, 1 << 40),
+    )
     schedule_buffer_bytes_max: int = _opt(
         "bytes of messages replayed from the write-ahead log and not yet written to their schedule logs",
         16 * MiB,
