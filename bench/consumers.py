@@ -68,6 +68,7 @@ async def consume(
             if mode == "latency":
                 latencies_ns.append(now_ns - stamp_a)
                 from_schedule_ns.append(now_ns - stamp_b)
+                due_ns.append(stamp_a)  # here: when it was sent
             elif mode == "delayed":
                 latencies_ns.append(epoch_ns - stamp_a)
                 due_ns.append(stamp_a)
@@ -96,17 +97,19 @@ async def consume(
     if mode == "latency":
         result["latency_ms"] = distribution_ms(latencies_ns)
         result["latency_from_schedule_ms"] = distribution_ms(from_schedule_ns)
+        result["latency_by_send_second"] = by_second(due_ns, latencies_ns)
     elif mode == "delayed":
         result["lateness_ms"] = distribution_ms(latencies_ns)
         result["early_count"] = sum(1 for x in latencies_ns if x < 0)
-        result["lateness_by_due_second"] = by_due_second(due_ns, latencies_ns)
+        result["lateness_by_due_second"] = by_second(due_ns, latencies_ns)
         result["lateness_due_before_sent_ms"] = distribution_ms(clamped_ns)
         result["last_receipt_epoch_ns"] = last_receipt_epoch_ns
     return result
 
 
-def by_due_second(due_ns: list[int], lateness_ns: list[int]) -> list[dict[str, Any]]:
-    """Lateness per second of due time from the first one: where in the window the tail comes from."""
+def by_second(due_ns: list[int], lateness_ns: list[int]) -> list[dict[str, Any]]:
+    """Lateness (or latency) per second of due (or send) time from the first one: where in the
+    window the tail comes from."""
     if not due_ns:
         return []
     first = min(due_ns)

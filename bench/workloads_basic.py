@@ -73,6 +73,7 @@ def w3_latency(cell: Cell, family: str) -> dict[str, Any]:
         "max_producer_lag_ms": produced.get("max_producer_lag_ms"),
         "latency_ms": consumed.get("latency_ms"),
         "latency_from_schedule_ms": consumed.get("latency_from_schedule_ms"),
+        "latency_by_send_second": consumed.get("latency_by_send_second"),
         "missing": consumed.get("missing"),
         "duplicates": consumed.get("duplicates"),
         "server_version": produced.get("server_version"),
