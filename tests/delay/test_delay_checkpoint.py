@@ -1,5 +1,5 @@
-"""The delay server's checkpoints: every checkpoint_interval_ms, and sooner once checkpoint_bytes
-of sends came in, so a burst never leaves one large write and fsync behind."""
+"""The delay server's background fsyncs: a bucket's schedule log written ``sync_bytes`` past
+its last fsync is fsynced before the next checkpoint, so no checkpoint meets a burst's worth."""
 
 from __future__ import annotations
 
@@ -8,41 +8,69 @@ import uuid
 from pathlib import Path
 
 import pytest
-from delaywire import wait_until
+from delaywire import delay_group, wait_until
 
 from qmq.aio import Producer
-from qmq.store.checkpoint import read_checkpoint
 from qmq.testing import running_standalone
 
 pytestmark = pytest.mark.integration
 
-CHECKPOINT_BYTES = 64 * 1024
+SYNC_BYTES = 64 * 1024
 
 
-def _checkpointed_offset(delay_dir: Path) -> int:
-    state = read_checkpoint(delay_dir)
-    return int(state["wal_offset"]) if state is not None else 0
+def _schedule_fsyncs(http: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith("qmq_delay_background_syncs_total "):
+            return float(line.split()[1])
+    raise AssertionError("no qmq_delay_background_syncs_total in the delay server's metrics")
 
 
-async def test_a_burst_of_sends_begins_checkpoints_before_the_period_ends(tmp_path: Path) -> None:
-    data_dir = tmp_path / "qmq-data"
-    config = {"delay": {"checkpoint_interval_ms": 3_600_000, "checkpoint_bytes": CHECKPOINT_BYTES}}
-    with running_standalone(data_dir, config) as proc:
-        delay_dir = data_dir / "delay"
-        assert _checkpointed_offset(delay_dir) < CHECKPOINT_BYTES
+async def _send_delayed(meta_server: str, subject: str, chunks: int, delay_s: float) -> None:
+    """``chunks`` sends one after the other, each of sync_bytes and a little more (1 KiB bodies)."""
+    async with Producer(app_code="t", meta_server=meta_server) as producer:
+        for _ in range(chunks):
+            sends = []
+            for _ in range(SYNC_BYTES // 1024 + 1):
+                m = producer.generate_message(subject)
+                m.body = b"x" * 1024
+                m.set_delay(delay_s)
+                sends.append(producer.send_nowait(m))
+            await asyncio.gather(*sends)
+
+
+@pytest.mark.parametrize("loaded", [True, False], ids=["bucket-loaded", "bucket-ahead"])
+async def test_a_burst_into_one_bucket_is_fsynced_before_the_checkpoint(tmp_path: Path, loaded: bool) -> None:
+    # a checkpoint an hour away: only the background fsyncs can make the schedule log durable
+    delay = {"checkpoint_interval_ms": 3_600_000, "sync_bytes": SYNC_BYTES, "schedule_buffer_bytes_max": 65_536}
+    with running_standalone(tmp_path / "qmq-data", {"delay": delay}) as proc:
+        http = delay_group(proc.meta_server)["http"]
+        assert _schedule_fsyncs(http) == 0
+        subject = f"delay.{uuid.uuid4().hex[:12]}"
+        # five times sync_bytes, due in the bucket now loaded (written through at once), or in a
+        # bucket days ahead (buffered, written each time the buffer passes its bound)
+        await _send_delayed(proc.meta_server, subject, 5, 5.0 if loaded else 3 * 86_400.0)
+        # one fsync at a time: files written while one runs share the next
+        synced = await wait_until(
+            "background fsyncs", lambda: _schedule_fsyncs(http) >= 3 and _schedule_fsyncs(http), 10
+        )
+        assert synced <= 5
+
+
+async def test_sends_spread_thinly_over_many_buckets_wait_for_the_checkpoint(tmp_path: Path) -> None:
+    delay = {"checkpoint_interval_ms": 3_600_000, "sync_bytes": SYNC_BYTES, "bucket_minutes": 5}
+    with running_standalone(tmp_path / "qmq-data", {"delay": delay}) as proc:
+        http = delay_group(proc.meta_server)["http"]
         subject = f"delay.{uuid.uuid4().hex[:12]}"
         async with Producer(app_code="t", meta_server=proc.meta_server) as producer:
             sends = []
-            for _ in range(5 * CHECKPOINT_BYTES // 1024):  # 1 KiB bodies: about five times checkpoint_bytes
+            for i in range(200):  # 200 KiB over 100 five-minute buckets: 2 KiB in each
                 m = producer.generate_message(subject)
                 m.body = b"x" * 1024
-                m.set_delay(3600)
+                m.set_delay(600 + (i % 100) * 300)
                 sends.append(producer.send_nowait(m))
             await asyncio.gather(*sends)
-        # an hour before the periodic checkpoint: covered anyway, within checkpoint_bytes of the end
-        offset = await wait_until(
-            "a checkpoint begun by the sends",
-            lambda: _checkpointed_offset(delay_dir) >= 3 * CHECKPOINT_BYTES and _checkpointed_offset(delay_dir),
-            timeout_s=10,
-        )
-        assert offset >= 3 * CHECKPOINT_BYTES
+        assert _schedule_fsyncs(http) == 0

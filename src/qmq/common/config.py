@@ -193,9 +193,9 @@ class DelayConfig:
         10_000,
         _range(10, 3_600_000),
     )
-    checkpoint_bytes: int = _opt(
-        "a checkpoint also begins once this many bytes of sends came in since the last one began, "
-        "so one checkpoint writes and fsyncs a bounded amount, not a burst's worth at once",
+    sync_bytes: int = _opt(
+        "a bucket's schedule log is fsynced in the background once this many bytes were written "
+        "to it since, so no checkpoint meets a burst's worth to fsync at once",
         4 * MiB,
         _range(64 * 1024, 1 << 40),
     )

@@ -92,6 +92,7 @@ class Bucket:
         "pending_index",
         "pending_messages",
         "start_ms",
+        "unsynced_bytes",
         "wal_end",
     )
 
@@ -107,6 +108,7 @@ class Bucket:
         self.wal_end = 0  # end offset of the last write-ahead log record replayed into it
         self.loaded = False  # its undispatched messages are in the timer
         self.dirty = False  # written since the last checkpoint
+        self.unsynced_bytes = 0  # written since its files were last fsynced (or sent to be)
         self.pending_messages = bytearray()
         self.pending_index = bytearray()
         self._messages_fd = -1
@@ -194,6 +196,7 @@ class Bucket:
         self.flushed_count = self.count
         self.flushed_bytes = self.nbytes
         self.dirty = True
+        self.unsynced_bytes += written
         return written
 
     def read(self, offset: int, size: int) -> bytes:

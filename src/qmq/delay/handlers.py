@@ -99,7 +99,7 @@ class Handlers:
         if result.stored:
             metrics.messages_in.inc(result.stored)
             metrics.bytes_in.inc(result.stored_bytes)
-            server.took_sends()
+            server.sync_in_background()
         for err in result.errors:
             metrics.refused.labels(Status(err[1]).name).inc()
         if store.new_subjects:

@@ -80,6 +80,11 @@ class DelayMetrics:
         self.refused = Counter("qmq_delay_messages_refused", "messages of a send refused", ["status"], registry=r)
         self.requests = Counter("qmq_delay_requests", "requests by command", ["command"], registry=r)
         self.connections = Gauge("qmq_delay_connections", "open client connections", registry=r)
+        self.background_syncs = Counter(
+            "qmq_delay_background_syncs",
+            "background fsyncs of schedule logs written sync_bytes past their last one",
+            registry=r,
+        )
         self.flush_seconds = Histogram(
             "qmq_delay_wal_flush_seconds",
             "time of one fdatasync of the write-ahead log",

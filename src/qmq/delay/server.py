@@ -24,6 +24,7 @@ from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import DelayConfig
 from qmq.common.errors import MetaServerError
 from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
+from qmq.delay.bucket import fsync_paths
 from qmq.delay.dispatcher import Dispatcher
 from qmq.delay.handlers import Handlers
 from qmq.delay.metrics import CONTENT_TYPE, DelayMetrics
@@ -83,8 +84,7 @@ class DelayServer:
         self._registration: Registration | None = None
         self._timers: list[asyncio.Task[None]] = []
         self._checkpointing: asyncio.Lock | None = None
-        self._checkpoint_from = 0  # write-ahead log offset at which the last checkpoint began
-        self._early_checkpoint: asyncio.Task[None] | None = None
+        self._syncing: asyncio.Future[None] | None = None  # a background fsync (sync_bytes)
         self._checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-delay-checkpoint")
         self._preparing: set[asyncio.Task[None]] = set()
 
@@ -188,7 +188,6 @@ class DelayServer:
         what that makes unneeded: replayed log segments and finished buckets."""
         assert self._checkpointing is not None
         async with self._checkpointing:
-            self._checkpoint_from = self.store.wal.end
             job = self.store.checkpoint_job()
             await asyncio.get_running_loop().run_in_executor(self._checkpoint_executor, job.run)
             segments = self.store.after_checkpoint(job)
@@ -240,25 +239,31 @@ class DelayServer:
     def forget(self, conn: FrameConnection) -> None:
         self.connections.forget(conn)
 
-    def took_sends(self) -> None:
-        """Begin a checkpoint now once ``checkpoint_bytes`` of sends came in since the last one
-        began: after a burst, one checkpoint would otherwise write and fsync all of it at once,
-        holding up the loop and the disk (and so the hand-overs) for tens of milliseconds."""
-        if (
-            self._early_checkpoint is None
-            and not self.stopping
-            and self.disk_error is None
-            and self.store.wal.end - self._checkpoint_from >= self.config.checkpoint_bytes
-        ):
-            self._early_checkpoint = asyncio.get_running_loop().create_task(self._checkpoint_early())
+    def sync_in_background(self) -> None:
+        """fsync, on the checkpoint thread, the schedule logs written ``sync_bytes`` past their
+        last fsync: after a burst, a checkpoint would otherwise fsync all of it at once, and the
+        disk's queue would hold up the fsyncs of sends and hand-overs for tens of milliseconds.
+        One at a time; files that come due meanwhile wait for the next."""
+        if self._syncing is not None or self.disk_error is not None:
+            return
+        paths = self.store.take_sync_due()
+        if paths:
+            fut = asyncio.get_running_loop().run_in_executor(self._checkpoint_executor, fsync_paths, paths)
+            self._syncing = fut
+            fut.add_done_callback(self._synced)
 
-    async def _checkpoint_early(self) -> None:
-        try:
-            await self.checkpoint()
-        except Exception:  # the next period, or the next checkpoint_bytes of sends, try again
-            log.exception("checkpoint failed")
-        finally:
-            self._early_checkpoint = None
+    def _synced(self, fut: asyncio.Future[None]) -> None:
+        self._syncing = None
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            # what a failed fsync held may be lost even if a later fsync succeeds: stop taking sends
+            self._disk_failed(exc)
+        else:
+            self.metrics.background_syncs.inc()
+            if not self.stopping:
+                self.sync_in_background()
 
     def _disk_failed(self, exc: BaseException) -> None:
         if self.disk_error is None:
@@ -285,8 +290,8 @@ class DelayServer:
         for task in self._timers:
             task.cancel()
         await asyncio.gather(*self._timers, return_exceptions=True)
-        if self._early_checkpoint is not None:
-            await asyncio.gather(self._early_checkpoint, return_exceptions=True)
+        if self._syncing is not None:
+            await asyncio.gather(self._syncing, return_exceptions=True)
         if self._checkpointing is not None and self.disk_error is None:
             try:
                 await self.checkpoint()

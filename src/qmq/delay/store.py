@@ -144,6 +144,9 @@ class DelayStore:
         soft_fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         self._writers_max = max(16, min(_WRITING_BUCKETS_MAX, (soft_fds - config.connections_max) // 8))
         self.created_bucket = False  # set when a bucket is created; the server clears it
+        # files of buckets written sync_bytes past their last fsync: the server fsyncs them in
+        # the background (take_sync_due), so a checkpoint never meets a burst's worth at once
+        self._sync_due: dict[Path, None] = {}
 
     def open(self) -> dict[str, Any]:
         """Recover whatever state the last stop left (recovery.py); returns a report."""
@@ -313,6 +316,19 @@ class DelayStore:
         except OSError as exc:
             raise _store_error(exc, self.dir) from exc
         self.buffered_bytes -= held
+        self._note_unsynced(b)
+
+    def _note_unsynced(self, b: Bucket) -> None:
+        if b.unsynced_bytes >= self.config.sync_bytes:
+            b.unsynced_bytes = 0
+            self._sync_due.update(dict.fromkeys(b.file_paths()))
+
+    def take_sync_due(self) -> list[Path]:
+        """Files to fsync in the background now (see ``sync_bytes``); empties the list."""
+        if not self._sync_due:
+            return []
+        paths, self._sync_due = list(self._sync_due), {}
+        return paths
 
     def _replay_spread(
         self,
@@ -368,6 +384,7 @@ class DelayStore:
                         written += b.flush()
                     except OSError as exc:
                         raise _store_error(exc, self.dir) from exc
+                    self._note_unsynced(b)
                     writers[b.start_ms] = b
                     writers.move_to_end(b.start_ms)
             while len(writers) > self._writers_max:
@@ -393,6 +410,7 @@ class DelayStore:
             if b.dirty:
                 paths.extend(b.file_paths())
                 b.dirty = False
+                b.unsynced_bytes = 0
         if self._new_dirs:
             paths.append(self.schedule_dir)
             self._new_dirs = False
