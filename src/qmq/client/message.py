@@ -151,7 +151,13 @@ def _ceil_ms(seconds: float) -> int:
 
 
 def _seconds(what: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    kind = type(value)
+    if kind is float:  # the common cases first: set on every delayed send
+        if value - value == 0.0:  # type: ignore[operator]  # finite: inf - inf and nan - nan are nan
+            return value  # type: ignore[return-value]
+    elif kind is int:
+        return float(value)  # type: ignore[arg-type]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidMessageError(f"{what} must be a number of seconds or a datetime.timedelta, got {value!r}")
     if not math.isfinite(value):
         raise InvalidMessageError(f"{what} = {value!r} is not a finite number of seconds")
@@ -252,7 +258,7 @@ class Message:
             seconds = delay.total_seconds()
         else:
             seconds = _seconds("delay", delay)
-        self._set_deliver_at_ms(_ceil_ms(time.time_ns() / 1e9 + seconds), f"a delay of {delay!r}")
+        self._set_deliver_at_ms(_ceil_ms(time.time_ns() / 1e9 + seconds), delay, "a delay of ")
 
     def set_deliver_at(self, when: datetime | float) -> None:
         """Deliver the message at ``when``: an aware ``datetime`` or epoch seconds.
@@ -268,19 +274,20 @@ class Message:
                     "datetime.now(timezone.utc) + timedelta(minutes=5) or datetime(..., tzinfo=ZoneInfo(...))"
                 )
             ms = -((_EPOCH - when) // _ONE_MS)  # exact, rounded up
-            self._set_deliver_at_ms(ms, when.isoformat())
+            self._set_deliver_at_ms(ms, when)
             return
         seconds = _seconds("deliver_at", when)
         if seconds < 0:
             raise InvalidMessageError(
                 f"deliver_at = {when!r} is before 1970; pass epoch seconds (time.time() + 60) or an aware datetime"
             )
-        self._set_deliver_at_ms(_ceil_ms(seconds), repr(when))
+        self._set_deliver_at_ms(_ceil_ms(seconds), when)
 
-    def _set_deliver_at_ms(self, ms: int, shown: str) -> None:
+    def _set_deliver_at_ms(self, ms: int, given: object, what: str = "") -> None:
         if ms > _DELIVER_AT_MS_MAX:
-            raise InvalidMessageError(f"deliver_at {shown} is after the year 9999; no delay server holds it")
-        self._deliver_at_ms = max(ms, 1)
+            shown = given.isoformat() if isinstance(given, datetime) else repr(given)
+            raise InvalidMessageError(f"deliver_at {what}{shown} is after the year 9999; no delay server holds it")
+        self._deliver_at_ms = ms if ms > 1 else 1
 
     @property
     def deliver_at(self) -> datetime | None:
