@@ -36,3 +36,23 @@ async def test_a_refused_subject_falls_back_and_refreshes_go_on(meta_server: str
         assert meta.route(subject) is not None
     finally:
         await meta.close()
+
+
+async def test_a_client_of_more_subjects_than_one_request_holds_refreshes_them_all(
+    meta_server: str, subject: str
+) -> None:
+    from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
+
+    meta = MetaClient(meta_server, timeout_ms=5000)
+    await meta.start()
+    try:
+        # short names, so that the URL length alone would not split the request
+        subjects = [f"r{i}.{subject[-6:]}" for i in range(META_SUBJECTS_PER_REQUEST_MAX + 44)]
+        for s in subjects:
+            await meta.resolve(s)
+        before = meta.refreshes
+        await meta.refresh()  # in several requests: the meta server refuses one this large
+        assert meta.refreshes == before + 2
+        assert all(meta.route(s) for s in subjects)
+    finally:
+        await meta.close()

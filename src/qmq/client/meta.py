@@ -20,15 +20,15 @@ import aiohttp
 from yarl import URL
 
 from qmq.common.errors import MetaServerError
+from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
 
 log = logging.getLogger(__name__)
 
 _REFRESH_MS_MIN = 100
 _REFRESH_MS_MAX = 600_000
 _REFRESH_MS_DEFAULT = 10_000
-# The meta server takes at most 1000 subjects a request, and a URL must stay well inside
-# an HTTP server's request-line limit (8 KiB in aiohttp).
-_SUBJECTS_PER_REQUEST_MAX = 1_000
+# The meta server takes at most META_SUBJECTS_PER_REQUEST_MAX subjects a request, and a URL
+# must stay well inside an HTTP server's request-line limit (8 KiB in aiohttp).
 _SUBJECT_CHARS_PER_REQUEST_MAX = 4_000
 # Subjects whose routes are kept fresh; a producer that sends to more is unusual, and
 # beyond it new subjects use every available broker group.
@@ -119,7 +119,7 @@ def _chunks(subjects: list[str]) -> Iterable[list[str]]:
     chunk: list[str] = []
     chars = 0
     for s in subjects:
-        if chunk and (len(chunk) >= _SUBJECTS_PER_REQUEST_MAX or chars + len(s) > _SUBJECT_CHARS_PER_REQUEST_MAX):
+        if chunk and (len(chunk) >= META_SUBJECTS_PER_REQUEST_MAX or chars + len(s) > _SUBJECT_CHARS_PER_REQUEST_MAX):
             yield chunk
             chunk, chars = [], 0
         chunk.append(s)

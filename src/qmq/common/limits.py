@@ -16,6 +16,9 @@ MiB = 1024 * KiB
 # make it later, and a realtime send would let it be consumed early. Small, since it bounds
 # how long the hold delays a connection's other sends.
 HOLD_UNTIL_DUE_MS = 2
+# Subjects one meta server request (GET /meta/address) may ask routes for: the server refuses
+# more, and a client asks for more in several requests.
+META_SUBJECTS_PER_REQUEST_MAX = 256
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from qmq.common.errors import InvalidSubjectError
+from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
 from qmq.common.naming import check_name, check_subject
 from qmq.meta.decisions import ROLES, ROLES_IN_GROUP, WRITE_STATES, Registration, Role, RoleInGroup, WriteState
 from qmq.meta.store import ADDRESS_CHARS_MAX
@@ -21,7 +22,7 @@ from qmq.meta.store import ADDRESS_CHARS_MAX
 REGISTER_BODY_BYTES_MAX: Final = 16 * 1024
 # Subjects one GET /meta/address may ask for: bounds the routing work of one request.
 # 256 subjects of up to 100 characters fit in REQUEST_LINE_BYTES_MAX.
-SUBJECTS_PER_REQUEST_MAX: Final = 256
+SUBJECTS_PER_REQUEST_MAX: Final = META_SUBJECTS_PER_REQUEST_MAX
 # Longest request line (method, path and query) the server reads.
 REQUEST_LINE_BYTES_MAX: Final = 64 * 1024
 # Process ids, epochs, offsets and times fit in a signed 64-bit column.
