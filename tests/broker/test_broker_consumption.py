@@ -149,3 +149,25 @@ def test_reset_offset_to_earliest_latest_and_a_time(client: RawClient, subject: 
     assert pull(client, subject, "g") == []
     bad = client.call(RequestCode.RESET_OFFSET, {"subject": subject, "group": "g", "to": "yesterday"})
     assert bad.status == Status.BAD_REQUEST
+
+
+def test_ack_many_acknowledges_several_subjects_at_once_and_refuses_by_entry(client: RawClient, subject: str) -> None:
+    subjects = [f"{subject}.{i}" for i in range(3)]
+    for s in subjects:
+        client.send(message(s, f"{s}-1"), message(s, f"{s}-2"))
+        assert pull(client, s, "g") == [f"{s}-1", f"{s}-2"]
+    acks = [{"subject": s, "group": "g", "ranges": [[0, 2]]} for s in subjects]
+    acks.insert(1, {"subject": subjects[0], "group": "never-pulled", "ranges": [[0, 1]]})
+    acks.append("not a map")  # type: ignore[arg-type]
+    resp = client.call(RequestCode.ACK_MANY, {"consumer_id": "c1", "acks": acks})
+    assert resp.status == Status.OK, resp.header
+    results = resp.header["results"]
+    assert [r.get("ack_offset") for r in results] == [2, None, 2, 2, None]
+    assert "'never-pulled' has never pulled" in results[1]["error"]
+    assert "must be a map" in results[4]["error"]
+    for s in subjects:
+        lag = client.call(RequestCode.LAG, {"subject": s, "group": "g"}).header
+        assert lag["unacked"] == 0, lag
+    empty = client.call(RequestCode.ACK_MANY, {"consumer_id": "c1", "acks": []})
+    assert empty.status == Status.BAD_REQUEST
+    assert "non-empty list" in empty.header["error"]

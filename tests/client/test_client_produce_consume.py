@@ -254,3 +254,31 @@ async def test_sends_held_for_a_route_lookup_go_before_sends_made_after_it(meta_
     async with Consumer(app_code="billing", meta_server=meta_server) as consumer:
         got = await pull_until(consumer.pull_consumer(subject, _group(), start_from="earliest"), 4)
     assert [m.message_id for m in got] == [m.message_id for m in [first, *later]]
+
+
+def _requests(broker_http: str, command: str) -> float:
+    """The broker's qmq_requests_total for ``command``."""
+    text = urllib.request.urlopen(broker_http.rstrip("/") + "/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith("qmq_requests_total{") and f'command="{command}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_the_acks_of_many_subjects_go_in_one_request(shared_standalone: ReadyProcess, subject: str) -> None:
+    meta_server = shared_standalone.meta_server
+    broker_http = shared_standalone.ready["broker_http"]
+    group = _group()
+    subjects = [f"{subject}.{i}" for i in range(12)]
+    async with Producer(app_code="shop", meta_server=meta_server) as producer:
+        await asyncio.gather(*(producer.send(producer.generate_message(s)) for s in subjects))
+    # no periodic flush meanwhile: the acks wait for flush_acks
+    async with Consumer(app_code="billing", meta_server=meta_server, ack_flush_ms=60_000) as consumer:
+        for s in subjects:
+            await pull_until(consumer.pull_consumer(s, group, start_from="earliest"), 1)  # acked, not yet sent
+        acks, ack_manys = _requests(broker_http, "ACK"), _requests(broker_http, "ACK_MANY")
+        await consumer.flush_acks()
+        assert _requests(broker_http, "ACK_MANY") == ack_manys + 1
+        assert _requests(broker_http, "ACK") == acks
+    for s in subjects:
+        await wait_for_lag(meta_server, s, group, "unacked", 0)

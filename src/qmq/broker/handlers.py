@@ -45,12 +45,14 @@ _HOLD_UNTIL_DUE_MS_MAX = 50
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
 _DEAD_LIST_MAX = 1000
+_ACK_MANY_ENTRIES_MAX = 10_000
 # what only a master does; a slave answers NOT_MASTER naming its master
 _MASTER_ONLY = frozenset(
     {
         RequestCode.SEND_MESSAGES,
         RequestCode.PULL,
         RequestCode.ACK,
+        RequestCode.ACK_MANY,
         RequestCode.RESET_OFFSET,
         RequestCode.RESEND_DEAD,
         RequestCode.PURGE_DEAD,
@@ -72,6 +74,7 @@ class Handlers:
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
             RequestCode.ACK: self.ack,
+            RequestCode.ACK_MANY: self.ack_many,
             RequestCode.SUBJECTS: self.subjects,
             RequestCode.LAG: self.lag,
             RequestCode.RESET_OFFSET: self.reset_offset,
@@ -214,7 +217,11 @@ class Handlers:
         self.broker.flusher.after_write(end, durable)
 
     def _group_and_consumer(self, frame: Frame, create: bool) -> tuple[GroupProgress, ConsumerProgress]:
-        header = frame.header
+        return self._group_and_consumer_of(frame.header, create)
+
+    def _group_and_consumer_of(
+        self, header: dict[str, object], create: bool
+    ) -> tuple[GroupProgress, ConsumerProgress]:
         subject = get_subject(header)
         group = get_group(header)
         consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
@@ -307,6 +314,32 @@ class Handlers:
         # answered once the acks reached the slave: an answered ack survives a failover
         self.broker.source.after_actions_replicated(
             self.store.alog.end, lambda _error: conn.respond(code, request_id, {"ack_offset": ack_offset})
+        )
+
+    def ack_many(self, conn: Responder, frame: Frame) -> None:
+        """ACK for many (subject, group) pairs of one consumer: ``acks`` is a list of
+        ``{subject, group, ranges[, broadcast]}``; each gets ``{ack_offset}`` or ``{error}`` in
+        ``results``, in order, so one refused pair does not fail the others."""
+        header = frame.header
+        consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
+        entries = header.get("acks")
+        if not isinstance(entries, list) or not entries:
+            raise BadRequest("'acks' must be a non-empty list of {subject, group, ranges} maps")
+        if len(entries) > _ACK_MANY_ENTRIES_MAX:
+            raise BadRequest(f"'acks' has {len(entries)} entries; at most {_ACK_MANY_ENTRIES_MAX} a request")
+        results: list[dict[str, object]] = []
+        for entry in entries:
+            if not isinstance(entry, dict):
+                results.append({"error": f"an 'acks' entry must be a map, got {type(entry).__name__}"})
+                continue
+            try:
+                gp, cp = self._group_and_consumer_of({**entry, "consumer_id": consumer_id}, create=False)
+                results.append({"ack_offset": self._ack(gp, cp, get_ranges(entry, "ranges"))})
+            except BadRequest as exc:
+                results.append({"error": str(exc)})
+        code, request_id = frame.code, frame.request_id
+        self.broker.source.after_actions_replicated(
+            self.store.alog.end, lambda _error: conn.respond(code, request_id, {"results": results})
         )
 
     def subjects(self, conn: Responder, frame: Frame) -> None:

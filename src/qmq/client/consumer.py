@@ -34,7 +34,7 @@ from qmq.client.options import (
     check_url,
 )
 from qmq.client.producer import Producer
-from qmq.client.puller import ConsumerContext, SubjectPuller
+from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
 from qmq.client.subscription import Subscription, make_subscription
 from qmq.common.errors import ConfigError, NeedRetry, QmqError
@@ -473,16 +473,15 @@ class Consumer:
     async def flush_acks(self) -> None:
         """Send every pending acknowledgement now and wait until the brokers answered: an answered
         ack survives a broker failover (the broker answers once its slave has it)."""
-        pending = [p for p in self._ctx.pullers if any(t.pending for t in p.trackers.values())]
-        results = await asyncio.gather(*(p.flush_acks() for p in pending), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        await flush_acks_together(self._ctx, self._ctx.pullers)
 
     async def _flush_acks(self) -> None:
-        pending = [p for p in self._ctx.pullers if any(t.pending for t in p.trackers.values())]
-        if pending:
-            await asyncio.gather(*(p.flush_acks() for p in pending), return_exceptions=True)
+        try:
+            await flush_acks_together(self._ctx, self._ctx.pullers)
+        except QmqError as exc:  # the acks stay pending, or were logged as refused
+            log.debug("flushing acks: %s", exc)
+        except Exception:  # a bug must not stop the flushes
+            log.exception("flushing acks failed")
 
     async def close(self) -> None:
         """Stop listeners (handlers running finish, up to ``close_timeout_ms``), send the last acks."""

@@ -3,7 +3,8 @@
 A subject may be routed to several broker groups; pulls go round robin among the available
 ones, and acknowledgements go back to the broker group each message came from (one
 ``AckTracker`` per broker group). Pending acks ride on the next PULL to that broker group
-(its ``ack`` key); ``flush_acks`` sends the rest as ACK requests.
+(its ``ack`` key); ``flush_acks_together`` sends the rest, one ACK_MANY request per broker
+group for every subject of the consumer.
 
 A pull whose caller gave up (cancelled) may still be answered with messages the broker has
 recorded as handed to this consumer; they are kept for the next pull rather than dropped.
@@ -25,7 +26,7 @@ from qmq.client.options import ConnectOptions, ConsumerOptions, StartFrom
 from qmq.client.received import BatchBase, M, parse_records, parse_runs
 from qmq.client.subscription import Subscription
 from qmq.common.errors import BrokerError, ConnectionLostError, NoBrokerError, QmqError
-from qmq.protocol.codes import RequestCode
+from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
 
@@ -247,13 +248,18 @@ class SubjectPuller(Generic[M]):
             return
         self._stash.append(batch)
 
-    async def flush_acks(self) -> None:
-        """Send the pending acks of every broker group as ACK requests."""
-        for tracker in list(self.trackers.values()):
-            if tracker.pending:
-                await self._send_acks(tracker)
+    def ack_entry(self, tracker: AckTracker) -> tuple[dict[str, Any], list[list[int]]] | None:
+        """The pending acks of ``tracker`` as an ACK_MANY entry (taken: requeue them on failure)."""
+        ranges = tracker.take()
+        if not ranges:
+            return None
+        entry: dict[str, Any] = {"subject": self.subject, "group": self.group, "ranges": ranges}
+        if self.subscription.broadcast:
+            entry["broadcast"] = True
+        return entry, ranges
 
     async def _send_acks(self, tracker: AckTracker) -> None:
+        """One ACK request (for a broker that does not know ACK_MANY; see flush_acks_together)."""
         meta, pool = self._ctx.started()
         bg = meta.groups.get(tracker.broker_group)
         if bg is None:
@@ -285,3 +291,75 @@ class SubjectPuller(Generic[M]):
         offset = frame.header.get("ack_offset")
         if isinstance(offset, int):
             tracker.ack_offset = offset
+
+
+# entries of one ACK_MANY request (the broker takes up to 10,000)
+_ACK_MANY_ENTRIES_MAX = 1_000
+
+
+async def flush_acks_together(ctx: ConsumerContext, pullers: list[SubjectPuller[Any]]) -> None:
+    """Send the pending acks of ``pullers`` with one ACK_MANY request per broker group (of up
+    to 1,000 subjects), rather than an ACK per subject; a broker that does not know ACK_MANY
+    gets them one subject at a time. Raises the first failure after sending the rest."""
+    meta, pool = ctx.started()
+    by_group: dict[str, list[tuple[SubjectPuller[Any], AckTracker]]] = {}
+    for p in pullers:
+        for tracker in p.trackers.values():
+            if tracker.pending and tracker.broker_group in meta.groups:  # else kept for later
+                by_group.setdefault(tracker.broker_group, []).append((p, tracker))
+    requests = []
+    for name, pairs in by_group.items():
+        for i in range(0, len(pairs), _ACK_MANY_ENTRIES_MAX):
+            requests.append(_ack_many(ctx, pool, meta.groups[name], pairs[i : i + _ACK_MANY_ENTRIES_MAX]))
+    results = await asyncio.gather(*requests, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def _ack_many(
+    ctx: ConsumerContext,
+    pool: ConnectionPool,
+    bg: BrokerGroup,
+    pairs: list[tuple[SubjectPuller[Any], AckTracker]],
+) -> None:
+    taken = []
+    for p, tracker in pairs:
+        entry = p.ack_entry(tracker)
+        if entry is not None:
+            taken.append((p, tracker, *entry))
+    if not taken:
+        return
+    header = {"consumer_id": ctx.consumer_id, "acks": [entry for _p, _t, entry, _r in taken]}
+    try:
+        async with asyncio.timeout(ctx.options.request_timeout_ms / 1000):
+            frame = await pool.get(bg.address).request(RequestCode.ACK_MANY, header)
+    except (ConnectionLostError, TimeoutError, asyncio.CancelledError) as exc:
+        for _p, tracker, _entry, ranges in taken:
+            tracker.requeue(ranges)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        log.debug("acks to broker group %s wait for the next request: %s", bg.name, exc)
+        return
+    except BrokerError as exc:
+        if exc.status == Status.UNKNOWN_COMMAND:  # a broker from before ACK_MANY: an ACK per subject
+            for _p, tracker, _entry, ranges in taken:
+                tracker.requeue(ranges)
+            await asyncio.gather(*(p._send_acks(tracker) for p, tracker, _e, _r in taken))
+            return
+        if exc.retriable:  # e.g. no longer master: the acks go with a later request
+            for _p, tracker, _entry, ranges in taken:
+                tracker.requeue(ranges)
+        else:
+            log.error("broker group %s refused the acks of %d subject(s): %s", bg.name, len(taken), exc)
+        raise
+    results = frame.header.get("results")
+    if not isinstance(results, list) or len(results) != len(taken):
+        raise RemoteProtocolError(f"broker group {bg.name} answered ACK_MANY without one result per entry")
+    for (p, tracker, _entry, _ranges), result in zip(taken, results, strict=True):
+        offset = result.get("ack_offset") if isinstance(result, dict) else None
+        if isinstance(offset, int):
+            tracker.ack_offset = offset
+        else:
+            error = result.get("error") if isinstance(result, dict) else result
+            log.error("broker group %s refused acks of %r/%s: %s", bg.name, p.subject, p.group, error)

@@ -23,6 +23,8 @@ class RequestCode(IntEnum):
     READ = 12
     # slave → master: copy the message log and the action log (docs/cluster.md)
     REPLICATE = 13
+    # the acks of many (subject, group) pairs of one consumer in one request (docs/protocol.md)
+    ACK_MANY = 14
 
 
 class Status(IntEnum):
