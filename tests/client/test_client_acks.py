@@ -62,3 +62,36 @@ def test_a_take_is_bounded_and_keeps_the_rest_pending() -> None:
     assert t.take(ranges_max=4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert t.pending
     assert _covered(t.take(ranges_max=100)) == set(range(8, 20, 2))
+
+
+class _Puller:
+    """Stands for a SubjectPuller in ack_many_chunks: it only asks for ``ack_entry``."""
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+
+    def ack_entry(self, tracker: AckTracker) -> tuple[dict[str, object], list[list[int]]] | None:
+        ranges = tracker.take()
+        return ({"subject": self.subject, "group": "g", "ranges": ranges}, ranges) if ranges else None
+
+
+def test_ack_many_requests_stay_within_their_entry_and_byte_bounds() -> None:
+    import msgpack
+
+    from qmq.client.puller import ack_many_chunks
+
+    pairs = []
+    for i in range(300):
+        subject = f"{i:03d}" + "s" * 150
+        tracker = AckTracker("b1", subject, "g", subject)
+        tracker.ack_many(range(0, 40, 2))  # 20 disjoint ranges
+        pairs.append((_Puller(subject), tracker))
+    pairs.append((_Puller("idle"), AckTracker("b1", "idle", "g", "idle")))  # nothing pending: no entry
+    chunks = ack_many_chunks(pairs, entries_max=100, header_bytes=16 * 1024)  # type: ignore[arg-type]
+    assert sum(len(c) for c in chunks) == 300
+    assert [e["subject"] for c in chunks for _p, _t, e, _r in c] == [p.subject for p, _t in pairs[:300]]
+    for chunk in chunks:
+        assert len(chunk) <= 100
+        assert len(msgpack.packb({"consumer_id": "c", "acks": [e for _p, _t, e, _r in chunk]})) <= 16 * 1024 + 64
+    assert len(chunks) > 3  # the byte bound cut them, not only the count
+    assert not any(t.pending for _p, t in pairs)  # taken: requeued by the sender if a request fails

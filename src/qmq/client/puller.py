@@ -19,6 +19,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
+import msgpack
+
 from qmq.client.acks import AckTracker
 from qmq.client.connection import ConnectionPool
 from qmq.client.meta import BrokerGroup, MetaClient
@@ -293,43 +295,76 @@ class SubjectPuller(Generic[M]):
             tracker.ack_offset = offset
 
 
-# entries of one ACK_MANY request (the broker takes up to 10,000)
+# One ACK_MANY request holds at most this many entries (the broker takes up to 10,000) and
+# about this many header bytes, well inside frame_header_bytes_max (64 KiB).
 _ACK_MANY_ENTRIES_MAX = 1_000
+_ACK_MANY_HEADER_BYTES = 40 * 1024
 
 
 async def flush_acks_together(ctx: ConsumerContext, pullers: list[SubjectPuller[Any]]) -> None:
-    """Send the pending acks of ``pullers`` with one ACK_MANY request per broker group (of up
-    to 1,000 subjects), rather than an ACK per subject; a broker that does not know ACK_MANY
-    gets them one subject at a time. Raises the first failure after sending the rest."""
+    """Send the pending acks of ``pullers`` with one ACK_MANY request per broker group (more
+    when they would not fit one), rather than an ACK per subject; a broker that does not know
+    ACK_MANY gets them one subject at a time. Raises the first failure after sending the rest."""
     meta, pool = ctx.started()
     by_group: dict[str, list[tuple[SubjectPuller[Any], AckTracker]]] = {}
     for p in pullers:
         for tracker in p.trackers.values():
             if tracker.pending and tracker.broker_group in meta.groups:  # else kept for later
                 by_group.setdefault(tracker.broker_group, []).append((p, tracker))
-    requests = []
-    for name, pairs in by_group.items():
-        for i in range(0, len(pairs), _ACK_MANY_ENTRIES_MAX):
-            requests.append(_ack_many(ctx, pool, meta.groups[name], pairs[i : i + _ACK_MANY_ENTRIES_MAX]))
-    results = await asyncio.gather(*requests, return_exceptions=True)
+    results = await asyncio.gather(
+        *(_ack_group(ctx, pool, meta.groups[name], pairs) for name, pairs in by_group.items()),
+        return_exceptions=True,
+    )
     for result in results:
         if isinstance(result, BaseException):
             raise result
 
 
-async def _ack_many(
-    ctx: ConsumerContext,
-    pool: ConnectionPool,
-    bg: BrokerGroup,
+_Taken = tuple["SubjectPuller[Any]", AckTracker, dict[str, Any], list[list[int]]]
+
+
+def ack_many_chunks(
     pairs: list[tuple[SubjectPuller[Any], AckTracker]],
-) -> None:
-    taken = []
+    entries_max: int = _ACK_MANY_ENTRIES_MAX,
+    header_bytes: int = _ACK_MANY_HEADER_BYTES,
+) -> list[list[_Taken]]:
+    """Take the pending acks of ``pairs`` as ACK_MANY entries, cut into requests of at most
+    ``entries_max`` entries and about ``header_bytes`` of header each."""
+    chunks: list[list[_Taken]] = []
+    chunk: list[_Taken] = []
+    size = 0
     for p, tracker in pairs:
-        entry = p.ack_entry(tracker)
-        if entry is not None:
-            taken.append((p, tracker, *entry))
-    if not taken:
-        return
+        taken = p.ack_entry(tracker)
+        if taken is None:
+            continue
+        entry, ranges = taken
+        entry_bytes = len(msgpack.packb(entry))
+        if chunk and (len(chunk) >= entries_max or size + entry_bytes > header_bytes):
+            chunks.append(chunk)
+            chunk, size = [], 0
+        chunk.append((p, tracker, entry, ranges))
+        size += entry_bytes
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+async def _ack_group(
+    ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup, pairs: list[tuple[SubjectPuller[Any], AckTracker]]
+) -> None:
+    # taken here, in the task that sends them: a task cancelled before it ran has taken nothing
+    chunks = ack_many_chunks(pairs)
+    for n, chunk in enumerate(chunks):
+        try:
+            await _ack_many(ctx, pool, bg, chunk)
+        except BaseException:
+            for later in chunks[n + 1 :]:
+                for _p, tracker, _entry, ranges in later:
+                    tracker.requeue(ranges)
+            raise
+
+
+async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup, taken: list[_Taken]) -> None:
     header = {"consumer_id": ctx.consumer_id, "acks": [entry for _p, _t, entry, _r in taken]}
     try:
         async with asyncio.timeout(ctx.options.request_timeout_ms / 1000):
