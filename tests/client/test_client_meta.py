@@ -56,3 +56,24 @@ async def test_a_client_of_more_subjects_than_one_request_holds_refreshes_them_a
         assert all(meta.route(s) for s in subjects)
     finally:
         await meta.close()
+
+
+async def test_subjects_first_asked_for_together_are_looked_up_in_one_request(meta_server: str, subject: str) -> None:
+    import asyncio
+
+    meta = MetaClient(meta_server, timeout_ms=5000)
+    await meta.start()
+    try:
+        subjects = [f"{subject}.{i}" for i in range(40)]
+        before = meta.refreshes
+        routes = await asyncio.gather(*(meta.resolve(s) for s in subjects))
+        assert meta.refreshes == before + 1
+        assert all(r == tuple(meta.groups) for r in routes)
+        # one subject the meta server refuses: the others are still routed, it falls back
+        more = [f"{subject}.more{i}" for i in range(5)]
+        routes = await asyncio.gather(*(meta.resolve(s) for s in [*more, "%RETRY%no-group"]))
+        assert all(r == tuple(meta.groups) for r in routes)
+        assert all(meta.route(s) for s in more)
+        await meta.refresh()  # the refused one is not asked again
+    finally:
+        await meta.close()

@@ -144,6 +144,8 @@ class MetaClient:
         # Subjects the meta server refused to route (4xx): every available group, never asked again.
         self._refused: set[str] = set()
         self._lookups: dict[str, asyncio.Future[None]] = {}
+        self._queued: list[str] = []  # subjects to look up, in the next request
+        self._lookup_task: asyncio.Task[None] | None = None
         self._refresh_ms = _REFRESH_MS_DEFAULT
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -167,6 +169,8 @@ class MetaClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._lookup_task is not None:
+            self._lookup_task.cancel()
         for fut in self._lookups.values():
             fut.cancel()
         session, self._session = self._session, None
@@ -217,35 +221,81 @@ class MetaClient:
         return tuple(sorted(self.delay_groups))
 
     async def resolve(self, subject: str) -> tuple[str, ...]:
-        """The route of ``subject``, asking the meta server the first time."""
+        """The route of ``subject``, asking the meta server the first time.
+
+        Subjects first asked for in the same loop turn (a consumer starting on many subjects, a
+        producer fanning out) are looked up together, up to 256 a request.
+        """
         route = self.route(subject)
         if route is not None:
             return route
         fut = self._lookups.get(subject)
         if fut is None:
-            fut = asyncio.ensure_future(self._lookup(subject))
+            fut = asyncio.get_running_loop().create_future()
             self._lookups[subject] = fut
-            fut.add_done_callback(lambda _: self._lookups.pop(subject, None))
+            self._queued.append(subject)
+            if self._lookup_task is None or self._lookup_task.done():
+                self._lookup_task = asyncio.ensure_future(self._lookup_queued())
         await asyncio.shield(fut)
         return self.route(subject) or self._all_groups
 
-    async def _lookup(self, subject: str) -> None:
-        if len(self._subjects) + len(self._refused) >= _SUBJECTS_MAX:
-            log.warning("tracking %d subjects already; %r goes to every available broker group", _SUBJECTS_MAX, subject)
-            self._refused.add(subject)
-            return
+    async def _lookup_queued(self) -> None:
+        # starts a loop turn after the first resolve: the resolves of that turn are queued by then
+        queued: list[str] = []
+        closing = False
         try:
-            answer = await self._fetch([subject])
+            while self._queued:
+                queued, self._queued = self._queued, []
+                for chunk in _chunks(queued):
+                    await self._lookup(chunk)
+                    self._answered(chunk, closing=False)
+        except asyncio.CancelledError:
+            closing = True  # the client is closing: nobody waits for an answer that will not come
+            raise
+        except Exception:  # a bug: the resolvers fall back to every available group
+            log.exception("looking up routes failed")
+        finally:
+            self._answered(queued + self._queued, closing=closing)
+            self._queued = []
+
+    def _answered(self, subjects: list[str], closing: bool) -> None:
+        for s in subjects:
+            fut = self._lookups.pop(s, None)
+            if fut is not None and not fut.done():
+                if closing:
+                    fut.cancel()
+                else:
+                    fut.set_result(None)
+
+    async def _lookup(self, subjects: list[str]) -> None:
+        room = _SUBJECTS_MAX - len(self._subjects) - len(self._refused)
+        if room < len(subjects):
+            for s in subjects[max(room, 0) :]:
+                log.warning("tracking %d subjects already; %r goes to every available broker group", _SUBJECTS_MAX, s)
+                self._refused.add(s)
+            subjects = subjects[: max(room, 0)]
+            if not subjects:
+                return
+        try:
+            answer = await self._fetch(subjects)
         except MetaRefusedError as exc:
+            if len(subjects) > 1:  # one of them was refused: find which, one request each
+                for s in subjects:
+                    await self._lookup([s])
+                return
             # Kept out of the refreshes, so one refused subject cannot fail them all.
-            log.warning("the meta server refused to route %r; using every available broker group: %s", subject, exc)
-            self._refused.add(subject)
+            log.warning("the meta server refused to route %r; using every available broker group: %s", subjects[0], exc)
+            self._refused.add(subjects[0])
             return
         except MetaServerError as exc:
-            log.warning("cannot look up the route of %r, using every available broker group: %s", subject, exc)
-            self._subjects.add(subject)
+            log.warning(
+                "cannot look up the route of %s, using every available broker group: %s",
+                ", ".join(map(repr, subjects[:3])) + (f" and {len(subjects) - 3} more" if len(subjects) > 3 else ""),
+                exc,
+            )
+            self._subjects.update(subjects)
             return
-        self._apply(answer, [subject])
+        self._apply(answer, subjects)
 
     def refresh_soon(self) -> None:
         """Refresh now rather than at the next period (a broker said it is not master)."""
