@@ -144,8 +144,8 @@ class MetaClient:
         # Subjects the meta server refused to route (4xx): every available group, never asked again.
         self._refused: set[str] = set()
         self._lookups: dict[str, asyncio.Future[None]] = {}
-        self._queued: list[str] = []  # subjects to look up, in the next request
-        self._lookup_task: asyncio.Task[None] | None = None
+        self._queued: list[str] = []  # subjects asked for this loop turn, looked up together
+        self._lookup_tasks: set[asyncio.Task[None]] = set()
         self._refresh_ms = _REFRESH_MS_DEFAULT
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -169,8 +169,8 @@ class MetaClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._lookup_task is not None:
-            self._lookup_task.cancel()
+        for lookup in list(self._lookup_tasks):
+            lookup.cancel()
         for fut in self._lookups.values():
             fut.cancel()
         session, self._session = self._session, None
@@ -234,29 +234,29 @@ class MetaClient:
             fut = asyncio.get_running_loop().create_future()
             self._lookups[subject] = fut
             self._queued.append(subject)
-            if self._lookup_task is None or self._lookup_task.done():
-                self._lookup_task = asyncio.ensure_future(self._lookup_queued())
+            if len(self._queued) == 1:  # the first of this loop turn: a lookup task takes them all
+                task = asyncio.ensure_future(self._lookup_queued())
+                self._lookup_tasks.add(task)
+                task.add_done_callback(self._lookup_tasks.discard)
         await asyncio.shield(fut)
         return self.route(subject) or self._all_groups
 
     async def _lookup_queued(self) -> None:
-        # starts a loop turn after the first resolve: the resolves of that turn are queued by then
-        queued: list[str] = []
+        # Starts a loop turn after the first resolve, when that turn's resolves have queued;
+        # later turns start tasks of their own, so lookups overlap instead of queueing.
+        queued, self._queued = self._queued, []
         closing = False
         try:
-            while self._queued:
-                queued, self._queued = self._queued, []
-                for chunk in _chunks(queued):
-                    await self._lookup(chunk)
-                    self._answered(chunk, closing=False)
+            for chunk in _chunks(queued):
+                await self._lookup(chunk)
+                self._answered(chunk, closing=False)
         except asyncio.CancelledError:
             closing = True  # the client is closing: nobody waits for an answer that will not come
             raise
         except Exception:  # a bug: the resolvers fall back to every available group
             log.exception("looking up routes failed")
         finally:
-            self._answered(queued + self._queued, closing=closing)
-            self._queued = []
+            self._answered(queued, closing=closing)
 
     def _answered(self, subjects: list[str], closing: bool) -> None:
         for s in subjects:
