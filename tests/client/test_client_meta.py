@@ -3,30 +3,39 @@ stop the background refresh of the others."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 
 from qmq.client.meta import MetaClient
+from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
 
 pytestmark = pytest.mark.integration
 
 
-async def test_groups_and_routes_come_from_the_meta_server(meta_server: str, subject: str) -> None:
+@contextlib.asynccontextmanager
+async def _started(meta_server: str) -> AsyncIterator[MetaClient]:
     meta = MetaClient(meta_server, timeout_ms=5000)
     await meta.start()
     try:
+        yield meta
+    finally:
+        await meta.close()
+
+
+async def test_groups_and_routes_come_from_the_meta_server(meta_server: str, subject: str) -> None:
+    async with _started(meta_server) as meta:
         assert meta.route(subject) is None  # never asked
         route = await meta.resolve(subject)
         assert route == tuple(meta.groups)
         assert meta.route(subject) == route
         assert [g.name for g in meta.available(route)] == list(route)
-    finally:
-        await meta.close()
 
 
 async def test_a_refused_subject_falls_back_and_refreshes_go_on(meta_server: str, subject: str) -> None:
-    meta = MetaClient(meta_server, timeout_ms=5000)
-    await meta.start()
-    try:
+    async with _started(meta_server) as meta:
         await meta.resolve(subject)
         # Not a valid retry subject: the meta server answers 400 for it.
         assert await meta.resolve("%RETRY%no-group") == tuple(meta.groups)
@@ -34,18 +43,12 @@ async def test_a_refused_subject_falls_back_and_refreshes_go_on(meta_server: str
         await meta.refresh()  # raises if the refused subject were asked again
         assert meta.refreshes == before + 1
         assert meta.route(subject) is not None
-    finally:
-        await meta.close()
 
 
 async def test_a_client_of_more_subjects_than_one_request_holds_refreshes_them_all(
     meta_server: str, subject: str
 ) -> None:
-    from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
-
-    meta = MetaClient(meta_server, timeout_ms=5000)
-    await meta.start()
-    try:
+    async with _started(meta_server) as meta:
         # short names, so that the URL length alone would not split the request
         subjects = [f"r{i}.{subject[-6:]}" for i in range(META_SUBJECTS_PER_REQUEST_MAX + 44)]
         for s in subjects:
@@ -54,16 +57,10 @@ async def test_a_client_of_more_subjects_than_one_request_holds_refreshes_them_a
         await meta.refresh()  # in several requests: the meta server refuses one this large
         assert meta.refreshes == before + 2
         assert all(meta.route(s) for s in subjects)
-    finally:
-        await meta.close()
 
 
 async def test_subjects_first_asked_for_together_are_looked_up_in_one_request(meta_server: str, subject: str) -> None:
-    import asyncio
-
-    meta = MetaClient(meta_server, timeout_ms=5000)
-    await meta.start()
-    try:
+    async with _started(meta_server) as meta:
         subjects = [f"{subject}.{i}" for i in range(40)]
         before = meta.refreshes
         routes = await asyncio.gather(*(meta.resolve(s) for s in subjects))
@@ -75,5 +72,3 @@ async def test_subjects_first_asked_for_together_are_looked_up_in_one_request(me
         assert all(r == tuple(meta.groups) for r in routes)
         assert all(meta.route(s) for s in more)
         await meta.refresh()  # the refused one is not asked again
-    finally:
-        await meta.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 import uuid
 
 import pytest
@@ -13,7 +12,7 @@ from clienthelpers import pull_until, wait_for_lag
 from qmq import BufferFullError, SendError
 from qmq.aio import Consumer, Message, Producer
 from qmq.protocol.message import with_times
-from qmq.testing import ReadyProcess
+from qmq.testing import ReadyProcess, metric_value
 
 pytestmark = pytest.mark.integration
 
@@ -167,11 +166,7 @@ async def test_a_message_the_broker_refuses_fails_alone_with_the_brokers_reason(
 
 def _stored_count(broker_http: str, subject: str) -> float:
     """The broker's qmq_messages_in for ``subject``, read with a blocking request (no event loop)."""
-    text = urllib.request.urlopen(broker_http.rstrip("/") + "/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith("qmq_messages_in_total{") and f'subject="{subject}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric_value(broker_http, "qmq_messages_in_total", subject=subject)
 
 
 def _busy(seconds: float) -> None:
@@ -256,15 +251,6 @@ async def test_sends_held_for_a_route_lookup_go_before_sends_made_after_it(meta_
     assert [m.message_id for m in got] == [m.message_id for m in [first, *later]]
 
 
-def _requests(broker_http: str, command: str) -> float:
-    """The broker's qmq_requests_total for ``command``."""
-    text = urllib.request.urlopen(broker_http.rstrip("/") + "/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith("qmq_requests_total{") and f'command="{command}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 async def test_the_acks_of_many_subjects_go_in_one_request(shared_standalone: ReadyProcess, subject: str) -> None:
     meta_server = shared_standalone.meta_server
     broker_http = shared_standalone.ready["broker_http"]
@@ -276,9 +262,12 @@ async def test_the_acks_of_many_subjects_go_in_one_request(shared_standalone: Re
     async with Consumer(app_code="billing", meta_server=meta_server, ack_flush_ms=60_000) as consumer:
         for s in subjects:
             await pull_until(consumer.pull_consumer(s, group, start_from="earliest"), 1)  # acked, not yet sent
-        acks, ack_manys = _requests(broker_http, "ACK"), _requests(broker_http, "ACK_MANY")
+        def requests(command: str) -> float:
+            return metric_value(broker_http, "qmq_requests_total", command=command)
+
+        acks, ack_manys = requests("ACK"), requests("ACK_MANY")
         await consumer.flush_acks()
-        assert _requests(broker_http, "ACK_MANY") == ack_manys + 1
-        assert _requests(broker_http, "ACK") == acks
+        assert requests("ACK_MANY") == ack_manys + 1
+        assert requests("ACK") == acks
     for s in subjects:
         await wait_for_lag(meta_server, s, group, "unacked", 0)

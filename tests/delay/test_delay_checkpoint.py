@@ -11,7 +11,7 @@ import pytest
 from delaywire import delay_group, wait_until
 
 from qmq.aio import Producer
-from qmq.testing import running_standalone
+from qmq.testing import metric_value, running_standalone
 
 pytestmark = pytest.mark.integration
 
@@ -19,14 +19,7 @@ SYNC_BYTES = 64 * 1024
 
 
 def _schedule_fsyncs(http: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    for line in text.splitlines():
-        if line.startswith("qmq_delay_background_syncs_total "):
-            return float(line.split()[1])
-    raise AssertionError("no qmq_delay_background_syncs_total in the delay server's metrics")
+    return metric_value(http, "qmq_delay_background_syncs_total")
 
 
 async def _send_delayed(meta_server: str, subject: str, chunks: int, delay_s: float) -> None:

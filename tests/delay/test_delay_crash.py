@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from delaywire import collect, delay_group, now_ms, wait_until
 
 from qmq.aio import Consumer, Producer
-from qmq.testing import running_standalone
+from qmq.testing import metric_value, running_standalone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,13 +30,7 @@ def broker_duplicates(meta_server: str) -> float:
     """The broker's count of repeats its duplicate window dropped (hand-overs repeated after the crash)."""
     from delaywire import meta_address
 
-    http = meta_address(meta_server)["broker_groups"][0]["http"]
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    for line in text.splitlines():
-        if line.startswith("qmq_duplicates_total "):
-            return float(line.split()[1])
-    return 0.0
+    return metric_value(meta_address(meta_server)["broker_groups"][0]["http"], "qmq_duplicates_total")
 
 
 async def test_kill_9_while_messages_come_due_loses_none_and_repeats_none(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qmq.common.clock import ManualClock
 from qmq.common.config import MetaConfig
+from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX as SUBJECTS_PER_REQUEST_MAX
 from qmq.meta import MetaServer, MetaStartupError
-from qmq.meta.payload import SUBJECTS_PER_REQUEST_MAX
 
 pytestmark = pytest.mark.integration
 

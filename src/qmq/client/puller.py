@@ -359,9 +359,14 @@ async def _ack_group(
             await _ack_many(ctx, pool, bg, chunk)
         except BaseException:
             for later in chunks[n + 1 :]:
-                for _p, tracker, _entry, ranges in later:
-                    tracker.requeue(ranges)
+                _requeue(later)
             raise
+
+
+def _requeue(taken: list[_Taken]) -> None:
+    """Put taken acks back: a later flush or pull sends them."""
+    for _p, tracker, _entry, ranges in taken:
+        tracker.requeue(ranges)
 
 
 async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup, taken: list[_Taken]) -> None:
@@ -370,21 +375,18 @@ async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup,
         async with asyncio.timeout(ctx.options.request_timeout_ms / 1000):
             frame = await pool.get(bg.address).request(RequestCode.ACK_MANY, header)
     except (ConnectionLostError, TimeoutError, asyncio.CancelledError) as exc:
-        for _p, tracker, _entry, ranges in taken:
-            tracker.requeue(ranges)
+        _requeue(taken)
         if isinstance(exc, asyncio.CancelledError):
             raise
         log.debug("acks to broker group %s wait for the next request: %s", bg.name, exc)
         return
     except BrokerError as exc:
         if exc.status == Status.UNKNOWN_COMMAND:  # a broker from before ACK_MANY: an ACK per subject
-            for _p, tracker, _entry, ranges in taken:
-                tracker.requeue(ranges)
+            _requeue(taken)
             await asyncio.gather(*(p._send_acks(tracker) for p, tracker, _e, _r in taken))
             return
         if exc.retriable:  # e.g. no longer master: the acks go with a later request
-            for _p, tracker, _entry, ranges in taken:
-                tracker.requeue(ranges)
+            _requeue(taken)
         else:
             log.error("broker group %s refused the acks of %d subject(s): %s", bg.name, len(taken), exc)
         raise

@@ -20,9 +20,8 @@ from qmq.meta.store import ADDRESS_CHARS_MAX
 
 # A register body is a handful of short strings; anything larger is not one.
 REGISTER_BODY_BYTES_MAX: Final = 16 * 1024
-# Subjects one GET /meta/address may ask for: bounds the routing work of one request.
-# 256 subjects of up to 100 characters fit in REQUEST_LINE_BYTES_MAX.
-SUBJECTS_PER_REQUEST_MAX: Final = META_SUBJECTS_PER_REQUEST_MAX
+# META_SUBJECTS_PER_REQUEST_MAX bounds the routing work of one GET /meta/address: 256
+# subjects of up to 100 characters fit in REQUEST_LINE_BYTES_MAX.
 # Longest request line (method, path and query) the server reads.
 REQUEST_LINE_BYTES_MAX: Final = 64 * 1024
 # Process ids, epochs, offsets and times fit in a signed 64-bit column.
@@ -129,10 +128,10 @@ def parse_promote(body: object) -> tuple[Role, str]:
 
 def parse_subjects(values: Sequence[str]) -> list[str]:
     """The subjects of ``?subject=`` parameters, checked, without repeats; PayloadError on a bad one."""
-    if len(values) > SUBJECTS_PER_REQUEST_MAX:
+    if len(values) > META_SUBJECTS_PER_REQUEST_MAX:
         raise PayloadError(
             "subject",
-            f"{len(values)} subjects asked for in one request; the limit is {SUBJECTS_PER_REQUEST_MAX}, "
+            f"{len(values)} subjects asked for in one request; the limit is {META_SUBJECTS_PER_REQUEST_MAX}, "
             "ask in several requests",
         )
     out: list[str] = []
