@@ -64,6 +64,33 @@ def test_refused_messages_are_named_by_index(client: RawClient, subject: str) ->
     assert "delay server" in errors[2][1]
 
 
+def test_a_broker_holding_held_messages_max_refuses_more_as_busy(tmp_path: Path, subject: str) -> None:
+    """Messages due a moment ahead are held until due (qmq.store.held); the held set is bounded."""
+    config = tmp_path / "held.toml"
+    config.write_text("[broker]\nheld_messages_max = 2\n")
+    data = tmp_path / "data"
+    argv = ["broker", "--data-dir", str(data), "--port", "0", "--http-port", "0", "--config", str(config)]
+    with running_role(argv) as proc:
+        c = RawClient(proc.ready["address"])
+        try:
+            due = int(time.time() * 1000) + 800
+            held = c.send(message(subject, "h1", deliver_at_ms=due), message(subject, "h2", deliver_at_ms=due))
+            assert held.header == {"errors": [], "duplicates": 0}
+            refused = c.send(message(subject, "h3", deliver_at_ms=due))
+            assert refused.status == Status.BUSY
+            assert "holds 2 messages until they are due, its held_messages_max" in refused.header["error"]
+            realtime = c.send(message(subject, "now"))  # nothing to hold: taken
+            assert realtime.header == {"errors": [], "duplicates": 0}
+            got = c.pull(subject, "g", timeout_ms=3000)
+            first = [decode_message(r[1]).message_id for r in split_records(bytes(got.body))]
+            assert first == ["now"]
+            later = c.pull(subject, "g", timeout_ms=3000)  # a long poll woken by the release
+            assert int(time.time() * 1000) >= due
+            assert [decode_message(r[1]).message_id for r in split_records(bytes(later.body))] == ["h1", "h2"]
+        finally:
+            c.close()
+
+
 def test_a_repeated_id_is_stored_once(client: RawClient, subject: str) -> None:
     client.send(message(subject, "dup"))
     resp = client.send(message(subject, "dup"))

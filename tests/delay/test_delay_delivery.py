@@ -31,7 +31,9 @@ LATE_MS_MAX = 1_500
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadyProcess]:
     data_dir = tmp_path_factory.mktemp("delay") / "qmq-data"
-    config = {"delay": {"bucket_ms": BUCKET_MS, "preload_ms": 300, "checkpoint_interval_ms": 200}}
+    config = {
+        "delay": {"bucket_ms": BUCKET_MS, "preload_ms": 300, "checkpoint_interval_ms": 200, "handover_lead_ms": 100}
+    }
     with running_standalone(data_dir, config) as proc:
         yield proc
 
@@ -64,6 +66,31 @@ async def test_delayed_messages_arrive_when_due_never_before(standalone: ReadyPr
     lateness = {mid: got[mid] - due[mid] for mid in due}
     assert min(lateness.values()) >= 0, f"delivered early: {sorted(lateness.values())[:3]} ms"
     assert max(lateness.values()) <= LATE_MS_MAX
+
+
+async def test_a_message_is_handed_to_a_broker_ahead_of_its_time_and_delivered_at_it(
+    standalone: ReadyProcess, subject: str
+) -> None:
+    """handover_lead_ms before it is due the broker has it (stored, fsynced, answered), so
+    neither the hand-over nor an fsync makes it late; consumers still get it only once due."""
+    url = standalone.meta_server
+    address = delay_group(url)["address"]
+    before = (await request(address, RequestCode.DELAY_STATS, {})).header["dispatched_total"]
+    async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
+        pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+        m = producer.generate_message(subject)
+        m.set_delay(1.5)
+        await producer.send(m)
+
+        async def handed_over() -> bool:
+            stats = (await request(address, RequestCode.DELAY_STATS, {})).header
+            return bool(stats["dispatched_total"] > before)
+
+        await wait_until("the hand-over", handed_over, timeout_s=5, interval_s=0.005)
+        handed_over_at = now_ms()
+        got = await collect(pull, 1, timeout_s=5)
+    assert handed_over_at < m.deliver_at_ms, "the broker acknowledged the hand-over only once it was due"
+    assert got[m.message_id] >= m.deliver_at_ms, "delivered before it was due"
 
 
 async def test_a_message_due_milliseconds_ahead_is_not_delivered_early(standalone: ReadyProcess, subject: str) -> None:
@@ -114,31 +141,43 @@ async def test_a_past_time_sent_straight_to_the_delay_server_is_handed_over_at_o
     assert got["raw-past-1"] - sent_at < LATE_MS_MAX
 
 
-async def test_a_broker_stores_a_message_due_a_moment_ahead_once_it_is_due(
+async def test_a_broker_holds_a_message_due_a_moment_ahead_until_it_is_due(
     standalone: ReadyProcess, subject: str
 ) -> None:
-    """Due a moment ahead (producers send those due within HOLD_UNTIL_DUE_MS to a broker): the
-    broker stores and answers it only once it is due, and the same connection's next send
-    after it."""
-    broker = meta_address(standalone.meta_server)["broker_groups"][0]["address"]
+    """Due a moment ahead (producers send those due within HOLD_UNTIL_DUE_MS to a broker; a delay
+    server hands its messages over that early): the broker stores and answers the send at once,
+    and consumers get the message once it is due, never before; a send after it is not held up."""
+    url = standalone.meta_server
+    broker = meta_address(url)["broker_groups"][0]["address"]
     conn = Connection(broker, connect_timeout_ms=5000)
-    try:
-        await conn.request(RequestCode.PING, {}, [])  # connected before the clock starts
-        due = int(now_ms()) + 30
-        soon = encode_message(subject.encode(), b"soon-1", b"", 0, b"", b"x", int(now_ms()), due)
-        now = encode_message(subject.encode(), b"now-1", b"", 0, b"", b"y", int(now_ms()), 0)
-        answered: list[tuple[str, float]] = []
-        sends = []
-        for name, raw in (("soon", soon), ("now", now)):
-            fut = asyncio.ensure_future(conn.request(RequestCode.SEND_MESSAGES, {}, [raw]))
-            fut.add_done_callback(lambda _f, name=name: answered.append((name, now_ms())))
-            sends.append(fut)
-        frames = await asyncio.gather(*sends)
-    finally:
-        await conn.close()
+    async with Consumer(app_code="t", meta_server=url) as consumer:
+        pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+        try:
+            await conn.request(RequestCode.PING, {}, [])  # connected before the clock starts
+            due = int(now_ms()) + 300
+            soon = encode_message(subject.encode(), b"soon-1", b"", 0, b"", b"x", int(now_ms()), due)
+            now = encode_message(subject.encode(), b"now-1", b"", 0, b"", b"y", int(now_ms()), 0)
+            frames = [await conn.request(RequestCode.SEND_MESSAGES, {}, [raw]) for raw in (soon, now)]
+            answered_at = now_ms()
+        finally:
+            await conn.close()
+        got = await collect(pull, 2, timeout_s=5)
     assert [f.header for f in frames] == [{"errors": [], "duplicates": 0}] * 2
-    assert [name for name, _at in answered] == ["soon", "now"]
-    assert answered[0][1] >= due, f"stored {due - answered[0][1]:.2f} ms before it was due"
+    assert answered_at < due, "the send of a message due later was answered only once it was due"
+    assert got["now-1"] < due, "a message sent after a held one waited for it"
+    assert got["soon-1"] >= due, f"delivered {due - got['soon-1']:.2f} ms before it was due"
+    assert got["soon-1"] - due < LATE_MS_MAX
+
+
+async def test_a_broker_refuses_to_hold_a_message_due_later_than_it_holds(
+    standalone: ReadyProcess, subject: str
+) -> None:
+    broker = meta_address(standalone.meta_server)["broker_groups"][0]["address"]
+    later = encode_message(subject.encode(), b"later-1", b"", 0, b"", b"x", int(now_ms()), int(now_ms()) + 60_000)
+    frame = await request(broker, RequestCode.SEND_MESSAGES, {}, [later])
+    ((index, status, text),) = frame.header["errors"]
+    assert (index, status) == (0, Status.INVALID_MESSAGE)
+    assert "a broker holds messages due at most 1000 ms ahead; send later ones to a delay server" in text
 
 
 async def test_beyond_the_horizon_the_send_fails_with_a_clear_error(standalone: ReadyProcess, subject: str) -> None:

@@ -74,7 +74,8 @@ def test_messages_fire_in_due_order_and_never_before_they_are_due(tmp_path: Path
     store.close()
 
 
-def test_handed_over_bytes_are_the_producers_with_deliver_at_zero(tmp_path: Path) -> None:
+def test_handed_over_bytes_are_the_producers_due_time_included(tmp_path: Path) -> None:
+    """The broker holds a message handed over before it is due (qmq.store.held) by its due time."""
     clock = manual_clock()
     store = open_store(tmp_path, clock)
     sched = Scheduler(store, PRELOAD)
@@ -85,7 +86,7 @@ def test_handed_over_bytes_are_the_producers_with_deliver_at_zero(tmp_path: Path
     (raw,) = handover.encoded
     fields = decode_message(raw)
     assert (fields.subject, fields.message_id, fields.body, fields.times) == ("order.paid", "id-1", b"payload", 0)
-    assert fields.deliver_at_ms == 0
+    assert fields.deliver_at_ms == T0_MS + 10
     assert handover.subjects == ["order.paid"]
     assert handover.message_ids == ["id-1"]
     store.close()

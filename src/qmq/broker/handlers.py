@@ -3,7 +3,6 @@ handler may answer at once (most) or later (a send waiting for fsync, a parked p
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import operator
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from qmq.serving.requests import (
     get_tags,
     scan_send,
 )
-from qmq.store.broker_store import DiskFullError, PullResult, StoreError
+from qmq.store.broker_store import AppendResult, DiskFullError, PullResult, StoreError
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
 from qmq.store.tags import TagFilter
@@ -38,9 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ID_CHARS_MAX = 200
-# A send due at most this far ahead is stored once it is due (producers send those due within
-# qmq.common.limits.HOLD_UNTIL_DUE_MS here; the rest of the bound absorbs clock differences).
-_HOLD_UNTIL_DUE_MS_MAX = 50
 # ScannedMessage is a NamedTuple: reading the field by index halves the cost of the scan per frame
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
@@ -160,30 +156,21 @@ class Handlers:
             return
         body = bytes(frame.body)
         scanned = scan_send(body, self.limits)
-        wait_ms = max(map(_DELIVER_AT_MS, scanned), default=0) - self.broker.clock.now_ms()
-        if 0 < wait_ms <= _HOLD_UNTIL_DUE_MS_MAX:
-            # Due a moment from now (the producer sends these here, not through a delay server):
-            # stored once due, never before; the connection's later requests wait for it.
-            conn.hold()
-            asyncio.get_running_loop().call_later((wait_ms + 1) / 1000, self._send_when_due, conn, frame, body, scanned)
+        store = self.store
+        holds = max(map(_DELIVER_AT_MS, scanned), default=0) > self.broker.clock.now_ms()
+        if holds and len(store.held) >= self.broker.config.held_messages_max:
+            text = (
+                f"the broker holds {len(store.held)} messages until they are due, its held_messages_max; "
+                "retry shortly"
+            )
+            conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BUSY)
             return
-        self._store_and_answer(conn, frame, body, scanned)
+        result = store.append(body, scanned)
+        if holds:
+            self.broker.release.schedule()
+        self._answer_stored(conn, frame, result)
 
-    def _send_when_due(self, conn: Responder, frame: Frame, body: bytes, scanned: list[ScannedMessage]) -> None:
-        conn.release()
-
-        def store(conn: Responder, frame: Frame) -> None:
-            # checked again: the broker may have begun stopping, or stopped being master, meanwhile
-            refusal = self._refusal()
-            if refusal is not None:
-                conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
-            else:
-                self._store_and_answer(conn, frame, body, scanned)
-
-        self._guarded(conn, frame, store)
-
-    def _store_and_answer(self, conn: Responder, frame: Frame, body: bytes, scanned: list[ScannedMessage]) -> None:
-        result = self.store.append(body, scanned)
+    def _answer_stored(self, conn: Responder, frame: Frame, result: AppendResult) -> None:
         metrics = self.metrics
         if result.per_subject:
             metrics.stored(result.per_subject)
@@ -219,9 +206,7 @@ class Handlers:
     def _group_and_consumer(self, frame: Frame, create: bool) -> tuple[GroupProgress, ConsumerProgress]:
         return self._group_and_consumer_of(frame.header, create)
 
-    def _group_and_consumer_of(
-        self, header: dict[str, object], create: bool
-    ) -> tuple[GroupProgress, ConsumerProgress]:
+    def _group_and_consumer_of(self, header: dict[str, object], create: bool) -> tuple[GroupProgress, ConsumerProgress]:
         subject = get_subject(header)
         group = get_group(header)
         consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)

@@ -65,6 +65,8 @@ class BrokerMetrics:
             registry=r,
         )
         self.waiting_pulls = Gauge("qmq_waiting_pulls", "long polls parked until messages arrive", registry=r)
+        held = Gauge("qmq_held_messages", "messages stored ahead of their due time, not yet visible", registry=r)
+        held.set_function(lambda: len(store.held))
         r.register(_ProgressCollector(store))
         self._in: dict[str, tuple[Counter, Counter]] = {}
 

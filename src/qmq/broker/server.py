@@ -20,6 +20,7 @@ from aiohttp import web
 from qmq.broker.handlers import Handlers
 from qmq.broker.metrics import CONTENT_TYPE, BrokerMetrics
 from qmq.broker.pulls import ParkedPulls
+from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
@@ -66,6 +67,7 @@ class BrokerServer:
         self.replicator: Replicator | None = None
         self._transition: asyncio.Task[None] | None = None
         self.handlers = Handlers(self)
+        self.release = Release(self)
         self.connections = Connections(config.connections_max, self.metrics.connections.set)
         self.stopping = False
         self.port = 0
@@ -126,6 +128,7 @@ class BrokerServer:
         self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
         if cfg.flush == "periodic" or self.role == "slave":
             self.flusher.start_periodic(cfg.flush_interval_ms)
+        self.release.schedule()  # what was held when the broker stopped is due by now, or soon
         self._timers.append(loop.create_task(self._every(cfg.checkpoint_interval_ms, self.checkpoint)))
         self._timers.append(loop.create_task(self._every(cfg.retention_check_interval_ms, self._retention)))
         silent_check_ms = max(10, min(cfg.consumer_offline_ms // 4, 5_000))
@@ -203,6 +206,7 @@ class BrokerServer:
         self.source.actions_replicated = self.store.alog.end
         self.flusher.flushed_offset = self.store.mlog.end
         self.role = "master"
+        self.release.schedule()
         if self._registration is not None:
             self._registration.beat_now()
 
@@ -210,6 +214,7 @@ class BrokerServer:
         """Become (or stay) a slave of ``master``: stop writes, cut what was never replicated, copy."""
         was_master = self.role == "master"
         self.role = "slave"
+        self.release.cancel()
         if was_master:
             log.warning(
                 "group %s has a new master %s in epoch %d; this broker follows it", self.config.group, master, epoch
@@ -295,6 +300,7 @@ class BrokerServer:
         if self.stopping:
             return
         self.stopping = True
+        self.release.cancel()
         if self._server is not None:
             self._server.close()
         if self._registration is not None:

@@ -9,8 +9,8 @@ once; its messages wait aside meanwhile.
 A message due later (``set_delay``/``set_deliver_at``) goes to a delay group instead: the
 available delay groups form one route, taken in turn, with failover between them like broker
 groups. A message due now, in the past, or at most ``HOLD_UNTIL_DUE_MS`` ahead goes to the
-brokers, which store the last kind once it is due: never early, and not behind a delay
-server's queue of sends.
+brokers, which hold the last kind until it is due (qmq.store.held): never early, and not
+behind a delay server's queue of sends.
 """
 
 from __future__ import annotations

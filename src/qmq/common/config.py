@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from qmq.common.errors import ConfigError
-from qmq.common.limits import MiB
+from qmq.common.limits import HOLD_UNTIL_DUE_MS, MiB
 
 T = TypeVar("T")
 
@@ -100,6 +100,12 @@ class BrokerConfig:
         "bytes of written-but-unflushed sends before new sends wait",
         64 * MiB,
         _range(MiB, 1 << 34),
+    )
+    held_messages_max: int = _opt(
+        "messages stored ahead of their due time and not yet visible (qmq.store.held); sends "
+        "of more are refused as busy until some are due. About 200 bytes of memory each",
+        100_000,
+        _range(1, 10_000_000),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
     heartbeat_interval_ms: int = _opt(
@@ -203,6 +209,12 @@ class DelayConfig:
         "bytes of messages replayed from the write-ahead log and not yet written to their schedule logs",
         16 * MiB,
         _range(64 * 1024, 1 << 34),
+    )
+    handover_lead_ms: int = _opt(
+        "due messages are handed to a broker this long before they are due; the broker stores "
+        "them at once and makes them visible when due, so a slow hand-over or fsync is not late",
+        50,
+        _range(0, HOLD_UNTIL_DUE_MS),
     )
     handover_messages_max: int = _opt(
         "due messages handed to brokers and not yet acknowledged by them",
@@ -343,8 +355,7 @@ def build_config(cls: type[T], values: Mapping[str, Any], source: str = "configu
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}; "
-            f"known keys: {', '.join(fields)}"
+            f"{source}: unknown key(s) {', '.join(unknown)} for {cls.__name__}; known keys: {', '.join(fields)}"
         )
     kwargs: dict[str, Any] = {}
     for name, value in values.items():

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 KiB = 1024
 MiB = 1024 * KiB
 
-# A message due at most this far ahead goes to a broker, which stores it once it is due (and
-# holds that connection's later requests meanwhile): a delay server's queue of sends would
-# make it later, and a realtime send would let it be consumed early. Small, since it bounds
-# how long the hold delays a connection's other sends.
-HOLD_UNTIL_DUE_MS = 2
+# A message due at most this far ahead goes to a broker, which writes it at once and makes it
+# visible once due (qmq.store.held); a delay server hands its due messages over this far
+# ahead at most (its handover_lead_ms), so a slow hand-over or fsync does not make them late.
+HOLD_UNTIL_DUE_MS = 100
+# A broker holds a message due at most this far ahead (the rest of the bound above
+# HOLD_UNTIL_DUE_MS absorbs clock differences between hosts); later ones it refuses.
+HOLD_MS_MAX = 1000
 # Subjects one meta server request (GET /meta/address) may ask routes for: the server refuses
 # more, and a client asks for more in several requests.
 META_SUBJECTS_PER_REQUEST_MAX = 256

@@ -1,8 +1,10 @@
 """The firing loop: sleep until the earliest due message, hand what is due to the brokers through
 the SDK's producer, and record each broker acknowledgement in the dispatch log.
 
-The loop sleeps on the event loop's clock for the time the wall clock says is left, and
-re-reads the wall clock when it wakes: a message is never handed over before it is due.
+Messages are handed over ``lead_ms`` before they are due: the broker stores them at once and
+makes them visible when due (qmq.store.held), so the hand-over and the broker's fsync are
+done by then. The loop sleeps on the event loop's clock for the time the wall clock says is
+left, and re-reads the wall clock when it wakes: nothing is handed over earlier than that.
 Hand-overs are bounded (``handover_messages_max``, ``handover_bytes_max``); each message in
 flight has one small waiter object, resolved by the producer when a broker stored (or
 refused) the batch it went in. Acknowledgements are written to the dispatch logs once per
@@ -86,6 +88,7 @@ class Dispatcher:
         producer: Producer,
         clock: Clock,
         *,
+        lead_ms: int = 0,
         messages_max: int,
         bytes_max: int,
         on_disk_error: Callable[[BaseException], None],
@@ -93,6 +96,7 @@ class Dispatcher:
         self.scheduler = scheduler
         self.producer = producer
         self.clock = clock
+        self.lead_ms = lead_ms
         self.messages_max = messages_max
         self.bytes_max = bytes_max
         self.on_disk_error = on_disk_error
@@ -102,7 +106,7 @@ class Dispatcher:
         self.refused_total = 0
         self.failures_total = 0
         self.corrupt_total = 0
-        # fire lateness (hand-over time - due), counted per bucket of _LATENESS_BUCKETS_MS
+        # fire lateness (hand-over time - (due - lead)), counted per bucket of _LATENESS_BUCKETS_MS
         self.lateness_counts = np.zeros(len(_LATENESS_BUCKETS_MS) + 1, dtype=np.int64)
         self.lateness_sum_ms = 0
         self._per_second: list[int] = [0] * _LAST_MINUTE_S
@@ -134,7 +138,7 @@ class Dispatcher:
         clock = self.clock
         while not self._stopping:
             try:
-                now = clock.now_ms()
+                now = clock.now_ms() + self.lead_ms  # "now" for firing: what is due this soon goes
                 self._load(now)
                 nd = sched.next_due()
                 if nd is not None and nd <= now:
@@ -159,7 +163,7 @@ class Dispatcher:
                     wake = min(wake, max(nl, now + 1))
                 self._wake_at_ms = wake
                 # Woken early (the loop's timers round), the next turn reads the wall clock again
-                # and sleeps the rest: nothing is handed over before it is due.
+                # and sleeps the rest: nothing is handed over before its time.
                 await self._sleep((wake - now) / 1000)
             except QmqError as exc:
                 # a schedule log that cannot be read or written: the disk is failing

@@ -65,7 +65,7 @@ class _StateCollector(Collector):
             cumulative.append((bound, running))
         yield HistogramMetricFamily(
             "qmq_delay_fire_lateness_ms",
-            "hand-over time minus due time, milliseconds",
+            "hand-over time minus its planned time (due time - handover_lead_ms), milliseconds",
             buckets=cumulative,
             sum_value=d.lateness_sum_ms,
         )

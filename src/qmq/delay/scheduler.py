@@ -4,10 +4,10 @@ Synchronous and clock-free (every call takes ``now_ms``), so its rules are teste
 manual clock: a bucket is loaded once its start is within ``preload_ms`` of now (past and
 current buckets are always loaded); loading reads its index and drops the entries its
 dispatch log holds. Due rows are read from the schedule logs with one ``pread`` per run of
-adjacent records, each record's CRC checked, and turned into what a broker takes: the
-producer's bytes with ``deliver_at_ms`` set to 0 (id, subject and attempt unchanged, so the
-broker's duplicate window drops a message handed over twice). Acknowledged entries go to
-the bucket's dispatch log.
+adjacent records, each record's CRC checked, and handed to a broker as the producer encoded
+them: ``deliver_at_ms`` tells the broker to hold one handed over before it is due, and the
+unchanged id, subject and attempt let its duplicate window drop one handed over twice.
+Acknowledged entries go to the bucket's dispatch log.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import crc32c
 import numpy as np
 
 from qmq.delay.bucket import Bucket, read_index
-from qmq.delay.store import DELIVER_AT_POS, DelayStore, StoreError
+from qmq.delay.store import DelayStore, StoreError
 from qmq.delay.timer import ROW, Rows, Timer, sort_rows
 from qmq.protocol.message import HEADER_BYTES
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 _READ_GAP_BYTES_MAX = 16 * 1024
 # ...and one read is at most this long (a single larger record is read alone).
 _READ_BYTES_MAX = 1024 * 1024
-_ZERO8 = bytes(8)
 _NO_RECORD = (0, 0, 0, 0, 0)
 _NAMES_CACHED_MAX = 10_000
 
@@ -195,7 +194,7 @@ class Scheduler:
             if b is None:
                 raise StoreError(f"time bucket {start} is gone while {j - i} of its messages are due")
             try:
-                data = bytearray(b.read(run_off, run_end - run_off))
+                data = b.read(run_off, run_end - run_off)
             except OSError as exc:
                 raise StoreError(f"cannot read the schedule log of time bucket {start}: {exc}") from exc
             view = memoryview(data)
@@ -216,7 +215,6 @@ class Scheduler:
                     log.error("time bucket %d: the record at offset %d fails its check; skipped", start, offsets[k])
                     bad.append(at)
                     continue
-                data[m + DELIVER_AT_POS : m + DELIVER_AT_POS + 8] = _ZERO8
                 slen = data[m + 2] | data[m + 3] << 8
                 s = m + HEADER_BYTES
                 raw_subject = bytes(view[s : s + slen])

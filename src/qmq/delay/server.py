@@ -128,6 +128,7 @@ class DelayServer:
             self.scheduler,
             producer,
             self.clock,
+            lead_ms=cfg.handover_lead_ms,
             messages_max=cfg.handover_messages_max,
             bytes_max=cfg.handover_bytes_max,
             on_disk_error=self._disk_failed,

@@ -37,13 +37,6 @@ class Responder(Protocol):
         status: int = Status.OK,
     ) -> None: ...
 
-    def hold(self) -> None:
-        """Handle no further request of this connection until ``release`` (the one being
-        handled finishes on a later loop turn, and its successors keep their order)."""
-        ...
-
-    def release(self) -> None: ...
-
 
 class ConnectionHost(Protocol):
     """The server behind a connection."""
@@ -69,7 +62,6 @@ class FrameConnection(asyncio.Protocol):
         self.closed = False
         self._flow_paused = False  # the client reads our answers too slowly
         self._turn_paused = False  # frames left for the next loop turn
-        self._held = False  # a request finishes on a later loop turn; the rest wait for it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport is not a subclass
@@ -100,8 +92,6 @@ class FrameConnection(asyncio.Protocol):
                 if frame.response:
                     raise RemoteProtocolError("a client sent a response frame; only requests are accepted")
                 dispatch(self, frame)
-                if self._held:
-                    return  # release() goes on from here
                 if frame.code in yield_after and decoder.buffered_bytes:
                     self._next_turn()
                     return
@@ -111,17 +101,6 @@ class FrameConnection(asyncio.Protocol):
         if self._turn_paused:
             self._turn_paused = False
             self._set_reading()
-
-    def hold(self) -> None:
-        self._held = True
-        if not self._turn_paused:
-            self._turn_paused = True
-            self._set_reading()
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            asyncio.get_running_loop().call_soon(self._handle_frames)
 
     def _next_turn(self) -> None:
         if not self._turn_paused:

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.errors import InvalidSubjectError, QmqError
-from qmq.common.limits import DEFAULT_LIMITS, Limits
+from qmq.common.limits import DEFAULT_LIMITS, HOLD_MS_MAX, Limits
 from qmq.common.naming import DEAD_PREFIX, check_subject, parse_internal_subject, subject_file_name
 from qmq.protocol.codes import Status
-from qmq.protocol.message import ScannedMessage
+from qmq.protocol.message import ScannedMessage, scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import action_log as act
 from qmq.store.action_log import ActionLog
@@ -40,6 +40,7 @@ from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ConsumeLog, tag_bloom
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
+from qmq.store.held import HELD_SEQUENCE, Held, HeldMessages
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.segments import FlushTicket
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A producer's clock may run a little ahead of the broker's; only later than this is "delayed".
-_DELIVER_AT_SLACK_MS = 1000
+# Copies of held records appended with one write (more wait for the next release).
+_RELEASE_BATCH_MAX = 2_000
 _MARKS_MAX = 1000
 _CHECKPOINTS_KEPT = 4
 _DEAD_RAW = DEAD_PREFIX.encode()
@@ -133,6 +134,7 @@ class BrokerStore:
         self._dirty_clogs: set[SubjectState] = set()
         self.unflushed_bytes = 0
         self._flushed_offset = 0
+        self.held = HeldMessages()
 
     def open(self) -> RecoveryReport:
         """Recover from whatever state the last stop left; see recovery.py."""
@@ -180,13 +182,23 @@ class BrokerStore:
 
     # -- sends -------------------------------------------------------------------------
 
-    def append(self, body: bytes, scanned: list[ScannedMessage], dedup_check: bool = True) -> AppendResult:
+    def append(
+        self,
+        body: bytes,
+        scanned: list[ScannedMessage],
+        dedup_check: bool = True,
+        now_ms: int | None = None,
+        visible_now: bool = False,
+    ) -> AppendResult:
         """Store the messages of one send frame with one write; refuse the bad ones by index.
 
-        Messages to a dead-letter subject go to the dead letters instead. ``dedup_check=False``
-        (the broker's own resends) stores a message even if its key is in the duplicate window.
+        Messages to a dead-letter subject go to the dead letters instead; messages due later
+        than ``now_ms`` are held until due (held.py). ``dedup_check=False`` (the broker's own
+        resends) stores a message even if its key is in the duplicate window. ``visible_now``
+        (copies of held records, already durable) skips waiting for the fsync under the sync
+        policy wherever nothing earlier of the subject still waits for one.
         """
-        now = self.clock.now_ms()
+        now = self.clock.now_ms() if now_ms is None else now_ms
         limits = self.limits
         errors: list[list[Any]] = []
         # (message, its subject state or the name of its dead-letter subject, tag bloom, dedup key)
@@ -218,12 +230,13 @@ class BrokerStore:
             if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
                 errors.append([i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"])
                 continue
-            if sm.deliver_at_ms > now + _DELIVER_AT_SLACK_MS:
+            if sm.deliver_at_ms > now + HOLD_MS_MAX:
                 errors.append(
                     [
                         i,
                         Status.INVALID_MESSAGE,
-                        "a realtime broker does not hold delay messages; send them to a delay server",
+                        f"due {sm.deliver_at_ms - now} ms from now: a broker holds messages due at most "
+                        f"{HOLD_MS_MAX} ms ahead; send later ones to a delay server",
                     ]
                 )
                 continue
@@ -257,12 +270,19 @@ class BrokerStore:
         dead_letters: dict[str, list[tuple[int, bytes | memoryview]]] = {}
         pos = 0
         pack_entry = ENTRY.pack
-        for sm, dest, bloom, _key in accepted:
+        held: list[Held] = []
+        for sm, dest, bloom, key in accepted:
             message = view[sm.pos : sm.pos + sm.length]
             if isinstance(dest, str):
                 # a dead letter: in the message log (so slaves get it) and kept apart, never pulled
                 dead_letters.setdefault(dest, []).append((base + pos, message))
                 pos = pack_record_into(out, pos, message, 0, now)
+                continue
+            if sm.deliver_at_ms > now:
+                # due later: written now, in no consume log until its copy is appended once due
+                end = pack_record_into(out, pos, message, HELD_SEQUENCE, now)
+                held.append(Held(sm.deliver_at_ms, base + pos, end - pos, key))
+                pos = end
                 continue
             st = dest
             if st not in touched:
@@ -301,14 +321,51 @@ class BrokerStore:
                 raise _store_error(exc, self.dir) from exc
         dedup.add_many([a[3] for a in accepted], now)
         self.total_messages += len(accepted)
-        if self.sync_policy:
+        for h in held:
+            self.held.add(h)
+        if not self.sync_policy:
+            for st in touched:
+                st.visible_seq = st.next_seq
+        elif not visible_now:
             self._unflushed.append((self.mlog.end, [(st, st.next_seq) for st in touched]))
             self.unflushed_bytes += total
         else:
-            for st in touched:
-                st.visible_seq = st.next_seq
+            waiting = []
+            for st, first in touched.items():
+                if st.visible_seq == first:
+                    st.visible_seq = st.next_seq
+                else:  # an earlier message of the subject waits for its fsync: this one waits behind it
+                    waiting.append((st, st.next_seq))
+            if waiting:
+                self._unflushed.append((self.mlog.end, waiting))
+                self.unflushed_bytes += total
         self._grew()
         return AppendResult(errors, duplicates, len(accepted), total, per_subject)
+
+    # -- held messages (held.py) ---------------------------------------------------------
+
+    def release_due(self, now_ms: int, max_n: int = _RELEASE_BATCH_MAX) -> tuple[AppendResult, bool] | None:
+        """Append copies of up to ``max_n`` held records due by ``now_ms`` to their subjects.
+
+        Returns the append's result and whether the copies are visible already (every held
+        record is fsynced, or the flush policy is periodic); None when nothing is due.
+        """
+        due = self.held.take_due(now_ms, max_n)
+        if not due:
+            return None
+        messages: list[bytes] = []
+        for h in due:
+            chunks: list[bytes] = []
+            self.read_into(h.offset, h.size, chunks)
+            record = b"".join(chunks)
+            messages.append(record[RECORD_HEADER_BYTES:])
+        durable = not self.sync_policy or max(h.offset + h.size for h in due) <= self._flushed_offset
+        body = b"".join(messages)
+        result = self.append(body, scan_batch(body, self.limits), dedup_check=False, now_ms=now_ms, visible_now=durable)
+        if result.errors:
+            # copies of what this broker stored itself: refused only if the limits changed since
+            log.error("held messages could not be released: %s", result.errors[:3])
+        return result, durable
 
     # -- flush -------------------------------------------------------------------------
 
@@ -481,6 +538,7 @@ class BrokerStore:
             "total_messages": self.total_messages,
             "marks": self.marks,
             "subjects": {name: st.next_seq for name, st in self.subjects.items()},
+            "held": self.held.snapshot(),
             "progress": self.progress.snapshot(),
         }
 

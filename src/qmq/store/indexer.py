@@ -2,8 +2,9 @@
 slave does for what it received from its master.
 
 Each record goes into its subject's consume log (when its sequence is the next one expected;
-an entry already there is left alone), its id into the duplicate window, and a record of a
-dead-letter subject into the dead letters (by its offset, so twice is once). Entries are
+an entry already there is left alone), its id into the duplicate window, a record of a
+dead-letter subject into the dead letters (by its offset, so twice is once), and a held
+record among the held messages until a copy of it follows (held.py). Entries are
 buffered per subject and written in chunks.
 """
 
@@ -17,6 +18,7 @@ from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.message import scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, tag_bloom
+from qmq.store.held import HELD_SEQUENCE, Held
 
 if TYPE_CHECKING:
     from qmq.store.broker_store import BrokerStore, SubjectState
@@ -50,7 +52,8 @@ class RecordIndexer:
             (sm,) = scan_batch(bytes(message))
         except (RemoteProtocolError, ValueError):
             raise UnreadableRecord(f"record at offset {offset} does not decode as a message") from None
-        self._keys.append(dedup_key(sm))
+        key = dedup_key(sm)
+        self._keys.append(key)
         self._last_ms = stored_ms
         if len(self._keys) >= _DEDUP_CHUNK:
             store.dedup.add_many(self._keys, stored_ms)
@@ -63,6 +66,11 @@ class RecordIndexer:
         if sm.subject.startswith(_DEAD_RAW):
             store.dead.append(name, [(offset, bytes(message))], stored_ms)
             return
+        if sequence == HELD_SEQUENCE:
+            store.held.add(Held(sm.deliver_at_ms, offset, RECORD_HEADER_BYTES + len(message), key))
+            return
+        if store.held:
+            store.held.copied(key)
         st = store.subject_state(name)
         assert st is not None
         expected = st.clog.next_seq + len(st.pending) // ENTRY_BYTES

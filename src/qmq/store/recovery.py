@@ -3,8 +3,9 @@
 1. Read the checkpoint (offsets, subjects, consumer progress).
 2. Scan the message log from the checkpoint (or, for the duplicate window, from the oldest
    checkpoint mark still inside the window), checking every CRC: records after the checkpoint
-   are indexed into their consume logs again if their entries were lost; the first record
-   that does not check out marks a torn tail, which is cut and logged.
+   are indexed into their consume logs again if their entries were lost, held records (and
+   those the checkpoint names) are held again unless a copy follows them (held.py); the
+   first record that does not check out marks a torn tail, which is cut and logged.
 3. Cut consume-log entries that point past the end of the message log.
 4. Replay the action log from the checkpoint into consumer progress (cutting its torn tail).
 """
@@ -16,9 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qmq.protocol.message import scan_batch
+from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
 from qmq.store import action_log as act
 from qmq.store.checkpoint import read_checkpoint
 from qmq.store.consume_log import ENTRY, ConsumeLog
+from qmq.store.held import HELD_SEQUENCE, Held
 from qmq.store.indexer import RecordIndexer, UnreadableRecord
 from qmq.store.message_log import ScanResult
 from qmq.store.progress import Progress
@@ -57,6 +61,7 @@ def recover(store: BrokerStore) -> RecoveryReport:
         index_from = int(state["message_offset"])
         action_from = int(state["action_offset"])
         known_seqs: dict[str, int] = dict(state["subjects"])
+        _restore_held(store, state.get("held", []))
     else:
         index_from, action_from, known_seqs = mlog.start, 0, {}
 
@@ -148,6 +153,25 @@ def recover(store: BrokerStore) -> RecoveryReport:
         len(store.progress.groups),
         round(time.monotonic() - t0, 3),
     )
+
+
+def _restore_held(store: BrokerStore, rows: list[list[int]]) -> None:
+    """The held records the checkpoint names (not yet released when it was taken)."""
+    from qmq.store.broker_store import dedup_key
+
+    mlog = store.mlog
+    for due_ms, offset, size in rows:
+        header = None
+        if mlog.start <= offset and offset + size <= mlog.end:
+            chunks: list[bytes] = []
+            store.read_into(offset, size, chunks)
+            record = b"".join(chunks)
+            header = read_record_header(record, 0)
+        if header is None or header.sequence != HELD_SEQUENCE or not record_crc_ok(record, 0, header):
+            log.error("the checkpoint names a held message at offset %d that the message log does not hold", offset)
+            continue
+        (sm,) = scan_batch(record[RECORD_HEADER_BYTES:])
+        store.held.add(Held(due_ms, offset, size, dedup_key(sm)))
 
 
 def _cut_dangling_entries(st: SubjectState, log_end: int) -> None:

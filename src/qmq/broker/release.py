@@ -1,0 +1,81 @@
+"""The master's release timer for held messages (qmq.store.held): at each due time, append the
+copies of what is due to their subjects and wake the pulls waiting on them.
+
+The timer sleeps on the event loop's clock for the time the wall clock says is left and
+re-reads the wall clock when it wakes, so nothing is released before it is due. Only a master
+releases: a slave's held records are released by the copies its master sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from qmq.common.errors import QmqError
+
+if TYPE_CHECKING:
+    from qmq.broker.server import BrokerServer
+
+log = logging.getLogger(__name__)
+
+
+class Release:
+    def __init__(self, broker: BrokerServer) -> None:
+        self.broker = broker
+        self._handle: asyncio.Handle | None = None
+        self._at_ms: int | None = None  # the due time the timer is set for
+        self.released_total = 0
+
+    def schedule(self) -> None:
+        """Set the timer for the earliest held message (after a send held some, or on promotion)."""
+        broker = self.broker
+        if broker.role != "master" or broker.stopping:
+            return
+        due = broker.store.held.next_due_ms()
+        if due is None or (self._at_ms is not None and self._at_ms <= due):
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._at_ms = due
+        wait_ms = max(0, due - broker.clock.now_ms())
+        self._handle = asyncio.get_running_loop().call_later(wait_ms / 1000, self._fire)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = None
+        self._at_ms = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._at_ms = None
+        broker = self.broker
+        if broker.role != "master" or broker.stopping or broker.flusher.failed is not None:
+            return  # held records stay on disk; the next master, or this one restarted, releases them
+        store = broker.store
+        now = broker.clock.now_ms()  # re-read: the loop's timers round
+        try:
+            released = store.release_due(now)
+        except QmqError as exc:
+            log.critical("held messages could not be released (%s); they stay held until a restart", exc)
+            return
+        if released is not None:
+            result, visible = released
+            self.released_total += result.stored
+            if result.per_subject:
+                broker.metrics.stored(result.per_subject)
+                if visible:
+                    broker.parked.notify(set(result.per_subject))
+                else:  # a held record still waits for its fsync: the copies become visible with it
+                    broker.flusher.after_write(store.mlog.end, _ignore)
+        due = store.held.next_due_ms()
+        if due is not None and due <= now:
+            # more are due: released on the next loop turn, after the sends and pulls waiting
+            self._at_ms = due
+            self._handle = asyncio.get_running_loop().call_soon(self._fire)
+        else:
+            self.schedule()
+
+def _ignore(_error: str | None) -> None:
+    pass
