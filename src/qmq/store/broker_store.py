@@ -356,9 +356,15 @@ class BrokerStore:
         messages: list[bytes] = []
         for h in due:
             chunks: list[bytes] = []
-            self.read_into(h.offset, h.size, chunks)
-            record = b"".join(chunks)
-            messages.append(record[RECORD_HEADER_BYTES:])
+            try:
+                self.read_into(h.offset, h.size, chunks)
+            except StoreError:
+                # only if the broker was down past the retention and its segment was deleted
+                log.error("held message at offset %d is no longer in the message log; it is dropped", h.offset)
+                continue
+            messages.append(b"".join(chunks)[RECORD_HEADER_BYTES:])
+        if not messages:
+            return None
         durable = not self.sync_policy or max(h.offset + h.size for h in due) <= self._flushed_offset
         body = b"".join(messages)
         result = self.append(body, scan_batch(body, self.limits), dedup_check=False, now_ms=now_ms, visible_now=durable)
