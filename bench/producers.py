@@ -120,6 +120,23 @@ async def produce_paced(
     }
 
 
+WARM_UP_DELAY_S = 3600.0
+WARM_UP_BATCHES = 5
+WARM_UP_SEQ_BASE = 1 << 40
+
+
+async def warm_up_delayed(adapter: Adapter, subject: str, batch: int, deadline: float) -> None:
+    """A few batches of delayed sends due an hour from now (past the end of the cell, never
+    received), before the cell starts; their sequence numbers are past any the cell uses."""
+    if await adapter.delay_unsupported() is not None:
+        return
+    due_s = time.time() + WARM_UP_DELAY_S
+    for k in range(WARM_UP_BATCHES):
+        _check_deadline(deadline, "delayed producer's warm-up", k * batch)
+        items = [(make_body(WARM_UP_SEQ_BASE + k * batch + i, int(due_s * 1e9), 0), due_s) for i in range(batch)]
+        await (await adapter.send_delayed_batch(subject, items))
+
+
 async def produce_delayed(
     adapter: Adapter, subject: str, n: int, first_due_epoch_s: float | None, spread_s: float, batch: int,
     window_limit: int, deadline: float,

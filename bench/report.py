@@ -217,8 +217,9 @@ def delay_lines(doc: dict[str, Any]) -> list[str]:
              f"{s['delay_poll_interval_ms']:.0f} ms in the consumer process moves due members to a ready stream. "
              "Lateness = receipt − due (wall clock); early = received before due; *due before sent*: messages whose "
              "due time had passed when the producer got to them, sent due at once (the producer schedules in "
-             "random order from t = 0). RSS per pending = RSS growth, while the messages were scheduled, of the "
-             "process holding them (qmq's delay server; all of Redis) ÷ messages not yet due when scheduling ended.")
+             "random order from t = 0). RSS per pending = RSS growth, while the messages were scheduled (after "
+             "a warm-up of 500 sends due an hour later, not per message), of the process holding them "
+             "(qmq's delay server; all of Redis) ÷ messages not yet due when scheduling ended.")
     rows4, rows5 = [], []
     for name, entry in doc["systems"].items():
         late: Callable[[str], Getter] = lambda key: (lambda r: dig(r, "lateness_ms", key))  # noqa: E731

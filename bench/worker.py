@@ -19,7 +19,7 @@ from typing import Any
 from bench.adapters import make_adapter
 from bench.adapters.base import Adapter
 from bench.consumers import consume
-from bench.producers import produce_bulk, produce_delayed, produce_paced
+from bench.producers import produce_bulk, produce_delayed, produce_paced, warm_up_delayed
 from bench.settings import Settings
 from bench.tally import Tally
 
@@ -96,6 +96,10 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
         return {"filled": filled}
     if role == "producer":
         await adapter.prepare_producer()
+        if spec["kind"] == "delayed" and not spec.get("first_due_epoch_s"):
+            # W4 measures the server's memory per pending message from here: connections,
+            # buffers and code paths a first delayed send sets up are not per message.
+            await warm_up_delayed(adapter, subjects[0], settings.batch_messages, deadline)
         print("READY", flush=True)
         if spec.get("wait_go"):
             await wait_go(spec.get("go_wait_s", GO_WAIT_S))

@@ -9,6 +9,7 @@ a torn tail found by recovery.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,8 @@ class SegmentedLog:
         self.segments: list[Segment] = []
         # fds of segments rolled or deleted while a flush may still need them: closed by the flusher
         self.retired_fds: list[int] = []
+        # a segment was created since the last flush: its directory entry is fsynced by the next one
+        self._dir_unsynced = False
         for path in sorted(directory.glob(f"*{suffix}")):
             stem = path.name[: -len(suffix)]
             if len(stem) != 20 or not stem.isdigit():
@@ -70,7 +73,10 @@ class SegmentedLog:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
         seg = Segment(base, path, fd, 0)
         self.segments.append(seg)
-        fsync_dir(self.directory)
+        # Not fsynced here, on the caller's thread: under a heavy write load a directory fsync
+        # commits the file system's journal, hundreds of milliseconds. What is written to the
+        # new segment is acknowledged only after a flush, which fsyncs the directory first.
+        self._dir_unsynced = True
         return seg
 
     def roll_if_needed(self, incoming_bytes: int) -> None:
@@ -157,8 +163,12 @@ class SegmentedLog:
         return gone
 
     def sync_fds(self) -> list[int]:
-        """fds a flush must fsync: the active segment plus any rolled since the last flush."""
+        """fds a flush must fsync: the directory if a segment was created since the last flush,
+        any segment rolled since, and the active one."""
         fds, self.retired_fds = self.retired_fds, []
+        if self._dir_unsynced:
+            self._dir_unsynced = False
+            fds.insert(0, os.open(self.directory, os.O_RDONLY))
         fds.append(os.dup(self.active.fd))
         return fds
 
@@ -183,7 +193,10 @@ class FlushTicket:
     def run(self) -> None:
         try:
             for fd in self.fds:
-                os.fdatasync(fd)
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    os.fsync(fd)  # a new entry: fdatasync need not commit it
+                else:
+                    os.fdatasync(fd)
         finally:
             for fd in self.fds:
                 os.close(fd)

@@ -1,0 +1,38 @@
+"""Segmented logs: a new segment's directory entry is made durable by the next flush, on the
+flusher's thread, never by the append that rolled the log."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from qmq.store.segments import FlushTicket, SegmentedLog
+
+
+def kinds(fds: list[int]) -> list[str]:
+    return ["dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file" for fd in fds]
+
+
+def test_a_roll_leaves_the_directory_fsync_to_the_next_flush(tmp_path: Path) -> None:
+    log = SegmentedLog(tmp_path / "log", ".log", segment_bytes=100)
+    first = log.sync_fds()
+    assert kinds(first) == ["dir", "file"]  # the first segment was created too
+    FlushTicket(first, log.end).run()
+    log.append(b"a" * 80)
+    steady = log.sync_fds()
+    assert kinds(steady) == ["file"]
+    FlushTicket(steady, log.end).run()
+    log.append(b"b" * 80)  # does not fit: a new segment
+    assert len(log.segments) == 2
+    rolled = log.sync_fds()
+    assert kinds(rolled) == ["dir", "file", "file"]  # the directory, the rolled segment, the active one
+    FlushTicket(rolled, log.end).run()
+    for fd in rolled:
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        raise AssertionError(f"fd {fd} was left open by the flush")
+    assert kinds(log.sync_fds()) == ["file"]
+    log.close()
