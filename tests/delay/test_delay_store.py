@@ -24,6 +24,7 @@ def test_a_message_goes_to_the_bucket_of_its_due_time(tmp_path: Path) -> None:
     result = append(store, [("s", "a", T0_MS + 30_000), ("s", "b", T0_MS + 90_000), ("s", "c", T0_MS + 10 * MINUTE)])
     assert result.errors == []
     assert result.stored == 3
+    store.flush_deferred()  # the 10-minute bucket's message waited to be sorted in with others
     assert store.starts == [T0_MS, T0_MS + MINUTE, T0_MS + 10 * MINUTE]
     assert [store.buckets[s].count for s in store.starts] == [1, 1, 1]
     assert store.pending_total == 3
@@ -182,6 +183,7 @@ def test_a_batch_spread_over_many_buckets_keeps_log_order_in_each(tmp_path: Path
     messages = [("s", f"m{i}", T0_MS + (i % 50) * MINUTE + i) for i in range(100)]
     messages += [("s", f"n{i}", T0_MS + 7 * MINUTE + 500 + i) for i in range(40)]
     append(store, messages)
+    store.flush_deferred()
     assert len(store.starts) == 50
     assert store.pending_total == 140
     b7 = store.buckets[T0_MS + 7 * MINUTE]
@@ -201,4 +203,56 @@ def test_a_batch_spread_over_many_buckets_keeps_log_order_in_each(tmp_path: Path
         T0_MS + 7 * MINUTE + 7,
         T0_MS + 7 * MINUTE + 57,
     ]
+    store.close()
+
+
+def test_messages_of_far_buckets_wait_and_are_sorted_in_by_the_flush_in_log_order(tmp_path: Path) -> None:
+    """A backlog spread over weeks gives each bucket a message or two per batch: those of
+    buckets that cannot be loaded before the next flush wait, and the flush adds them per
+    bucket in one run, in the order of the write-ahead log; near buckets take theirs at once."""
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)  # preload 5 s, checkpoints every 10 s: far is > 75 s ahead
+    far_a, far_b = T0_MS + 30 * MINUTE, T0_MS + 90 * MINUTE
+    append(store, [("s", "near-1", T0_MS + 1_000), ("s", "a1", far_a + 5), ("s", "b1", far_b + 1)])
+    clock.advance(3)
+    append(store, [("s", "a2", far_a + 1), ("s", "near-2", T0_MS + 2_000), ("s", "b2", far_b + 9)])
+    assert store.starts == [T0_MS]  # only the near bucket so far
+    assert store.buckets[T0_MS].count == 2
+    assert store.pending_total == 6
+    wal_end = store.wal.end
+    store.flush_buffers()
+    assert store.starts == [T0_MS, far_a, far_b]
+    a, b = store.buckets[far_a], store.buckets[far_b]
+    assert a.load_index(2)["due"].tolist() == [far_a + 5, far_a + 1]  # log order, not due order
+    assert b.load_index(2)["due"].tolist() == [far_b + 1, far_b + 9]
+    assert b.wal_end == wal_end  # b2 ends the log
+    assert a.wal_end < wal_end  # a2 is followed by near-2 and b2
+    store.close()
+    # recovery from the write-ahead log alone gives the same entries
+    for d in (tmp_path / "schedule").iterdir():
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    (tmp_path / "checkpoint").unlink(missing_ok=True)
+    store = open_store(tmp_path, clock)
+    assert store.buckets[far_a].load_index(2)["due"].tolist() == [far_a + 5, far_a + 1]
+    assert store.pending_total == 6
+    store.close()
+
+
+def test_a_far_bucket_is_never_loaded_before_its_waiting_messages_are_in_it(tmp_path: Path) -> None:
+    from qmq.delay.scheduler import Scheduler
+
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    sched = Scheduler(store, 5_000)
+    far = T0_MS + 2 * MINUTE
+    append(store, [("s", "x", far + 10), ("s", "y", T0_MS + 500)])
+    assert far not in store.buckets  # waiting
+    # no checkpoint flushed it (stalled): when the bucket is about to be loaded, it is written first
+    clock.advance(2 * 60 - 4)
+    loaded = [b.start_ms for b in sched.to_load(clock.now_ms())]
+    assert far in loaded
+    sched.load(store.buckets[far])
+    assert len(sched.timer) >= 1
     store.close()

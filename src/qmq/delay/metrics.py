@@ -28,6 +28,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         sched = self.scheduler
         store = sched.store
+        store.flush_deferred()  # into their buckets' buffers: every bucket counted
         buckets = list(store.buckets.values())
         yield GaugeMetricFamily(
             "qmq_delay_pending_messages", "messages not yet handed to a broker", store.pending_total

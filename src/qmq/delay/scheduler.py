@@ -94,6 +94,9 @@ class Scheduler:
     def to_load(self, now_ms: int) -> list[Bucket]:
         """Buckets starting at or before ``now_ms + preload_ms`` that are not loaded (or loading)."""
         limit = now_ms + self.preload_ms
+        deferred_from = self.store.deferred_from_ms
+        if deferred_from is not None and deferred_from <= limit:
+            self.store.flush_deferred()  # checkpoints stalled: messages of buckets coming due wait
         out = []
         for b in self.store.iter_buckets():
             if b.start_ms > limit:
@@ -118,6 +121,7 @@ class Scheduler:
     def begin_load(self, b: Bucket) -> LoadJob:
         """Mark ``b`` loaded (arrivals from now on go to the timer) and capture what ``LoadJob.run``
         must read; the reading may run on a worker thread, then ``finish_load`` on the loop."""
+        self.store.flush_deferred()
         try:
             b.flush()
         except OSError as exc:
@@ -269,6 +273,7 @@ class Scheduler:
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self, buckets_max: int) -> dict[str, Any]:
+        self.store.flush_deferred()  # into their buckets' buffers: counted per bucket
         rows: list[dict[str, Any]] = []
         next_due: int | None = self.timer.next_due()
         total = 0

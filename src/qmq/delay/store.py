@@ -67,6 +67,12 @@ DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.mess
 _WRITING_BUCKETS_MAX = 2_000
 # A bucket's share of a batch this large is added with numpy; smaller shares message by message.
 _RUN_ROWS_MIN = 32
+# A batch spread over many buckets (a backlog over weeks: a message or two per bucket) would
+# be added message by message; the messages of buckets that cannot be loaded before the next
+# flush wait as they arrived instead, and the flush sorts them into their buckets in bulk.
+# "Cannot be loaded": starting later than preload_ms + checkpoint_interval_ms + this margin
+# after the first of them arrived (every checkpoint flushes; a load flushes first anyway).
+_DEFER_MARGIN_MS = 60_000
 
 
 class StoreError(QmqError):
@@ -144,6 +150,13 @@ class DelayStore:
         soft_fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         self._writers_max = max(16, min(_WRITING_BUCKETS_MAX, (soft_fds - config.connections_max) // 8))
         self.created_bucket = False  # set when a bucket is created; the server clears it
+        # messages of far buckets waiting for the next flush (replay): (records, base of the records
+        # in the log, dues, sizes, ends within records, bucket starts), in log order
+        self._deferred: list[tuple[memoryview, int, Any, Any, Any, Any]] = []
+        # buckets starting after this wait while anything is deferred (fixed until the flush, so
+        # no bucket takes some messages at once and earlier ones later)
+        self.deferred_from_ms: int | None = None
+        self._defer_margin_ms = config.preload_ms + config.checkpoint_interval_ms + _DEFER_MARGIN_MS
         # files of buckets written sync_bytes past their last fsync: the server fsyncs them in
         # the background (take_sync_due), so a checkpoint never meets a burst's worth at once
         self._sync_due: dict[Path, None] = {}
@@ -291,21 +304,54 @@ class DelayStore:
         starts = due_or_stored - due_or_stored % self.bucket_ms
         first = int(starts[0])
         view = memoryview(records)
+        self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
+        self.pending_total += n
         if n == 1 or bool((starts == first).all()):
             # the common case (a batch due within one bucket): one run, numpy all the way
             b = self.bucket(first)
             entry, offsets = b.add_run(view, dues, sizes, base + int(ends[-1]))
-            self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
-            if b.loaded:
-                rows = _rows(first, entry, dues, offsets, sizes)
-                self._write_through(b)
-            else:
-                rows = np.empty(0, dtype=ROW)
-        else:
-            self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
-            rows = self._replay_spread(view, dues, sizes, ends, starts, base)
-        self.pending_total += n
-        return rows
+            if not b.loaded:
+                return np.empty(0, dtype=ROW)
+            rows = _rows(first, entry, dues, offsets, sizes)
+            self._write_through(b)
+            return rows
+        if self.deferred_from_ms is None:
+            self.deferred_from_ms = self.clock.now_ms() + self._defer_margin_ms
+        far = starts > self.deferred_from_ms
+        if far.any():
+            self._deferred.append((view, base, dues[far], sizes[far], ends[far], starts[far]))
+            if far.all():
+                return np.empty(0, dtype=ROW)
+            near = ~far
+            dues, sizes, ends, starts = dues[near], sizes[near], ends[near], starts[near]
+        return self._replay_spread(view, dues, sizes, ends, starts, base)
+
+    def flush_deferred(self) -> None:
+        """Sort the deferred messages into their buckets' buffers: per bucket one run, in log order."""
+        deferred, self._deferred = self._deferred, []
+        self.deferred_from_ms = None
+        if not deferred:
+            return
+        views = [d[0] for d in deferred]
+        offsets = np.cumsum([0] + [len(v) for v in views[:-1]])
+        buf = memoryview(b"".join(views))
+        # each message: where it ends in buf and in the log; sorted by bucket, log order kept
+        ends = np.concatenate([d[4] + off for d, off in zip(deferred, offsets.tolist(), strict=True)])
+        log_ends = np.concatenate([d[4] + d[1] for d in deferred])
+        dues = np.concatenate([d[2] for d in deferred])
+        sizes = np.concatenate([d[3] for d in deferred])
+        starts = np.concatenate([d[5] for d in deferred])
+        order = np.argsort(starts, kind="stable")
+        ends, log_ends, dues, sizes, starts = ends[order], log_ends[order], dues[order], sizes[order], starts[order]
+        unique, first, counts = np.unique(starts, return_index=True, return_counts=True)
+        ends_l, sizes_l = ends.tolist(), sizes.tolist()
+        for start, i, k in zip(unique.tolist(), first.tolist(), counts.tolist(), strict=True):
+            j = i + k
+            run = b"".join([buf[e - z : e] for e, z in zip(ends_l[i:j], sizes_l[i:j], strict=True)])
+            b = self.bucket(start)
+            if b.loaded:  # never: a bucket is loaded only after a flush (the scheduler's begin_load)
+                raise StoreError(f"time bucket {start} was loaded while messages for it waited to be written")
+            b.add_run(run, dues[i:j], sizes[i:j], int(log_ends[j - 1]))
 
     def _write_through(self, b: Bucket) -> None:
         """A loaded bucket's messages are read as soon as they are due: write them at once
@@ -375,6 +421,7 @@ class DelayStore:
 
     def flush_buffers(self) -> int:
         """Write every bucket's buffer to its schedule log; returns bytes written."""
+        self.flush_deferred()
         written = 0
         if self.buffered_bytes:
             writers = self._writers
