@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -77,6 +78,9 @@ class BrokerServer:
         self._registration: Registration | None = None
         self._timers: list[asyncio.Task[None]] = []
         self._checkpointing: asyncio.Lock | None = None
+        # A checkpoint fsyncs every consume log written since the last one: on the group commit's
+        # thread, sends waiting for their fsync would wait behind it.
+        self._checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-checkpoint")
 
     @property
     def address(self) -> str:
@@ -264,7 +268,7 @@ class BrokerServer:
             state = store.checkpoint_state()
             ticket = store.begin_flush(consume_logs=True)
             await asyncio.get_running_loop().run_in_executor(
-                self.flusher.executor, store.write_checkpoint, ticket, state
+                self._checkpoint_executor, store.write_checkpoint, ticket, state
             )
             store.after_checkpoint(state)
 
@@ -327,6 +331,7 @@ class BrokerServer:
         if self._http is not None:
             await self._http.cleanup()
         await self.flusher.stop()
+        self._checkpoint_executor.shutdown(wait=True)
         self.store.close()
 
 
