@@ -34,3 +34,10 @@ def distribution_ms(values_ns: list[int]) -> dict[str, Any]:
         "max": ms(ordered[-1]),
         "mean": ms(round(sum(ordered) / len(ordered))),
     }
+
+
+def histogram_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """What a server's cumulative histogram (bound → count) counted between two scrapes."""
+    if before is None or after is None:
+        return None
+    return {bound: count - before.get(bound, 0) for bound, count in after.items()}

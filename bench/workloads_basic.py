@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.cell import Cell, require_ok
+from bench.stats import histogram_delta
 
 # Slowest rate we still wait for, to turn a message count into a worker time limit.
 SLOWEST_MSGS_PER_S = 2_000
@@ -61,14 +62,18 @@ def w3_latency(cell: Cell, family: str) -> dict[str, Any]:
         raise
     monitor = cell.monitor()
     monitor.start()
+    fsyncs_before = cell.server.fsync_seconds_counts()
     producer.go()
     produced = producer.result(limit_s + 10.0)
     consumed = consumer.result(limit_s + 20.0)
     server = monitor.stop(n)
     require_ok(produced, "producer")
     require_ok(consumed, "consumer")
+    fsyncs_after = cell.server.fsync_seconds_counts()
     return {
         "ok": consumed.get("missing", 0) == 0,
+        # the server's fsyncs during the cell by duration (its own histogram; qmq only)
+        "server_fsync_le_s": histogram_delta(fsyncs_before, fsyncs_after),
         "achieved_rate_per_s": produced.get("achieved_rate_per_s"),
         "max_producer_lag_ms": produced.get("max_producer_lag_ms"),
         "latency_ms": consumed.get("latency_ms"),

@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.cell import Cell, require_ok
 from bench.monitor import ServerMonitor, total_rss_kib
+from bench.stats import histogram_delta
 from bench.workers import WorkerProcess
 
 SLOWEST_SCHEDULE_MSGS_PER_S = 2_000
@@ -29,14 +30,6 @@ def _start_pair(
         consumer.kill()
         raise
     return producer, consumer
-
-
-def _fire_lateness(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
-    """Of the messages the server handed on during the cell, how many within each bound (ms,
-    cumulative): the server's own share of the lateness, apart from the broker and the client."""
-    if before is None or after is None:
-        return None
-    return {bound: count - before.get(bound, 0) for bound, count in after.items()}
 
 
 def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
@@ -63,7 +56,9 @@ def w4_delay(cell: Cell, family: str) -> dict[str, Any]:
         consumer.kill()
         return {"skipped": produced["skipped"]}
     require_ok(consumed, "consumer")
-    fired = _fire_lateness(fired_before, cell.server.delay_lateness_counts())
+    # of the messages the server handed on during the cell, how many within each bound (ms,
+    # cumulative): the server's own share of the lateness, apart from the broker and the client
+    fired = histogram_delta(fired_before, cell.server.delay_lateness_counts())
     # Messages already due when scheduling ended were (mostly) delivered, not held.
     held_fraction = max(0.0, 1.0 - produced["schedule_seconds"] / s.w4_spread_s)
     pending = round(n * held_fraction)

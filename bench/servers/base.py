@@ -56,6 +56,11 @@ class ServerProcess:
         cumulative histogram, bucket bound in ms → count), or None where it keeps none."""
         return None
 
+    def fsync_seconds_counts(self) -> dict[str, int] | None:
+        """The server's own count of fsyncs by how long they took (cumulative histogram,
+        bound in seconds → count), or None where it keeps none."""
+        return None
+
     def delay_holder_pids(self) -> list[int]:
         """The processes that hold pending delayed messages (W4's RSS per pending): the whole
         server unless a system keeps them in a process of their own."""

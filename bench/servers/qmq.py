@@ -118,6 +118,8 @@ class QmqServer(ServerProcess):
         self.delay_pid = int(delay_pid.group(1)) if delay_pid else None
         delay_http = re.search(r"delay_http=(http://\S+)", line)
         self.delay_http = delay_http.group(1) if delay_http else ""
+        broker_http = re.search(r"broker_http=(http://\S+)", line)
+        self.broker_http = broker_http.group(1) if broker_http else ""
         assert self.proc is not None
         assert self.proc.stdout is not None
         stdout = self.proc.stdout
@@ -134,12 +136,11 @@ class QmqServer(ServerProcess):
 
     def delay_lateness_counts(self) -> dict[str, int] | None:
         """The delay server's ``qmq_delay_fire_lateness_ms`` histogram (hand-over − due)."""
-        if not self.delay_http:
-            return None
-        with urllib.request.urlopen(f"{self.delay_http}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        found = re.findall(r'^qmq_delay_fire_lateness_ms_bucket\{le="([^"]+)"\} (\S+)$', text, re.MULTILINE)
-        return {bound: int(float(count)) for bound, count in found}
+        return _histogram(self.delay_http, "qmq_delay_fire_lateness_ms")
+
+    def fsync_seconds_counts(self) -> dict[str, int] | None:
+        """The broker's ``qmq_store_flush_seconds`` histogram (one fdatasync of its logs)."""
+        return _histogram(self.broker_http, "qmq_store_flush_seconds")
 
     def _wait_ready_line(self) -> str:
         assert self.proc is not None
@@ -187,3 +188,13 @@ class QmqServer(ServerProcess):
     def stop(self) -> None:
         super().stop()
         self.named_pids = []
+
+
+def _histogram(http: str, name: str) -> dict[str, int] | None:
+    """A cumulative histogram from a role's /metrics: bucket bound → count."""
+    if not http:
+        return None
+    with urllib.request.urlopen(f"{http}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    found = re.findall(rf'^{name}_bucket\{{le="([^"]+)"\}} (\S+)$', text, re.MULTILINE)
+    return {bound: int(float(count)) for bound, count in found}
