@@ -210,6 +210,24 @@ async def test_finished_buckets_are_deleted(standalone: ReadyProcess, subject: s
     await wait_until("deletion of finished buckets", nothing_pending, timeout_s=10)
 
 
+async def test_a_batch_spread_over_far_buckets_is_counted_in_each(standalone: ReadyProcess, subject: str) -> None:
+    """Sends due minutes ahead in many buckets wait to be sorted into them in bulk (the delay
+    store's flush_deferred); the stats show each in its own bucket at once."""
+    url = standalone.meta_server
+    async with Producer(app_code="t", meta_server=url) as producer:
+        messages = []
+        for i in range(20):  # sent without waiting: the producer batches them into one frame
+            m = producer.generate_message(subject)
+            m.set_delay(timedelta(minutes=30 + i))
+            messages.append(m)
+        await asyncio.gather(*[producer.send_nowait(m) for m in messages])
+    stats = (await request(delay_group(url)["address"], RequestCode.DELAY_STATS, {"buckets_max": 500})).header
+    for m in messages:
+        (bucket,) = [b for b in stats["buckets"] if b["start_ms"] <= m.deliver_at_ms < b["start_ms"] + BUCKET_MS]
+        assert bucket["pending"] == 1
+        assert bucket["next_due_ms"] == m.deliver_at_ms
+
+
 async def test_delay_stats_answers_per_bucket(standalone: ReadyProcess, subject: str) -> None:
     url = standalone.meta_server
     async with Producer(app_code="t", meta_server=url) as producer:

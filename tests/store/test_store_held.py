@@ -18,7 +18,7 @@ from qmq.protocol.codes import Status
 from qmq.protocol.message import decode_message, encode_message
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
 from qmq.store.broker_store import BrokerStore
-from qmq.store.held import HELD_SEQUENCE
+from qmq.store.held import HELD_SEQUENCE, release_due
 
 SUBJECT = "order.due"
 
@@ -58,10 +58,10 @@ def test_a_held_message_is_pulled_only_once_copied_when_due(
     assert store.held.next_due_ms() == clock.now_ms() + 40
     assert pulled_ids(store) == ["now"]
     clock.advance(0.039)
-    assert store.release_due(clock.now_ms()) is None
+    assert release_due(store, clock.now_ms()) is None
     assert pulled_ids(store) == []
     clock.advance(0.001)
-    released = store.release_due(clock.now_ms())
+    released = release_due(store, clock.now_ms())
     assert released is not None
     copies, visible = released
     assert (copies.stored, copies.per_subject, visible) == (
@@ -82,11 +82,11 @@ def test_under_the_sync_policy_a_copy_is_visible_at_once_only_if_its_held_record
     flush(store)  # the send's group commit, before its answer
     append(store, due_batch(clock, ("b", 20)))  # its fsync still to come when it falls due
     clock.advance(0.010)
-    _copies, visible = store.release_due(clock.now_ms())  # type: ignore[misc]
+    _copies, visible = release_due(store, clock.now_ms())  # type: ignore[misc]
     assert visible
     assert pulled_ids(store) == ["a"]
     clock.advance(0.010)
-    _copies, visible = store.release_due(clock.now_ms())  # type: ignore[misc]
+    _copies, visible = release_due(store, clock.now_ms())  # type: ignore[misc]
     assert not visible
     assert pulled_ids(store) == []
     assert flush(store) == {SUBJECT}
@@ -101,7 +101,7 @@ def test_a_copy_waits_behind_an_earlier_message_of_its_subject_that_waits_for_fs
     flush(store)
     append(store, due_batch(clock, ("realtime", 0)))  # not fsynced yet
     clock.advance(0.005)
-    _copies, visible = store.release_due(clock.now_ms())  # type: ignore[misc]
+    _copies, visible = release_due(store, clock.now_ms())  # type: ignore[misc]
     assert visible  # its own record is durable ...
     assert pulled_ids(store) == []  # ... but the subject's earlier message is not: order is kept
     flush(store)
@@ -114,7 +114,7 @@ def test_the_same_message_held_twice_is_a_duplicate(open_store: Callable[..., Br
     again = append(store, due_batch(clock, ("once", 30)))  # a delay server's repeated hand-over
     assert (again.stored, again.duplicates) == (0, 1)
     clock.advance(0.03)
-    store.release_due(clock.now_ms())
+    release_due(store, clock.now_ms())
     assert pulled_ids(store) == ["once"]
 
 
@@ -147,7 +147,7 @@ def test_held_messages_survive_a_restart_and_are_released_once(
         store.write_checkpoint(store.begin_flush(consume_logs=True), state)
         assert [row[0] for row in state["held"]] == [clock.now_ms() + 10, clock.now_ms() + 50]
     clock.advance(0.01)
-    store.release_due(clock.now_ms())
+    release_due(store, clock.now_ms())
     assert pulled_ids(store) == ["released"]
     store.close()  # as after kill -9: everything written reached the OS
 
@@ -155,7 +155,7 @@ def test_held_messages_survive_a_restart_and_are_released_once(
     assert len(store.held) == 1
     assert store.held.next_due_ms() == clock.now_ms() + 40
     clock.advance(0.04)
-    store.release_due(clock.now_ms())
+    release_due(store, clock.now_ms())
     assert pulled_ids(store, group="after") == ["released", "pending"]
     store.close()
 
@@ -170,14 +170,48 @@ def test_a_slave_holds_what_its_master_holds_until_the_copy_arrives(tmp_path: Pa
     catch_up(master, slave)
     assert len(slave.held) == 2
     clock.advance(0.02)
-    master.release_due(clock.now_ms())
+    release_due(master, clock.now_ms())
     catch_up(master, slave)
     assert len(slave.held) == 1
     assert slave.held.next_due_ms() == clock.now_ms() + 10
     assert slave.subjects[SUBJECT].visible_seq == 1
     # promoted, the slave releases what its master had not
     clock.advance(0.01)
-    slave.release_due(clock.now_ms())
+    release_due(slave, clock.now_ms())
     assert pulled_ids(slave) == ["h1", "h2"]
     master.close()
     slave.close()
+
+
+def test_held_records_of_one_send_are_released_in_due_order(
+    open_store: Callable[..., BrokerStore], clock: ManualClock
+) -> None:
+    store = open_store(flush="periodic")
+    append(store, due_batch(clock, *[(f"m{i}", 50 - i * 10) for i in range(5)]))  # due 50, 40, .. 10 ms
+    clock.advance(0.05)
+    released = release_due(store, clock.now_ms())
+    assert released is not None
+    assert released[0].stored == 5
+    assert pulled_ids(store) == ["m4", "m3", "m2", "m1", "m0"]
+
+
+def test_a_held_record_whose_segment_is_gone_is_dropped_and_the_rest_released(
+    open_store: Callable[..., BrokerStore], clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = open_store(flush="periodic", segment_bytes=64 * 1024)
+    append(store, due_batch(clock, ("lost", 20)))
+    for k in range(1500):  # fill the first segment and roll to more
+        append(store, due_batch(clock, (f"filler-{k}", 0)))
+    append(store, due_batch(clock, ("kept", 20)))
+    assert len(store.mlog.segments.segments) > 1
+    store.mlog.segments.delete_before(store.mlog.segments.segments[1].base)  # as retention after a long stop
+    clock.advance(0.02)
+    released = release_due(store, clock.now_ms())
+    assert released is not None
+    assert released[0].stored == 1
+    last = store.subjects[SUBJECT].next_seq - 1
+    _first, _count, chunks = store.read_range(SUBJECT, last, 1)
+    record = b"".join(chunks)
+    assert decode_message(record[RECORD_HEADER_BYTES:]).message_id == "kept"
+    assert len(store.held) == 0
+    assert "is no longer in the message log; it is dropped" in caplog.text

@@ -11,6 +11,7 @@ from test_store_send_pull import records
 
 from conftest import append, batch, flush
 from qmq.store.broker_store import BrokerStore, StoreError
+from qmq.store.retention import run_retention
 
 
 def checkpoint(store: BrokerStore) -> None:
@@ -130,7 +131,7 @@ def test_retention_deletes_old_segments_and_pulls_skip_them(open_store: Callable
     old = store.clock.now_ms() / 1000 - 7200
     for seg in segs[:2]:
         os.utime(seg.path, (old, old))
-    assert store.run_retention() == 2
+    assert run_retention(store) == 2
     got = store.pull(gp, gp.consumer("c"), "x", 10_000)
     assert got is not None
     seqs = [s for s, _i in records(got)]

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from qmq.common.errors import QmqError
+from qmq.store.held import release_due
 
 if TYPE_CHECKING:
     from qmq.broker.server import BrokerServer
@@ -56,7 +57,7 @@ class Release:
         store = broker.store
         now = broker.clock.now_ms()  # re-read: the loop's timers round
         try:
-            released = store.release_due(now)
+            released = release_due(store, now)
         except QmqError as exc:
             log.critical("held messages could not be released (%s); they stay held until a restart", exc)
             return
@@ -76,6 +77,7 @@ class Release:
             self._handle = asyncio.get_running_loop().call_soon(self._fire)
         else:
             self.schedule()
+
 
 def _ignore(_error: str | None) -> None:
     pass

@@ -36,6 +36,7 @@ from qmq.serving.runner import StartupError, listen_error, run_server, serve_htt
 from qmq.store.broker_store import BrokerStore, StoreError
 from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.replica import rewind
+from qmq.store.retention import run_retention
 from qmq.store.segments import FlushTicket, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ class BrokerServer:
             store.after_checkpoint(state)
 
     async def _retention(self) -> None:
-        self.store.run_retention()
+        run_retention(self.store)
 
     async def _expire_silent(self) -> None:
         if expire_silent_consumers(self.store, self.clock.now_ms(), self.config.consumer_offline_ms):

@@ -31,13 +31,13 @@ from qmq.common.errors import InvalidSubjectError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, HOLD_MS_MAX, Limits
 from qmq.common.naming import DEAD_PREFIX, check_subject, parse_internal_subject, subject_file_name
 from qmq.protocol.codes import Status
-from qmq.protocol.message import ScannedMessage, scan_batch
+from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import action_log as act
 from qmq.store.action_log import ActionLog
 from qmq.store.checkpoint import history as checkpoint_history
 from qmq.store.checkpoint import read_checkpoint, write_checkpoint
-from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ConsumeLog, tag_bloom
+from qmq.store.consume_log import ENTRY, ConsumeLog, tag_bloom
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.held import HELD_SEQUENCE, Held, HeldMessages
@@ -52,8 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Copies of held records appended with one write (more wait for the next release).
-_RELEASE_BATCH_MAX = 2_000
 _MARKS_MAX = 1000
 _CHECKPOINTS_KEPT = 4
 _DEAD_RAW = DEAD_PREFIX.encode()
@@ -133,7 +131,7 @@ class BrokerStore:
         self._unflushed: deque[tuple[int, list[tuple[SubjectState, int]]]] = deque()
         self._dirty_clogs: set[SubjectState] = set()
         self.unflushed_bytes = 0
-        self._flushed_offset = 0
+        self.flushed_offset = 0  # the message log is fsynced up to here
         self.held = HeldMessages()
 
     def open(self) -> RecoveryReport:
@@ -141,7 +139,7 @@ class BrokerStore:
         from qmq.store.recovery import recover
 
         report = recover(self)
-        self._flushed_offset = self.mlog.end
+        self.flushed_offset = self.mlog.end
         return report
 
     # -- subjects ----------------------------------------------------------------------
@@ -342,37 +340,6 @@ class BrokerStore:
         self._grew()
         return AppendResult(errors, duplicates, len(accepted), total, per_subject)
 
-    # -- held messages (held.py) ---------------------------------------------------------
-
-    def release_due(self, now_ms: int, max_n: int = _RELEASE_BATCH_MAX) -> tuple[AppendResult, bool] | None:
-        """Append copies of up to ``max_n`` held records due by ``now_ms`` to their subjects.
-
-        Returns the append's result and whether the copies are visible already (every held
-        record is fsynced, or the flush policy is periodic); None when nothing is due.
-        """
-        due = self.held.take_due(now_ms, max_n)
-        if not due:
-            return None
-        messages: list[bytes] = []
-        for h in due:
-            chunks: list[bytes] = []
-            try:
-                self.read_into(h.offset, h.size, chunks)
-            except StoreError:
-                # only if the broker was down past the retention and its segment was deleted
-                log.error("held message at offset %d is no longer in the message log; it is dropped", h.offset)
-                continue
-            messages.append(b"".join(chunks)[RECORD_HEADER_BYTES:])
-        if not messages:
-            return None
-        durable = not self.sync_policy or max(h.offset + h.size for h in due) <= self._flushed_offset
-        body = b"".join(messages)
-        result = self.append(body, scan_batch(body, self.limits), dedup_check=False, now_ms=now_ms, visible_now=durable)
-        if result.errors:
-            # copies of what this broker stored itself: refused only if the limits changed since
-            log.error("held messages could not be released: %s", result.errors[:3])
-        return result, durable
-
     # -- flush -------------------------------------------------------------------------
 
     def begin_flush(self, consume_logs: bool = False) -> FlushTicket:
@@ -394,7 +361,7 @@ class BrokerStore:
     def complete_flush(self, ticket: FlushTicket) -> set[str]:
         """Make everything the ticket covered visible; returns the subjects that moved."""
         moved: set[str] = set()
-        self._flushed_offset = max(self._flushed_offset, ticket.offset)
+        self.flushed_offset = max(self.flushed_offset, ticket.offset)
         unflushed = self._unflushed
         while unflushed and unflushed[0][0] <= ticket.offset:
             _end, seqs = unflushed.popleft()
@@ -402,7 +369,7 @@ class BrokerStore:
                 if seq > st.visible_seq:
                     st.visible_seq = seq
                     moved.add(st.name)
-        self.unflushed_bytes = self.mlog.end - self._flushed_offset if unflushed else 0
+        self.unflushed_bytes = self.mlog.end - self.flushed_offset if unflushed else 0
         return moved
 
     # -- pulls and acks ----------------------------------------------------------------
@@ -562,31 +529,6 @@ class BrokerStore:
             if kept is not None:
                 oldest = min(oldest, kept["action_offset"])
         self.alog.delete_before(oldest)
-
-    def run_retention(self) -> int:
-        """Delete message-log segments older than the retention; returns segments deleted."""
-        cutoff_s = self.clock.now_ms() / 1000 - self.config.retention_hours * 3600
-        segs = self.mlog.segments.segments
-        keep_from = 0
-        for i, seg in enumerate(segs[:-1]):
-            if os.fstat(seg.fd).st_mtime < cutoff_s:
-                keep_from = i + 1
-            else:
-                break
-        if not keep_from:
-            return 0
-        offset = segs[keep_from].base
-        self.mlog.segments.delete_before(offset)
-        for st in self.subjects.values():
-            clog_segs = st.clog.segments.segments
-            for cseg in clog_segs[:-1]:
-                last = st.clog.read(cseg.end // ENTRY_BYTES - 1, 1)
-                if len(last) == ENTRY_BYTES and ENTRY.unpack(last)[0] < offset:
-                    st.clog.delete_before_seq(cseg.end // ENTRY_BYTES)
-                else:
-                    break
-        log.info("retention deleted %d message-log segment(s) before offset %d", keep_from, offset)
-        return keep_from
 
     def _grew(self) -> None:
         if self.on_grow is not None:

@@ -10,16 +10,31 @@ before it is visible: recovery (or a slave) finds held records without a copy af
 releases them again, so a crash, even a power loss, loses none (a power loss may deliver one
 twice).
 
-This module keeps the held records not yet released: a heap by due time for the master's
-release timer, and by duplicate key for recovery and slaves, which see copies as records.
+This module keeps the held records not yet released (a heap by due time for the master's
+release timer, and by duplicate key for recovery and slaves, which see copies as records),
+releases the due ones, and restores the ones a checkpoint names.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple
+import logging
+from typing import TYPE_CHECKING, NamedTuple
+
+from qmq.common.errors import QmqError
+from qmq.protocol.message import scan_batch
+from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+
+if TYPE_CHECKING:
+    from qmq.store.broker_store import AppendResult, BrokerStore
+
+log = logging.getLogger(__name__)
 
 HELD_SEQUENCE = (1 << 64) - 1
+# Copies of held records appended with one write (more wait for the next release).
+RELEASE_BATCH_MAX = 2_000
+# Adjacent held records (one send's) are read with one pread of at most this many bytes.
+_READ_BYTES_MAX = 1024 * 1024
 
 
 class Held(NamedTuple):
@@ -81,3 +96,71 @@ class HeldMessages:
         """For the checkpoint: [due_ms, offset, size] of each, in offset order (keys are hashes
         of this process: recovery computes them again from the records)."""
         return [[h.due_ms, h.offset, h.size] for h in sorted(self._live.values(), key=lambda h: h.offset)]
+
+
+def release_due(store: BrokerStore, now_ms: int, max_n: int = RELEASE_BATCH_MAX) -> tuple[AppendResult, bool] | None:
+    """Append copies of up to ``max_n`` held records due by ``now_ms`` to their subjects.
+
+    Returns the append's result and whether the copies are visible already (every held
+    record is fsynced, or the flush policy is periodic); None when nothing is due.
+    """
+    due = store.held.take_due(now_ms, max_n)
+    if not due:
+        return None
+    messages: list[bytes] = []
+    for h, record in zip(due, _read_records(store, [(h.offset, h.size) for h in due]), strict=True):
+        if record is None:
+            # only if the broker was down past the retention and its segment was deleted
+            log.error("held message at offset %d is no longer in the message log; it is dropped", h.offset)
+        else:
+            messages.append(record[RECORD_HEADER_BYTES:])
+    if not messages:
+        return None
+    durable = not store.sync_policy or max(h.offset + h.size for h in due) <= store.flushed_offset
+    body = b"".join(messages)
+    result = store.append(body, scan_batch(body, store.limits), dedup_check=False, now_ms=now_ms, visible_now=durable)
+    if result.errors:
+        # copies of what this broker stored itself: refused only if the limits changed since
+        log.error("held messages could not be released: %s", result.errors[:3])
+    return result, durable
+
+
+def restore_held(store: BrokerStore, rows: list[list[int]]) -> None:
+    """Hold again what a checkpoint names ([due_ms, offset, size], see ``HeldMessages.snapshot``)."""
+    from qmq.store.broker_store import dedup_key
+
+    for (due_ms, offset, size), record in zip(rows, _read_records(store, [(r[1], r[2]) for r in rows]), strict=True):
+        header = None if record is None else read_record_header(record, 0)
+        if record is None or header is None or header.sequence != HELD_SEQUENCE or not record_crc_ok(record, 0, header):
+            log.error("the checkpoint names a held message at offset %d that the message log does not hold", offset)
+            continue
+        (sm,) = scan_batch(record[RECORD_HEADER_BYTES:])
+        store.held.add(Held(due_ms, offset, size, dedup_key(sm)))
+
+
+def _read_records(store: BrokerStore, spans: list[tuple[int, int]]) -> list[bytes | None]:
+    """The records at (offset, size) spans, in the order given (None where the log lacks one);
+    adjacent spans are read together."""
+    out: list[bytes | None] = [None] * len(spans)
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    mlog = store.mlog
+    i = 0
+    while i < len(order):
+        start, end = spans[order[i]][0], sum(spans[order[i]])
+        j = i + 1
+        while j < len(order) and spans[order[j]][0] == end and end - start < _READ_BYTES_MAX:
+            end += spans[order[j]][1]
+            j += 1
+        if mlog.start <= start and end <= mlog.end:
+            chunks: list[bytes] = []
+            try:
+                store.read_into(start, end - start, chunks)
+            except QmqError:
+                chunks = []
+            data = b"".join(chunks)
+            if len(data) == end - start:
+                for k in order[i:j]:
+                    offset, size = spans[k]
+                    out[k] = data[offset - start : offset - start + size]
+        i = j
+    return out

@@ -17,12 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qmq.protocol.message import scan_batch
-from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
 from qmq.store import action_log as act
 from qmq.store.checkpoint import read_checkpoint
 from qmq.store.consume_log import ENTRY, ConsumeLog
-from qmq.store.held import HELD_SEQUENCE, Held
+from qmq.store.held import restore_held
 from qmq.store.indexer import RecordIndexer, UnreadableRecord
 from qmq.store.message_log import ScanResult
 from qmq.store.progress import Progress
@@ -61,7 +59,7 @@ def recover(store: BrokerStore) -> RecoveryReport:
         index_from = int(state["message_offset"])
         action_from = int(state["action_offset"])
         known_seqs: dict[str, int] = dict(state["subjects"])
-        _restore_held(store, state.get("held", []))
+        restore_held(store, state.get("held", []))
     else:
         index_from, action_from, known_seqs = mlog.start, 0, {}
 
@@ -153,25 +151,6 @@ def recover(store: BrokerStore) -> RecoveryReport:
         len(store.progress.groups),
         round(time.monotonic() - t0, 3),
     )
-
-
-def _restore_held(store: BrokerStore, rows: list[list[int]]) -> None:
-    """The held records the checkpoint names (not yet released when it was taken)."""
-    from qmq.store.broker_store import dedup_key
-
-    mlog = store.mlog
-    for due_ms, offset, size in rows:
-        header = None
-        if mlog.start <= offset and offset + size <= mlog.end:
-            chunks: list[bytes] = []
-            store.read_into(offset, size, chunks)
-            record = b"".join(chunks)
-            header = read_record_header(record, 0)
-        if header is None or header.sequence != HELD_SEQUENCE or not record_crc_ok(record, 0, header):
-            log.error("the checkpoint names a held message at offset %d that the message log does not hold", offset)
-            continue
-        (sm,) = scan_batch(record[RECORD_HEADER_BYTES:])
-        store.held.add(Held(due_ms, offset, size, dedup_key(sm)))
 
 
 def _cut_dangling_entries(st: SubjectState, log_end: int) -> None:
