@@ -161,7 +161,7 @@ class Handlers:
         if holds and len(store.held) >= self.broker.config.held_messages_max:
             text = (
                 f"the broker holds {len(store.held)} messages until they are due, its held_messages_max; "
-                "retry shortly"
+                "retry shortly, or raise held_messages_max in the [broker] config"
             )
             conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BUSY)
             return
