@@ -167,7 +167,7 @@ def test_a_torn_wal_tail_is_cut_and_its_dispatch_entries_dropped(tmp_path: Path)
 
 
 def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -> None:
-    from qmq.delay.store import StoreError
+    from qmq.store.datadir import StoreError
 
     clock = manual_clock()
     store = open_store(tmp_path, clock)

@@ -10,7 +10,8 @@ import pytest
 from test_store_send_pull import records
 
 from conftest import append, batch, flush
-from qmq.store.broker_store import BrokerStore, StoreError
+from qmq.store.broker_store import BrokerStore
+from qmq.store.datadir import StoreError
 from qmq.store.retention import run_retention
 
 

@@ -26,7 +26,8 @@ from qmq.serving.requests import (
     get_tags,
     scan_send,
 )
-from qmq.store.broker_store import AppendResult, DiskFullError, PullResult, StoreError
+from qmq.store.broker_store import AppendResult, PullResult
+from qmq.store.datadir import DiskFullError, StoreError
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
 from qmq.store.tags import TagFilter

@@ -33,7 +33,8 @@ from qmq.serving.connection import Connections, FrameConnection
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.registration import Registration, server_payload
 from qmq.serving.runner import StartupError, listen_error, run_server, serve_http
-from qmq.store.broker_store import BrokerStore, StoreError
+from qmq.store.broker_store import BrokerStore
+from qmq.store.datadir import StoreError
 from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.replica import rewind
 from qmq.store.retention import run_retention

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from qmq.delay.store import DiskFullError, StoreError
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
 from qmq.serving.disk import FreeSpace
 from qmq.serving.requests import BadRequest, scan_send
+from qmq.store.datadir import DiskFullError, StoreError
 
 if TYPE_CHECKING:
     from qmq.delay.server import DelayServer

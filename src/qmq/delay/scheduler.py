@@ -19,10 +19,11 @@ import crc32c
 import numpy as np
 
 from qmq.delay.bucket import Bucket, read_index
-from qmq.delay.store import DelayStore, StoreError
+from qmq.delay.store import DelayStore
 from qmq.delay.timer import ROW, Rows, Timer, sort_rows
 from qmq.protocol.message import HEADER_BYTES
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+from qmq.store.datadir import StoreError
 
 log = logging.getLogger(__name__)
 

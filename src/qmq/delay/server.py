@@ -29,7 +29,7 @@ from qmq.delay.dispatcher import Dispatcher
 from qmq.delay.handlers import Handlers
 from qmq.delay.metrics import CONTENT_TYPE, DelayMetrics
 from qmq.delay.scheduler import Scheduler
-from qmq.delay.store import DelayStore, StoreError
+from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
@@ -37,6 +37,7 @@ from qmq.serving.connection import Connections, FrameConnection
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.registration import Registration, server_payload
 from qmq.serving.runner import StartupError, listen_error, run_server, serve_http
+from qmq.store.datadir import StoreError
 from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)

@@ -26,10 +26,7 @@ Everything here is synchronous and runs on the server's event loop, except what
 from __future__ import annotations
 
 import bisect
-import errno
-import fcntl
 import logging
-import os
 import resource
 import struct
 from collections import OrderedDict
@@ -43,7 +40,7 @@ import numpy.typing as npt
 
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import DelayConfig
-from qmq.common.errors import InvalidSubjectError, QmqError
+from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import check_subject
 from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket, bucket_start_of, fsync_paths
@@ -52,6 +49,7 @@ from qmq.protocol.codes import Status
 from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store.checkpoint import write_checkpoint
+from qmq.store.datadir import DataDirLock, StoreError, store_error
 from qmq.store.message_log import MessageLog
 
 log = logging.getLogger(__name__)
@@ -74,13 +72,6 @@ _RUN_ROWS_MIN = 32
 # after the first of them arrived (every checkpoint flushes; a load flushes first anyway).
 _DEFER_MARGIN_MS = 60_000
 
-
-class StoreError(QmqError):
-    """The store cannot carry on (data directory in use, disk error)."""
-
-
-class DiskFullError(StoreError):
-    retriable = True
 
 
 class AppendResult(NamedTuple):
@@ -118,17 +109,7 @@ class DelayStore:
         self.horizon_ms = config.horizon_days * DAY_MS
         self.dir = Path(config.data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise StoreError(
-                f"data directory {str(self.dir)!r} is in use by another delay server; "
-                "stop it or choose another --data-dir"
-            ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        self._lock = DataDirLock(self.dir, "delay server")
         self.sync_policy = config.flush == "sync"
         self.wal = MessageLog(self.dir / "wal", config.wal_segment_bytes)
         self.schedule_dir = self.dir / "schedule"
@@ -281,7 +262,7 @@ class DelayStore:
         try:
             self.wal.append(out)
         except OSError as exc:
-            raise _store_error(exc, self.dir) from exc
+            raise store_error(exc, self.dir) from exc
         self.wal_messages = seq
         n = len(accepted)
         dues = np.fromiter([sm.deliver_at_ms for sm in accepted], dtype=np.int64, count=n)
@@ -360,7 +341,7 @@ class DelayStore:
         try:
             b.flush()
         except OSError as exc:
-            raise _store_error(exc, self.dir) from exc
+            raise store_error(exc, self.dir) from exc
         self.buffered_bytes -= held
         self._note_unsynced(b)
 
@@ -430,7 +411,7 @@ class DelayStore:
                     try:
                         written += b.flush()
                     except OSError as exc:
-                        raise _store_error(exc, self.dir) from exc
+                        raise store_error(exc, self.dir) from exc
                     self._note_unsynced(b)
                     writers[b.start_ms] = b
                     writers.move_to_end(b.start_ms)
@@ -491,7 +472,7 @@ class DelayStore:
         for b in self.buckets.values():
             b.close()
         self.wal.close()
-        os.close(self._lock_fd)
+        self._lock.release()
 
 
 def _rows(
@@ -525,8 +506,3 @@ def _iso(epoch_ms: int) -> str:
     except (OverflowError, ValueError, OSError):
         return f"{epoch_ms} ms after the epoch"
 
-
-def _store_error(exc: OSError, directory: Path) -> StoreError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError(f"the disk of {str(directory)!r} is full; free space or move the data directory")
-    return StoreError(f"writing to {str(directory)!r} failed: {exc}")

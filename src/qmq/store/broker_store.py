@@ -15,10 +15,7 @@ the flushed messages visible to consumers. Recovery lives in ``recovery.py``.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
-import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
-from qmq.common.errors import InvalidSubjectError, QmqError
+from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, HOLD_MS_MAX, Limits
 from qmq.common.naming import DEAD_PREFIX, check_subject, parse_internal_subject, subject_file_name
 from qmq.protocol.codes import Status
@@ -38,6 +35,7 @@ from qmq.store.action_log import ActionLog
 from qmq.store.checkpoint import history as checkpoint_history
 from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY, ConsumeLog, tag_bloom
+from qmq.store.datadir import DataDirLock, StoreError, store_error
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.held import HELD_SEQUENCE, Held, HeldMessages
@@ -57,13 +55,6 @@ _CHECKPOINTS_KEPT = 4
 _DEAD_RAW = DEAD_PREFIX.encode()
 _DEAD_NAMES_CACHED_MAX = 10_000
 
-
-class StoreError(QmqError):
-    """The store cannot carry on (data directory in use, disk error)."""
-
-
-class DiskFullError(StoreError):
-    retriable = True
 
 
 @dataclass(slots=True, eq=False)
@@ -97,16 +88,7 @@ class BrokerStore:
         self.limits = limits
         self.dir = Path(config.data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise StoreError(
-                f"data directory {str(self.dir)!r} is in use by another broker; stop it or choose another --data-dir"
-            ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        self._lock = DataDirLock(self.dir, "broker")
         self.sync_policy = config.flush == "sync"
         # called after anything is written to the message log or the action log (slaves wait on it)
         self.on_grow: Callable[[], None] | None = None
@@ -302,7 +284,7 @@ class BrokerStore:
             for st, seq in touched.items():
                 st.next_seq = seq
                 st.pending.clear()
-            raise _store_error(exc, self.dir) from exc
+            raise store_error(exc, self.dir) from exc
         for st in touched:
             try:
                 st.clog.append(st.pending)
@@ -316,7 +298,7 @@ class BrokerStore:
             try:
                 self.dead.append(name, letters, now)
             except OSError as exc:
-                raise _store_error(exc, self.dir) from exc
+                raise store_error(exc, self.dir) from exc
         dedup.add_many([a[3] for a in accepted], now)
         self.total_messages += len(accepted)
         for h in held:
@@ -550,7 +532,7 @@ class BrokerStore:
 
     def close(self) -> None:
         self.close_files()
-        os.close(self._lock_fd)
+        self._lock.release()
 
 
 def dedup_key(sm: ScannedMessage) -> int:
@@ -570,8 +552,3 @@ def _tag_count(tags_block: bytes) -> int:
         n += 1
     return n
 
-
-def _store_error(exc: OSError, directory: Path) -> StoreError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError(f"the disk of {str(directory)!r} is full; free space or move the data directory")
-    return StoreError(f"writing to {str(directory)!r} failed: {exc}")

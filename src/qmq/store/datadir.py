@@ -1,0 +1,56 @@
+"""What every server's store shares about its data directory: the errors a store raises, the
+lock that keeps a second server out of it, and turning an ``OSError`` into the right error.
+
+The broker's store and the delay server's store both use these, so a server's request
+handling maps one ``StoreError``/``DiskFullError`` pair to its answers (``qmq.serving``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from qmq.common.errors import QmqError
+
+LOCK_FILE = "LOCK"
+
+
+class StoreError(QmqError):
+    """The store cannot carry on (data directory in use, disk error)."""
+
+
+class DiskFullError(StoreError):
+    """No room on the data directory's disk; clears by itself once space is freed."""
+
+    retriable = True
+
+
+class DataDirLock:
+    """An exclusive ``flock`` on ``<data_dir>/LOCK`` holding the owner's pid, for the life of a store."""
+
+    def __init__(self, directory: Path, owner: str) -> None:
+        """Take the lock; ``StoreError`` naming ``owner`` (e.g. "broker") when another process holds it."""
+        self.fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise StoreError(
+                f"data directory {str(directory)!r} is in use by another {owner}; stop it or choose another --data-dir"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def store_error(exc: OSError, directory: Path) -> StoreError:
+    """``DiskFullError`` for a full disk or quota, else ``StoreError``, each naming ``directory``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"the disk of {str(directory)!r} is full; free space or move the data directory")
+    return StoreError(f"writing to {str(directory)!r} failed: {exc}")
