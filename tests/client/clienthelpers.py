@@ -57,3 +57,24 @@ async def wait_for_lag(
                 await asyncio.sleep(0.05)  # polling a condition, bounded by the deadline
     except TimeoutError:
         raise AssertionError(f"LAG {key} never became {value} within {timeout_s} s: {answer}") from None
+
+
+async def wait_for_dead_letters(
+    meta_server: str, subject: str, group: str, count: int, timeout_s: float = 20.0
+) -> list[dict[str, Any]]:
+    """Ask every broker for the dead letters of (subject, group) until ``count`` are there."""
+    from qmq.cli.admin import ask_every_broker
+
+    letters: list[dict[str, Any]] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                answers = await ask_every_broker(
+                    meta_server, RequestCode.DEAD_LETTERS, {"subject": subject, "group": group}
+                )
+                letters = [letter for h in answers.values() if isinstance(h, dict) for letter in h["letters"]]
+                if len(letters) >= count:
+                    return letters
+                await asyncio.sleep(0.05)  # polling a condition, bounded by the deadline
+    except TimeoutError:
+        raise AssertionError(f"{len(letters)} of {count} dead letters within {timeout_s} s: {letters}") from None

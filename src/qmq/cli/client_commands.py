@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qmq.cli.main import cli
-from qmq.common.errors import BrokerError, QmqError
+from qmq.common.errors import BrokerError, InvalidMessageError, QmqError
 from qmq.protocol.codes import RequestCode
 
 meta_server_option = click.option(
@@ -193,6 +193,16 @@ def consume(
                     continue
                 idle_since = time.monotonic()
                 for m in batch:
+                    problem = m.unreadable()
+                    if problem is not None:
+                        # one unreadable message must not hold up the rest: dead-letter it, go on
+                        click.echo(
+                            f"message {m.printable_id} of {m.subject} cannot be read ({problem}); "
+                            "it goes to the dead letters",
+                            err=True,
+                        )
+                        m.nack(InvalidMessageError(f"unreadable message: {problem}"))
+                        continue
                     if as_json:
                         doc: dict[str, Any] = {
                             "subject": m.subject,

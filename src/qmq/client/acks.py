@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+from qmq.common.errors import QmqError
+
 # An ACK header of this many ranges stays far below frame_header_bytes_max (~12 bytes a range).
 ACK_RANGES_PER_REQUEST_MAX = 2_000
 
@@ -60,6 +62,7 @@ class AckTracker:
         "_ranges",
         "ack_offset",
         "broker_group",
+        "closed",
         "group",
         "loop",
         "on_nack",
@@ -91,14 +94,26 @@ class AckTracker:
         self._lock = threading.Lock()
         self._offsets: list[int] = []
         self._ranges: list[Range] = []
+        self.closed = False  # the consumer closed: an ack could never reach the broker
 
     def ack(self, offset: int) -> None:
+        if self.closed:
+            raise self._closed_error()
         with self._lock:
             self._offsets.append(offset)
 
     def ack_many(self, offsets: Iterable[int]) -> None:
+        if self.closed:
+            raise self._closed_error()
         with self._lock:
             self._offsets.extend(offsets)
+
+    def _closed_error(self) -> QmqError:
+        return QmqError(
+            f"the consumer that pulled this message of {self.subject!r} (group {self.group!r}) is closed: "
+            "the acknowledgement cannot reach the broker, so the message will be delivered again; "
+            "ack before closing the consumer"
+        )
 
     @property
     def pending(self) -> bool:

@@ -37,7 +37,7 @@ from qmq.client.producer import Producer
 from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
 from qmq.client.subscription import Subscription, make_subscription
-from qmq.common.errors import ConfigError, NeedRetry, QmqError
+from qmq.common.errors import ERROR_CHARS_MAX, ConfigError, NeedRetry, QmqError, error_text, printable_text
 from qmq.common.limits import DEFAULT_LIMITS
 from qmq.common.naming import (
     DEAD_PREFIX,
@@ -46,13 +46,20 @@ from qmq.common.naming import (
     parse_internal_subject,
     retry_subject,
 )
-from qmq.protocol.message import encode_properties, with_times
+from qmq.protocol.message import (
+    TIMES_MAX,
+    PropertyValue,
+    encode_message,
+    encode_properties,
+    with_times,
+)
 
 log = logging.getLogger(__name__)
 
 _State = Literal["new", "open", "closing", "closed"]
 _PREFETCH_DEFAULT_MIN = 256
-_ERROR_CHARS_MAX = 500
+# an unreadable id made readable: each bad byte becomes 4 characters, 63 of them fit in 255 bytes
+_READABLE_ID_CHARS_MAX = 63
 ERROR_PROPERTY = "qmq.error"  # the failing handler's exception, on retried and dead messages
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -77,6 +84,28 @@ def failure_subjects(subject: str, group: str) -> tuple[str, str]:
     if kind == "retry":
         return subject, dead_subject(original, original_group)
     return subject, subject  # a dead letter read and failed again stays a dead letter
+
+
+def readable_copy(m: ReceivedBase, subject: bytes, attempt: int, reason: str) -> bytes:
+    """A dead letter for a message that cannot be read: its id made readable, its tags dropped,
+    its properties kept when they decode, the reason under ``qmq.error``, the body as it was."""
+    props: dict[str, PropertyValue]
+    try:
+        props = dict(m.properties)
+    except QmqError:
+        props = {}
+    props[ERROR_PROPERTY] = printable_text(reason[:ERROR_CHARS_MAX])
+    return encode_message(
+        subject,
+        m.printable_id[:_READABLE_ID_CHARS_MAX].encode("utf-8"),
+        b"",
+        0,
+        encode_properties(props),
+        m.body,
+        m.created_ms,
+        0,
+        attempt,
+    )
 
 
 def is_async_function(fn: object) -> bool:
@@ -411,56 +440,63 @@ class Consumer:
 
     async def _fail_message(self, m: ReceivedBase, exc: BaseException | None) -> None:
         """Re-send ``m`` to its retry subject, due after the back-off for its attempt (or to the
-        dead letters once its group's ``max_retries`` are used up), then ack it."""
+        dead letters once its group's ``max_retries`` are used up, or at once when it cannot be
+        read), then ack it."""
         producer = self._producer
         if producer is None:
             raise QmqError("the consumer is not started")
         tracker = m._tracker
         sub: Subscription = tracker.subscription or make_subscription(max_retries=self.options.max_retries)
         if sub.broadcast:
-            log.warning("broadcast message %s failed (%r); broadcast messages are not retried", m.message_id, exc)
+            log.warning("broadcast message %s failed (%r); broadcast messages are not retried", m.printable_id, exc)
             tracker.ack(m._offset)
             return
         subject, group = tracker.origin_subject, tracker.group
-        attempt = m.times
+        attempt = min(m.times, TIMES_MAX)
         retry, dead = failure_subjects(subject, group)
-        target = dead if attempt > sub.max_retries else retry
+        problem = m.unreadable()
+        target = dead if attempt > sub.max_retries or problem is not None else retry
         delay_ms = 0
         if target != dead:
             after = exc.after_ms if isinstance(exc, NeedRetry) else None
             delay_ms = sub.backoff_ms(attempt) if after is None else after
-        props = dict(m.properties)
-        if exc is not None:
-            props[ERROR_PROPERTY] = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS_MAX]
-        props_raw = encode_properties(props)
         target_raw = subject_bytes(target)
-        due_ms = time.time_ns() // 1_000_000 + delay_ms if delay_ms else 0
-        encoded = with_times(m.encoded, attempt, subject=target_raw, deliver_at_ms=due_ms, properties=props_raw)
+        if problem is not None:
+            encoded = readable_copy(m, target_raw, attempt, f"unreadable message: {problem}")
+            message_id = m.printable_id
+        else:
+            props = dict(m.properties)
+            if exc is not None:
+                props[ERROR_PROPERTY] = error_text(exc)
+            props_raw = encode_properties(props)
+            due_ms = time.time_ns() // 1_000_000 + delay_ms if delay_ms else 0
+            encoded = with_times(m.encoded, attempt, subject=target_raw, deliver_at_ms=due_ms, properties=props_raw)
+            message_id = m.message_id
         try:
-            await producer.send_encoded(target, encoded, m.message_id)
+            await producer.send_encoded(target, encoded, message_id)
         except QmqError as exc_send:
-            if not due_ms:
+            if not delay_ms:
                 raise
             # Back-off needs a delay server; without one the retry is delivered at once.
             if not self._warned_no_delay:
                 self._warned_no_delay = True
                 log.warning(
                     "retrying message %s after %d ms failed (%s); retried at once instead (no delay server?)",
-                    m.message_id,
+                    message_id,
                     delay_ms,
                     exc_send,
                 )
-            encoded = with_times(m.encoded, attempt, subject=target_raw, deliver_at_ms=0, properties=props_raw)
-            await producer.send_encoded(target, encoded, m.message_id)
+            encoded = with_times(encoded, attempt, deliver_at_ms=0)
+            await producer.send_encoded(target, encoded, message_id)
         if target == dead and dead != retry:
             log.warning(
-                "message %s of %r failed %d time(s) in group %s; sent to %s (last error: %r)",
-                m.message_id,
+                "message %s of %r failed %d time(s) in group %s; sent to %s (last error: %s)",
+                message_id,
                 subject,
                 attempt,
                 group,
                 target,
-                exc,
+                problem or (error_text(exc) if exc is not None else None),
             )
         tracker.ack(m._offset)
 
@@ -503,6 +539,9 @@ class Consumer:
         if self._producer is not None:
             await self._producer.close()
         self._ctx.closed = True
+        for puller in self._ctx.pullers:
+            for tracker in puller.trackers.values():
+                tracker.closed = True
         if self._ctx.meta is not None:
             await self._ctx.meta.close()
         if self._ctx.pool is not None:
@@ -512,3 +551,8 @@ class Consumer:
     @property
     def listeners(self) -> list[Listener[Any]]:
         return list(self._listeners)
+
+    @property
+    def errors(self) -> list[str]:
+        """Why listeners stopped on their own (each also logged as critical); empty while all run."""
+        return [listener.error for listener in self._listeners if listener.error is not None]

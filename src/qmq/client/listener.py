@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Generic
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic
 
 from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.options import StartFrom
 from qmq.client.puller import SubjectPuller
 from qmq.client.received import M
-from qmq.common.errors import AlreadyProcessedError, QmqError
+from qmq.common.errors import AlreadyProcessedError, InvalidMessageError, QmqError, error_text
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 _POLL_MS = 5_000
 _BACKOFF_S_MIN = 0.1
 _BACKOFF_S_MAX = 5.0
+# Worker or pull-loop tasks that may end unexpectedly and be replaced before the listener gives up.
+_REPLACEMENTS_MAX = 100
 
 
 class Listener(Generic[M]):
@@ -72,6 +75,9 @@ class Listener(Generic[M]):
         self._stopping = False
         self.handled = 0
         self.failed = 0
+        self._replacements = 0
+        self.error: str | None = None
+        """Why the listener stopped on its own, or None while it runs (``Consumer.errors``)."""
 
     @property
     def running(self) -> bool:
@@ -84,11 +90,47 @@ class Listener(Generic[M]):
         # The main subject pulls once half the prefetch is free, so batches stay large; the
         # retry subject (few messages, long polls) holds at most a quarter of it.
         shares = [(self.prefetch, max(1, self.prefetch // 2)), (max(1, self.prefetch // 4), 1)]
-        self._loops = [
-            asyncio.ensure_future(self._pull_loop(p, most, least))
-            for p, (most, least) in zip(self._pullers, shares, strict=False)
-        ]
-        self._workers = [asyncio.ensure_future(self._work()) for _ in range(self.concurrency)]
+        self._loops = []
+        for puller, (most, least) in zip(self._pullers, shares, strict=False):
+            self._watch(functools.partial(self._pull_loop, puller, most, least), "pull loop", self._loops)
+        self._workers = []
+        for _ in range(self.concurrency):
+            self._watch(self._work, "worker", self._workers)
+
+    def _watch(
+        self, job: Callable[[], Coroutine[Any, Any, None]], what: str, tasks: list[asyncio.Task[None]]
+    ) -> None:
+        task = asyncio.ensure_future(job())
+        task.add_done_callback(functools.partial(self._ended, job, what, tasks))
+        tasks.append(task)
+
+    def _ended(
+        self,
+        job: Callable[[], Coroutine[Any, Any, None]],
+        what: str,
+        tasks: list[asyncio.Task[None]],
+        task: asyncio.Task[None],
+    ) -> None:
+        """A pull loop or worker ended while the listener runs: say so loudly and start another,
+        so the listener never shrinks silently (at most ``_REPLACEMENTS_MAX`` times)."""
+        if self._stopping or task not in tasks:
+            return
+        tasks.remove(task)
+        why = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
+        self._replacements += 1
+        if self._replacements > _REPLACEMENTS_MAX:
+            self.error = (
+                f"listener {self.subject}/{self.group} stopped: its tasks ended {self._replacements} times "
+                f"(the last {what} {why}); see the log, then make a new consumer"
+            )
+            log.critical("%s", self.error)
+            self._stopping = True
+            for t in [*self._loops, *self._workers]:
+                t.cancel()
+            self._loops, self._workers = [], []
+            return
+        log.critical("listener %s/%s: a %s %s; a new one takes its place", self.subject, self.group, what, why)
+        self._watch(job, what, tasks)
 
     def _free(self) -> int:
         return self.prefetch - self._in_app - self._reserved
@@ -124,6 +166,7 @@ class Listener(Generic[M]):
                 batch = None
             finally:
                 self._reserved -= room
+                self._room_freed()
             if batch is None:
                 # Bounded exponential back-off before pulling again.
                 await asyncio.sleep(min(_BACKOFF_S_MAX, _BACKOFF_S_MIN * 2 ** min(failures - 1, 10)))
@@ -140,59 +183,87 @@ class Listener(Generic[M]):
         me = asyncio.current_task()
         assert me is not None
         queue = self._queue
-        handler = self._handler
-        behaviour = self.behaviour
         while not self._stopping:
             m = await queue.get()
             self._busy.add(me)
-            error: BaseException | None = None
             try:
-                if behaviour.consume_most_once:
-                    m._ack_now()  # acknowledged on receipt: whatever happens next, never again
-                if behaviour.filters and not behaviour.pre(m):
-                    m._ack_now()
-                    continue
-                await handler(m)
-            except AlreadyProcessedError:
-                m._ack_now()  # its work was done by an earlier delivery
-            except Exception as exc:
-                error = exc
-                self.failed += 1
-                log.warning(
-                    "listener %s/%s: handler failed on message %s (attempt %d): %r",
+                await self._handle(m)
+            except Exception:  # a bug here must cost one message, never the worker
+                log.exception(
+                    "listener %s/%s: handling message %s failed; it stays unacknowledged (re-delivered later)",
                     self.subject,
                     self.group,
-                    m.message_id,
-                    m.times,
-                    exc,
-                    exc_info=exc,
+                    m.printable_id,
                 )
-                if not m._settled:
-                    m._settled = True
-                    try:
-                        await self._fail(m, exc)
-                    except QmqError as send_exc:
-                        log.error(
-                            "listener %s/%s: message %s stays unacknowledged (re-delivered later): %s",
-                            self.subject,
-                            self.group,
-                            m.message_id,
-                            send_exc,
-                        )
-            else:
-                self.handled += 1
-                if behaviour.auto_ack:
-                    m._ack_now()
             finally:
-                if behaviour.filters:
-                    behaviour.post(m, error)
                 self._busy.discard(me)
                 self._in_app -= 1
-                if self._waiting:
-                    free = self._free()
-                    for least, ev in self._waiting:
-                        if free >= least:
-                            ev.set()
+                self._room_freed()
+
+    def _room_freed(self) -> None:
+        """Wake the pull loops waiting for room that there is now room for."""
+        if self._waiting:
+            free = self._free()
+            for least, ev in self._waiting:
+                if free >= least:
+                    ev.set()
+
+    async def _handle(self, m: M) -> None:
+        behaviour = self.behaviour
+        error: BaseException | None = None
+        try:
+            if behaviour.consume_most_once:
+                m._ack_now()  # acknowledged on receipt: whatever happens next, never again
+            problem = m.unreadable()
+            if problem is not None:
+                error = InvalidMessageError(f"message {m.printable_id} cannot be read: {problem}")
+                self.failed += 1
+                log.error("listener %s/%s: %s; it goes to the dead letters", self.subject, self.group, error)
+                await self._settle_failed(m, error)
+                return
+            if behaviour.filters and not behaviour.pre(m):
+                m._ack_now()
+                return
+            await self._handler(m)
+        except AlreadyProcessedError:
+            m._ack_now()  # its work was done by an earlier delivery
+        except Exception as exc:
+            error = exc
+            self.failed += 1
+            log.warning(
+                "listener %s/%s: handler failed on message %s (attempt %d): %s",
+                self.subject,
+                self.group,
+                m.printable_id,
+                m.times,
+                error_text(exc),
+                exc_info=exc,
+            )
+            await self._settle_failed(m, exc)
+        else:
+            self.handled += 1
+            if behaviour.auto_ack:
+                m._ack_now()
+        finally:
+            if behaviour.filters:
+                behaviour.post(m, error)
+
+    async def _settle_failed(self, m: M, exc: BaseException) -> None:
+        """Send a failed message to retry (or the dead letters); if that fails it stays unacknowledged."""
+        if m._settled:
+            return
+        m._settled = True
+        try:
+            await self._fail(m, exc)
+        except Exception as send_exc:
+            log.error(
+                "listener %s/%s: message %s stays unacknowledged (re-delivered later): %s",
+                self.subject,
+                self.group,
+                m.printable_id,
+                error_text(send_exc),
+                exc_info=not isinstance(send_exc, QmqError),  # a bug: show where
+            )
 
     async def stop(self, timeout_s: float) -> None:
         """Stop pulling; let handlers running now finish (up to ``timeout_s``), then cancel.

@@ -165,10 +165,37 @@ class ReceivedBase:
         """Whether it was acknowledged or failed already."""
         return self._settled
 
+    def unreadable(self) -> str | None:
+        """Why this message cannot be read (an id, tag or properties that do not decode), or None.
+
+        The broker refuses such messages at send; one can still come from data written before it
+        did. The consumer dead-letters it with this reason instead of handing it to a handler.
+        """
+        try:
+            self.message_id  # noqa: B018  # decoding is the check
+        except UnicodeDecodeError as exc:
+            return f"its message id is not valid UTF-8 ({exc})"
+        try:
+            self.tags  # noqa: B018
+        except (UnicodeDecodeError, RemoteProtocolError) as exc:
+            return f"its tags cannot be read ({exc})"
+        try:
+            self.properties  # noqa: B018
+        except RemoteProtocolError as exc:
+            return f"its properties cannot be read ({exc})"
+        return None
+
+    @property
+    def printable_id(self) -> str:
+        """The message id for logs and errors, whatever bytes it holds."""
+        h = self._h
+        start = self._pos + HEADER_BYTES + h[_SLEN]
+        return self._buf[start : start + h[_ILEN]].decode("utf-8", "backslashreplace")
+
     def _ack_now(self) -> None:
         if not self._settled:
+            self._tracker.ack(self._offset)  # raises, leaving it unsettled, once the consumer closed
             self._settled = True
-            self._tracker.ack(self._offset)
 
     def __repr__(self) -> str:
         return (
@@ -215,6 +242,9 @@ class BatchBase(list[M], Generic[M]):
     def _ack_all_now(self) -> None:
         tracker: AckTracker | None = None
         offsets: list[int] = []
+        for m in self:
+            if m._tracker.closed:
+                raise m._tracker._closed_error()
         for m in self:
             if m._settled:
                 continue

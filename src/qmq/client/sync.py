@@ -405,6 +405,11 @@ class Consumer:
 
         self._io.call(add(), _MARGIN_S)
 
+    @property
+    def errors(self) -> list[str]:
+        """Why listeners stopped on their own (each also logged as critical); empty while all run."""
+        return self._async.errors
+
     def flush_acks(self) -> None:
         """Send every pending acknowledgement now and wait until the brokers answered."""
         self._io.call(self._async.flush_acks(), 2 * self._async.options.request_timeout_ms / 1000 + _MARGIN_S)

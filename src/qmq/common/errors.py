@@ -97,3 +97,26 @@ class NeedRetry(QmqError):
 class AlreadyProcessedError(QmqError):
     """Raised by a handler (or an idempotent checker inside it) for a message whose work is
     done already: the listener acknowledges it instead of retrying."""
+
+
+# an error text kept with a message (qmq.error) or shown in a log line, at most this long
+ERROR_CHARS_MAX = 500
+
+
+def printable_text(text: str) -> str:
+    """``text`` as valid UTF-8 text: lone surrogates (``os.fsdecode`` of a non-UTF-8 path, say)
+    become ``\\udcff``-style escapes, so it can always be stored as a property."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: text`` of a handler's exception, valid UTF-8 and at most 500 characters."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # an exception whose __str__ itself fails
+        text = f"{type(exc).__name__} (its text could not be read)"
+    return printable_text(text[:ERROR_CHARS_MAX])

@@ -46,7 +46,7 @@ from qmq.protocol.errors import RemoteProtocolError
 HEADER = struct.Struct("<BBHBBHqqHHII")
 HEADER_BYTES = HEADER.size  # 36
 VERSION = 1
-_TIMES_MAX = 0xFFFF
+TIMES_MAX = 0xFFFF
 
 PropertyValue = str | int | float | bool | bytes
 
@@ -297,8 +297,8 @@ def with_times(
 ) -> bytes:
     """A copy of an encoded message with a new attempt count, and optionally a new subject, due
     time or (encoded, see ``encode_properties``) properties; id, tags and body stay as they are."""
-    if not 0 <= times <= _TIMES_MAX:
-        raise InvalidMessageError(f"attempt count {times} is outside 0..{_TIMES_MAX}")
+    if not 0 <= times <= TIMES_MAX:
+        raise InvalidMessageError(f"attempt count {times} is outside 0..{TIMES_MAX}")
     fields = list(HEADER.unpack_from(encoded, 0))
     old_slen, ilen, tlen, old_plen = fields[2], fields[3], fields[5], fields[10]
     fields[8] = times
