@@ -27,6 +27,13 @@ def test_reset_offset_refuses_a_time_without_offset(meta_server: str, subject: s
     assert "no UTC offset" in out.stderr
 
 
+def test_reset_offset_names_a_time_before_1970_and_the_range(meta_server: str, subject: str) -> None:
+    out = qmq("reset-offset", subject, "--group", "g", "--to", "0001-01-01T00:00:00Z", meta_server=meta_server)
+    assert out.returncode == 2
+    assert "'0001-01-01T00:00:00Z' is before 1970-01-01T00:00:00Z" in out.stderr
+    assert "-62135596800000" not in out.stderr
+
+
 def test_dead_letters_list_resend_and_purge(meta_server: str, subject: str) -> None:
     dead = f"%DEAD_RETRY%{subject}%g"
     sent = [qmq("send", dead, "--prop", "qmq.error=boom", "--body", f"x{i}", meta_server=meta_server) for i in range(2)]

@@ -212,6 +212,7 @@ def _without(name: str) -> dict[str, Any]:
     [
         (b"{not json", "body", "not JSON"),
         (b"\xff\xfe", "body", "not JSON"),
+        (b"[" * 5000 + b"]" * 5000, "body", "nests JSON arrays or objects too deeply"),
         (b"[1, 2]", "body", "must be a JSON object, got list"),
         *[
             (_without(name), name, f"{name} is missing")

@@ -37,7 +37,14 @@ def _point(text: str) -> str | int:
         ) from None
     if when.tzinfo is None:
         raise click.BadParameter(f"{text!r} has no UTC offset; add one, e.g. {text}+00:00", param_hint="--to")
-    return int(when.timestamp() * 1000)
+    ms = int(when.timestamp() * 1000)
+    if ms < 0:
+        raise click.BadParameter(
+            f"{text!r} is before 1970-01-01T00:00:00Z, and nothing is stored before then; "
+            "give a time from 1970 on, or earliest",
+            param_hint="--to",
+        )
+    return ms
 
 
 @cli.command("reset-offset")

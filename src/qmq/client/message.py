@@ -10,7 +10,6 @@ the node id tells apart processes that reuse a pid on other hosts.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import re
 import secrets
@@ -26,6 +25,7 @@ from qmq.protocol.message import (
     PropertyValue,
     check_property,
     check_tag,
+    check_utf8,
     encode_message,
     encode_properties,
     encode_tags,
@@ -99,10 +99,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=MESSAGE_IDS.after_fork)
 
 
+def _utf8(what: str, text: str) -> bytes:
+    check_utf8(what, text)
+    return text.encode("utf-8")
+
+
 def check_message_id(message_id: object) -> str:
     if not isinstance(message_id, str) or not message_id:
         raise InvalidMessageError(f"message id must be a non-empty string, got {message_id!r}")
-    if len(message_id) > _LIMITS.message_id_chars_max or len(message_id.encode("utf-8")) > _ID_BYTES_MAX:
+    if len(message_id) > _LIMITS.message_id_chars_max or len(_utf8("message id", message_id)) > _ID_BYTES_MAX:
         raise InvalidMessageError(
             f"message id {message_id[:40]!r}… is too long; the limit is {_LIMITS.message_id_chars_max} "
             f"characters ({_ID_BYTES_MAX} bytes in UTF-8)"
@@ -120,14 +125,14 @@ def _body_bytes(body: object) -> bytes:
     if type(body) is bytes:
         raw = body
     elif isinstance(body, str):
-        raw = body.encode("utf-8")
+        raw = _utf8("message body", body)
     elif isinstance(body, bytes | bytearray | memoryview):
         raw = bytes(body)
     else:
         raise InvalidMessageError(f"message body must be bytes or str, got {type(body).__name__}")
-    if len(raw) > _LIMITS.message_bytes_max:
+    if len(raw) > _LIMITS.body_bytes_max:
         raise MessageTooLargeError(
-            f"message body of {len(raw)} bytes exceeds message_bytes_max {_LIMITS.message_bytes_max}; "
+            f"message body of {len(raw)} bytes exceeds body_bytes_max {_LIMITS.body_bytes_max}; "
             "send large data by reference (a key to where it is stored)"
         )
     return raw
@@ -137,6 +142,8 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_MS = timedelta(milliseconds=1)
 # deliver_at_ms is an i64 of epoch milliseconds; datetime itself stops at year 9999.
 _DELIVER_AT_MS_MAX = 253_402_300_799_999
+# Seconds a delay or due time may be given as: past the year 9999 either way, yet exact as a float.
+_SECONDS_MAX = 1e12
 
 
 def _ceil_ms(seconds: float) -> int:
@@ -155,12 +162,15 @@ def _seconds(what: str, value: object) -> float:
     if kind is float:  # the common cases first: set on every delayed send
         if value - value == 0.0:  # type: ignore[operator]  # finite: inf - inf and nan - nan are nan
             return value  # type: ignore[return-value]
-    elif kind is int:
+    elif kind is int and -_SECONDS_MAX <= value <= _SECONDS_MAX:  # type: ignore[operator]
         return float(value)  # type: ignore[arg-type]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidMessageError(f"{what} must be a number of seconds or a datetime.timedelta, got {value!r}")
-    if not math.isfinite(value):
-        raise InvalidMessageError(f"{what} = {value!r} is not a finite number of seconds")
+    if not -_SECONDS_MAX <= value <= _SECONDS_MAX:  # also NaN, and ints too large for a float
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}…"
+        raise InvalidMessageError(
+            f"{what} = {shown} is not a finite number of seconds within ±{_SECONDS_MAX:.0e} (before the year 9999)"
+        )
     return float(value)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from qmq.common.errors import ConfigError
-from qmq.common.limits import HOLD_UNTIL_DUE_MS, MiB
+from qmq.common.limits import HOLD_UNTIL_DUE_MS, KiB, MiB
 
 T = TypeVar("T")
 
@@ -135,8 +135,9 @@ class BrokerConfig:
         False,
     )
     message_bytes_max: int = _opt(
-        "largest message the broker stores (bytes of the encoded message); larger ones are refused by index",
-        4 * MiB,
+        "largest message the broker stores (bytes of the encoded message: a 4 MiB body plus 64 KiB for its "
+        "header, names, tags and properties); larger ones are refused by index",
+        4 * MiB + 64 * KiB,
         _range(1024, 16 * MiB - 64 * 1024),
     )
 

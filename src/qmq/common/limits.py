@@ -25,9 +25,12 @@ META_SUBJECTS_PER_REQUEST_MAX = 256
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    # A message is stored and delivered whole; 4 MiB keeps one message well inside a frame
-    # and a segment, and matches what QMQ's users send (business events, not files).
-    message_bytes_max: int = 4 * MiB
+    # A message is stored and delivered whole; a 4 MiB body keeps one message well inside a
+    # frame and a segment, and matches what QMQ's users send (business events, not files).
+    body_bytes_max: int = 4 * MiB
+    # The encoded message: the body plus its header, subject, id, tags and properties. The
+    # 64 KiB above body_bytes_max let a body of exactly 4 MiB through with ordinary properties.
+    message_bytes_max: int = 4 * MiB + 64 * KiB
     # A frame carries a batch of messages or a pull's records; it is buffered whole on both
     # sides, so this bounds the memory one connection can make a peer hold.
     frame_bytes_max: int = 16 * MiB

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 
 from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
@@ -15,6 +16,10 @@ DEAD_PREFIX = "%DEAD_RETRY%"
 
 # C0 and C1 control characters too: a name is shown in logs and terminals.
 _FORBIDDEN = re.compile(r"[\s/%\x00-\x1f\x7f-\x9f]")
+# Unicode categories a name must not hold: controls, format characters (zero-width space,
+# bidi overrides), surrogates, private use, unassigned, and separators. Two names that look
+# the same must be the same name.
+_INVISIBLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp"})
 
 
 def check_name(kind: str, name: object, limits: Limits = DEFAULT_LIMITS) -> str:
@@ -35,6 +40,13 @@ def check_name(kind: str, name: object, limits: Limits = DEFAULT_LIMITS) -> str:
             f"{kind} {name!r} contains {what} at position {bad.start()}; "
             f"use letters, digits and punctuation without whitespace, '/' or '%'{hint}"
         )
+    if not name.isascii():
+        for i, ch in enumerate(name):
+            if unicodedata.category(ch) in _INVISIBLE:
+                raise InvalidSubjectError(
+                    f"{kind} {name!r} contains U+{ord(ch):04X} ({unicodedata.name(ch, 'unnamed')}) at position {i}, "
+                    "a character that cannot be seen or typed reliably; use visible characters only"
+                )
     return name
 
 

@@ -307,6 +307,10 @@ class MetaServer:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise PayloadError("body", f"the {what} body is not JSON ({exc}); send a JSON object") from None
+        except RecursionError:  # json.loads recurses once per level of nesting
+            raise PayloadError(
+                "body", f"the {what} body nests JSON arrays or objects too deeply; send a flat JSON object"
+            ) from None
 
     async def _register(self, request: web.Request) -> web.Response:
         try:

@@ -84,11 +84,27 @@ def check_property(key: object, value: object, limits: Limits = DEFAULT_LIMITS) 
         raise InvalidMessageError(f"property {key!r} = {value} does not fit in 64 bits")
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidMessageError(f"property {key!r} = {value} is not a finite number")
+    check_utf8("property name", key)
+    if isinstance(value, str):
+        check_utf8(f"property {key!r}", value)
+
+
+def check_utf8(what: str, text: str) -> None:
+    """InvalidMessageError naming ``what`` when ``text`` holds a lone surrogate UTF-8 cannot carry."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidMessageError(
+                f"{what} holds {text[exc.start]!r} at position {exc.start}, a lone surrogate that UTF-8 "
+                "cannot carry; decode bytes with a real encoding (or with errors='replace') first"
+            ) from None
 
 
 def check_tag(tag: object, limits: Limits = DEFAULT_LIMITS) -> str:
     if not isinstance(tag, str) or not tag:
         raise InvalidMessageError(f"a tag must be a non-empty string, got {tag!r}")
+    check_utf8("tag", tag)
     tag_bytes = len(tag.encode("utf-8"))
     if tag_bytes > limits.tag_chars_max:
         raise InvalidMessageError(
