@@ -50,6 +50,9 @@ class Limits:
     # Properties are for routing and business keys; the body is for data.
     properties_max: int = 128
     property_key_chars_max: int = 256
+    # A message's delivery attempt: a group retries at most 10,000 times (max_retries), so an
+    # attempt count above this is a client's bug, refused before it can wrap around.
+    attempts_max: int = 10_001
     # Pulls: how much one pull may return.
     pull_messages_max: int = 10_000
     pull_bytes_max: int = 8 * MiB

@@ -247,12 +247,16 @@ class ScannedMessage(NamedTuple):
     times: int  # delivery attempt: a retry of a message is a new message with the same id
 
 
-def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMessage]:
+def scan_batch(
+    body: bytes, limits: Limits = DEFAULT_LIMITS, problems: dict[int, str] | None = None
+) -> list[ScannedMessage]:
     """Split a send frame's body into its messages.
 
     Raises RemoteProtocolError when the batch cannot be split (lengths that do not add up):
-    the frame is malformed and nothing of it can be trusted. Per-message rules (subject,
-    size) are checked by the broker afterwards, message by message.
+    the frame is malformed and nothing of it can be trusted. With ``problems`` (a send), it
+    also checks what consumers will decode — see ``message_problem`` — and fills
+    ``problems`` with the index and reason of each message to refuse; subject and size are
+    the store's checks, message by message.
     """
     out: list[ScannedMessage] = []
     append = out.append
@@ -262,6 +266,11 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
     pos = 0
     end = len(body)
     count_max = limits.batch_messages_max
+    checking = problems is not None
+    attempts_max = limits.attempts_max
+    texts: list[bytes] = []  # ids and tag blocks, decoded together once
+    props_at: list[int] = []  # [start, end, ...] of each property block
+    suspect = False
     while pos < end:
         if end - pos < hb:
             raise RemoteProtocolError(
@@ -283,25 +292,94 @@ def scan_batch(body: bytes, limits: Limits = DEFAULT_LIMITS) -> list[ScannedMess
             problem = _tag_block_problem(body, tstart, tstart + tlen, tcount)
             if problem:
                 raise RemoteProtocolError(f"message {len(out)} of the batch: {problem}")
+        message_id = body[p + slen : tstart]
+        tags = body[tstart : tstart + tlen] if tlen else b""
         # tuple.__new__ skips NamedTuple's Python-level __new__: a quarter of the cost per message
-        append(
-            new_tuple(
-                ScannedMessage,
-                (
-                    pos,
-                    length,
-                    body[p : p + slen],
-                    body[p + slen : p + slen + ilen],
-                    body[tstart : tstart + tlen] if tlen else b"",
-                    deliver,
-                    times,
-                ),
-            )
-        )
+        append(new_tuple(ScannedMessage, (pos, length, body[p : p + slen], message_id, tags, deliver, times)))
+        if checking:
+            texts.append(message_id)
+            if tlen:
+                texts.append(tags)
+            if times > attempts_max:
+                suspect = True
+            if plen:
+                props_at.append(tstart + tlen)
+                props_at.append(tstart + tlen + plen)
         if len(out) > count_max:
             raise RemoteProtocolError(f"batch has more than batch_messages_max {count_max} messages")
         pos += length
+    if checking and (suspect or not _texts_ok(texts) or not _property_blocks_ok(body, props_at)):
+        assert problems is not None
+        for i, sm in enumerate(out):
+            problem = message_problem(body, sm, limits)
+            if problem is not None:
+                problems[i] = problem
     return out
+
+
+def _texts_ok(texts: list[bytes]) -> bool:
+    # One decode for the whole batch: the newline separators and the tag lengths (< 128) are
+    # ASCII, never UTF-8 continuation bytes, so they cannot join two bad sequences into a good one.
+    try:
+        b"\n".join(texts).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _property_blocks_ok(body: bytes, at: list[int]) -> bool:
+    """Whether each ``body[at[2k]:at[2k+1]]`` is exactly one msgpack map: skipped, not built, so
+    a block costs about a tenth of decoding it (strings inside are checked by the consumer)."""
+    if not at:
+        return True
+    for k in range(0, len(at), 2):
+        if body[at[k]] not in _MAP_MARKERS:
+            return False
+    unpacker = msgpack.Unpacker(max_buffer_size=len(body) + 1)
+    unpacker.feed(b"".join(body[at[k] : at[k + 1]] for k in range(0, len(at), 2)))
+    offset = 0
+    try:
+        for k in range(0, len(at), 2):
+            unpacker.skip()
+            offset += at[k + 1] - at[k]
+            if unpacker.tell() != offset:
+                return False
+    except Exception:  # msgpack raises many types for bad input
+        return False
+    return True
+
+
+# First bytes of a msgpack map: fixmap, map 16, map 32.
+_MAP_MARKERS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+_PROPS_LEN = struct.Struct("<I")
+_PROPS_LEN_POS = 28  # of props_len in the header (see the layout above)
+
+
+def message_problem(body: bytes, sm: ScannedMessage, limits: Limits = DEFAULT_LIMITS) -> str | None:
+    """Why the broker must refuse a scanned message of a batch that split fine, or None.
+
+    The broker stores what a producer sent and never decodes it again, so what consumers will
+    decode is checked once at send: the id and tags are UTF-8 text, the attempt count is in
+    range and the properties are one msgpack map (its keys and strings are decoded, and
+    checked, by consumers: an unreadable one is dead-lettered there with the reason).
+    """
+    try:
+        sm.message_id.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"its message id is not valid UTF-8 (byte {exc.start}); message ids are text"
+    if sm.tags:
+        try:
+            decode_tags(sm.tags)
+        except (UnicodeDecodeError, RemoteProtocolError) as exc:
+            return f"its tags are not valid UTF-8 text ({exc})"
+    if sm.times > limits.attempts_max:
+        return f"its attempt count (times) {sm.times} is over attempts_max {limits.attempts_max}"
+    plen = _PROPS_LEN.unpack_from(body, sm.pos + _PROPS_LEN_POS)[0]
+    if plen:
+        start = sm.pos + HEADER_BYTES + len(sm.subject) + len(sm.message_id) + len(sm.tags)
+        if not _property_blocks_ok(body, [start, start + plen]):
+            return "its properties are not one msgpack map"
+    return None
 
 
 def with_times(
