@@ -1,12 +1,21 @@
-"""The action log: every change of consumer progress, in order, so recovery can replay it.
+"""The action log: every change of consumer progress, in order, so recovery (and a slave)
+can replay it. This module is the one home of its format: the frame, the payloads, how each
+is written (``ProgressLog``) and the one replay of them (``apply_action``), which serves the
+broker and the offline reader (``reader.py``).
 
-Each action is one framed record (little-endian)::
+Frame layout, format version 1 (little-endian), one action per frame::
 
     +-----------+-----------+---------------------------+
     | length u32| crc32c u32| payload (msgpack list)    |
     +-----------+-----------+---------------------------+
 
-Payloads (lists, first item the kind):
+    | field   | type  | bytes      | meaning                                  |
+    |---------|-------|------------|------------------------------------------|
+    | length  | u32   | 0-3        | bytes of the payload                     |
+    | crc32c  | u32   | 4-7        | CRC32C of the payload                    |
+    | payload | bytes | 8-(8+len)  | a msgpack list, its first item the kind  |
+
+Payloads (a later version may only add items at the end):
 
     [CREATE_GROUP, subject, group, start_seq]
     [PULL, subject, group, consumer_id, pull_offset, [[seq, count], ...], new_group_pull_offset]
@@ -14,13 +23,15 @@ Payloads (lists, first item the kind):
     [RESET, subject, group, new_group_pull_offset]
     [DEAD_REMOVE, dead_letter_subject, [letter numbers]]   (resent or purged)
 
-A consumer's pull log is the sequence of its PULL runs; it lives in memory (``progress``),
-in checkpoints, and here. Writes go to the OS at once (so ``kill -9`` loses nothing) and
-are fsynced with the message log's group commit.
+The version is not written in the files: a new layout needs a new version here and a
+migration. A consumer's pull log is the sequence of its PULL runs; it lives in memory
+(``progress``), in checkpoints, and here. Writes go to the OS at once (so ``kill -9`` loses
+nothing) and are fsynced with checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,23 +40,116 @@ from typing import Any
 import crc32c
 import msgpack
 
+from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.segments import SegmentedLog
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FRAME = struct.Struct("<II")  # payload length, CRC32C of the payload
+FRAME_BYTES = FRAME.size
+SEGMENT_SUFFIX = ".act"
+SEGMENT_BYTES = 64 * 1024 * 1024
 
 CREATE_GROUP = 1
 PULL = 2
 ACK = 3
 RESET = 4
 DEAD_REMOVE = 5
+# items in each kind's payload, the kind included
+_ITEMS = {CREATE_GROUP: 4, PULL: 7, ACK: 5, RESET: 4, DEAD_REMOVE: 3}
 
-_FRAME = struct.Struct("<II")
-_SEGMENT_BYTES = 64 * 1024 * 1024
+
+def frame_len(buf: bytes, pos: int) -> int | None:
+    """Bytes of the frame at ``buf[pos:]``, header included; None if its header is not all there."""
+    if len(buf) - pos < FRAME_BYTES:
+        return None
+    length, _crc = FRAME.unpack_from(buf, pos)
+    return FRAME_BYTES + int(length)
+
+
+def read_frame(read: Callable[[int, int], bytes], pos: int) -> tuple[list[Any], int] | None:
+    """The action in the frame at ``pos`` and the position after it; None where the frame is
+    partial, fails its CRC or does not decode as an action (a torn tail).
+
+    ``read(pos, size)`` gives the bytes there, fewer where the log ends.
+    """
+    head = read(pos, FRAME_BYTES)
+    if len(head) != FRAME_BYTES:
+        return None
+    length, crc = FRAME.unpack(head)
+    payload = read(pos + FRAME_BYTES, length)
+    if len(payload) != length or crc32c.crc32c(payload) != crc:
+        return None
+    try:
+        action = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception:  # a CRC-valid record that does not decode (another version's): as torn
+        return None
+    if not isinstance(action, list) or not action:
+        return None
+    return action, pos + FRAME_BYTES + length
+
+
+def apply_action(
+    progress: Progress,
+    action: list[Any],
+    remove_dead: Callable[[str, list[int]], None] | None = None,
+    warn: bool = True,
+) -> None:
+    """Apply one action to ``progress``: the one replay of the action log, for the broker
+    (recovery, and a slave applying its master's actions) and for the offline reader.
+
+    Where the two differ, a parameter says how, and why:
+
+    - ``remove_dead``: the broker removes dead letters here; the reader (None) skips the
+      removals, since it marks them itself when it lists dead letters.
+    - ``warn``: the broker (True) logs what its own log should never hold — a kind it does not
+      know, a payload with too few items, a group used before it was created, a pull log out
+      of step — then skips it as the reader does; the reader (False) reads the files of a
+      running broker, perhaps of another version, where skipping such a record is expected
+      and a data job must not log a line per action.
+
+    A payload with more items than its kind has (a later version's) is applied by the items known.
+    """
+    kind = action[0]
+    items = _ITEMS.get(kind) if isinstance(kind, int) else None
+    if items is None or len(action) < items:
+        if warn:
+            what = "unknown action kind" if items is None else "too short an action of kind"
+            log.warning("%s %r in the action log; skipped", what, kind)
+        return
+    if kind == DEAD_REMOVE:
+        if remove_dead is not None:
+            remove_dead(str(action[1]), action[2])
+        return
+    if kind == CREATE_GROUP:
+        progress.create_group(str(action[1]), str(action[2]), int(action[3]))
+        return
+    gp = progress.get(str(action[1]), str(action[2]))
+    if gp is None:
+        if warn:
+            log.warning("action log names group %r of %r before creating it; skipped", action[2], action[1])
+        return
+    if kind == PULL:
+        cp = gp.consumer(str(action[3]))
+        if warn and cp.pull_log_end != action[4]:
+            log.warning(
+                "pull log of %r in group %r is out of step (%d vs %d)", action[3], gp.group, cp.pull_log_end, action[4]
+            )
+        Progress.record_pull(gp, cp, action[5], int(action[6]))
+    elif kind == ACK:
+        Progress.apply_ack(gp.consumer(str(action[3])), action[4])
+    else:  # RESET
+        gp.pull_offset = int(action[3])
 
 
 class ActionLog:
+    """The action log's files: frames appended, replayed, and cut where torn."""
+
     def __init__(
-        self, directory: Path, segment_bytes: int = _SEGMENT_BYTES, on_append: Callable[[], None] | None = None
+        self, directory: Path, segment_bytes: int = SEGMENT_BYTES, on_append: Callable[[], None] | None = None
     ) -> None:
-        self.segments = SegmentedLog(directory, ".act", segment_bytes)
+        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, segment_bytes)
         self.on_append = on_append
 
     @property
@@ -54,7 +158,7 @@ class ActionLog:
 
     def append(self, action: list[Any]) -> None:
         payload = msgpack.packb(action, use_bin_type=True)
-        self.segments.append(_FRAME.pack(len(payload), crc32c.crc32c(payload)) + payload)
+        self.segments.append(FRAME.pack(len(payload), crc32c.crc32c(payload)) + payload)
         if self.on_append is not None:
             self.on_append()
 
@@ -69,22 +173,12 @@ class ActionLog:
             seg = log.segment_for(pos)
             if seg is None:
                 break
-            head = log.read(pos, _FRAME.size)
-            ok = len(head) == _FRAME.size
-            if ok:
-                length, crc = _FRAME.unpack(head)
-                payload = log.read(pos + _FRAME.size, length)
-                ok = len(payload) == length and crc32c.crc32c(payload) == crc
-            if not ok:
+            frame = read_frame(log.read, pos)
+            if frame is None:
                 torn.append(log.truncate(pos))
                 return
-            try:
-                action = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-            except Exception:  # a CRC-valid record that does not decode: treat as torn
-                torn.append(log.truncate(pos))
-                return
+            action, pos = frame
             yield action
-            pos += _FRAME.size + length
             if pos >= seg.end and pos < log.end:
                 pos = seg.end
         torn.append(0)
@@ -94,3 +188,49 @@ class ActionLog:
 
     def close(self) -> None:
         self.segments.close()
+
+
+class ProgressLog:
+    """Consumer progress as the broker keeps it: each change is appended to the action log,
+    then applied to ``progress`` by the rule replay applies (``apply_action``); dead-letter
+    removals, logged here too, are applied to ``remove_dead``'s owner."""
+
+    def __init__(self, alog: ActionLog, progress: Progress, remove_dead: Callable[[str, list[int]], None]) -> None:
+        self.alog = alog
+        self.progress = progress
+        self._remove_dead = remove_dead
+
+    def create_group(self, subject: str, group: str, start_seq: int) -> GroupProgress:
+        gp = self.progress.get(subject, group)
+        if gp is None:
+            self.alog.append([CREATE_GROUP, subject, group, start_seq])
+            gp = self.progress.create_group(subject, group, start_seq)
+        return gp
+
+    def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
+        """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""
+        self.alog.append([PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, runs, new_offset])
+        return Progress.record_pull(gp, cp, runs, new_offset)
+
+    def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+        self.alog.append([ACK, gp.subject, gp.group, cp.consumer_id, ranges])
+        return Progress.apply_ack(cp, ranges)
+
+    def reset(self, gp: GroupProgress, seq: int) -> None:
+        self.alog.append([RESET, gp.subject, gp.group, seq])
+        gp.pull_offset = seq
+
+    def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
+        if numbers:
+            self.alog.append([DEAD_REMOVE, dead_subject, numbers])
+            self._remove_dead(dead_subject, numbers)
+
+    def replay(self, start: int) -> tuple[int, int]:
+        """Apply the actions logged from ``start``, cutting a torn tail; returns
+        ``(actions applied, bytes cut)``."""
+        torn: list[int] = []
+        n = 0
+        for action in self.alog.replay(start, torn):
+            apply_action(self.progress, action, self._remove_dead)
+            n += 1
+        return n, torn[-1] if torn else 0

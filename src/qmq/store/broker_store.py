@@ -7,78 +7,53 @@ Directory layout under ``data_dir``::
     log/<base>.log            message log segments (message_log.py)
     consume/<subject>/        one consume log per subject (consume_log.py); <subject> escaped
     action/<base>.act         action log segments (action_log.py)
+    dead/<subject>/           dead letters (dead_letters.py)
+
+The store owns the files and composes the parts that hold its state, each behind its own
+interface: the subjects and their sequences (subjects.py), consumer progress kept through
+the action log (action_log.ProgressLog), the duplicate window (dedup.py), the held messages
+(held.py) and the reads for pulls (take.py). Recovery (recovery.py) builds the parts from
+the files; no part knows the store.
 
 Everything is synchronous. ``begin_flush`` returns a ticket whose ``run`` (fdatasync of the
 files written since the last flush) may run on another thread; ``complete_flush`` then makes
-the flushed messages visible to consumers. Recovery lives in ``recovery.py``.
+the flushed messages visible to consumers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
-from qmq.common.errors import InvalidSubjectError
-from qmq.common.limits import DEFAULT_LIMITS, HOLD_MS_MAX, Limits
-from qmq.common.naming import DEAD_PREFIX, check_subject, parse_internal_subject, subject_file_name
-from qmq.protocol.codes import Status
+from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.protocol.message import ScannedMessage
-from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
-from qmq.store import action_log as act
+from qmq.protocol.record import pack_record_into
 from qmq.store.action_log import ActionLog
 from qmq.store.checkpoint import history as checkpoint_history
 from qmq.store.checkpoint import read_checkpoint, write_checkpoint
-from qmq.store.consume_log import ENTRY, ConsumeLog, tag_bloom
+from qmq.store.consume_log import ENTRY
 from qmq.store.datadir import DataDirLock, StoreError, store_error
 from qmq.store.dead_letters import DeadLetters
-from qmq.store.dedup import DedupWindow
-from qmq.store.held import HELD_SEQUENCE, Held, HeldMessages
+from qmq.store.held import HELD_SEQUENCE, Held
+from qmq.store.indexer import RecordIndexer
+from qmq.store.intake import AppendResult, check_send
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
+from qmq.store.recovery import RecoveryReport, StoreParts, empty_parts, recover
 from qmq.store.segments import FlushTicket
+from qmq.store.subjects import SubjectState
 from qmq.store.tags import TagFilter
-from qmq.store.take import read_range, take_matching, take_next
+from qmq.store.take import PullResult, Pulls
 
-if TYPE_CHECKING:
-    from qmq.store.recovery import RecoveryReport
+__all__ = ["AppendResult", "BrokerStore", "PullResult", "SubjectState"]
 
 log = logging.getLogger(__name__)
 
-_MARKS_MAX = 1000
 _CHECKPOINTS_KEPT = 4
-_DEAD_RAW = DEAD_PREFIX.encode()
-_DEAD_NAMES_CACHED_MAX = 10_000
-
-
-
-@dataclass(slots=True, eq=False)
-class SubjectState:
-    name: str
-    clog: ConsumeLog
-    next_seq: int
-    visible_seq: int
-    pending: bytearray = field(default_factory=bytearray)
-
-
-class AppendResult(NamedTuple):
-    errors: list[list[Any]]  # [index, status, text]
-    duplicates: int
-    stored: int
-    stored_bytes: int
-    per_subject: dict[str, list[int]]  # subject -> [messages, bytes]
-
-
-class PullResult(NamedTuple):
-    runs: list[list[int]]  # [pull_offset, count]
-    chunks: list[bytes]  # stored records, back to back
-    messages: int
-    nbytes: int
 
 
 class BrokerStore:
@@ -92,73 +67,52 @@ class BrokerStore:
         self.sync_policy = config.flush == "sync"
         # called after anything is written to the message log or the action log (slaves wait on it)
         self.on_grow: Callable[[], None] | None = None
-        self._init_state()
+        self._open_files()
+        self._install(empty_parts(self.dir, config, limits, self.alog, self.dead))
 
-    def _init_state(self) -> None:
-        """Open the logs and start from empty in-memory state (``open`` then recovers into it)."""
-        config = self.config
-        self.mlog = MessageLog(self.dir / "log", config.segment_bytes)
+    def _open_files(self) -> None:
+        self.mlog = MessageLog(self.dir / "log", self.config.segment_bytes)
         self.alog = ActionLog(self.dir / "action", on_append=self._grew)
-        self.consume_dir = self.dir / "consume"
-        self.consume_dir.mkdir(exist_ok=True)
-        self.subjects: dict[str, SubjectState] = {}
-        self._by_raw: dict[bytes, SubjectState] = {}
-        self.progress = Progress()
         self.dead = DeadLetters(self.dir / "dead")
-        self._dead_names: dict[bytes, str] = {}
-        self.dedup = DedupWindow(config.dedup_window_ms, config.dedup_entries_max)
-        self.total_messages = 0
-        self.marks: list[list[int]] = []  # [now_ms, message-log offset, total_messages], for the dedup rebuild
-        # sync policy: appended batches waiting for fsync: (end_offset, [(subject state, next_seq)])
-        self._unflushed: deque[tuple[int, list[tuple[SubjectState, int]]]] = deque()
-        self._dirty_clogs: set[SubjectState] = set()
-        self.unflushed_bytes = 0
         self.flushed_offset = 0  # the message log is fsynced up to here
-        self.held = HeldMessages()
+
+    def _install(self, parts: StoreParts) -> None:
+        self._subjects = parts.subjects
+        self._progress = parts.progress
+        self.dedup = parts.dedup
+        self.held = parts.held
+        self._pulls = Pulls(self.mlog, parts.progress, self.limits.pull_bytes_max)
 
     def open(self) -> RecoveryReport:
         """Recover from whatever state the last stop left; see recovery.py."""
-        from qmq.store.recovery import recover
-
-        report = recover(self)
+        parts, report = recover(self.dir, self.config, self.clock, self.limits, self.mlog, self.alog, self.dead)
+        self._install(parts)
         self.flushed_offset = self.mlog.end
         return report
 
-    # -- subjects ----------------------------------------------------------------------
+    # -- the parts, as callers outside the store use them ------------------------------
 
-    def subject_state(self, name: str, create: bool = True) -> SubjectState | None:
-        st = self.subjects.get(name)
-        if st is None and create:
-            clog = ConsumeLog(self.consume_dir / subject_file_name(name), name, self.config.consume_log_segment_entries)
-            st = SubjectState(name, clog, clog.next_seq, clog.next_seq)
-            self.subjects[name] = st
-            self._by_raw[name.encode("utf-8")] = st
-        return st
+    @property
+    def subjects(self) -> dict[str, SubjectState]:
+        """Every subject by name (read only: a subject is created by its first message)."""
+        return self._subjects.by_name
 
-    def _dead_name(self, raw: bytes) -> str:
-        name = self._dead_names.get(raw)
-        if name is None:
-            try:
-                name = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise InvalidSubjectError(f"subject {raw[:60]!r} is not valid UTF-8") from None
-            parse_internal_subject(name, self.limits)
-            if len(self._dead_names) < _DEAD_NAMES_CACHED_MAX:
-                self._dead_names[raw] = name
-        return name
+    @property
+    def progress(self) -> Progress:
+        return self._progress.progress
 
-    def _subject_for_raw(self, raw: bytes) -> SubjectState:
-        st = self._by_raw.get(raw)
-        if st is not None:
-            return st
-        try:
-            name = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidSubjectError(f"subject {raw[:60]!r} is not valid UTF-8") from None
-        check_subject(name, self.limits)
-        st = self.subject_state(name)
-        assert st is not None
-        return st
+    @property
+    def unflushed_bytes(self) -> int:
+        """Bytes appended under the sync policy that wait for an fsync before pulls see them."""
+        return self._subjects.unflushed_bytes
+
+    def indexer(self, index_from: int) -> RecordIndexer:
+        """An indexer of message-log records written without ``append`` (a slave's copy)."""
+        return RecordIndexer(self._subjects, self.dedup, self.held, self.dead, index_from)
+
+    def replay_actions(self, start: int) -> tuple[int, int]:
+        """Apply action-log records written without this store (a slave's copy); see ProgressLog.replay."""
+        return self._progress.replay(start)
 
     # -- sends -------------------------------------------------------------------------
 
@@ -179,66 +133,9 @@ class BrokerStore:
         policy wherever nothing earlier of the subject still waits for one.
         """
         now = self.clock.now_ms() if now_ms is None else now_ms
-        limits = self.limits
-        errors: list[list[Any]] = []
-        # (message, its subject state or the name of its dead-letter subject, tag bloom, dedup key)
-        accepted: list[tuple[ScannedMessage, SubjectState | str, int, int]] = []
-        seen: set[int] = set()
-        dedup = self.dedup
-        duplicates = 0
-        total = 0
-        for i, sm in enumerate(scanned):
-            dead_name = None
-            st: SubjectState | None = None
-            try:
-                if sm.subject.startswith(_DEAD_RAW):
-                    dead_name = self._dead_name(sm.subject)
-                else:
-                    st = self._subject_for_raw(sm.subject)
-            except InvalidSubjectError as exc:
-                errors.append([i, Status.INVALID_SUBJECT, str(exc)])
-                continue
-            if sm.length > limits.message_bytes_max:
-                errors.append(
-                    [
-                        i,
-                        Status.MESSAGE_TOO_LARGE,
-                        f"message of {sm.length} bytes exceeds message_bytes_max {limits.message_bytes_max}",
-                    ]
-                )
-                continue
-            if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
-                errors.append([i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"])
-                continue
-            if sm.deliver_at_ms > now + HOLD_MS_MAX:
-                errors.append(
-                    [
-                        i,
-                        Status.INVALID_MESSAGE,
-                        f"due {sm.deliver_at_ms - now} ms from now: a broker holds messages due at most "
-                        f"{HOLD_MS_MAX} ms ahead; send later ones to a delay server",
-                    ]
-                )
-                continue
-            bloom = 0
-            if sm.tags:
-                if _tag_count(sm.tags) > limits.tags_max:
-                    errors.append([i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"])
-                    continue
-                bloom = tag_bloom(sm.tags)
-            key = dedup_key(sm)
-            if key in seen or (dedup_check and key in dedup):
-                duplicates += 1
-                continue
-            seen.add(key)
-            target: SubjectState | str
-            if st is not None:
-                target = st
-            else:
-                assert dead_name is not None
-                target = dead_name
-            accepted.append((sm, target, bloom, key))
-            total += RECORD_HEADER_BYTES + sm.length
+        errors, accepted, duplicates, total = check_send(
+            scanned, now, self.limits, self._subjects, self.dedup, dedup_check
+        )
         if not accepted:
             return AppendResult(errors, duplicates, 0, 0, {})
 
@@ -285,6 +182,7 @@ class BrokerStore:
                 st.next_seq = seq
                 st.pending.clear()
             raise store_error(exc, self.dir) from exc
+        dirty = self._subjects.dirty
         for st in touched:
             try:
                 st.clog.append(st.pending)
@@ -293,32 +191,17 @@ class BrokerStore:
                 raise StoreError(f"consume log of {st.name!r} could not be written: {exc}") from exc
             finally:
                 st.pending.clear()
-            self._dirty_clogs.add(st)
+            dirty.add(st)
         for name, letters in dead_letters.items():
             try:
                 self.dead.append(name, letters, now)
             except OSError as exc:
                 raise store_error(exc, self.dir) from exc
-        dedup.add_many([a[3] for a in accepted], now)
-        self.total_messages += len(accepted)
+        self.dedup.add_many([a[3] for a in accepted], now)
+        self.dedup.total_messages += len(accepted)
         for h in held:
             self.held.add(h)
-        if not self.sync_policy:
-            for st in touched:
-                st.visible_seq = st.next_seq
-        elif not visible_now:
-            self._unflushed.append((self.mlog.end, [(st, st.next_seq) for st in touched]))
-            self.unflushed_bytes += total
-        else:
-            waiting = []
-            for st, first in touched.items():
-                if st.visible_seq == first:
-                    st.visible_seq = st.next_seq
-                else:  # an earlier message of the subject waits for its fsync: this one waits behind it
-                    waiting.append((st, st.next_seq))
-            if waiting:
-                self._unflushed.append((self.mlog.end, waiting))
-                self.unflushed_bytes += total
+        self._subjects.publish(touched, self.mlog.end, total, self.sync_policy, visible_now)
         self._grew()
         return AppendResult(errors, duplicates, len(accepted), total, per_subject)
 
@@ -335,47 +218,37 @@ class BrokerStore:
         fds = self.mlog.segments.sync_fds()
         if consume_logs:
             fds.extend(self.alog.segments.sync_fds())
-            for st in self._dirty_clogs:
+            dirty = self._subjects.dirty
+            for st in dirty:
                 fds.extend(st.clog.segments.sync_fds())
-            self._dirty_clogs.clear()
+            dirty.clear()
         return FlushTicket(fds, self.mlog.end)
 
     def complete_flush(self, ticket: FlushTicket) -> set[str]:
         """Make everything the ticket covered visible; returns the subjects that moved."""
-        moved: set[str] = set()
         self.flushed_offset = max(self.flushed_offset, ticket.offset)
-        unflushed = self._unflushed
-        while unflushed and unflushed[0][0] <= ticket.offset:
-            _end, seqs = unflushed.popleft()
-            for st, seq in seqs:
-                if seq > st.visible_seq:
-                    st.visible_seq = seq
-                    moved.add(st.name)
-        self.unflushed_bytes = self.mlog.end - self.flushed_offset if unflushed else 0
-        return moved
+        return self._subjects.flushed(ticket.offset, self.mlog.end - self.flushed_offset)
 
     # -- pulls and acks ----------------------------------------------------------------
 
     def group(self, subject: str, group: str, start: str) -> GroupProgress:
         gp = self.progress.get(subject, group)
         if gp is None:
-            st = self.subjects.get(subject)
+            st = self._subjects.get(subject)
             if start == "earliest":
                 start_seq = st.clog.min_seq if st else 0
             else:
                 start_seq = st.visible_seq if st else 0
-            self.alog.append([act.CREATE_GROUP, subject, group, start_seq])
-            gp = self.progress.create_group(subject, group, start_seq)
+            gp = self._progress.create_group(subject, group, start_seq)
         return gp
 
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
-        self.alog.append([act.ACK, gp.subject, gp.group, cp.consumer_id, ranges])
-        return Progress.apply_ack(cp, ranges)
+        return self._progress.ack(gp, cp, ranges)
 
     def reset(self, gp: GroupProgress, to: str | int) -> int:
         """Move a group's pull offset to ``"earliest"``, ``"latest"`` or the first message stored at or
         after a time (epoch ms); its consumers pull from there next. Returns the new offset."""
-        st = self.subjects.get(gp.subject)
+        st = self._subjects.get(gp.subject)
         if st is None:
             seq = 0
         elif to == "earliest":
@@ -384,19 +257,12 @@ class BrokerStore:
             seq = st.visible_seq
         else:
             seq = min(st.clog.seq_at_time(int(to)), st.visible_seq)
-        self.alog.append([act.RESET, gp.subject, gp.group, seq])
-        gp.pull_offset = seq
+        self._progress.reset(gp, seq)
         return seq
 
     def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
         """Drop dead letters (resent or purged), logged so replay and slaves drop them too."""
-        if numbers:
-            self.alog.append([act.DEAD_REMOVE, dead_subject, numbers])
-            self.dead.remove(dead_subject, numbers)
-
-    def ack_locally(self, cp: ConsumerProgress, ranges: list[list[int]]) -> None:
-        """An ack the broker makes itself; replay reaches the same state by the same rule."""
-        Progress.apply_ack(cp, ranges)
+        self._progress.remove_dead(dead_subject, numbers)
 
     def pull(
         self,
@@ -406,93 +272,25 @@ class BrokerStore:
         max_n: int,
         tag_filter: TagFilter | None = None,
     ) -> PullResult | None:
-        """Hand ``cp`` up to ``max_n`` messages: first what it pulled before and never acked
-        (when its session changed), then the group's next visible messages (those matching
-        ``tag_filter``, when the group subscribes with tags)."""
-        if cp.session != session:
-            cp.session = session
-            cp.cursor = cp.ack_offset
-        st = self.subjects.get(gp.subject)
-        if st is None:
-            return None
-        out = PullResult([], [], 0, 0)
-        for poff, seq, k in Progress.take_redelivery(cp, max_n):
-            got, size = self.read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
-            out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
-        left = max_n - out.messages
-        budget = self.limits.pull_bytes_max - out.nbytes
-        if left > 0 and budget > 0:
-            if tag_filter is None:
-                out = take_next(self, gp, cp, st, left, budget, out)
-            else:
-                out = take_matching(self, gp, cp, st, left, budget, tag_filter, out)
-        return out if out.messages else None
+        """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull)."""
+        return self._pulls.pull(self._subjects.get(gp.subject), gp, cp, session, max_n, tag_filter)
 
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
-        """Records of ``subject`` by sequence, outside any consumer group (see take.read_range)."""
-        return read_range(self, subject, from_seq, max_n)
+        """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
+        return self._pulls.read_range(self._subjects.get(subject), from_seq, max_n)
 
-    def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
-        """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""
-        self.alog.append([act.PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, runs, new_offset])
-        return Progress.record_pull(gp, cp, runs, new_offset)
-
-    def read_records(
-        self, entries: bytes, chunks: list[bytes], cp: ConsumerProgress, poff: int, runs: list[list[int]]
-    ) -> tuple[int, int]:
-        """Append the records of ``entries`` (pull-log offsets from ``poff``) to ``chunks`` and
-        their offsets to ``runs``, coalescing adjacent records into one read."""
-        log_start = self.mlog.start
-        run_off = -1
-        run_end = -1
-        got = 0
-        nbytes = 0
-        for i, (off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
-            if off < log_start:
-                # removed by retention while pulled and unacked: nothing to send, so it is done
-                self.ack_locally(cp, [[poff + i, poff + i + 1]])
-                continue
-            if runs and runs[-1][0] + runs[-1][1] == poff + i:
-                runs[-1][1] += 1
-            else:
-                runs.append([poff + i, 1])
-            if off == run_end:
-                run_end += size
-            else:
-                if run_end > run_off >= 0:
-                    self.read_into(run_off, run_end - run_off, chunks)
-                run_off, run_end = off, off + size
-            got += 1
-            nbytes += size
-        if run_end > run_off >= 0:
-            self.read_into(run_off, run_end - run_off, chunks)
-        return got, nbytes
-
-    def read_into(self, offset: int, size: int, chunks: list[bytes]) -> None:
-        while size > 0:
-            data = self.mlog.read(offset, size)
-            if not data:
-                raise StoreError(f"message log has no data at offset {offset} ({size} bytes expected)")
-            chunks.append(data)
-            offset += len(data)
-            size -= len(data)
-
-    # -- checkpoints and retention -----------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
         now = self.clock.now_ms()
-        self.marks.append([now, self.mlog.end, self.total_messages])
-        window_start = now - self.config.dedup_window_ms
-        while len(self.marks) > 1 and (self.marks[1][0] <= window_start or len(self.marks) > _MARKS_MAX):
-            self.marks.pop(0)
         return {
             "version": 1,
             "time_ms": now,
             "message_offset": self.mlog.end,
             "action_offset": self.alog.end,
-            "total_messages": self.total_messages,
-            "marks": self.marks,
-            "subjects": {name: st.next_seq for name, st in self.subjects.items()},
+            "total_messages": self.dedup.total_messages,
+            "marks": self.dedup.mark(now, self.mlog.end),
+            "subjects": {st.name: st.next_seq for st in self._subjects},
             "held": self.held.snapshot(),
             "progress": self.progress.snapshot(),
         }
@@ -521,34 +319,12 @@ class BrokerStore:
         self.mlog.close()
         self.alog.close()
         self.dead.close()
-        for st in self.subjects.values():
-            st.clog.close()
-        self.subjects = {}
-        self._by_raw = {}
+        self._subjects.close()
 
     def reopen(self) -> RecoveryReport:
-        self._init_state()
+        self._open_files()
         return self.open()
 
     def close(self) -> None:
         self.close_files()
         self._lock.release()
-
-
-def dedup_key(sm: ScannedMessage) -> int:
-    """What makes two sends the same message: its id, on the same subject, at the same attempt.
-
-    A retry re-sends a message with its id to a retry subject and a higher attempt count; a
-    producer's retry or a delay server's repeated hand-over repeats all three.
-    """
-    return hash((sm.message_id, sm.subject, sm.times))
-
-
-def _tag_count(tags_block: bytes) -> int:
-    n = 0
-    pos = 0
-    while pos < len(tags_block):
-        pos += 1 + tags_block[pos]
-        n += 1
-    return n
-

@@ -1,17 +1,26 @@
-"""The consume log of one subject: fixed-width entries, entry N at byte N × 32.
+"""The consume log of one subject: its entry format, and the log of one subject's entries.
 
-Entry layout (little-endian, 32 bytes)::
+This module is the one home of the entry layout: the struct, the numpy dtype and the field
+numbers below are what every reader of consume logs uses (the store's pulls, recovery,
+retention, retries, and the offline reader in ``reader.py``).
+
+Entry layout, format version 1 (little-endian, 32 bytes; entry N at byte N × 32)::
 
     0                 8         12                20                28        32
     +-----------------+---------+-----------------+-----------------+---------+
     | log offset      | size    | stored_ms       | tag bloom       |reserved |
     +-----------------+---------+-----------------+-----------------+---------+
 
-    log offset  u64  where the record starts in the message log
-    size        u32  bytes of the record (28-byte header + message)
-    stored_ms   i64  when the broker stored it
-    tag bloom   u64  two bits per tag (see ``tag_bloom``); 0 for a message without tags
-    reserved    u32  0
+    | field      | type | bytes  | meaning                                               |
+    |------------|------|--------|-------------------------------------------------------|
+    | log offset | u64  | 0-7    | where the record starts in the message log            |
+    | size       | u32  | 8-11   | bytes of the record (28-byte header + message)        |
+    | stored_ms  | i64  | 12-19  | when the broker stored it                             |
+    | tag bloom  | u64  | 20-27  | two bits per tag (``tag_bloom``); 0 without tags      |
+    | reserved   | u32  | 28-31  | 0                                                     |
+
+The version is not written in the files (they hold entries only): a new layout needs a new
+version here and a migration. Along a subject, log offsets and stored times never go back.
 
 The consume log is derived: recovery rebuilds its tail from the message log. Its segment
 files are named by their base byte offset (entry number × 32), like the message log's.
@@ -20,15 +29,27 @@ files are named by their base byte offset (entry number × 32), like the message
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import crc32c
+import numpy as np
 
 from qmq.store.segments import SegmentedLog
 
+FORMAT_VERSION = 1
 ENTRY = struct.Struct("<QIqQI")
 ENTRY_BYTES = ENTRY.size  # 32
+# the same layout as a numpy record, for reading many entries at once
+ENTRY_DTYPE = np.dtype(
+    [("offset", "<u8"), ("size", "<u4"), ("stored_ms", "<i8"), ("bloom", "<u8"), ("reserved", "<u4")]
+)
+assert ENTRY_DTYPE.itemsize == ENTRY_BYTES
+# positions in an unpacked ENTRY
+FIELD_OFFSET = 0
+FIELD_STORED_MS = 2
 SUBJECT_FILE = "subject"
+SEGMENT_SUFFIX = ".cl"
 
 
 def tag_bloom(tags_block: bytes) -> int:
@@ -47,6 +68,21 @@ def tag_bits(tag: bytes) -> int:
     return (1 << (h & 63)) | (1 << ((h >> 6) & 63))
 
 
+def first_seq_reaching(read: Callable[[int, int], bytes], lo: int, hi: int, field: int, value: int) -> int:
+    """The first sequence in ``[lo, hi)`` whose entry's ``field`` (``FIELD_OFFSET`` or
+    ``FIELD_STORED_MS``, which never go back along a subject) is at least ``value``; ``hi``
+    when none is. ``read(seq, count)`` gives entries; one it cannot give counts as reaching.
+    A binary search: O(log n) reads."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        raw = read(mid, 1)
+        if len(raw) == ENTRY_BYTES and ENTRY.unpack(raw)[field] < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class ConsumeLog:
     def __init__(self, directory: Path, subject: str, entries_per_segment: int) -> None:
         self.directory = directory
@@ -57,7 +93,7 @@ class ConsumeLog:
             tmp = directory / (SUBJECT_FILE + ".tmp")
             tmp.write_text(subject, encoding="utf-8")
             tmp.replace(name_file)
-        self.segments = SegmentedLog(directory, ".cl", entries_per_segment * ENTRY_BYTES)
+        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES)
 
     @staticmethod
     def subject_in(directory: Path) -> str | None:
@@ -96,23 +132,41 @@ class ConsumeLog:
         return ENTRY.unpack(raw) if len(raw) == ENTRY_BYTES else None
 
     def seq_at_time(self, time_ms: int) -> int:
-        """The first sequence stored at or after ``time_ms`` (stored times never go back within a subject)."""
-        lo, hi = self.min_seq, self.next_seq
-        while lo < hi:
-            mid = (lo + hi) // 2
-            raw = self.read(mid, 1)
-            if len(raw) == ENTRY_BYTES and ENTRY.unpack(raw)[2] < time_ms:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        """The first sequence stored at or after ``time_ms``."""
+        return first_seq_reaching(self.read, self.min_seq, self.next_seq, FIELD_STORED_MS, time_ms)
 
     def truncate(self, seq: int) -> int:
         """Drop entries from ``seq`` on; returns how many were dropped."""
         return self.segments.truncate(seq * ENTRY_BYTES) // ENTRY_BYTES
 
-    def delete_before_seq(self, seq: int) -> None:
-        self.segments.delete_before(seq * ENTRY_BYTES)
+    def cut_past(self, log_end: int) -> int:
+        """Drop the entries at the end whose record lies past ``log_end`` (the message log's end
+        after recovery cut a torn tail); returns how many were dropped."""
+        cut = 0
+        while self.next_seq > self.min_seq:
+            back = min(1024, self.next_seq - self.min_seq)
+            raw = self.read(self.next_seq - back, back)
+            keep = 0
+            for i, (off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(raw)):
+                if off + size > log_end:
+                    break
+                keep = i + 1
+            if keep == back:
+                break
+            cut += self.truncate(self.next_seq - back + keep)
+            if keep:
+                break
+        return cut
+
+    def delete_before_offset(self, log_offset: int) -> None:
+        """Delete whole segments (never the last) whose every entry points before ``log_offset``
+        in the message log (retention deleted those records)."""
+        for seg in self.segments.segments[:-1]:
+            last = self.read(seg.end // ENTRY_BYTES - 1, 1)
+            if len(last) == ENTRY_BYTES and ENTRY.unpack(last)[FIELD_OFFSET] < log_offset:
+                self.segments.delete_before(seg.end)
+            else:
+                break
 
     def close(self) -> None:
         self.segments.close()

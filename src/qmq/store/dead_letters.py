@@ -26,9 +26,17 @@ from qmq.protocol.message import decode_message, decode_properties
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into, read_record_header, record_crc_ok
 from qmq.store.segments import fsync_dir
 
-_REMOVED = struct.Struct("<Q")
+REMOVED = struct.Struct("<Q")  # a letter number in ``removed``
+SUBJECT_FILE = "subject"
+LETTERS_FILE = "letters"
+REMOVED_FILE = "removed"
 _READ_BYTES = 4 * 1024 * 1024
 ERROR_PROPERTY = "qmq.error"
+
+
+def removed_numbers(raw: bytes) -> set[int]:
+    """The letter numbers a ``removed`` file holds (a torn last one ignored)."""
+    return {n for (n,) in REMOVED.iter_unpack(raw[: len(raw) // REMOVED.size * REMOVED.size])}
 
 
 @dataclass(slots=True)
@@ -73,18 +81,18 @@ class DeadLetters:
         directory.mkdir(parents=True, exist_ok=True)
         self.boxes: dict[str, DeadBox] = {}
         for sub in sorted(directory.iterdir()):
-            name_file = sub / "subject"
+            name_file = sub / SUBJECT_FILE
             if name_file.exists():
                 self._open(name_file.read_text(encoding="utf-8"), sub)
 
     def _open(self, subject: str, sub: Path) -> DeadBox:
         sub.mkdir(parents=True, exist_ok=True)
-        name_file = sub / "subject"
+        name_file = sub / SUBJECT_FILE
         if not name_file.exists():
             name_file.write_text(subject, encoding="utf-8")
             fsync_dir(sub)
-        letters_fd = os.open(sub / "letters", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        removed_fd = os.open(sub / "removed", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        letters_fd = os.open(sub / LETTERS_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        removed_fd = os.open(sub / REMOVED_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         box = DeadBox(subject, sub, letters_fd, removed_fd, os.fstat(letters_fd).st_size, 0)
         end = [0]
         for letter in self._scan(box, end):
@@ -94,7 +102,7 @@ class DeadLetters:
             os.ftruncate(letters_fd, end[0])
             box.size = end[0]
         raw = os.pread(removed_fd, os.fstat(removed_fd).st_size, 0)
-        box.removed = {n for (n,) in _REMOVED.iter_unpack(raw[: len(raw) // 8 * 8])}
+        box.removed = removed_numbers(raw)
         self.boxes[subject] = box
         return box
 
@@ -189,7 +197,7 @@ class DeadLetters:
         fresh = [n for n in numbers if n not in box.removed]
         if not fresh:
             return
-        os.write(box.removed_fd, b"".join(_REMOVED.pack(n) for n in fresh))
+        os.write(box.removed_fd, b"".join(REMOVED.pack(n) for n in fresh))
         os.fsync(box.removed_fd)
         box.removed.update(fresh)
 

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from qmq.common.errors import QmqError
 from qmq.protocol.message import scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.store.dedup import dedup_key
+from qmq.store.intake import Appending
 
 if TYPE_CHECKING:
-    from qmq.store.broker_store import AppendResult, BrokerStore
+    from qmq.common.limits import Limits
+    from qmq.store.intake import AppendResult
+    from qmq.store.message_log import MessageLog
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +101,33 @@ class HeldMessages:
         of this process: recovery computes them again from the records)."""
         return [[h.due_ms, h.offset, h.size] for h in sorted(self._live.values(), key=lambda h: h.offset)]
 
+    def restore(self, mlog: MessageLog, rows: list[list[int]]) -> None:
+        """Hold again what a checkpoint names ([due_ms, offset, size], see ``snapshot``)."""
+        for (due_ms, offset, size), record in zip(rows, read_spans(mlog, [(r[1], r[2]) for r in rows]), strict=True):
+            header = None if record is None else read_record_header(record, 0)
+            if (
+                record is None
+                or header is None
+                or header.sequence != HELD_SEQUENCE
+                or not record_crc_ok(record, 0, header)
+            ):
+                log.error("the checkpoint names a held message at offset %d that the message log does not hold", offset)
+                continue
+            (sm,) = scan_batch(record[RECORD_HEADER_BYTES:])
+            self.add(Held(due_ms, offset, size, dedup_key(sm)))
 
-def release_due(store: BrokerStore, now_ms: int, max_n: int = RELEASE_BATCH_MAX) -> tuple[AppendResult, bool] | None:
+
+class Releasing(Appending, Protocol):
+    """What releasing held messages needs of the store that holds them."""
+
+    held: HeldMessages
+    mlog: MessageLog
+    limits: Limits
+    sync_policy: bool
+    flushed_offset: int
+
+
+def release_due(store: Releasing, now_ms: int, max_n: int = RELEASE_BATCH_MAX) -> tuple[AppendResult, bool] | None:
     """Append copies of up to ``max_n`` held records due by ``now_ms`` to their subjects.
 
     Returns the append's result and whether the copies are visible already (every held
@@ -108,7 +137,7 @@ def release_due(store: BrokerStore, now_ms: int, max_n: int = RELEASE_BATCH_MAX)
     if not due:
         return None
     messages: list[bytes] = []
-    for h, record in zip(due, _read_records(store, [(h.offset, h.size) for h in due]), strict=True):
+    for h, record in zip(due, read_spans(store.mlog, [(h.offset, h.size) for h in due]), strict=True):
         if record is None:
             # only if the broker was down past the retention and its segment was deleted
             log.error("held message at offset %d is no longer in the message log; it is dropped", h.offset)
@@ -125,25 +154,11 @@ def release_due(store: BrokerStore, now_ms: int, max_n: int = RELEASE_BATCH_MAX)
     return result, durable
 
 
-def restore_held(store: BrokerStore, rows: list[list[int]]) -> None:
-    """Hold again what a checkpoint names ([due_ms, offset, size], see ``HeldMessages.snapshot``)."""
-    from qmq.store.broker_store import dedup_key
-
-    for (due_ms, offset, size), record in zip(rows, _read_records(store, [(r[1], r[2]) for r in rows]), strict=True):
-        header = None if record is None else read_record_header(record, 0)
-        if record is None or header is None or header.sequence != HELD_SEQUENCE or not record_crc_ok(record, 0, header):
-            log.error("the checkpoint names a held message at offset %d that the message log does not hold", offset)
-            continue
-        (sm,) = scan_batch(record[RECORD_HEADER_BYTES:])
-        store.held.add(Held(due_ms, offset, size, dedup_key(sm)))
-
-
-def _read_records(store: BrokerStore, spans: list[tuple[int, int]]) -> list[bytes | None]:
+def read_spans(mlog: MessageLog, spans: list[tuple[int, int]]) -> list[bytes | None]:
     """The records at (offset, size) spans, in the order given (None where the log lacks one);
     adjacent spans are read together."""
     out: list[bytes | None] = [None] * len(spans)
     order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-    mlog = store.mlog
     i = 0
     while i < len(order):
         start, end = spans[order[i]][0], sum(spans[order[i]])
@@ -154,7 +169,7 @@ def _read_records(store: BrokerStore, spans: list[tuple[int, int]]) -> list[byte
         if mlog.start <= start and end <= mlog.end:
             chunks: list[bytes] = []
             try:
-                store.read_into(start, end - start, chunks)
+                mlog.read_into(start, end - start, chunks)
             except QmqError:
                 chunks = []
             data = b"".join(chunks)

@@ -11,17 +11,16 @@ buffered per subject and written in chunks.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from qmq.common.naming import DEAD_PREFIX
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.message import scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, tag_bloom
-from qmq.store.held import HELD_SEQUENCE, Held
-
-if TYPE_CHECKING:
-    from qmq.store.broker_store import BrokerStore, SubjectState
+from qmq.store.dead_letters import DeadLetters
+from qmq.store.dedup import DedupWindow, dedup_key
+from qmq.store.held import HELD_SEQUENCE, Held, HeldMessages
+from qmq.store.subjects import Subjects, SubjectState
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +34,13 @@ class UnreadableRecord(Exception):
 
 
 class RecordIndexer:
-    def __init__(self, store: BrokerStore, index_from: int) -> None:
-        self.store = store
+    def __init__(
+        self, subjects: Subjects, dedup: DedupWindow, held: HeldMessages, dead: DeadLetters, index_from: int
+    ) -> None:
+        self.subjects = subjects
+        self.dedup = dedup
+        self.held = held
+        self.dead = dead
         self.index_from = index_from  # records before this offset only feed the duplicate window
         self.indexed = 0
         self.rebuilt = 0
@@ -45,9 +49,6 @@ class RecordIndexer:
         self._pending: set[SubjectState] = set()
 
     def add(self, offset: int, sequence: int, stored_ms: int, message: bytes | memoryview) -> None:
-        from qmq.store.broker_store import dedup_key
-
-        store = self.store
         try:
             (sm,) = scan_batch(bytes(message))
         except (RemoteProtocolError, ValueError):
@@ -56,23 +57,22 @@ class RecordIndexer:
         self._keys.append(key)
         self._last_ms = stored_ms
         if len(self._keys) >= _DEDUP_CHUNK:
-            store.dedup.add_many(self._keys, stored_ms)
+            self.dedup.add_many(self._keys, stored_ms)
             self._keys = []
         if offset < self.index_from:
             return
         self.indexed += 1
-        store.total_messages += 1
+        self.dedup.total_messages += 1
         name = sm.subject.decode("utf-8")
         if sm.subject.startswith(_DEAD_RAW):
-            store.dead.append(name, [(offset, bytes(message))], stored_ms)
+            self.dead.append(name, [(offset, bytes(message))], stored_ms)
             return
         if sequence == HELD_SEQUENCE:
-            store.held.add(Held(sm.deliver_at_ms, offset, RECORD_HEADER_BYTES + len(message), key))
+            self.held.add(Held(sm.deliver_at_ms, offset, RECORD_HEADER_BYTES + len(message), key))
             return
-        if store.held:
-            store.held.copied(key)
-        st = store.subject_state(name)
-        assert st is not None
+        if self.held:
+            self.held.copied(key)
+        st = self.subjects.state(name)
         expected = st.clog.next_seq + len(st.pending) // ENTRY_BYTES
         if sequence < expected:
             return
@@ -96,7 +96,7 @@ class RecordIndexer:
     def finish(self) -> set[str]:
         """Write what is buffered; returns the subjects that got entries."""
         if self._keys:
-            self.store.dedup.add_many(self._keys, self._last_ms)
+            self.dedup.add_many(self._keys, self._last_ms)
             self._keys = []
         touched = set()
         for st in self._pending:

@@ -1,8 +1,10 @@
 """The message log: every subject's records in one append-only sequence of segments.
 
-A record is the 28-byte header of ``qmq.protocol.record`` followed by the message exactly as
-the producer encoded it. A batch of records is written with one ``write`` and never spans
-two segments, so every segment starts on a record boundary. Recovery scans records from a
+A record is the 28-byte header of ``qmq.protocol.record`` (its layout is drawn there, since
+pulls send records as stored) followed by the message exactly as the producer encoded it;
+``RECORD_HEADER_DTYPE`` is that header as a numpy record, for checking many at once. A batch
+of records is written with one ``write`` and never spans two segments, so every segment
+starts on a record boundary. Recovery scans records from a
 checkpointed offset, checks each CRC and cuts the log at the first record that does not
 check out (a torn tail).
 """
@@ -14,11 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+import numpy as np
+
+from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.store.datadir import StoreError
 from qmq.store.segments import SegmentedLog
 
 log = logging.getLogger(__name__)
 
+SEGMENT_SUFFIX = ".log"
+RECORD_HEADER_DTYPE = np.dtype(
+    [("magic", "<u4"), ("crc", "<u4"), ("length", "<u4"), ("sequence", "<u8"), ("stored_ms", "<i8")]
+)
+assert RECORD_HEADER_DTYPE.itemsize == RECORD_HEADER.size == RECORD_HEADER_BYTES
 _SCAN_CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -36,7 +46,7 @@ class ScanResult(NamedTuple):
 
 class MessageLog:
     def __init__(self, directory: Path, segment_bytes: int) -> None:
-        self.segments = SegmentedLog(directory, ".log", segment_bytes)
+        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, segment_bytes)
 
     @property
     def start(self) -> int:
@@ -56,6 +66,16 @@ class MessageLog:
 
     def read(self, offset: int, size: int) -> bytes:
         return self.segments.read(offset, size)
+
+    def read_into(self, offset: int, size: int, chunks: list[bytes]) -> None:
+        """Append the ``size`` bytes at ``offset`` to ``chunks`` (one chunk per segment they span)."""
+        while size > 0:
+            data = self.segments.read(offset, size)
+            if not data:
+                raise StoreError(f"message log has no data at offset {offset} ({size} bytes expected)")
+            chunks.append(data)
+            offset += len(data)
+            size -= len(data)
 
     def scan(self, start: int, result: list[ScanResult], verify: bool = True) -> Iterator[ScannedRecord]:
         """Yield the records from ``start`` to the end; append one ScanResult to ``result`` at the end.

@@ -9,7 +9,8 @@ safe to use while the broker runs. It reads what the files hold at the moment it
   tail being written, or a torn tail a crashed broker has not cut yet. While the broker runs,
   the last records read may not be fsynced yet.
 - the action log (``action_log.py``) from its oldest kept segment, the checkpoint
-  (``checkpoint.py``), and the consumer progress they give together (``progress.py``).
+  (``checkpoint.py``), and the consumer progress they give together (``progress.py``),
+  replayed by the broker's own rule (``action_log.apply_action``).
 - dead letters (``dead_letters.py``), with the ones resent or purged marked as removed.
 
 Files that retention deletes while a read runs count as gone: a read then starts at the
@@ -19,40 +20,30 @@ first record still kept.
 from __future__ import annotations
 
 import os
-import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import crc32c
-import msgpack
 import numpy as np
 
 from qmq.common.errors import QmqError
 from qmq.common.naming import subject_file_name
 from qmq.protocol.record import RECORD_HEADER_BYTES, RECORD_MAGIC, read_record_header, record_crc_ok
 from qmq.store import action_log as act
+from qmq.store import consume_log, message_log
+from qmq.store import dead_letters as dl
 from qmq.store.checkpoint import read_checkpoint
-from qmq.store.consume_log import ENTRY, ENTRY_BYTES, SUBJECT_FILE
+from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE, SUBJECT_FILE, first_seq_reaching
+from qmq.store.message_log import RECORD_HEADER_DTYPE
 from qmq.store.progress import Progress
 
 # A read gathers at most this many bytes of records (and the entries that point at them).
 READ_BYTES_MAX = 8 * 1024 * 1024
-_ACTION_FRAME = struct.Struct("<II")
-_ACTION_BYTES_MAX = 64 * 1024 * 1024  # no action is larger than a segment
-_DEAD_READ_BYTES = 4 * 1024 * 1024
-_REMOVED = struct.Struct("<Q")
 # Re-listing segments after one vanished mid-read: retention deletes from the front, so a
 # couple of tries always find the new front.
 _RELIST_TRIES_MAX = 3
-# the layouts of consume_log.ENTRY and qmq.protocol.record's header, for numpy
-_ENTRY_DTYPE = np.dtype(
-    [("offset", "<u8"), ("size", "<u4"), ("stored_ms", "<i8"), ("bloom", "<u8"), ("reserved", "<u4")]
-)
-_RECORD_HEADER_DTYPE = np.dtype(
-    [("magic", "<u4"), ("crc", "<u4"), ("length", "<u4"), ("sequence", "<u8"), ("stored_ms", "<i8")]
-)
 
 
 class DataDirError(QmqError):
@@ -86,6 +77,11 @@ def _segments(directory: Path, suffix: str) -> list[_Seg]:
             continue
         out.append(_Seg(int(stem), path, size))
     return out
+
+
+def _reader_of(data: bytes) -> Callable[[int, int], bytes]:
+    """``read(pos, size)`` over bytes in memory."""
+    return lambda pos, size: data[pos : pos + size]
 
 
 def _pread(path: Path, size: int, offset: int) -> bytes:
@@ -164,7 +160,7 @@ class StoreReader:
         clog = self.consume_dir(subject)
         if clog is None:
             return 0, 0
-        segs = _segments(clog, ".cl")
+        segs = _segments(clog, consume_log.SEGMENT_SUFFIX)
         if not segs:
             return 0, 0
         first = self._first_kept(subject, clog, segs)
@@ -175,20 +171,14 @@ class StoreReader:
 
     def _first_kept(self, subject: str, clog: Path, segs: list[_Seg]) -> int:
         """The first sequence whose record the message log still holds (retention goes by whole segments)."""
-        logs = _segments(self.dir / "log", ".log")
+        logs = _segments(self.dir / "log", message_log.SEGMENT_SUFFIX)
         log_start = logs[0].base if logs else 0
         seq = -(-segs[0].base // ENTRY_BYTES)
         end = segs[-1].end // ENTRY_BYTES
-        # entries point forward in the log, so the kept ones are a suffix: binary search
-        lo, hi = seq, end
-        while lo < hi:
-            mid = (lo + hi) // 2
-            raw = self._entries(clog, mid, 1)
-            if len(raw) == ENTRY_BYTES and ENTRY.unpack(raw)[0] < log_start:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        # entries point forward in the log, so the kept ones are a suffix
+        return first_seq_reaching(
+            lambda at, n: self._entries(clog, at, n), seq, end, consume_log.FIELD_OFFSET, log_start
+        )
 
     def _last_good_end(self, clog: Path, first: int, end: int) -> int:
         """Walk back from the end over entries whose record is not (yet) whole and good."""
@@ -216,7 +206,7 @@ class StoreReader:
         out = bytearray()
         offset = seq * ENTRY_BYTES
         want = count * ENTRY_BYTES
-        for seg in _segments(clog, ".cl"):
+        for seg in _segments(clog, consume_log.SEGMENT_SUFFIX):
             if seg.end <= offset or len(out) >= want:
                 continue
             if seg.base > offset:
@@ -232,7 +222,7 @@ class StoreReader:
         return bytes(out[: len(out) // ENTRY_BYTES * ENTRY_BYTES])
 
     def _read_log(self, offset: int, size: int) -> bytes:
-        for seg in _segments(self.dir / "log", ".log"):
+        for seg in _segments(self.dir / "log", message_log.SEGMENT_SUFFIX):
             if seg.base <= offset < seg.end:
                 try:
                     return _pread(seg.path, min(size, seg.end - offset), offset - seg.base)
@@ -269,14 +259,14 @@ class StoreReader:
         )
 
     def _read(self, subject: str, clog: Path, from_seq: int, to_seq: int, bytes_max: int, verify: bool) -> RecordRun:
-        segs = _segments(clog, ".cl")
+        segs = _segments(clog, consume_log.SEGMENT_SUFFIX)
         if not segs:
             return RecordRun(from_seq, 0, b"")
         first = max(from_seq, self._first_kept(subject, clog, segs))
         n = min(to_seq - first, bytes_max // 64 + 1, segs[-1].end // ENTRY_BYTES - first)
         if n <= 0:
             return RecordRun(first, 0, b"")
-        entries = np.frombuffer(self._entries(clog, first, n), dtype=_ENTRY_DTYPE)
+        entries = np.frombuffer(self._entries(clog, first, n), dtype=ENTRY_DTYPE)
         if not len(entries):
             return RecordRun(first, 0, b"")
         offsets = entries["offset"].astype(np.int64)
@@ -286,7 +276,7 @@ class StoreReader:
         offsets, sizes, ends = offsets[:count], sizes[:count], ends[:count]
         # records that follow each other in the message log are read with one pread
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1
-        logs = _segments(self.dir / "log", ".log")
+        logs = _segments(self.dir / "log", message_log.SEGMENT_SUFFIX)
         out = bytearray()
         for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
             out += self._read_span(logs, int(offsets[a]), int(offsets[b - 1] + sizes[b - 1]))
@@ -306,7 +296,7 @@ class StoreReader:
         if len(buf) < RECORD_HEADER_BYTES:
             return 0
         head = buf[at[:, None] + np.arange(RECORD_HEADER_BYTES)]
-        fields = head.copy().view(_RECORD_HEADER_DTYPE).reshape(-1)
+        fields = head.copy().view(RECORD_HEADER_DTYPE).reshape(-1)
         ok = (
             whole
             & (fields["magic"] == RECORD_MAGIC)
@@ -358,15 +348,9 @@ class StoreReader:
         clog = self.consume_dir(subject)
         if clog is None:
             return end
-        lo, hi = first, end
-        while lo < hi:  # bounded: binary search
-            mid = (lo + hi) // 2
-            raw = self._entries(clog, mid, 1)
-            if len(raw) == ENTRY_BYTES and ENTRY.unpack(raw)[2] < time_ms:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        return first_seq_reaching(
+            lambda at, n: self._entries(clog, at, n), first, end, consume_log.FIELD_STORED_MS, time_ms
+        )
 
     def iter_records(self, subject: str, from_seq: int = 0, to_seq: int | None = None) -> Iterator[RecordRun]:
         """Successive runs of ``subject`` from ``from_seq`` (or the first kept) to ``to_seq`` (or the end)."""
@@ -386,7 +370,7 @@ class StoreReader:
 
     def actions(self, start: int = 0) -> Iterator[ActionAt]:
         """Actions from offset ``start`` (or the oldest kept) to the first that does not check out."""
-        segs = _segments(self.dir / "action", ".act")
+        segs = _segments(self.dir / "action", act.SEGMENT_SUFFIX)
         for seg in segs:
             if seg.end <= start:
                 continue
@@ -395,22 +379,13 @@ class StoreReader:
             except FileNotFoundError:
                 continue  # deleted after a checkpoint: its actions are in the checkpoint
             pos = max(0, start - seg.base)
-            while pos + _ACTION_FRAME.size <= len(data):
-                length, crc = _ACTION_FRAME.unpack_from(data, pos)
-                body_at = pos + _ACTION_FRAME.size
-                if length > _ACTION_BYTES_MAX or body_at + length > len(data):
+            read = _reader_of(data)
+            while pos < len(data):
+                frame = act.read_frame(read, pos)
+                if frame is None:
                     return
-                payload = data[body_at : body_at + length]
-                if crc32c.crc32c(payload) != crc:
-                    return
-                try:
-                    action = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-                except Exception:  # a CRC-valid record that does not decode: stop as at a torn tail
-                    return
-                if not isinstance(action, list) or not action:
-                    return
-                yield ActionAt(seg.base + pos, action)
-                pos = body_at + length
+                yield ActionAt(seg.base + pos, frame[0])
+                pos = frame[1]
 
     def progress(self) -> tuple[Progress, int]:
         """Consumer progress now (checkpoint plus the actions after it) and the checkpoint's time (ms, 0 if none)."""
@@ -421,7 +396,7 @@ class StoreReader:
             progress = Progress.from_snapshot(state["progress"])
             start, at_ms = int(state["action_offset"]), int(state.get("time_ms", 0))
         for item in self.actions(start):
-            apply_action(progress, item.action)
+            act.apply_action(progress, item.action, warn=False)
         return progress, at_ms
 
     # -- dead letters ------------------------------------------------------------------
@@ -438,12 +413,12 @@ class StoreReader:
                 removed_by_action.setdefault(str(a[1]), set()).update(int(n) for n in a[2])
         for box in sorted(dead.iterdir()):
             try:
-                name = (box / "subject").read_text(encoding="utf-8")
-                raw_removed = (box / "removed").read_bytes() if (box / "removed").exists() else b""
-                letters = (box / "letters").read_bytes()
+                name = (box / dl.SUBJECT_FILE).read_text(encoding="utf-8")
+                raw_removed = (box / dl.REMOVED_FILE).read_bytes() if (box / dl.REMOVED_FILE).exists() else b""
+                letters = (box / dl.LETTERS_FILE).read_bytes()
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            removed = {n for (n,) in _REMOVED.iter_unpack(raw_removed[: len(raw_removed) // 8 * 8])}
+            removed = dl.removed_numbers(raw_removed)
             removed |= removed_by_action.get(name, set())
             pos = 0
             while True:
@@ -460,23 +435,3 @@ class StoreReader:
                 )
                 pos = end
 
-
-def apply_action(progress: Progress, action: list[Any]) -> None:
-    """Replay one action into ``progress`` by the broker's rules (see ``recovery.py``)."""
-    kind = action[0]
-    if kind not in (act.CREATE_GROUP, act.PULL, act.ACK, act.RESET):
-        return  # dead-letter removals and kinds of later versions do not move consumers
-    if kind == act.CREATE_GROUP and len(action) == 4:
-        progress.create_group(str(action[1]), str(action[2]), int(action[3]))
-        return
-    if len(action) < 4:
-        return
-    gp = progress.get(str(action[1]), str(action[2]))
-    if gp is None:
-        return
-    if kind == act.PULL and len(action) == 7:
-        Progress.record_pull(gp, gp.consumer(str(action[3])), action[5], int(action[6]))
-    elif kind == act.ACK and len(action) == 5:
-        Progress.apply_ack(gp.consumer(str(action[3])), action[4])
-    elif kind == act.RESET:
-        gp.pull_offset = int(action[3])

@@ -1,6 +1,6 @@
-"""Recovery: bring a broker's store back to a consistent state after any stop.
+"""Recovery: build a broker store's in-memory parts again from its files after any stop.
 
-1. Read the checkpoint (offsets, subjects, consumer progress).
+1. Read the checkpoint (offsets, subjects, consumer progress, held messages, dedup marks).
 2. Scan the message log from the checkpoint (or, for the duplicate window, from the oldest
    checkpoint mark still inside the window), checking every CRC: records after the checkpoint
    are indexed into their consume logs again if their entries were lost, held records (and
@@ -8,6 +8,9 @@
    first record that does not check out marks a torn tail, which is cut and logged.
 3. Cut consume-log entries that point past the end of the message log.
 4. Replay the action log from the checkpoint into consumer progress (cutting its torn tail).
+
+The store hands recovery its open files and takes the parts it returns (``StoreParts``);
+recovery knows nothing of the store itself.
 """
 
 from __future__ import annotations
@@ -15,23 +18,24 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
 
-from qmq.store import action_log as act
+from qmq.common.clock import Clock
+from qmq.common.config import BrokerConfig
+from qmq.common.limits import Limits
+from qmq.store.action_log import ActionLog, ProgressLog
 from qmq.store.checkpoint import read_checkpoint
-from qmq.store.consume_log import ENTRY, ConsumeLog
-from qmq.store.held import restore_held
+from qmq.store.dead_letters import DeadLetters
+from qmq.store.dedup import DedupWindow
+from qmq.store.held import HeldMessages
 from qmq.store.indexer import RecordIndexer, UnreadableRecord
-from qmq.store.message_log import ScanResult
+from qmq.store.message_log import MessageLog, ScanResult
 from qmq.store.progress import Progress
-
-if TYPE_CHECKING:
-    from qmq.store.broker_store import BrokerStore, SubjectState
+from qmq.store.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-_INDEX_FLUSH_ENTRIES = 4096
-_DEDUP_CHUNK = 8192
+CONSUME_DIR = "consume"
 
 
 @dataclass(slots=True)
@@ -48,40 +52,64 @@ class RecoveryReport:
     seconds: float
 
 
-def recover(store: BrokerStore) -> RecoveryReport:
+@dataclass(slots=True)
+class StoreParts:
+    """The in-memory state of a broker's store, each part behind its own interface."""
+
+    subjects: Subjects
+    progress: ProgressLog
+    dedup: DedupWindow
+    held: HeldMessages
+
+
+def empty_parts(
+    directory: Path,
+    config: BrokerConfig,
+    limits: Limits,
+    alog: ActionLog,
+    dead: DeadLetters,
+    progress: Progress | None = None,
+) -> StoreParts:
+    """Parts that know nothing yet (what a store holds until it is opened)."""
+    return StoreParts(
+        Subjects(directory / CONSUME_DIR, config.consume_log_segment_entries, limits),
+        ProgressLog(alog, Progress() if progress is None else progress, dead.remove),
+        DedupWindow(config.dedup_window_ms, config.dedup_entries_max),
+        HeldMessages(),
+    )
+
+
+def recover(
+    directory: Path,
+    config: BrokerConfig,
+    clock: Clock,
+    limits: Limits,
+    mlog: MessageLog,
+    alog: ActionLog,
+    dead: DeadLetters,
+) -> tuple[StoreParts, RecoveryReport]:
+    """The parts of the store in ``directory``, whose logs are open; torn tails are cut."""
     t0 = time.monotonic()
-    state = read_checkpoint(store.dir)
-    mlog = store.mlog
+    state = read_checkpoint(directory)
+    parts = empty_parts(
+        directory, config, limits, alog, dead, Progress.from_snapshot(state["progress"]) if state else None
+    )
+    subjects, dedup, held = parts.subjects, parts.dedup, parts.held
     if state is not None:
-        store.progress = Progress.from_snapshot(state["progress"])
-        store.total_messages = int(state["total_messages"])
-        store.marks = [list(m) for m in state["marks"]]
+        dedup.restore(int(state["total_messages"]), state["marks"])
         index_from = int(state["message_offset"])
         action_from = int(state["action_offset"])
         known_seqs: dict[str, int] = dict(state["subjects"])
-        restore_held(store, state.get("held", []))
+        held.restore(mlog, state.get("held", []))
     else:
         index_from, action_from, known_seqs = mlog.start, 0, {}
 
-    for directory in sorted(store.consume_dir.iterdir()):
-        name = ConsumeLog.subject_in(directory)
-        if name is None:
-            log.warning("consume log directory %s has no subject file; ignoring it", directory)
-            continue
-        store.subject_state(name)
+    for unnamed in subjects.open_all():
+        log.warning("consume log directory %s has no subject file; ignoring it", unnamed)
 
-    dedup_from = index_from
-    cfg = store.config
-    for mark in store.marks:
-        if store.total_messages - mark[2] <= cfg.dedup_entries_max:
-            dedup_from = min(dedup_from, mark[1])
-            break
-    if not store.dedup.enabled:
-        dedup_from = index_from
-    scan_from = max(mlog.start, min(index_from, dedup_from))
-
+    scan_from = max(mlog.start, min(index_from, dedup.rebuild_from(index_from)))
     scanned = 0
-    indexer = RecordIndexer(store, index_from)
+    indexer = RecordIndexer(subjects, dedup, held, dead, index_from)
     result: list[ScanResult] = []
     for rec in mlog.scan(scan_from, result):
         scanned += 1
@@ -92,14 +120,15 @@ def recover(store: BrokerStore) -> RecoveryReport:
             result.append(ScanResult(rec.offset, mlog.end - rec.offset))
             break
     indexer.finish()
-    rebuilt = indexer.rebuilt
     good_end, torn = result[-1] if result else (mlog.end, 0)
     if torn:
         mlog.truncate(good_end)
         log.warning("message log: cut a torn tail of %d bytes at offset %d", torn, good_end)
 
-    for st in store.subjects.values():
-        _cut_dangling_entries(st, mlog.end)
+    for st in subjects:
+        cut = st.clog.cut_past(mlog.end)
+        if cut:
+            log.warning("consume log of %r: cut %d entries past the end of the message log", st.name, cut)
         st.next_seq = st.visible_seq = st.clog.next_seq
         if known_seqs.get(st.name, 0) > st.next_seq:
             log.error(
@@ -109,103 +138,34 @@ def recover(store: BrokerStore) -> RecoveryReport:
                 st.next_seq,
             )
 
-    torn_actions: list[int] = []
-    replayed = 0
-    for action in store.alog.replay(action_from, torn_actions):
-        apply_action(store, action)
-        replayed += 1
-    action_torn = torn_actions[-1] if torn_actions else 0
+    replayed, action_torn = parts.progress.replay(action_from)
     if action_torn:
         log.warning("action log: cut a torn tail of %d bytes", action_torn)
 
-    now_ms = store.clock.now_ms()
-    for gp in store.progress.groups.values():
-        sub = store.subjects.get(gp.subject)
+    now_ms = clock.now_ms()
+    progress = parts.progress.progress
+    for gp in progress.groups.values():
+        sub = subjects.get(gp.subject)
         limit = sub.next_seq if sub else 0
         if gp.pull_offset > limit:
-            log.warning(
-                "group %r of %r was past the end of the subject; moved back to %d",
-                gp.group,
-                gp.subject,
-                limit,
-            )
+            log.warning("group %r of %r was past the end of the subject; moved back to %d", gp.group, gp.subject, limit)
             gp.pull_offset = limit
         for cp in gp.consumers.values():
             cp.cursor = cp.pull_log_end
             cp.session = None
             cp.last_seen_ms = now_ms  # silence is counted from the restart, not from the epoch
+    dedup.begin_marks(now_ms, mlog.start)
 
-    if not store.marks:
-        # the log's start bounds the duplicate window's rebuild until the first checkpoint
-        store.marks = [[store.clock.now_ms(), mlog.start, 0]]
-
-    return RecoveryReport(
+    report = RecoveryReport(
         state is not None,
         scanned,
-        rebuilt,
+        indexer.rebuilt,
         torn,
         good_end,
         action_torn,
         replayed,
-        len(store.subjects),
-        len(store.progress.groups),
+        len(subjects.by_name),
+        len(progress.groups),
         round(time.monotonic() - t0, 3),
     )
-
-
-def _cut_dangling_entries(st: SubjectState, log_end: int) -> None:
-    """Drop consume-log entries whose record lies past the end of the message log."""
-    clog = st.clog
-    cut = 0
-    while clog.next_seq > clog.min_seq:
-        back = min(1024, clog.next_seq - clog.min_seq)
-        raw = clog.read(clog.next_seq - back, back)
-        keep = 0
-        for i, (off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(raw)):
-            if off + size > log_end:
-                break
-            keep = i + 1
-        if keep == back:
-            break
-        cut += clog.truncate(clog.next_seq - back + keep)
-        if keep:
-            break
-    if cut:
-        log.warning("consume log of %r: cut %d entries past the end of the message log", st.name, cut)
-
-
-def apply_action(store: BrokerStore, action: list[Any]) -> None:
-    """Apply one action-log record (replayed after a restart, or received by a slave)."""
-    progress = store.progress
-    kind = action[0]
-    if kind == act.DEAD_REMOVE:
-        _k, dead_subject, numbers = action
-        store.dead.remove(dead_subject, numbers)
-        return
-    if kind == act.CREATE_GROUP:
-        _k, subject, group, start = action
-        progress.create_group(subject, group, start)
-        return
-    gp = progress.get(str(action[1]), str(action[2]))
-    if gp is None:
-        log.warning("action log names group %r of %r before creating it; skipped", action[2], action[1])
-        return
-    if kind == act.PULL:
-        _k, _s, _g, consumer_id, pull_offset, runs, new_offset = action
-        cp = gp.consumer(str(consumer_id))
-        if cp.pull_log_end != pull_offset:
-            log.warning(
-                "pull log of %r in group %r is out of step (%d vs %d)",
-                consumer_id,
-                gp.group,
-                cp.pull_log_end,
-                pull_offset,
-            )
-        Progress.record_pull(gp, cp, runs, new_offset)
-    elif kind == act.ACK:
-        _k, _s, _g, consumer_id, ranges = action
-        Progress.apply_ack(gp.consumer(str(consumer_id)), ranges)
-    elif kind == act.RESET:
-        gp.pull_offset = action[3]
-    else:
-        log.warning("unknown action kind %r in the action log; skipped", kind)
+    return parts, report

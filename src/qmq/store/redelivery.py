@@ -11,21 +11,40 @@ are never retried.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from qmq.common.naming import RETRY_PREFIX, dead_subject, parse_internal_subject, retry_subject
 from qmq.protocol.message import HEADER, scan_batch, with_times
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
 from qmq.store.consume_log import ENTRY
+from qmq.store.intake import Appending
 
 if TYPE_CHECKING:
-    from qmq.store.broker_store import BrokerStore
-    from qmq.store.progress import ConsumerProgress, GroupProgress
+    from qmq.store.dead_letters import DeadLetters
+    from qmq.store.message_log import MessageLog
+    from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
+    from qmq.store.subjects import SubjectState
 
 log = logging.getLogger(__name__)
 
 _MOVE_BATCH_MAX = 1000
 DEFAULT_MAX_RETRIES = 16
+
+
+class Redelivering(Appending, Protocol):
+    """What putting messages back on a retry subject needs of the store."""
+
+    mlog: MessageLog
+    dead: DeadLetters
+
+    @property
+    def subjects(self) -> Mapping[str, SubjectState]: ...
+    @property
+    def progress(self) -> Progress: ...
+
+    def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int: ...
+    def remove_dead(self, dead_subject: str, numbers: list[int]) -> None: ...
 
 
 def base_of(subject: str, group: str) -> tuple[str, str]:
@@ -53,7 +72,7 @@ def _unacked(cp: ConsumerProgress, limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def move_to_retry(store: BrokerStore, gp: GroupProgress, cp: ConsumerProgress, max_retries: int) -> int:
+def move_to_retry(store: Redelivering, gp: GroupProgress, cp: ConsumerProgress, max_retries: int) -> int:
     """Move (up to a batch of) ``cp``'s unacked messages to retry; returns how many moved."""
     st = store.subjects.get(gp.subject)
     if st is None:
@@ -73,7 +92,7 @@ def move_to_retry(store: BrokerStore, gp: GroupProgress, cp: ConsumerProgress, m
         if off < store.mlog.start:
             continue  # removed by retention: nothing left to retry
         chunk: list[bytes] = []
-        store.read_into(off, size, chunk)
+        store.mlog.read_into(off, size, chunk)
         record = b"".join(chunk)
         header = read_record_header(record, 0)
         assert header is not None
@@ -90,7 +109,7 @@ def move_to_retry(store: BrokerStore, gp: GroupProgress, cp: ConsumerProgress, m
     return len(entries)
 
 
-def expire_silent_consumers(store: BrokerStore, now_ms: int, offline_ms: int) -> int:
+def expire_silent_consumers(store: Redelivering, now_ms: int, offline_ms: int) -> int:
     """Move the unacked messages of every consumer silent for ``offline_ms`` to retry."""
     moved = 0
     for gp in list(store.progress.groups.values()):
@@ -112,7 +131,7 @@ def expire_silent_consumers(store: BrokerStore, now_ms: int, offline_ms: int) ->
     return moved
 
 
-def resend_dead(store: BrokerStore, subject: str, group: str, message_id: str | None) -> int:
+def resend_dead(store: Redelivering, subject: str, group: str, message_id: str | None) -> int:
     """Put dead letters (one id, or all) back on the group's retry subject, attempts reset."""
     name = dead_subject(subject, group)
     target = retry_subject(subject, group).encode()
@@ -127,7 +146,7 @@ def resend_dead(store: BrokerStore, subject: str, group: str, message_id: str | 
         resent += len(letters)
 
 
-def purge_dead(store: BrokerStore, subject: str, group: str, message_id: str | None) -> int:
+def purge_dead(store: Redelivering, subject: str, group: str, message_id: str | None) -> int:
     name = dead_subject(subject, group)
     purged = 0
     while True:

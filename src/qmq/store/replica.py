@@ -13,22 +13,45 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import struct
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.store import action_log, message_log
 from qmq.store.checkpoint import NAME as CHECKPOINT_NAME
 from qmq.store.checkpoint import history, read_checkpoint
-from qmq.store.indexer import RecordIndexer
 from qmq.store.segments import SegmentedLog
 
 if TYPE_CHECKING:
-    from qmq.store.broker_store import BrokerStore
+    from qmq.common.config import BrokerConfig
+    from qmq.store.action_log import ActionLog
+    from qmq.store.dead_letters import DeadLetters
+    from qmq.store.indexer import RecordIndexer
+    from qmq.store.message_log import MessageLog
     from qmq.store.recovery import RecoveryReport
+    from qmq.store.subjects import SubjectState
 
 log = logging.getLogger(__name__)
 
-_ACTION_FRAME = struct.Struct("<II")
+
+class Replicated(Protocol):
+    """What replication needs of a store: its logs to read and append, the indexing and
+    replay of what it appends, and closing and recovering it to cut its logs back."""
+
+    dir: Path
+    config: BrokerConfig
+    mlog: MessageLog
+    alog: ActionLog
+    dead: DeadLetters
+
+    @property
+    def subjects(self) -> Mapping[str, SubjectState]: ...
+
+    def indexer(self, index_from: int) -> RecordIndexer: ...
+    def replay_actions(self, start: int) -> tuple[int, int]: ...
+    def close_files(self) -> None: ...
+    def reopen(self) -> RecoveryReport: ...
 
 
 class ReplicaError(Exception):
@@ -41,7 +64,9 @@ class Chunk(NamedTuple):
     data: bytes
 
 
-def _read_whole(segs: SegmentedLog, offset: int, max_bytes: int, frame_len: object) -> Chunk:
+def _read_whole(
+    segs: SegmentedLog, offset: int, max_bytes: int, frame_len: Callable[[bytes, int], int | None]
+) -> Chunk:
     if offset > segs.end:
         raise ReplicaError(f"asked for offset {offset}, past the end of the log ({segs.end}): the copies diverged")
     if offset == segs.end:
@@ -51,7 +76,6 @@ def _read_whole(segs: SegmentedLog, offset: int, max_bytes: int, frame_len: obje
         raise ReplicaError(f"offset {offset} is no longer kept (the log starts at {segs.start}); copy the group anew")
     want = min(max_bytes, seg.end - offset)
     data = segs.read(offset, want)
-    assert callable(frame_len)
     cut = 0
     while cut < len(data):
         n = frame_len(data, cut)
@@ -71,20 +95,13 @@ def _record_len(buf: bytes, pos: int) -> int | None:
     return None if h is None else RECORD_HEADER_BYTES + h.length
 
 
-def _action_len(buf: bytes, pos: int) -> int | None:
-    if len(buf) - pos < _ACTION_FRAME.size:
-        return None
-    length, _crc = _ACTION_FRAME.unpack_from(buf, pos)
-    return _ACTION_FRAME.size + int(length)
-
-
-def read_log(store: BrokerStore, offset: int, max_bytes: int) -> Chunk:
+def read_log(store: Replicated, offset: int, max_bytes: int) -> Chunk:
     """Whole message-log records from ``offset``, from one segment, at most about ``max_bytes``."""
     return _read_whole(store.mlog.segments, offset, max_bytes, _record_len)
 
 
-def read_actions(store: BrokerStore, offset: int, max_bytes: int) -> Chunk:
-    return _read_whole(store.alog.segments, offset, max_bytes, _action_len)
+def read_actions(store: Replicated, offset: int, max_bytes: int) -> Chunk:
+    return _read_whole(store.alog.segments, offset, max_bytes, action_log.frame_len)
 
 
 def _follow_segment(segs: SegmentedLog, offset: int, segment_base: int) -> None:
@@ -94,7 +111,7 @@ def _follow_segment(segs: SegmentedLog, offset: int, segment_base: int) -> None:
         segs.start_segment(offset)
 
 
-def append_log(store: BrokerStore, chunk: Chunk) -> set[str]:
+def append_log(store: Replicated, chunk: Chunk) -> set[str]:
     """Append a master's records and index them; returns the subjects that got messages."""
     if not chunk.data:
         return set()
@@ -110,7 +127,7 @@ def append_log(store: BrokerStore, chunk: Chunk) -> set[str]:
         records.append((chunk.offset + pos, h, pos))
         pos += RECORD_HEADER_BYTES + h.length
     segs.append(data, roll=False)
-    indexer = RecordIndexer(store, chunk.offset)
+    indexer = store.indexer(chunk.offset)
     view = memoryview(data)
     for offset, h, p in records:
         indexer.add(offset, h.sequence, h.stored_ms, view[p + RECORD_HEADER_BYTES : p + RECORD_HEADER_BYTES + h.length])
@@ -121,26 +138,20 @@ def append_log(store: BrokerStore, chunk: Chunk) -> set[str]:
     return touched
 
 
-def append_actions(store: BrokerStore, chunk: Chunk) -> int:
+def append_actions(store: Replicated, chunk: Chunk) -> int:
     """Append a master's action-log records and apply them; returns how many."""
-    from qmq.store.recovery import apply_action
-
     if not chunk.data:
         return 0
     segs = store.alog.segments
     _follow_segment(segs, chunk.offset, chunk.segment_base)
     segs.append(chunk.data, roll=False)
-    torn: list[int] = []
-    n = 0
-    for action in store.alog.replay(chunk.offset, torn):
-        apply_action(store, action)
-        n += 1
-    if torn and torn[-1]:
+    n, torn = store.replay_actions(chunk.offset)
+    if torn:
         raise ReplicaError(f"action-log records from the master at offset {chunk.offset} fail their check")
     return n
 
 
-def rewind(store: BrokerStore, message_offset: int, action_offset: int) -> RecoveryReport:
+def rewind(store: Replicated, message_offset: int, action_offset: int) -> RecoveryReport:
     """Cut both logs back to where a new master's copy ended, then recover.
 
     Recovery starts from the newest kept checkpoint at or before the cut; newer checkpoints
@@ -148,10 +159,10 @@ def rewind(store: BrokerStore, message_offset: int, action_offset: int) -> Recov
     """
     log.warning("cutting the logs back to message offset %d, action offset %d", message_offset, action_offset)
     store.close_files()
-    mlog_segs = SegmentedLog(store.dir / "log", ".log", store.config.segment_bytes)
+    mlog_segs = SegmentedLog(store.dir / "log", message_log.SEGMENT_SUFFIX, store.config.segment_bytes)
     cut_bytes = mlog_segs.truncate(min(message_offset, mlog_segs.end))
     mlog_segs.close()
-    alog_segs = SegmentedLog(store.dir / "action", ".act", 64 * 1024 * 1024)
+    alog_segs = SegmentedLog(store.dir / "action", action_log.SEGMENT_SUFFIX, action_log.SEGMENT_BYTES)
     alog_segs.truncate(min(action_offset, alog_segs.end))
     alog_segs.close()
     chosen = None

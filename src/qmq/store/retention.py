@@ -5,17 +5,30 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
-
-from qmq.store.consume_log import ENTRY, ENTRY_BYTES
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from qmq.store.broker_store import BrokerStore
+    from qmq.common.clock import Clock
+    from qmq.common.config import BrokerConfig
+    from qmq.store.message_log import MessageLog
+    from qmq.store.subjects import SubjectState
 
 log = logging.getLogger(__name__)
 
 
-def run_retention(store: BrokerStore) -> int:
+class Retained(Protocol):
+    """What retention needs of the store whose logs it trims."""
+
+    clock: Clock
+    config: BrokerConfig
+    mlog: MessageLog
+
+    @property
+    def subjects(self) -> Mapping[str, SubjectState]: ...
+
+
+def run_retention(store: Retained) -> int:
     """Delete message-log segments older than the retention; returns segments deleted."""
     cutoff_s = store.clock.now_ms() / 1000 - store.config.retention_hours * 3600
     segs = store.mlog.segments.segments
@@ -30,12 +43,6 @@ def run_retention(store: BrokerStore) -> int:
     offset = segs[keep_from].base
     store.mlog.segments.delete_before(offset)
     for st in store.subjects.values():
-        clog_segs = st.clog.segments.segments
-        for cseg in clog_segs[:-1]:
-            last = st.clog.read(cseg.end // ENTRY_BYTES - 1, 1)
-            if len(last) == ENTRY_BYTES and ENTRY.unpack(last)[0] < offset:
-                st.clog.delete_before_seq(cseg.end // ENTRY_BYTES)
-            else:
-                break
+        st.clog.delete_before_offset(offset)
     log.info("retention deleted %d message-log segment(s) before offset %d", keep_from, offset)
     return keep_from
