@@ -9,8 +9,8 @@ before:
    only per-message encoding work), make its waiter and its buffer entry ``(encoded, waiter,
    message_id, enqueued_at, epoch)``. ``send`` first waits up to ``send_timeout_ms`` for room
    in a full buffer; the others raise ``BufferFullError`` at once.
-2. routing, ``Router.enqueue`` (qmq.client.routing): a message due later than
-   ``HOLD_UNTIL_DUE_MS`` goes to the delay groups, any other to its subject's broker groups.
+2. routing, ``Router.enqueue`` (qmq.client.routing): a message due more than
+   ``HOLD_UNTIL_DUE_MS`` ahead goes to the delay groups, any other to its subject's broker groups.
    The route of a subject not seen before is asked of the meta server once; its messages are
    held in the buffer meanwhile, and the end of the lookup queues them.
 3. per-group batch, ``Sender.submit`` (qmq.client.sender): the entry joins its route's queue in
@@ -294,8 +294,7 @@ class Producer:
 
     def has_room(self, nbytes: int, extra_messages: int = 0, extra_bytes: int = 0) -> bool:
         """Whether a message of ``nbytes`` fits, with ``extra_*`` more already promised."""
-        acc = self._acc
-        return acc.count + extra_messages < acc.messages_max and acc.nbytes + extra_bytes + nbytes <= acc.bytes_max
+        return self._acc.has_room(nbytes, extra_messages, extra_bytes)
 
     def full_error(self, nbytes: int, message_id: str | None = None) -> BufferFullError:
         return self._acc.full_error(nbytes, message_id)
