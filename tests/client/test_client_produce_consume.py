@@ -233,8 +233,8 @@ async def test_sends_held_for_a_route_lookup_go_before_sends_made_after_it(meta_
     async with Producer(app_code="shop", meta_server=meta_server) as producer:
         first = producer.generate_message(subject)
         futures = [producer.send_nowait(first)]  # held: the subject's route is being looked up
-        meta = producer._meta
-        assert meta is not None
+        assert producer._open is not None
+        meta = producer._open.meta
         for _ in range(10):  # the producer's route task starts the lookup at its first step
             if subject in meta._lookups:
                 break

@@ -57,8 +57,9 @@ class Accumulator:
         self._room = asyncio.Event()
         self._room.set()
 
-    def has_room(self, nbytes: int) -> bool:
-        return self.count < self.messages_max and self.nbytes + nbytes <= self.bytes_max
+    def has_room(self, nbytes: int, extra_messages: int = 0, extra_bytes: int = 0) -> bool:
+        """Whether a message of ``nbytes`` fits, with ``extra_*`` more already promised."""
+        return self.count + extra_messages < self.messages_max and self.nbytes + extra_bytes + nbytes <= self.bytes_max
 
     def full_error(self, nbytes: int, message_id: str | None = None) -> BufferFullError:
         if nbytes > self.bytes_max:

@@ -1,11 +1,13 @@
-"""The producer's sender: one loop per available broker group turning the accumulator's
-messages into SEND_MESSAGES frames, with at most ``max_in_flight`` frames outstanding per
-group, and the retry of whole frames.
+"""The producer's sender, the last steps of a send: a routed message joins its route's queue
+in the accumulator (``submit``), and one loop per available broker or delay group turns the
+queues into SEND_MESSAGES frames, with at most ``max_in_flight`` frames outstanding per
+group, and the retry of whole frames. Messages that were not stored within
+``send_timeout_ms`` fail here too, sent or not.
 
 There is no linger by default: a lone message goes at once, and messages that arrive while
 frames are in flight coalesce into the next frame. A caller that keeps the event loop busy
 (``send_nowait`` in a long loop) would hold its messages back until it yields, since the
-sender loops cannot run meanwhile; so each enqueue also ``sweep``s: a group whose oldest
+sender loops cannot run meanwhile; so each ``submit`` may also ``sweep``: a group whose oldest
 queued message waited ``EAGER_AFTER_S`` (or the linger, when longer) gets a frame written
 there and then, up to ``EAGER_FRAMES_FACTOR`` times ``max_in_flight`` frames (just the one
 when ``max_in_flight`` is 1, which keeps the order of sends).
@@ -23,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from qmq.client.accumulator import ENCODED, ENQUEUED_AT, MESSAGE_ID, WAITER, Accumulator, Entry, RouteKey
@@ -36,6 +39,7 @@ from qmq.protocol.frame import Frame
 
 log = logging.getLogger(__name__)
 
+_EXPIRE_PERIOD_S_MAX = 1.0
 _INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 # A message queued this long while the caller holds the event loop is written by the next enqueue...
 EAGER_AFTER_S = 0.001
@@ -55,17 +59,8 @@ class ProducerStats:
     retries: int = 0  # frames sent again after a retriable failure
 
 
-def fail_entries(entries: list[Entry], reason: str, *, retriable: bool) -> None:
-    """Fail every waiter of ``entries`` with a SendError naming its message."""
-    for e in entries:
-        w = e[WAITER]
-        if not w.done():
-            with contextlib.suppress(*_INVALID_STATE):
-                w.set_exception(SendError(reason, e[MESSAGE_ID], retriable=retriable))
-
-
 class Sender:
-    """Sender loops of one producer, one per available broker group."""
+    """The queues and the sender loops of one producer, one loop per available broker or delay group."""
 
     def __init__(
         self,
@@ -89,7 +84,22 @@ class Sender:
         self._eager_after_s = max(EAGER_AFTER_S, options.linger_ms / 1000)
         # max_in_flight=1 promises order across retries: no eager frame may pass one being retried
         self._eager_frames_max = options.max_in_flight * (EAGER_FRAMES_FACTOR if options.max_in_flight > 1 else 1)
-        self.next_sweep_at = 0.0
+        self._next_sweep_at = 0.0
+        self._expirer: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the loops of the groups available now, and the expiry of messages left unsent."""
+        self.reconcile()
+        self._expirer = asyncio.ensure_future(self._expire_loop())
+
+    def submit(self, key: RouteKey, entry: Entry) -> None:
+        """Queue ``entry`` for the groups of ``key``: wake them when their queue was empty, and
+        write frames now when the caller has held the event loop (``sweep``). BufferFullError
+        when the buffer has no room."""
+        if self._acc.append(key, entry):
+            self.wake(key)
+        if entry[ENQUEUED_AT] >= self._next_sweep_at:
+            self.sweep(entry[ENQUEUED_AT])
 
     def reconcile(self) -> None:
         """Start a loop for each available broker or delay group, stop those of groups gone."""
@@ -148,7 +158,7 @@ class Sender:
         """Write frames now for each group whose oldest queued message waited ``age_s`` (default
         ``EAGER_AFTER_S``, or the linger when longer): the caller has held the event loop since,
         so the sender loops could not run. ``age_s=0`` writes everything queued."""
-        self.next_sweep_at = now + EAGER_AFTER_S
+        self._next_sweep_at = now + EAGER_AFTER_S
         if age_s is None:
             age_s = self._eager_after_s
         opts = self._opts
@@ -218,7 +228,7 @@ class Sender:
                         async with asyncio.timeout_at(deadline):
                             frame = await conn.request(RequestCode.SEND_MESSAGES, {}, body)
                 except TimeoutError:
-                    self._fail(
+                    self.fail(
                         entries,
                         f"no answer from {describe_target(target)} within send_timeout_ms={opts.send_timeout_ms}; "
                         "the message may or may not be stored",
@@ -227,12 +237,12 @@ class Sender:
                     return
                 except (BrokerError, ConnectionLostError) as exc:
                     if not exc.retriable:
-                        self._fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
+                        self.fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
                         return
                     if isinstance(exc, BrokerError) and exc.status == Status.NOT_MASTER:
                         self._meta.refresh_soon()
                     if loop.time() + backoff_s >= deadline:
-                        self._fail(
+                        self.fail(
                             entries,
                             f"not stored within send_timeout_ms={opts.send_timeout_ms}; "
                             f"last failure, from {describe_target(target)}: {exc}",
@@ -246,12 +256,12 @@ class Sender:
                     target = self._next_group(key, target)
                     continue
                 except QmqError as exc:
-                    self._fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
+                    self.fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
                     return
                 self._complete(entries, frame.header, target)
                 return
         except asyncio.CancelledError:
-            self._fail(
+            self.fail(
                 entries, "the producer closed while sending; the message may or may not be stored", retriable=True
             )
             raise
@@ -267,9 +277,14 @@ class Sender:
             return names[0]
         return names[(names.index(failed) + 1) % len(names)]
 
-    def _fail(self, entries: list[Entry], reason: str, *, retriable: bool) -> None:
+    def fail(self, entries: list[Entry], reason: str, *, retriable: bool) -> None:
+        """Fail the waiters of ``entries``, each with a SendError naming its message, and count them."""
         self.stats.messages_failed += len(entries)
-        fail_entries(entries, reason, retriable=retriable)
+        for e in entries:
+            w = e[WAITER]
+            if not w.done():
+                with contextlib.suppress(*_INVALID_STATE):
+                    w.set_exception(SendError(reason, e[MESSAGE_ID], retriable=retriable))
 
     def _complete(self, entries: list[Entry], header: dict[str, object], group: str) -> None:
         errors = header.get("errors") or []
@@ -304,17 +319,46 @@ class Sender:
             except _INVALID_STATE:
                 pass  # cancelled by its caller meanwhile (another thread, in the blocking SDK)
 
+    async def _expire_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        timeout_s = self._opts.send_timeout_ms / 1000
+        period_s = min(timeout_s / 4, _EXPIRE_PERIOD_S_MAX)
+        while True:
+            await asyncio.sleep(period_s)  # periodic housekeeping, not a readiness wait
+            expired = self._acc.expire(loop.time() - timeout_s)
+            if not expired:
+                continue
+            by_place: dict[RouteKey | str, list[Entry]] = {}
+            for where, entry in expired:
+                by_place.setdefault(where, []).append(entry)
+            for where, entries in by_place.items():
+                if isinstance(where, str):
+                    why = f"no broker group was available for subject {where!r}"
+                else:
+                    why = f"none of {', '.join(map(describe_target, where))} of its route was available"
+                self.fail(
+                    entries, f"not sent within send_timeout_ms={self._opts.send_timeout_ms}: {why}", retriable=True
+                )
+                self._acc.release(entries)
+
+    async def connect(self, groups: Iterable[str]) -> None:
+        """Connect to the available ones of ``groups`` now (best effort: a send tries again)."""
+        targets = self._meta.available(groups)
+        results = await asyncio.gather(
+            *(self._pool.get(g.address).request(RequestCode.PING, {}) for g in targets), return_exceptions=True
+        )
+        for g, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                log.debug("preparing %s: %s", describe_target(g.name), result)
+
     async def close(self) -> None:
-        """Stop the loops; cancel the frames still in flight (their messages fail)."""
+        """Stop the loops and the expiry; cancel the frames still in flight (their messages fail)."""
         loops, self._loops = list(self._loops.values()), {}
+        if self._expirer is not None:
+            loops.append(self._expirer)
         for t in loops:
             t.cancel()
         batches = list(self._batches)
         for t in batches:
             t.cancel()
         await asyncio.gather(*loops, *batches, return_exceptions=True)
-
-    async def wait_batches(self) -> None:
-        """Wait for the frames in flight now (used by flush before close)."""
-        if self._batches:
-            await asyncio.gather(*list(self._batches), return_exceptions=True)

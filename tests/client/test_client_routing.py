@@ -1,0 +1,186 @@
+"""The producer's routing step alone: delay groups or brokers by due time, messages held while
+a subject's route is looked up, and the cached routes dropped when the meta server's answer
+changes. A fake meta client and a fake sender stand on either side of a real send buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from qmq import SendError
+from qmq.client.accumulator import Accumulator, Entry, RouteKey
+from qmq.client.routing import Router
+from qmq.common.limits import HOLD_UNTIL_DUE_MS
+
+_URL = "http://meta.example:8080/meta/address"
+
+
+class _Meta:
+    def __init__(self) -> None:
+        self.url = _URL
+        self.routes: dict[str, RouteKey] = {}
+        self.delay_groups: RouteKey = ()
+        self.refreshes_asked = 0
+        self.lookups: dict[str, asyncio.Future[RouteKey]] = {}
+
+    def route(self, subject: str) -> RouteKey | None:
+        return self.routes.get(subject)
+
+    def delay_route(self) -> RouteKey:
+        return self.delay_groups
+
+    async def resolve(self, subject: str) -> RouteKey:
+        if subject in self.routes:
+            return self.routes[subject]
+        fut = self.lookups.setdefault(subject, asyncio.get_running_loop().create_future())
+        key = await fut
+        self.routes[subject] = key
+        return key
+
+    def refresh_soon(self) -> None:
+        self.refreshes_asked += 1
+
+
+class _Sender:
+    def __init__(self, acc: Accumulator) -> None:
+        self.acc = acc
+        self.woken: list[RouteKey] = []
+        self.reconciled = 0
+        self.failed: list[tuple[Entry, str]] = []
+
+    def submit(self, key: RouteKey, entry: Entry) -> None:
+        if self.acc.append(key, entry):
+            self.wake(key)
+
+    def wake(self, key: RouteKey) -> None:
+        self.woken.append(key)
+
+    def reconcile(self) -> None:
+        self.reconciled += 1
+
+    def fail(self, entries: list[Entry], reason: str, *, retriable: bool) -> None:
+        for e in entries:
+            e[1].set_exception(SendError(reason, e[2], retriable=retriable))
+            self.failed.append((e, reason))
+
+
+def _parts() -> tuple[Router, _Meta, Accumulator, _Sender]:
+    meta = _Meta()
+    acc = Accumulator(messages_max=100, bytes_max=1 << 20)
+    sender = _Sender(acc)
+    return Router(meta, acc, sender), meta, acc, sender
+
+
+def _entry(mid: str) -> Entry:
+    return (b"x" * 10, asyncio.get_running_loop().create_future(), mid, 0.0, 0)
+
+
+def _queued(acc: Accumulator, group: str) -> list[str]:
+    batch = acc.drain(group, 100, 1 << 20)
+    return [] if batch is None else [e[2] for e in batch[1]]
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+async def test_a_message_due_later_goes_to_the_delay_groups_one_due_soon_to_the_brokers() -> None:
+    router, meta, acc, _ = _parts()
+    meta.routes["s"] = ("b1",)
+    meta.delay_groups = ("%delay%d1",)
+    router.enqueue("s", _now_ms() + 60_000, _entry("later"))
+    router.enqueue("s", _now_ms() + HOLD_UNTIL_DUE_MS // 2, _entry("soon"))
+    router.enqueue("s", 0, _entry("now"))
+    assert _queued(acc, "%delay%d1") == ["later"]
+    assert _queued(acc, "b1") == ["soon", "now"]
+
+
+async def test_without_a_delay_group_a_message_due_later_fails_at_once() -> None:
+    router, meta, acc, sender = _parts()
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    router.enqueue("s", _now_ms() + 60_000, (b"x", fut, "m1", 0.0, 0))
+    with pytest.raises(SendError, match=f"no delay server is registered with the meta server {_URL}") as info:
+        await fut
+    assert info.value.message_id == "m1"
+    assert info.value.retriable
+    assert acc.count == 0  # never buffered
+    assert meta.refreshes_asked == 1  # a delay server may have registered since the last answer
+    assert len(sender.failed) == 1
+
+
+async def test_a_new_subject_is_held_while_looked_up_once_then_queued_before_later_sends() -> None:
+    router, meta, acc, sender = _parts()
+    router.enqueue("s", 0, _entry("m1"))
+    router.enqueue("s", 0, _entry("m2"))
+    await asyncio.sleep(0)  # the lookup task starts
+    assert list(meta.lookups) == ["s"]  # one lookup for both
+    assert acc.count == 2
+    assert _queued(acc, "b1") == []  # held, in no route's queue
+    meta.lookups["s"].set_result(("b1",))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert sender.woken == [("b1",)]
+    router.enqueue("s", 0, _entry("m3"))
+    assert _queued(acc, "b1") == ["m1", "m2", "m3"]
+    await router.close()
+
+
+async def test_held_messages_go_first_when_a_send_finds_the_route_before_the_lookup_task_ran() -> None:
+    router, meta, acc, _ = _parts()
+    router.enqueue("s", 0, _entry("m1"))
+    meta.routes["s"] = ("b1",)  # known, but the task that queues m1 has not run
+    router.enqueue("s", 0, _entry("m2"))
+    assert _queued(acc, "b1") == ["m1", "m2"]
+    await router.close()
+
+
+async def test_a_subject_without_any_broker_group_waits_for_a_meta_change() -> None:
+    router, meta, acc, sender = _parts()
+    meta.routes["s"] = ()  # asked for, but no broker group is available
+    router.enqueue("s", 0, _entry("m1"))
+    await asyncio.sleep(0)
+    assert meta.lookups == {}  # nothing more to ask
+    assert acc.count == 1
+    meta.routes["s"] = ("b2",)
+    router.on_meta_change()
+    assert sender.reconciled == 1
+    assert _queued(acc, "b2") == ["m1"]
+
+
+async def test_a_meta_change_drops_the_cached_routes() -> None:
+    router, meta, acc, _ = _parts()
+    meta.routes["s"] = ("b1",)
+    meta.delay_groups = ("%delay%d1",)
+    router.enqueue("s", 0, _entry("m1"))
+    router.enqueue("s", _now_ms() + 60_000, _entry("d1"))
+    meta.routes["s"] = ("b2",)
+    meta.delay_groups = ("%delay%d2",)
+    router.enqueue("s", 0, _entry("m2"))  # cached until the meta client says the answer changed
+    router.enqueue("s", _now_ms() + 60_000, _entry("d2"))
+    router.on_meta_change()
+    router.enqueue("s", 0, _entry("m3"))
+    router.enqueue("s", _now_ms() + 60_000, _entry("d3"))
+    assert _queued(acc, "b1") == ["m1", "m2"]
+    assert _queued(acc, "b2") == ["m3"]
+    assert _queued(acc, "%delay%d1") == ["d1", "d2"]
+    assert _queued(acc, "%delay%d2") == ["d3"]
+
+
+async def test_resolve_caches_the_route_for_the_sends() -> None:
+    router, meta, acc, _ = _parts()
+    meta.routes["s"] = ("b1",)
+    assert await router.resolve("s") == ("b1",)
+    meta.routes["s"] = ("b2",)
+    router.enqueue("s", 0, _entry("m1"))
+    assert _queued(acc, "b1") == ["m1"]
+
+
+async def test_close_stops_the_lookups_and_leaves_the_held_messages() -> None:
+    router, meta, acc, _ = _parts()
+    router.enqueue("s", 0, _entry("m1"))
+    await asyncio.sleep(0)
+    await router.close()
+    assert meta.lookups["s"].cancelled()
+    assert len(acc.take_all()) == 1
