@@ -3,10 +3,10 @@ broker's state (no server, no socket), answering frames through a recording resp
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import pytest
 from rawclient import message
@@ -23,23 +23,7 @@ from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.group_commit import GroupCommit
 from qmq.store.broker_store import BrokerStore
-
-Answer = tuple[int, int, dict[str, Any] | None, int]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.answers: list[Answer] = []
-
-    def respond(
-        self,
-        code: int,
-        request_id: int,
-        header: dict[str, Any] | None,
-        chunks: Sequence[bytes] = (),
-        status: int = Status.OK,
-    ) -> None:
-        self.answers.append((code, request_id, header, status))
+from recording import RecordingResponder
 
 
 @dataclass
@@ -90,7 +74,7 @@ def requests_counted(metrics: BrokerMetrics, command: str) -> float | None:
 
 
 def test_ping_answers_the_role_group_and_time(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     Handlers(context).dispatch(conn, Frame(RequestCode.PING, 5))
     assert conn.answers == [
         (RequestCode.PING, 5, {"role": "broker", "group": "g-7", "time_ms": context.clock.now_ms()}, Status.OK)
@@ -99,21 +83,21 @@ def test_ping_answers_the_role_group_and_time(context: Context) -> None:
 
 
 def test_an_unknown_code_is_refused_and_not_counted(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     Handlers(context).dispatch(conn, Frame(99, 6))
     assert conn.answers == [(99, 6, {"error": "unknown command code 99"}, Status.UNKNOWN_COMMAND)]
     assert "qmq_requests_total{" not in context.metrics.render().decode()
 
 
 def test_a_bad_request_names_the_field(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     header = {"subject": "s.a", "group": "g", "consumer_id": "c", "session": "x"}
     Handlers(context).dispatch(conn, Frame(RequestCode.PULL, 7, header))
     assert conn.answers == [(RequestCode.PULL, 7, {"error": "request header lacks 'max'"}, Status.BAD_REQUEST)]
 
 
 def test_a_send_is_stored_and_answered(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     body = message("s.a", "id-1", b"hello")
     Handlers(context).dispatch(conn, Frame(RequestCode.SEND_MESSAGES, 8, {}, body))
     assert conn.answers == [(RequestCode.SEND_MESSAGES, 8, {"errors": [], "duplicates": 0}, Status.OK)]
@@ -122,7 +106,7 @@ def test_a_send_is_stored_and_answered(context: Context) -> None:
 
 def test_a_slave_refuses_what_only_a_master_does_naming_its_group(context: Context) -> None:
     context.role = "slave"
-    conn = Recorder()
+    conn = RecordingResponder()
     handlers = Handlers(context)
     handlers.dispatch(conn, Frame(RequestCode.SEND_MESSAGES, 9, {}, message("s.a", "id-2")))
     handlers.dispatch(conn, Frame(RequestCode.PING, 10))
@@ -141,7 +125,7 @@ def test_a_failing_store_costs_one_request(context: Context, monkeypatch: pytest
         raise KeyError("lost")
 
     monkeypatch.setattr(context.store, "read_range", broken)
-    conn = Recorder()
+    conn = RecordingResponder()
     handlers = Handlers(context)
     handlers.dispatch(conn, Frame(RequestCode.READ, 11, {"subject": "s.a", "from": 0, "max": 10}))
     handlers.dispatch(conn, Frame(RequestCode.PING, 12))

@@ -5,10 +5,9 @@ responder."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from delayhelpers import T0_MS, config, encoded, manual_clock
@@ -26,23 +25,7 @@ from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.group_commit import GroupCommit
 from qmq.store.segments import FlushTicket
-
-Answer = tuple[int, int, dict[str, Any] | None, int]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.answers: list[Answer] = []
-
-    def respond(
-        self,
-        code: int,
-        request_id: int,
-        header: dict[str, Any] | None,
-        chunks: Sequence[bytes] = (),
-        status: int = Status.OK,
-    ) -> None:
-        self.answers.append((code, request_id, header, status))
+from recording import RecordingResponder
 
 
 @dataclass
@@ -98,14 +81,14 @@ def context(tmp_path: Path) -> Iterator[Context]:
 
 
 def test_ping_answers_the_role_group_and_time(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     Handlers(context).dispatch(conn, Frame(RequestCode.PING, 1))
     assert conn.answers == [(RequestCode.PING, 1, {"role": "delay", "group": "delay-9", "time_ms": T0_MS}, Status.OK)]
     assert context.metrics.registry.get_sample_value("qmq_delay_requests_total", {"command": "PING"}) == 1
 
 
 def test_a_broker_command_is_refused_naming_what_a_delay_server_takes(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     Handlers(context).dispatch(conn, Frame(RequestCode.PULL, 2))
     assert conn.answers == [
         (
@@ -121,14 +104,14 @@ def test_a_broker_command_is_refused_naming_what_a_delay_server_takes(context: C
 
 
 def test_a_bad_request_names_the_field(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     Handlers(context).dispatch(conn, Frame(RequestCode.DELAY_STATS, 3, {"buckets_max": -1}))
     text = f"'buckets_max' = -1 must be a whole number from 0 to {STATS_BUCKETS_MAX}"
     assert conn.answers == [(RequestCode.DELAY_STATS, 3, {"error": text}, Status.BAD_REQUEST)]
 
 
 def test_a_send_is_stored_answered_and_handed_to_the_timer(context: Context) -> None:
-    conn = Recorder()
+    conn = RecordingResponder()
     body = encoded("s.late", "id-1", T0_MS + 30_000) + encoded("s.late", "id-2", T0_MS + 40_000)
     Handlers(context).dispatch(conn, Frame(RequestCode.SEND_MESSAGES, 4, {}, body))
     assert conn.answers == [(RequestCode.SEND_MESSAGES, 4, {"errors": [], "duplicates": 0}, Status.OK)]
@@ -139,7 +122,7 @@ def test_a_send_is_stored_answered_and_handed_to_the_timer(context: Context) -> 
 
 def test_a_stopping_server_refuses_sends(context: Context) -> None:
     context.stopping = True
-    conn = Recorder()
+    conn = RecordingResponder()
     Handlers(context).dispatch(conn, Frame(RequestCode.SEND_MESSAGES, 5, {}, encoded("s.a", "id-3", T0_MS + 1)))
     (_code, _id, header, status) = conn.answers[0]
     assert status == Status.SHUTTING_DOWN

@@ -4,9 +4,7 @@ is answered with, and that a failing periodic job keeps its timer."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -18,21 +16,7 @@ from qmq.serving.dispatch import Handler, RequestTable
 from qmq.serving.periodic import Periodic
 from qmq.serving.requests import BadRequest
 from qmq.store.datadir import DiskFullError, StoreError
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.answers: list[tuple[int, int, dict[str, Any] | None, int]] = []
-
-    def respond(
-        self,
-        code: int,
-        request_id: int,
-        header: dict[str, Any] | None,
-        chunks: Sequence[bytes] = (),
-        status: int = Status.OK,
-    ) -> None:
-        self.answers.append((code, request_id, header, status))
+from recording import RecordingResponder
 
 
 def raising(exc: Exception) -> Handler:
@@ -55,7 +39,7 @@ def test_a_failure_is_answered_by_its_kind(exc: Exception, status: Status, text:
     registry = CollectorRegistry()
     requests = Counter("qmq_requests", "requests by command", ["command"], registry=registry)
     table = RequestTable({RequestCode.LAG: raising(exc)}, requests, lambda code: f"no {code}")
-    conn = Recorder()
+    conn = RecordingResponder()
     table.dispatch(conn, Frame(RequestCode.LAG, 4))
     table.dispatch(conn, Frame(RequestCode.ACK, 5))
     assert conn.answers == [

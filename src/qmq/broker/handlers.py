@@ -19,7 +19,7 @@ from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
-from qmq.serving.disk import FreeSpace
+from qmq.serving.disk import FreeSpace, disk_refusal
 from qmq.serving.dispatch import Handler, RequestTable
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.requests import (
@@ -160,12 +160,7 @@ class Handlers:
                 Status.INTERNAL_ERROR,
                 f"the broker's disk failed ({broker.flusher.failed}); it takes no sends",
             )
-        low = self.free_space.low()
-        if low is not None:
-            return Status.DISK_FULL, low
-        if self.store.unflushed_bytes > broker.config.pending_flush_bytes_max:
-            return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
-        return None
+        return disk_refusal(self.free_space, self.store.unflushed_bytes, broker.config.pending_flush_bytes_max)
 
     def send(self, conn: Responder, frame: Frame) -> None:
         refusal = self._refusal()

@@ -18,7 +18,7 @@ from qmq.delay.timer import Rows
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
-from qmq.serving.disk import FreeSpace
+from qmq.serving.disk import FreeSpace, disk_refusal
 from qmq.serving.dispatch import Handler, RequestTable
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.requests import BadRequest, scan_send
@@ -97,12 +97,8 @@ class Handlers:
         failed = server.flusher.failed or server.disk_error
         if failed is not None:
             return Status.INTERNAL_ERROR, f"the delay server's disk failed ({failed}); it takes no sends"
-        low = self.free_space.low()
-        if low is not None:
-            return Status.DISK_FULL, low
-        if self.store.wal.end - server.flusher.flushed_offset > server.config.pending_flush_bytes_max:
-            return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
-        return None
+        unflushed_bytes = self.store.wal.end - server.flusher.flushed_offset
+        return disk_refusal(self.free_space, unflushed_bytes, server.config.pending_flush_bytes_max)
 
     def send(self, conn: Responder, frame: Frame) -> None:
         refusal = self._refusal()
