@@ -62,10 +62,14 @@ class ServingConfig(Protocol):
 
 
 class RoleStore(Protocol):
+    """The role's store, as far as the shell is concerned: closed last at shutdown."""
+
     def close(self) -> None: ...
 
 
 class RoleMetrics(Protocol):
+    """The role's metrics registry, rendered for GET /metrics."""
+
     def render(self) -> bytes: ...
 
 
