@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from qmq.broker.pulls import ParkedPull
+from qmq.broker.metrics import BrokerMetrics
+from qmq.broker.pulls import ParkedPull, ParkedPulls
+from qmq.broker.release import Release
+from qmq.broker.replication import ReplicationSource, Replicator
+from qmq.common.clock import Clock
+from qmq.common.config import BrokerConfig
+from qmq.common.limits import Limits
 from qmq.common.naming import dead_subject, retry_subject
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
-from qmq.serving.disk import FreeSpace
+from qmq.serving.disk import FreeSpace, disk_refusal
+from qmq.serving.dispatch import Handler, RequestTable
+from qmq.serving.group_commit import GroupCommit
 from qmq.serving.requests import (
     BadRequest,
     get_bool,
@@ -26,14 +33,10 @@ from qmq.serving.requests import (
     get_tags,
     scan_send,
 )
-from qmq.store.broker_store import AppendResult, PullResult
-from qmq.store.datadir import DiskFullError, StoreError
+from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
 from qmq.store.tags import TagFilter
-
-if TYPE_CHECKING:
-    from qmq.broker.server import BrokerServer
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +61,49 @@ _MASTER_ONLY = frozenset(
 )
 
 
+class BrokerContext(Protocol):
+    """What the handlers read and call of the broker (``BrokerServer`` is one; a test builds a
+    small one): its state, never its lifecycle."""
+
+    @property
+    def config(self) -> BrokerConfig: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def store(self) -> BrokerStore: ...
+    @property
+    def metrics(self) -> BrokerMetrics: ...
+    @property
+    def flusher(self) -> GroupCommit: ...
+    @property
+    def parked(self) -> ParkedPulls: ...
+    @property
+    def release(self) -> Release: ...
+    @property
+    def source(self) -> ReplicationSource: ...
+    @property
+    def replicator(self) -> Replicator | None: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def stopping(self) -> bool: ...
+
+
 class Handlers:
-    def __init__(self, broker: BrokerServer) -> None:
+    def __init__(self, broker: BrokerContext) -> None:
         self.broker = broker
         self.store = broker.store
         self.limits = broker.limits
         self.metrics = broker.metrics
         self.free_space = FreeSpace(self.store.dir, broker.config.disk_free_bytes_min)
         self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
-        self.table = {
+        table: dict[int, Handler] = {
             RequestCode.PING: self.ping,
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
@@ -81,42 +118,22 @@ class Handlers:
             RequestCode.READ: self.read,
             RequestCode.REPLICATE: self.replicate,
         }
+        for code in _MASTER_ONLY:
+            table[code] = self._master_only(table[code])
+        self.requests = RequestTable(table, self.metrics.requests, _unknown)
+        self.dispatch = self.requests.dispatch
 
-    def dispatch(self, conn: Responder, frame: Frame) -> None:
-        handler = self.table.get(frame.code)  # type: ignore[call-overload]
-        if handler is None:
-            conn.respond(
-                frame.code,
-                frame.request_id,
-                {"error": f"unknown command code {frame.code}"},
-                status=Status.UNKNOWN_COMMAND,
-            )
-            return
-        self.metrics.requests.labels(RequestCode(frame.code).name).inc()
-        self._guarded(conn, frame, handler)
+    def _master_only(self, handler: Handler) -> Handler:
+        """``handler`` on a master; on a slave, NOT_MASTER naming the master."""
+        broker = self.broker
 
-    def _guarded(self, conn: Responder, frame: Frame, handler: Callable[[Responder, Frame], None]) -> None:
-        """Run ``handler`` if this broker may serve ``frame``; answer any failure by its kind."""
-        if frame.code in _MASTER_ONLY and self.broker.role != "master":
-            conn.respond(frame.code, frame.request_id, {"error": self._not_master()}, status=Status.NOT_MASTER)
-            return
-        try:
+        def on_master(conn: Responder, frame: Frame) -> None:
+            if broker.role != "master":
+                conn.respond(frame.code, frame.request_id, {"error": self._not_master()}, status=Status.NOT_MASTER)
+                return
             handler(conn, frame)
-        except BadRequest as exc:
-            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.BAD_REQUEST)
-        except DiskFullError as exc:
-            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.DISK_FULL)
-        except StoreError as exc:
-            log.error("store error on %s: %s", RequestCode(frame.code).name, exc)
-            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.INTERNAL_ERROR)
-        except Exception as exc:  # a bug must cost one request, not the server
-            log.exception("%s failed", RequestCode(frame.code).name)
-            conn.respond(
-                frame.code,
-                frame.request_id,
-                {"error": f"internal error: {type(exc).__name__}: {exc}"},
-                status=Status.INTERNAL_ERROR,
-            )
+
+        return on_master
 
     # -- commands ----------------------------------------------------------------------
 
@@ -143,12 +160,7 @@ class Handlers:
                 Status.INTERNAL_ERROR,
                 f"the broker's disk failed ({broker.flusher.failed}); it takes no sends",
             )
-        low = self.free_space.low()
-        if low is not None:
-            return Status.DISK_FULL, low
-        if self.store.unflushed_bytes > broker.config.pending_flush_bytes_max:
-            return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
-        return None
+        return disk_refusal(self.free_space, self.store.unflushed_bytes, broker.config.pending_flush_bytes_max)
 
     def send(self, conn: Responder, frame: Frame) -> None:
         refusal = self._refusal()
@@ -468,3 +480,7 @@ class Handlers:
             "timeout_ms": get_int(header, "timeout_ms", 0, self.limits.pull_timeout_ms_max, default=0),
         }
         broker.source.request(conn, frame.code, frame.request_id, fields, get_str(header, "slave"))
+
+
+def _unknown(code: int) -> str:
+    return f"unknown command code {code}"

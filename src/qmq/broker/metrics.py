@@ -14,8 +14,6 @@ from prometheus_client.registry import Collector
 
 from qmq.store.broker_store import BrokerStore
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
 
 class _ProgressCollector(Collector):
     def __init__(self, store: BrokerStore) -> None:

@@ -10,19 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from qmq.broker.metrics import BrokerMetrics
+from qmq.broker.pulls import ParkedPulls
+from qmq.common.clock import Clock
 from qmq.common.errors import QmqError
+from qmq.serving.group_commit import GroupCommit
+from qmq.store.broker_store import BrokerStore
 from qmq.store.held import release_due
-
-if TYPE_CHECKING:
-    from qmq.broker.server import BrokerServer
 
 log = logging.getLogger(__name__)
 
 
+class ReleaseContext(Protocol):
+    """What the release timer reads and calls of the broker."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def store(self) -> BrokerStore: ...
+    @property
+    def metrics(self) -> BrokerMetrics: ...
+    @property
+    def parked(self) -> ParkedPulls: ...
+    @property
+    def flusher(self) -> GroupCommit: ...
+
+
 class Release:
-    def __init__(self, broker: BrokerServer) -> None:
+    def __init__(self, broker: ReleaseContext) -> None:
         self.broker = broker
         self._handle: asyncio.Handle | None = None
         self._at_ms: int | None = None  # the due time the timer is set for

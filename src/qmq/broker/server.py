@@ -1,7 +1,8 @@
-"""The broker process: listens for clients, serves metrics, registers with the meta server,
-checkpoints, applies retention and moves silent consumers' messages to retry on timers, and
-shuts down in order. Connections, group commit, registration and the process runner come
-from ``qmq.serving``.
+"""The broker process: its state (store, group commit, parked pulls, replication, its role and
+epoch in the group), the timers that checkpoint, apply retention and move silent consumers'
+messages to retry, the changes of role the meta server orders, and its shutdown order. The
+listening shell, dispatch, registration and the process runner come from ``qmq.serving``;
+what each request does is in ``qmq.broker.handlers``.
 """
 
 from __future__ import annotations
@@ -12,14 +13,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from aiohttp import web
-
 from qmq.broker.handlers import Handlers
-from qmq.broker.metrics import CONTENT_TYPE, BrokerMetrics
+from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
@@ -27,14 +24,11 @@ from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import RETRY_PREFIX
-from qmq.protocol.codes import RequestCode
-from qmq.protocol.frame import Frame
-from qmq.serving.connection import Connections, FrameConnection
+from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
-from qmq.serving.registration import Registration, server_payload
-from qmq.serving.runner import StartupError, listen_error, run_server, serve_http
+from qmq.serving.runner import StartupError, run_server
+from qmq.serving.server import FrameServer
 from qmq.store.broker_store import BrokerStore
-from qmq.store.datadir import StoreError
 from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.replica import rewind
 from qmq.store.retention import run_retention
@@ -45,16 +39,21 @@ log = logging.getLogger(__name__)
 _EPOCH_FILE = "epoch"
 
 
-class BrokerServer:
-    # after a send frame, the rest of what a connection sent waits a loop turn: fair to the others
-    yield_after: frozenset[int] = frozenset({RequestCode.SEND_MESSAGES})
+class BrokerServer(FrameServer):
+    kind = "broker"
+    title = "broker"
+    config: BrokerConfig
+    store: BrokerStore
+    metrics: BrokerMetrics
 
     def __init__(self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits | None = None) -> None:
-        self.config = config
-        self.clock = clock
-        self.limits = limits = limits or dataclasses.replace(DEFAULT_LIMITS, message_bytes_max=config.message_bytes_max)
+        limits = limits or dataclasses.replace(DEFAULT_LIMITS, message_bytes_max=config.message_bytes_max)
         self.store = BrokerStore(config, clock, limits)
         self.metrics = BrokerMetrics(self.store)
+        # A checkpoint fsyncs every consume log written since the last one: on the group commit's
+        # thread, sends waiting for their fsync would wait behind it.
+        super().__init__(config, limits, self.metrics.connections.set, "qmq-checkpoint")
+        self.clock = clock
         self.parked = ParkedPulls(self.store, self.metrics.waiting_pulls.set)
         self.flusher = GroupCommit(
             "the message log",
@@ -69,47 +68,12 @@ class BrokerServer:
         self.store.on_grow = self.source.grew
         self.replicator: Replicator | None = None
         self._transition: asyncio.Task[None] | None = None
-        self.handlers = Handlers(self)
         self.release = Release(self)
-        self.connections = Connections(config.connections_max, self.metrics.connections.set)
-        self.stopping = False
-        self.port = 0
-        self.http_port = 0
-        self._server: asyncio.Server | None = None
-        self._http: web.AppRunner | None = None
-        self._registration: Registration | None = None
-        self._timers: list[asyncio.Task[None]] = []
-        self._checkpointing: asyncio.Lock | None = None
-        # A checkpoint fsyncs every consume log written since the last one: on the group commit's
-        # thread, sends waiting for their fsync would wait behind it.
-        self._checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-checkpoint")
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.config.host}:{self.http_port}"
-
-    def ready_line(self) -> str:
-        import os
-
-        return (
-            f"qmq ready role=broker group={self.config.group} address={self.address} "
-            f"http={self.http_url} pid={os.getpid()}"
-        )
-
-    # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
-
-    def admit(self, conn: FrameConnection) -> bool:
-        return self.connections.admit(conn)
-
-    def dispatch(self, conn: FrameConnection, frame: Frame) -> None:
-        self.handlers.dispatch(conn, frame)
+        self.handlers = Handlers(self)
+        self.dispatch = self.handlers.dispatch
 
     def forget(self, conn: FrameConnection) -> None:
-        self.connections.forget(conn)
+        super().forget(conn)
         self.parked.drop_owner(conn)
         self.source.forget(conn)
 
@@ -120,52 +84,27 @@ class BrokerServer:
         report = self.store.open()
         log.info("store recovered: %s", report)
         self.flusher.flushed_offset = self.store.mlog.end
-        self._checkpointing = asyncio.Lock()
-        loop = asyncio.get_running_loop()
+        self.checkpointing = asyncio.Lock()
         cfg = self.config
-        try:
-            self._server = await loop.create_server(lambda: FrameConnection(self), cfg.host, cfg.port, backlog=1024)
-        except OSError as exc:
-            raise StartupError(listen_error("broker", cfg.host, cfg.port, exc, "--port")) from None
-        self.port = self._server.sockets[0].getsockname()[1]
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
-        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
+        await self.listen()
         if cfg.flush == "periodic" or self.role == "slave":
             self.flusher.start_periodic(cfg.flush_interval_ms)
         self.release.schedule()  # what was held when the broker stopped is due by now, or soon
-        self._timers.append(loop.create_task(self._every(cfg.checkpoint_interval_ms, self.checkpoint)))
-        self._timers.append(loop.create_task(self._every(cfg.retention_check_interval_ms, self._retention)))
+        self.periodic.every(cfg.checkpoint_interval_ms, self.checkpoint)
+        self.periodic.every(cfg.retention_check_interval_ms, self._retention)
         silent_check_ms = max(10, min(cfg.consumer_offline_ms // 4, 5_000))
-        self._timers.append(loop.create_task(self._every(silent_check_ms, self._expire_silent)))
+        self.periodic.every(silent_check_ms, self._expire_silent)
         slave_check_ms = max(10, min(cfg.slave_timeout_ms // 4, 1_000))
-        self._timers.append(loop.create_task(self._every(slave_check_ms, self._check_slaves)))
+        self.periodic.every(slave_check_ms, self._check_slaves)
         if cfg.meta_server:
-            self._registration = Registration(
-                cfg.meta_server, self._heartbeat, cfg.heartbeat_interval_ms, on_answer=self._on_answer
-            )
-            self._registration.start()
+            self.register(self._heartbeat, on_answer=self._on_answer)
         elif self.role == "slave":
             raise StartupError("a slave needs --meta-server: the meta server names its master")
-
-    async def wait_registered(self) -> None:
-        if self._registration is not None:
-            await self._registration.registered.wait()
-
-    async def _every(self, interval_ms: int, job: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            await asyncio.sleep(interval_ms / 1000)  # the job's period
-            try:
-                await job()
-            except Exception:  # a failed checkpoint or retention run is retried next time
-                log.exception("periodic %s failed", getattr(job, "__name__", job))
 
     # -- roles in the group (docs/cluster.md) --------------------------------------------
 
     def _heartbeat(self) -> dict[str, object]:
-        cfg = self.config
-        payload: dict[str, object] = server_payload("broker", cfg.group, self.address, f"{cfg.host}:{self.http_port}")
+        payload: dict[str, object] = self.registration_payload()
         payload.update(
             role_in_group=self.role,
             epoch=self.epoch,
@@ -240,8 +179,8 @@ class BrokerServer:
                 and isinstance(action_offset, int)
                 and (self.store.mlog.end > message_offset or self.store.alog.end > action_offset)
             ):
-                assert self._checkpointing is not None
-                async with self._checkpointing:
+                assert self.checkpointing is not None
+                async with self.checkpointing:
                     rewind(self.store, message_offset, action_offset)
         self._set_epoch(epoch)
         self.replicator = Replicator(lambda: self.store, master, epoch, self.address, lambda _subjects: None)
@@ -264,13 +203,13 @@ class BrokerServer:
             self.parked.notify(moved)
 
     async def checkpoint(self) -> None:
-        assert self._checkpointing is not None
-        async with self._checkpointing:
+        assert self.checkpointing is not None
+        async with self.checkpointing:
             store = self.store
             state = store.checkpoint_state()
             ticket = store.begin_flush(consume_logs=True)
             await asyncio.get_running_loop().run_in_executor(
-                self._checkpoint_executor, store.write_checkpoint, ticket, state
+                self.checkpoint_executor, store.write_checkpoint, ticket, state
             )
             store.after_checkpoint(state)
 
@@ -288,15 +227,17 @@ class BrokerServer:
         else:
             self.parked.notify(subjects)
 
-    async def _metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    async def _health(self, _request: web.Request) -> web.Response:
+    def health(self) -> dict[str, object]:
         ok = not self.stopping and self.flusher.failed is None
-        body = {"ok": ok, "group": self.config.group, "role_in_group": self.role, "epoch": self.epoch}
+        body: dict[str, object] = {
+            "ok": ok,
+            "group": self.config.group,
+            "role_in_group": self.role,
+            "epoch": self.epoch,
+        }
         if self.role == "master":
             body["write_state"] = self.source.write_state()
-        return web.json_response(body, status=200 if ok else 503)
+        return body
 
     def _disk_failed(self, exc: BaseException) -> None:
         log.critical("the broker's disk failed (%s); it no longer takes sends", exc)
@@ -307,34 +248,18 @@ class BrokerServer:
             return
         self.stopping = True
         self.release.cancel()
-        if self._server is not None:
-            self._server.close()
-        if self._registration is not None:
-            await self._registration.stop()
+        await self.stop_listening()
         if self._transition is not None:
             await asyncio.gather(self._transition, return_exceptions=True)
         if self.replicator is not None:
             await self.replicator.stop()
         self.source.fail_all(f"broker {self.address} is shutting down; retry")
         self.parked.answer_all_empty()
-        if not await self.flusher.drain(self.config.shutdown_grace_ms / 1000):
-            log.warning("shutdown: %d sends were still waiting for fsync after the grace period", self.flusher.waiting)
-        for task in self._timers:
-            task.cancel()
-        await asyncio.gather(*self._timers, return_exceptions=True)
-        if self._checkpointing is not None:
-            try:
-                await self.checkpoint()
-            except (OSError, StoreError) as exc:
-                log.error("shutdown: the final checkpoint failed: %s", exc)
-        self.connections.close_all()
-        if self._server is not None:
-            await self._server.wait_closed()
-        if self._http is not None:
-            await self._http.cleanup()
-        await self.flusher.stop()
-        self._checkpoint_executor.shutdown(wait=True)
-        self.store.close()
+        await self.drain_writes(self.config.shutdown_grace_ms / 1000)
+        await self.periodic.stop()
+        await self.final_checkpoint()
+        await self.close_connections()
+        await self.close_store()
 
 
 def _read_epoch(directory: Path) -> int:

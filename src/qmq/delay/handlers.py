@@ -4,68 +4,87 @@ and are refused with UNKNOWN_COMMAND saying so."""
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import Protocol
 
+from qmq.common.clock import Clock
+from qmq.common.config import DelayConfig
+from qmq.common.limits import Limits
+from qmq.delay.dispatcher import Dispatcher
+from qmq.delay.metrics import DelayMetrics
+from qmq.delay.scheduler import Scheduler
+from qmq.delay.store import DelayStore
+from qmq.delay.timer import Rows
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
-from qmq.serving.disk import FreeSpace
+from qmq.serving.disk import FreeSpace, disk_refusal
+from qmq.serving.dispatch import Handler, RequestTable
+from qmq.serving.group_commit import GroupCommit
 from qmq.serving.requests import BadRequest, scan_send
-from qmq.store.datadir import DiskFullError, StoreError
-
-if TYPE_CHECKING:
-    from qmq.delay.server import DelayServer
-
-log = logging.getLogger(__name__)
 
 STATS_BUCKETS_DEFAULT = 100
 # The answer is a frame header (at most frame_header_bytes_max, 64 KiB); a bucket row is < 100 bytes.
 STATS_BUCKETS_MAX = 500
 
 
+class DelayContext(Protocol):
+    """What the handlers read and call of the delay server (``DelayServer`` is one; a test
+    builds a small one): its state and the hooks a stored send pulls, never its lifecycle."""
+
+    @property
+    def config(self) -> DelayConfig: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def store(self) -> DelayStore: ...
+    @property
+    def metrics(self) -> DelayMetrics: ...
+    @property
+    def flusher(self) -> GroupCommit: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def dispatcher(self) -> Dispatcher | None: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def disk_error(self) -> BaseException | None: ...
+    @property
+    def unflushed(self) -> deque[tuple[int, Rows]]:
+        """Timer rows of sends waiting for their fsync, by write-ahead log end offset (sync policy)."""
+        ...
+
+    def sync_in_background(self) -> None: ...
+    def prepare_routes(self, subjects: list[str]) -> None: ...
+    def poke_dispatcher(self) -> None: ...
+    def arrived(self, rows: Rows) -> None: ...
+    def release_durable(self) -> None: ...
+
+
 class Handlers:
-    def __init__(self, server: DelayServer) -> None:
+    def __init__(self, server: DelayContext) -> None:
         self.server = server
         self.store = server.store
         self.limits = server.limits
         self.metrics = server.metrics
         self.free_space = FreeSpace(self.store.dir, server.config.disk_free_bytes_min)
-        self.table = {
+        table: dict[int, Handler] = {
             RequestCode.PING: self.ping,
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.DELAY_STATS: self.delay_stats,
         }
+        self.requests = RequestTable(table, self.metrics.requests, self._unknown)
+        self.dispatch = self.requests.dispatch
 
-    def dispatch(self, conn: Responder, frame: Frame) -> None:
-        handler = self.table.get(frame.code)  # type: ignore[call-overload]
-        if handler is None:
-            conn.respond(
-                frame.code,
-                frame.request_id,
-                {
-                    "error": f"command code {frame.code} is not served by a delay server (group "
-                    f"{self.server.config.group}); it takes PING, SEND_MESSAGES and DELAY_STATS: "
-                    "pull from a broker"
-                },
-                status=Status.UNKNOWN_COMMAND,
-            )
-            return
-        self.metrics.requests.labels(RequestCode(frame.code).name).inc()
-        try:
-            handler(conn, frame)
-        except BadRequest as exc:
-            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.BAD_REQUEST)
-        except Exception as exc:  # a bug or a disk error must cost one request, not the server
-            if isinstance(exc, DiskFullError):
-                status = Status.DISK_FULL
-            elif isinstance(exc, StoreError):
-                log.error("store error on %s: %s", RequestCode(frame.code).name, exc)
-                status = Status.INTERNAL_ERROR
-            else:
-                log.exception("%s failed", RequestCode(frame.code).name)
-                status = Status.INTERNAL_ERROR
-            conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=status)
+    def _unknown(self, code: int) -> str:
+        return (
+            f"command code {code} is not served by a delay server (group "
+            f"{self.server.config.group}); it takes PING, SEND_MESSAGES and DELAY_STATS: "
+            "pull from a broker"
+        )
 
     def ping(self, conn: Responder, frame: Frame) -> None:
         header = {"role": "delay", "group": self.server.config.group, "time_ms": self.server.clock.now_ms()}
@@ -78,12 +97,8 @@ class Handlers:
         failed = server.flusher.failed or server.disk_error
         if failed is not None:
             return Status.INTERNAL_ERROR, f"the delay server's disk failed ({failed}); it takes no sends"
-        low = self.free_space.low()
-        if low is not None:
-            return Status.DISK_FULL, low
-        if self.store.wal.end - server.flusher.flushed_offset > server.config.pending_flush_bytes_max:
-            return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
-        return None
+        unflushed_bytes = self.store.wal.end - server.flusher.flushed_offset
+        return disk_refusal(self.free_space, unflushed_bytes, server.config.pending_flush_bytes_max)
 
     def send(self, conn: Responder, frame: Frame) -> None:
         refusal = self._refusal()

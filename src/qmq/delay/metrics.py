@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     from qmq.delay.dispatcher import Dispatcher
     from qmq.delay.scheduler import Scheduler
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
 
 class _StateCollector(Collector):
     def __init__(self, scheduler: Scheduler, dispatcher: Dispatcher | None) -> None:

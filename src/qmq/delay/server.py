@@ -3,21 +3,16 @@ keeps them in its store until they are due, hands them to brokers through the SD
 producer, serves metrics, registers with the meta server as role "delay", and shuts down
 in order.
 
-Connections, group commit, registration and the process runner come from ``qmq.serving``.
-Checkpoints run on their own worker thread so the write-ahead log's group commit never waits
-behind them.
+The listening shell, dispatch, group commit, registration and the process runner come from
+``qmq.serving``; what each request does is in ``qmq.delay.handlers``. Checkpoints run on
+their own worker thread so the write-ahead log's group commit never waits behind them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections import deque
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-
-from aiohttp import web
 
 from qmq.client.producer import Producer
 from qmq.common.clock import SYSTEM_CLOCK, Clock
@@ -27,17 +22,13 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
 from qmq.delay.bucket import fsync_paths
 from qmq.delay.dispatcher import Dispatcher
 from qmq.delay.handlers import Handlers
-from qmq.delay.metrics import CONTENT_TYPE, DelayMetrics
+from qmq.delay.metrics import DelayMetrics
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
-from qmq.protocol.codes import RequestCode
-from qmq.protocol.frame import Frame
-from qmq.serving.connection import Connections, FrameConnection
 from qmq.serving.group_commit import GroupCommit
-from qmq.serving.registration import Registration, server_payload
-from qmq.serving.runner import StartupError, listen_error, run_server, serve_http
-from qmq.store.datadir import StoreError
+from qmq.serving.runner import StartupError, run_server
+from qmq.serving.server import FrameServer
 from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
@@ -51,18 +42,19 @@ _HANDOVER_SEND_TIMEOUT_MS = 10_000
 _PREPARING_MAX = 16
 
 
-class DelayServer:
-    # At most one send frame is handled per loop turn: the rest of what arrived waits for the
-    # next turn, so a burst of sends delays due messages by one frame's work, not a burst's.
-    yield_after: frozenset[int] = frozenset({RequestCode.SEND_MESSAGES})
+class DelayServer(FrameServer):
+    kind = "delay"
+    title = "delay server"
+    config: DelayConfig
+    store: DelayStore
+    metrics: DelayMetrics
 
     def __init__(self, config: DelayConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.config = config
-        self.clock = clock
-        self.limits = limits
         self.store = DelayStore(config, clock, limits)
-        self.scheduler = Scheduler(self.store, config.preload_ms)
         self.metrics = DelayMetrics()
+        super().__init__(config, limits, self.metrics.connections.set, "qmq-delay-checkpoint")
+        self.clock = clock
+        self.scheduler = Scheduler(self.store, config.preload_ms)
         self.flusher = GroupCommit(
             "the write-ahead log",
             lambda: FlushTicket(self.store.wal.segments.sync_fds(), self.store.wal.end),
@@ -70,32 +62,15 @@ class DelayServer:
             self.metrics.flush_seconds.observe,
             self._disk_failed,
         )
-        self.handlers = Handlers(self)
         self.producer: Producer | None = None
         self.dispatcher: Dispatcher | None = None
-        self.connections = Connections(config.connections_max, self.metrics.connections.set)
         # sync policy: timer rows of sends waiting for their fsync, by write-ahead log end offset
         self.unflushed: deque[tuple[int, Rows]] = deque()
         self.disk_error: BaseException | None = None
-        self.stopping = False
-        self.port = 0
-        self.http_port = 0
-        self._server: asyncio.Server | None = None
-        self._http: web.AppRunner | None = None
-        self._registration: Registration | None = None
-        self._timers: list[asyncio.Task[None]] = []
-        self._checkpointing: asyncio.Lock | None = None
         self._syncing: asyncio.Future[None] | None = None  # a background fsync (sync_bytes)
-        self._checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-delay-checkpoint")
         self._preparing: set[asyncio.Task[None]] = set()
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.config.host}:{self.http_port}"
+        self.handlers = Handlers(self)
+        self.dispatch = self.handlers.dispatch
 
     async def start(self) -> None:
         """Recover the store, connect to the brokers, listen, serve metrics, register."""
@@ -108,8 +83,7 @@ class DelayServer:
         log.info("delay store recovered: %s", report)
         # what recovery found is on disk already; only later writes wait for an fsync
         self.flusher.flushed_offset = self.store.wal.end
-        self._checkpointing = asyncio.Lock()
-        loop = asyncio.get_running_loop()
+        self.checkpointing = asyncio.Lock()
         producer = Producer(
             app_code=_PRODUCER_APP_CODE,
             meta_server=cfg.meta_server,
@@ -135,63 +109,20 @@ class DelayServer:
             on_disk_error=self._disk_failed,
         )
         self.metrics.watch(self.scheduler, self.dispatcher)
-        try:
-            self._server = await loop.create_server(lambda: FrameConnection(self), cfg.host, cfg.port, backlog=1024)
-        except OSError as exc:
-            raise StartupError(listen_error("delay server", cfg.host, cfg.port, exc, "--port")) from None
-        self.port = self._server.sockets[0].getsockname()[1]
-        await self._serve_http()
+        await self.listen()
         if cfg.flush == "periodic":
             self.flusher.start_periodic(cfg.flush_interval_ms)
-        self._timers.append(loop.create_task(self._every(cfg.checkpoint_interval_ms, self.checkpoint)))
+        self.periodic.every(cfg.checkpoint_interval_ms, self.checkpoint)
         self.dispatcher.start()
-        self._registration = Registration(
-            cfg.meta_server,
-            server_payload("delay", cfg.group, self.address, f"{cfg.host}:{self.http_port}"),
-            cfg.heartbeat_interval_ms,
-        )
-        self._registration.start()
-
-    async def _serve_http(self) -> None:
-        cfg = self.config
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
-        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
-
-    def ready_line(self) -> str:
-        return (
-            f"qmq ready role=delay group={self.config.group} address={self.address} "
-            f"http={self.http_url} pid={os.getpid()}"
-        )
-
-    # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
-
-    def admit(self, conn: FrameConnection) -> bool:
-        return self.connections.admit(conn)
-
-    def dispatch(self, conn: FrameConnection, frame: Frame) -> None:
-        self.handlers.dispatch(conn, frame)
-
-    async def wait_registered(self) -> None:
-        if self._registration is not None:
-            await self._registration.registered.wait()
-
-    async def _every(self, interval_ms: int, job: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            await asyncio.sleep(interval_ms / 1000)  # the job's period
-            try:
-                await job()
-            except Exception:  # a failed checkpoint is retried next time
-                log.exception("periodic %s failed", getattr(job, "__name__", job))
+        self.register(self.registration_payload())
 
     async def checkpoint(self) -> None:
         """Make the schedule logs durable, record the write-ahead log offset they cover, and delete
         what that makes unneeded: replayed log segments and finished buckets."""
-        assert self._checkpointing is not None
-        async with self._checkpointing:
+        assert self.checkpointing is not None
+        async with self.checkpointing:
             job = self.store.checkpoint_job()
-            await asyncio.get_running_loop().run_in_executor(self._checkpoint_executor, job.run)
+            await asyncio.get_running_loop().run_in_executor(self.checkpoint_executor, job.run)
             segments = self.store.after_checkpoint(job)
             gone = self.scheduler.remove_finished(self.clock.now_ms())
             if segments or gone:
@@ -231,15 +162,9 @@ class DelayServer:
         while unflushed and unflushed[0][0] <= flushed:
             self.arrived(unflushed.popleft()[1])
 
-    async def _metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-    async def _health(self, _request: web.Request) -> web.Response:
+    def health(self) -> dict[str, object]:
         ok = not self.stopping and self.flusher.failed is None and self.disk_error is None
-        return web.json_response({"ok": ok, "group": self.config.group}, status=200 if ok else 503)
-
-    def forget(self, conn: FrameConnection) -> None:
-        self.connections.forget(conn)
+        return {"ok": ok, "group": self.config.group}
 
     def sync_in_background(self) -> None:
         """fsync, on the checkpoint thread, the schedule logs written ``sync_bytes`` past their
@@ -250,7 +175,7 @@ class DelayServer:
             return
         paths = self.store.take_sync_due()
         if paths:
-            fut = asyncio.get_running_loop().run_in_executor(self._checkpoint_executor, fsync_paths, paths)
+            fut = asyncio.get_running_loop().run_in_executor(self.checkpoint_executor, fsync_paths, paths)
             self._syncing = fut
             fut.add_done_callback(self._synced)
 
@@ -279,36 +204,21 @@ class DelayServer:
             return
         self.stopping = True
         grace_s = self.config.shutdown_grace_ms / 1000
-        if self._server is not None:
-            self._server.close()
-        if self._registration is not None:
-            await self._registration.stop()
+        await self.stop_listening()
         for task in list(self._preparing):
             task.cancel()
-        if not await self.flusher.drain(grace_s):
-            log.warning("shutdown: %d sends were still waiting for fsync after the grace period", self.flusher.waiting)
+        await self.drain_writes(grace_s)
         if self.dispatcher is not None:
             await self.dispatcher.stop(grace_s)
-        for task in self._timers:
-            task.cancel()
-        await asyncio.gather(*self._timers, return_exceptions=True)
+        await self.periodic.stop()
         if self._syncing is not None:
             await asyncio.gather(self._syncing, return_exceptions=True)
-        if self._checkpointing is not None and self.disk_error is None:
-            try:
-                await self.checkpoint()
-            except (OSError, StoreError) as exc:
-                log.error("shutdown: the final checkpoint failed: %s", exc)
-        self.connections.close_all()
-        if self._server is not None:
-            await self._server.wait_closed()
-        if self._http is not None:
-            await self._http.cleanup()
+        if self.disk_error is None:
+            await self.final_checkpoint()
+        await self.close_connections()
         if self.producer is not None:
             await self.producer.close()
-        await self.flusher.stop()
-        self._checkpoint_executor.shutdown(wait=True)
-        self.store.close()
+        await self.close_store()
 
 
 def run_delay(config: DelayConfig) -> int:

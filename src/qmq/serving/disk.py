@@ -1,11 +1,14 @@
 """Free space of a server's data directory, checked at most once a second: below the minimum,
-sends are refused with DISK_FULL (retriable) instead of failing half-way through a write."""
+sends are refused with DISK_FULL (retriable) instead of failing half-way through a write.
+Past ``pending_flush_bytes_max`` written and not yet fsynced, sends are refused as BUSY."""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+
+from qmq.protocol.codes import Status
 
 _CHECK_INTERVAL_S = 1.0
 
@@ -30,3 +33,13 @@ class FreeSpace:
             f"free space on the disk of {str(self.directory)!r} is below disk_free_bytes_min "
             f"{self.min_bytes}; free space or move the data directory"
         )
+
+
+def disk_refusal(free_space: FreeSpace, unflushed_bytes: int, unflushed_bytes_max: int) -> tuple[Status, str] | None:
+    """Why the disk cannot take a send now, as (status, text); None when it can."""
+    low = free_space.low()
+    if low is not None:
+        return Status.DISK_FULL, low
+    if unflushed_bytes > unflushed_bytes_max:
+        return Status.BUSY, "too many bytes are waiting for fsync; retry shortly"
+    return None

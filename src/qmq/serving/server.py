@@ -1,0 +1,224 @@
+"""The shell of a role that takes frames and keeps a store (the broker, the delay server):
+what it shares around its handlers and its state.
+
+- the frame port and its connections (``qmq.serving.connection.ConnectionHost``): a frame goes
+  straight to the role's request table (``dispatch``, ``qmq.serving.dispatch``);
+- the HTTP port with ``/metrics`` and ``/health``, and the ``qmq ready`` line naming both;
+- registration with the meta server, periodic jobs, and one checkpoint at a time on a thread
+  of its own (a checkpoint's fsyncs never queue behind, or ahead of, the group commit's);
+- the steps of an ordered shutdown, each a method, which the role calls in its own order
+  with its own steps between them.
+
+A role subclasses ``FrameServer``, sets ``kind`` and ``title``, builds its state and its
+handlers, points ``dispatch`` at their request table, and writes ``start``, ``checkpoint``,
+``health`` and ``stop`` from these pieces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from qmq.common.limits import Limits
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.frame import Frame
+from qmq.serving.connection import Connections, FrameConnection, Responder
+from qmq.serving.group_commit import GroupCommit
+from qmq.serving.periodic import Periodic
+from qmq.serving.registration import Registration, server_payload
+from qmq.serving.runner import StartupError, listen_error, serve_http
+from qmq.store.datadir import StoreError
+
+log = logging.getLogger(__name__)
+
+# Prometheus text format 0.0.4, what prometheus_client's generate_latest writes
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LISTEN_BACKLOG = 1024
+
+
+class ServingConfig(Protocol):
+    """The fields of a role's config the shell reads."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def http_port(self) -> int: ...
+    @property
+    def group(self) -> str: ...
+    @property
+    def meta_server(self) -> str: ...
+    @property
+    def heartbeat_interval_ms(self) -> int: ...
+    @property
+    def connections_max(self) -> int: ...
+
+
+class RoleStore(Protocol):
+    """The role's store, as far as the shell is concerned: closed last at shutdown."""
+
+    def close(self) -> None: ...
+
+
+class RoleMetrics(Protocol):
+    """The role's metrics registry, rendered for GET /metrics."""
+
+    def render(self) -> bytes: ...
+
+
+class FrameServer:
+    # At most one send frame is handled per loop turn: the rest of what a connection sent waits
+    # for the next turn, which is fair to the other connections and, on a delay server, delays
+    # due messages by one frame's work rather than a burst's.
+    yield_after: frozenset[int] = frozenset({RequestCode.SEND_MESSAGES})
+    kind: str  # the role it is, in the ready line and the registration: "broker", "delay"
+    title: str  # names the server in errors: "broker", "delay server"
+
+    config: ServingConfig  # a role narrows it to its own config
+    # set by the role: the request table of its handlers, the store and what fsyncs its log
+    dispatch: Callable[[Responder, Frame], None]
+    store: RoleStore
+    metrics: RoleMetrics
+    flusher: GroupCommit
+
+    def __init__(
+        self,
+        config: ServingConfig,
+        limits: Limits,
+        on_connections: Callable[[int], None],
+        checkpoint_thread: str,
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.connections = Connections(config.connections_max, on_connections)
+        self.periodic = Periodic()
+        self.stopping = False
+        self.port = 0
+        self.http_port = 0
+        self._server: asyncio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self._registration: Registration | None = None
+        # set once the store is open (start): from then on a shutdown writes a final checkpoint
+        self.checkpointing: asyncio.Lock | None = None
+        self.checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix=checkpoint_thread)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.config.host}:{self.http_port}"
+
+    def ready_line(self) -> str:
+        return (
+            f"qmq ready role={self.kind} group={self.config.group} address={self.address} "
+            f"http={self.http_url} pid={os.getpid()}"
+        )
+
+    # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
+
+    def admit(self, conn: FrameConnection) -> bool:
+        return self.connections.admit(conn)
+
+    def forget(self, conn: FrameConnection) -> None:
+        """A connection closed; a role that keeps state per connection extends this."""
+        self.connections.forget(conn)
+
+    # -- start -------------------------------------------------------------------------
+
+    async def listen(self) -> None:
+        """Listen for frames, then serve /metrics and /health; StartupError naming a port in use."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(
+                lambda: FrameConnection(self), cfg.host, cfg.port, backlog=_LISTEN_BACKLOG
+            )
+        except OSError as exc:
+            raise StartupError(listen_error(self.title, cfg.host, cfg.port, exc, "--port")) from None
+        self.port = self._server.sockets[0].getsockname()[1]
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
+
+    def register(
+        self,
+        payload: dict[str, Any] | Callable[[], dict[str, Any]],
+        on_answer: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Start heartbeats to the meta server (``qmq.serving.registration``)."""
+        cfg = self.config
+        self._registration = Registration(cfg.meta_server, payload, cfg.heartbeat_interval_ms, on_answer=on_answer)
+        self._registration.start()
+
+    def registration_payload(self) -> dict[str, Any]:
+        cfg = self.config
+        return server_payload(self.kind, cfg.group, self.address, f"{cfg.host}:{self.http_port}")
+
+    async def wait_registered(self) -> None:
+        if self._registration is not None:
+            await self._registration.registered.wait()
+
+    # -- HTTP --------------------------------------------------------------------------
+
+    def health(self) -> dict[str, object]:
+        """The body of GET /health; its "ok" says 200 or 503."""
+        raise NotImplementedError
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        body = self.health()
+        return web.json_response(body, status=200 if body["ok"] else 503)
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    async def checkpoint(self) -> None:
+        raise NotImplementedError
+
+    # -- steps of an ordered shutdown, in the order a role calls them ------------------------
+
+    async def stop_listening(self) -> None:
+        """Take no new connections and stop heartbeats (the meta server stops routing here)."""
+        if self._server is not None:
+            self._server.close()
+        if self._registration is not None:
+            await self._registration.stop()
+
+    async def drain_writes(self, grace_s: float) -> None:
+        """Answer the sends waiting for their fsync, for at most ``grace_s``."""
+        if not await self.flusher.drain(grace_s):
+            log.warning("shutdown: %d sends were still waiting for fsync after the grace period", self.flusher.waiting)
+
+    async def final_checkpoint(self) -> None:
+        """Checkpoint once more if the store was opened, so a restart replays little."""
+        if self.checkpointing is None:
+            return
+        try:
+            await self.checkpoint()
+        except (OSError, StoreError) as exc:
+            log.error("shutdown: the final checkpoint failed: %s", exc)
+
+    async def close_connections(self) -> None:
+        """Close every connection, then the frame port and the HTTP port."""
+        self.connections.close_all()
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._http is not None:
+            await self._http.cleanup()
+
+    async def close_store(self) -> None:
+        """Stop the group commit and the checkpoint thread, then close the store's files."""
+        await self.flusher.stop()
+        self.checkpoint_executor.shutdown(wait=True)
+        self.store.close()
