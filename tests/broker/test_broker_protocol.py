@@ -14,7 +14,7 @@ from rawclient import RawClient, message, split_records
 
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import PREFIX
-from qmq.protocol.message import decode_message
+from qmq.protocol.message import decode_message, encode_message
 from qmq.testing import ReadyProcess, running_role
 
 pytestmark = pytest.mark.integration
@@ -38,6 +38,27 @@ def test_ping(client: RawClient) -> None:
     resp = client.call(RequestCode.PING)
     assert resp.status == Status.OK
     assert resp.header["role"] == "broker"
+
+
+def test_a_send_refuses_by_index_what_consumers_could_not_read(client: RawClient, subject: str) -> None:
+    good = message(subject, "good-1", b"ok", {"k": "v"})
+    bad = [
+        encode_message(subject.encode(), b"id-\xff", b"", 0, b"", b"x", 1),
+        encode_message(subject.encode(), b"bad-tag", b"\x02\xc3(", 1, b"", b"x", 1),
+        encode_message(subject.encode(), b"bad-props", b"", 0, b"\xc1", b"x", 1),
+        encode_message(subject.encode(), b"bad-times", b"", 0, b"", b"x", 1, 0, 65535),
+    ]
+    resp = client.send(good, *bad, message(subject, "good-2"))
+    assert resp.status == Status.OK
+    errors = {index: (status, text) for index, status, text in resp.header["errors"]}
+    assert sorted(errors) == [1, 2, 3, 4]
+    assert all(status == Status.INVALID_MESSAGE for status, _ in errors.values())
+    assert "message id is not valid UTF-8" in errors[1][1]
+    assert "tags are not valid UTF-8" in errors[2][1]
+    assert "properties are not one msgpack map" in errors[3][1]
+    assert "times) 65535 is over attempts_max" in errors[4][1]
+    got = client.pull(subject, "g")
+    assert [decode_message(m).message_id for _seq, m in split_records(got.body)] == ["good-1", "good-2"]
 
 
 def test_send_then_pull_returns_the_stored_bytes(client: RawClient, subject: str) -> None:

@@ -135,10 +135,22 @@ async def test_a_past_time_sent_straight_to_the_delay_server_is_handed_over_at_o
     async with Consumer(app_code="t", meta_server=url) as consumer:
         pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
         frame = await request(delay_group(url)["address"], RequestCode.SEND_MESSAGES, {}, [raw])
-        assert frame.header == {"errors": [], "duplicates": 0}
+        assert frame.header == {"errors": []}
         sent_at = now_ms()
         got = await collect(pull, 1, timeout_s=5)
     assert got["raw-past-1"] - sent_at < LATE_MS_MAX
+
+
+async def test_the_delay_server_refuses_by_index_what_consumers_could_not_read(
+    standalone: ReadyProcess, subject: str
+) -> None:
+    due = int(now_ms()) - 3_600_000  # handed over at once: nothing stays pending for the tests after
+    good = encode_message(subject.encode(), b"good-1", b"", 0, b"", b"x", int(now_ms()), due)
+    bad = encode_message(subject.encode(), b"id-\xff", b"", 0, b"", b"x", int(now_ms()), due)
+    frame = await request(delay_group(standalone.meta_server)["address"], RequestCode.SEND_MESSAGES, {}, [good, bad])
+    [[index, status, text]] = frame.header["errors"]
+    assert (index, status) == (1, Status.INVALID_MESSAGE)
+    assert "message id is not valid UTF-8" in text
 
 
 async def test_a_broker_holds_a_message_due_a_moment_ahead_until_it_is_due(

@@ -168,7 +168,7 @@ class Handlers:
             conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
             return
         body = bytes(frame.body)
-        scanned = scan_send(body, self.limits)
+        scanned, problems = scan_send(body, self.limits)
         store = self.store
         holds = max(map(_DELIVER_AT_MS, scanned), default=0) > self.broker.clock.now_ms()
         if holds and len(store.held) >= self.broker.config.held_messages_max:
@@ -178,7 +178,7 @@ class Handlers:
             )
             conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BUSY)
             return
-        result = store.append(body, scanned)
+        result = store.append(body, scanned, refused=problems)
         if holds:
             self.broker.release.schedule()
         self._answer_stored(conn, frame, result)

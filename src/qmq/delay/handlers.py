@@ -106,10 +106,10 @@ class Handlers:
             conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
             return
         body = bytes(frame.body)
-        scanned = scan_send(body, self.limits)
+        scanned, problems = scan_send(body, self.limits)
         server = self.server
         store = self.store
-        result = store.append(body, scanned)
+        result = store.append(body, scanned, problems)
         metrics = self.metrics
         if result.stored:
             metrics.messages_in.inc(result.stored)
@@ -123,7 +123,9 @@ class Handlers:
         if store.created_bucket:
             store.created_bucket = False
             server.poke_dispatcher()  # a new bucket may need loading now
-        header = {"errors": result.errors, "duplicates": 0}
+        # No "duplicates": a delay server keeps no duplicate window; a repeated send is dropped by
+        # the broker's when both copies are handed over (docs/protocol.md).
+        header = {"errors": result.errors}
         code, request_id = frame.code, frame.request_id
         if not store.sync_policy:
             conn.respond(code, request_id, header)

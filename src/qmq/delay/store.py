@@ -30,7 +30,7 @@ import logging
 import resource
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -212,9 +212,12 @@ class DelayStore:
             self.new_subjects.append(name)
         return None
 
-    def append(self, body: bytes, scanned: list[ScannedMessage]) -> AppendResult:
+    def append(
+        self, body: bytes, scanned: list[ScannedMessage], refused: Mapping[int, str] | None = None
+    ) -> AppendResult:
         """Append the acceptable messages of one send frame to the write-ahead log with one write,
-        replay them into their buckets, and refuse the rest by index."""
+        replay them into their buckets, and refuse the rest by index (``refused``: messages the
+        caller found unfit, with the reason)."""
         now = self.clock.now_ms()
         limits = self.limits
         size_max = limits.message_bytes_max
@@ -225,6 +228,9 @@ class DelayStore:
         accepted: list[ScannedMessage] = []
         total = 0
         for i, sm in enumerate(scanned):
+            if refused and i in refused:
+                errors.append([i, Status.INVALID_MESSAGE, f"message {i} of the batch is refused: {refused[i]}"])
+                continue
             if sm.subject not in known:
                 problem = self._subject_problem(sm.subject)
                 if problem is not None:

@@ -95,12 +95,15 @@ def get_ranges(header: dict[str, Any], key: str, required: bool = True) -> list[
     return value
 
 
-def scan_send(body: bytes, limits: Limits) -> list[ScannedMessage]:
-    """The messages of a SEND_MESSAGES body; BadRequest when it cannot be split or is empty."""
+def scan_send(body: bytes, limits: Limits) -> tuple[list[ScannedMessage], dict[int, str]]:
+    """The messages of a SEND_MESSAGES body and, by index, why any of them must be refused (what
+    consumers would fail to decode: see ``scan_batch``); BadRequest when the body cannot be
+    split or is empty."""
+    problems: dict[int, str] = {}
     try:
-        scanned = scan_batch(body, limits)
+        scanned = scan_batch(body, limits, problems)
     except RemoteProtocolError as exc:
         raise BadRequest(f"the send batch is malformed: {exc}") from None
     if not scanned:
         raise BadRequest("the send batch holds no message")
-    return scanned
+    return scanned, problems

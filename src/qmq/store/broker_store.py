@@ -23,7 +23,7 @@ the flushed messages visible to consumers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,7 @@ class BrokerStore:
         dedup_check: bool = True,
         now_ms: int | None = None,
         visible_now: bool = False,
+        refused: Mapping[int, str] | None = None,
     ) -> AppendResult:
         """Store the messages of one send frame with one write; refuse the bad ones by index.
 
@@ -130,11 +131,12 @@ class BrokerStore:
         than ``now_ms`` are held until due (held.py). ``dedup_check=False`` (the broker's own
         resends) stores a message even if its key is in the duplicate window. ``visible_now``
         (copies of held records, already durable) skips waiting for the fsync under the sync
-        policy wherever nothing earlier of the subject still waits for one.
+        policy wherever nothing earlier of the subject still waits for one. ``refused`` names,
+        by index, messages the caller found unfit to store (the reason goes into the errors).
         """
         now = self.clock.now_ms() if now_ms is None else now_ms
         errors, accepted, duplicates, total = check_send(
-            scanned, now, self.limits, self._subjects, self.dedup, dedup_check
+            scanned, now, self.limits, self._subjects, self.dedup, dedup_check, refused
         )
         if not accepted:
             return AppendResult(errors, duplicates, 0, 0, {})

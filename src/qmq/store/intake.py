@@ -5,6 +5,7 @@ the rest goes (its subject, or the dead letters); and what the store answers for
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 from qmq.common.errors import InvalidSubjectError
@@ -57,10 +58,12 @@ def check_send(
     subjects: Subjects,
     dedup: DedupWindow,
     dedup_check: bool,
+    refused: Mapping[int, str] | None = None,
 ) -> Intake:
     """Sort a send's messages into refused, repeated and accepted. ``dedup_check=False`` (the
     broker's own resends) accepts a message even if its key is in the duplicate window;
-    repeats within the send are dropped either way."""
+    repeats within the send are dropped either way. ``refused`` names messages the caller
+    refuses (INVALID_MESSAGE with the reason), e.g. fields consumers could not decode."""
     errors: list[list[Any]] = []
     accepted: list[tuple[ScannedMessage, SubjectState | str, int, int]] = []
     seen: set[int] = set()
@@ -68,6 +71,9 @@ def check_send(
     total = 0
     for_raw = subjects.for_raw
     for i, sm in enumerate(scanned):
+        if refused and i in refused:
+            errors.append([i, Status.INVALID_MESSAGE, f"message {i} of the batch is refused: {refused[i]}"])
+            continue
         target: SubjectState | str
         try:
             if sm.subject.startswith(_DEAD_RAW):
