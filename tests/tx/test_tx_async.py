@@ -78,3 +78,32 @@ async def test_send_needs_start(async_engine: AsyncEngine, meta_server: str, sub
         async with async_engine.begin() as conn:
             with pytest.raises(QmqError, match="async with TransactionalProducer"):
                 await tx.send(conn, Message(subject))
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception's text cannot be read")
+
+
+async def test_the_finish_loop_survives_any_outcome_and_close_is_prompt(
+    async_engine: AsyncEngine, meta_server: str, subject: str
+) -> None:
+    # A send outcome whose error cannot even be turned into text, or holds a lone surrogate
+    # that the database driver refuses: once, either ended the loop that deletes sent rows,
+    # and close() then waited out its whole timeout.
+    async with (
+        Producer(app_code="tx-tests", meta_server=meta_server) as producer,
+        TransactionalProducer(producer, async_engine, create_table=True) as tx,
+    ):
+        tx._outcome(10**9, _Unprintable())
+        tx._outcome(10**9 + 1, OSError("/data/\udcff.csv"))
+        async with async_engine.begin() as conn:
+            await tx.send(conn, Message(subject, body="after"))
+        async with asyncio.timeout(10):
+            while True:
+                if await _outbox_rows(async_engine) == 0:
+                    break
+                await asyncio.sleep(0.02)  # polling a condition, bounded by the timeout
+        started = asyncio.get_running_loop().time()
+    assert asyncio.get_running_loop().time() - started < 5
+    assert tx.messages_sent == 1

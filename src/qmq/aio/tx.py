@@ -121,6 +121,7 @@ class TransactionalProducer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._finisher = asyncio.ensure_future(self._finish_loop())
+        self._finisher.add_done_callback(_finisher_ended)
         self._state = "open"
 
     async def __aenter__(self) -> TransactionalProducer:
@@ -209,9 +210,14 @@ class TransactionalProducer:
             batch = [await queue.get()]
             while len(batch) < self._batch_max and not queue.empty():
                 batch.append(queue.get_nowait())
-            await self._apply(batch)
-            for _ in batch:
-                queue.task_done()
+            try:
+                await self._apply(batch)
+            except Exception:  # a bug or an unexpected driver error costs this batch, not the loop
+                self.finisher_stats.outcomes_dropped += len(batch)
+                log.exception("outbox: applying %d send outcome(s) failed; the watchdog resends those rows", len(batch))
+            finally:
+                for _ in batch:
+                    queue.task_done()
 
     async def _apply(self, batch: list[tuple[int, BaseException | None]]) -> None:
         sent = [row_id for row_id, exc in batch if exc is None]
@@ -249,3 +255,8 @@ class TransactionalProducer:
         self._finisher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._finisher
+
+
+def _finisher_ended(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.critical("outbox: the loop that deletes sent rows stopped (%r); the watchdog sends what is left", exc)

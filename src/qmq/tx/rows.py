@@ -12,6 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from qmq.common.errors import printable_text
 from qmq.tx.schema import STATUS_BLOCKED, STATUS_PENDING, truncate_error
 
 
@@ -62,7 +63,16 @@ def record_failure(table: sa.Table) -> sa.Update:
 
 
 def failure_params(row_id: int, error: BaseException | str) -> dict[str, Any]:
-    return {"row_id": row_id, "error": truncate_error(str(error) or type(error).__name__)}
+    """The row's failure as stored: valid UTF-8 text whatever the error held (a database
+    driver refuses lone surrogates), even when the exception's own text cannot be read."""
+    if isinstance(error, str):
+        text = printable_text(error)
+    else:
+        try:
+            text = printable_text(str(error)) or type(error).__name__
+        except Exception:  # an exception whose __str__ itself fails
+            text = f"{type(error).__name__} (its text could not be read)"
+    return {"row_id": row_id, "error": truncate_error(text)}
 
 
 def due_rows(table: sa.Table) -> sa.Select[Any]:
