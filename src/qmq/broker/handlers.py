@@ -265,19 +265,24 @@ class Handlers:
         def answer(result: PullResult | None) -> None:
             if ack_ranges:
                 # the acks it carried must reach the slave first, or a failover would deliver those again
-                self.broker.source.after_actions_replicated(self.store.alog.end, lambda _error: send_answer(result))
+                self.broker.source.after_actions_replicated(
+                    self.store.alog.end, lambda error: send_answer(result, error)
+                )
             else:
-                send_answer(result)
+                send_answer(result, None)
 
-        def send_answer(result: PullResult | None) -> None:
+        def send_answer(result: PullResult | None, acks_error: str | None) -> None:
+            header: dict[str, object] = {"runs": [] if result is None else result.runs}
+            if acks_error is not None:
+                header["acks_error"] = acks_error  # the client keeps those acks and sends them again
             if result is None:
                 metrics.pulls.labels("empty").inc()
-                conn.respond(code, request_id, {"runs": []})
+                conn.respond(code, request_id, header)
                 return
             metrics.pulls.labels("messages").inc()
             out.inc(result.messages)
             out_bytes.inc(result.nbytes)
-            conn.respond(code, request_id, {"runs": result.runs}, result.chunks)
+            conn.respond(code, request_id, header, result.chunks)
 
         result = self.store.pull(gp, cp, session, max_n, tag_filter)
         if result is not None or timeout_ms == 0 or self.broker.stopping:
@@ -309,10 +314,15 @@ class Handlers:
         gp, cp = self._group_and_consumer(frame, create=False)
         ack_offset = self._ack(gp, cp, ranges)
         code, request_id = frame.code, frame.request_id
-        # answered once the acks reached the slave: an answered ack survives a failover
-        self.broker.source.after_actions_replicated(
-            self.store.alog.end, lambda _error: conn.respond(code, request_id, {"ack_offset": ack_offset})
-        )
+
+        # answered OK once the acks reached the slave: an answered ack survives a failover
+        def replicated(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, {"ack_offset": ack_offset})
+            else:
+                conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
+
+        self.broker.source.after_actions_replicated(self.store.alog.end, replicated)
 
     def ack_many(self, conn: Responder, frame: Frame) -> None:
         """ACK for many (subject, group) pairs of one consumer: ``acks`` is a list of
@@ -336,9 +346,14 @@ class Handlers:
             except BadRequest as exc:
                 results.append({"error": str(exc)})
         code, request_id = frame.code, frame.request_id
-        self.broker.source.after_actions_replicated(
-            self.store.alog.end, lambda _error: conn.respond(code, request_id, {"results": results})
-        )
+
+        def replicated(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, {"results": results})
+            else:
+                conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
+
+        self.broker.source.after_actions_replicated(self.store.alog.end, replicated)
 
     def subjects(self, conn: Responder, frame: Frame) -> None:
         """Every subject with messages or consumer groups (a group may wait for a subject's first message)."""
@@ -484,3 +499,7 @@ class Handlers:
 
 def _unknown(code: int) -> str:
     return f"unknown command code {code}"
+
+
+def _unreplicated_acks(why: str) -> str:
+    return f"the acks are recorded on this master but not yet on its slave ({why}); send them again"

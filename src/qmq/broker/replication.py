@@ -82,11 +82,17 @@ class ReplicationSource:
             self._log_waiters.append((end, reply))
 
     def after_actions_replicated(self, end: int, reply: Reply) -> None:
+        """Call ``reply(None)`` once a slave has the action log up to ``end`` (or at once, alone or
+        degraded), or ``reply(text)`` when it will not get there soon: an ack is then recorded on
+        the master but not answered as done, so the client sends it again (acks repeat safely)
+        and an answered ack always survives a failover."""
         state = self.write_state()
-        if state in ("alone", "degraded") or self.actions_replicated >= end or state == "read-only":
-            reply(None)  # an ack is never refused: at worst it is not replicated yet
-        elif len(self._action_waiters) >= _WAITERS_MAX:
+        if state in ("alone", "degraded") or self.actions_replicated >= end:
             reply(None)
+        elif state == "read-only":
+            reply(self.read_only_text())
+        elif len(self._action_waiters) >= _WAITERS_MAX:
+            reply("too many acks are waiting for the slave; they are sent again shortly")
         else:
             self._action_waiters.append((end, reply))
 
@@ -104,7 +110,7 @@ class ReplicationSource:
             while self._log_waiters:
                 self._log_waiters.popleft()[1](text)
             while self._action_waiters:
-                self._action_waiters.popleft()[1](None)
+                self._action_waiters.popleft()[1](text)
 
     def fail_all(self, text: str) -> None:
         while self._log_waiters:

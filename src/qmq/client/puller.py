@@ -211,6 +211,11 @@ class SubjectPuller(Generic[M]):
         except ConnectionLostError:
             tracker.requeue(ranges)
             raise
+        acks_error = frame.header.get("acks_error")
+        if ranges and acks_error is not None:
+            # recorded on the master but not replicated: sent again with a later request
+            log.debug("acks to broker group %s are sent again: %s", bg.name, acks_error)
+            tracker.requeue(ranges)
         try:
             batch = self._parse(frame, tracker)
         except RemoteProtocolError:
@@ -288,7 +293,11 @@ class SubjectPuller(Generic[M]):
             tracker.requeue(ranges)
             raise
         except QmqError as exc:
-            log.error("broker group %s refused acks of %r/%s: %s", bg.name, self.subject, self.group, exc)
+            if exc.retriable:  # e.g. recorded but not yet replicated: sent again with a later request
+                tracker.requeue(ranges)
+                log.debug("acks to broker group %s are sent again: %s", bg.name, exc)
+            else:
+                log.error("broker group %s refused acks of %r/%s: %s", bg.name, self.subject, self.group, exc)
             return
         offset = frame.header.get("ack_offset")
         if isinstance(offset, int):
