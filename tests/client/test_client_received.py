@@ -8,7 +8,7 @@ from qmq.client.acks import AckTracker
 from qmq.client.message import Message
 from qmq.client.received import Batch, ReceivedMessage, parse_records, parse_runs
 from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.message import with_times
+from qmq.protocol.message import decode_message, with_times
 from qmq.protocol.record import record_header
 
 
@@ -54,10 +54,14 @@ def test_records_become_messages_with_their_pull_offsets() -> None:
     assert [m.sequence for m in batch] == [100, 101, 102, 103, 104]
 
 
-def test_times_counts_attempts_from_the_header() -> None:
+def test_times_is_the_attempt_on_the_wire_and_a_first_send_is_1() -> None:
+    assert decode_message(Message("order.paid").encode()).times == 1
     encoded = with_times(Message("order.paid").encode(), 3)
     batch, _ = _parse(_record(encoded, 0), [[0, 1]])
-    assert batch[0].times == 4
+    assert batch[0].times == 3
+    older = with_times(Message("order.paid").encode(), 0)  # what producers before 0.2 wrote
+    batch, _ = _parse(_record(older, 0), [[0, 1]])
+    assert batch[0].times == 1
 
 
 def test_empty_body_with_no_runs_is_an_empty_batch() -> None:

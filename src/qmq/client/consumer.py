@@ -455,7 +455,8 @@ class Consumer:
         attempt = min(m.times, TIMES_MAX)
         retry, dead = failure_subjects(subject, group)
         problem = m.unreadable()
-        target = dead if attempt > sub.max_retries or problem is not None else retry
+        target = dead if attempt > sub.max_retries or attempt >= TIMES_MAX or problem is not None else retry
+        copy_times = attempt if target == dead else attempt + 1  # the attempt the copy is delivered as
         delay_ms = 0
         if target != dead:
             after = exc.after_ms if isinstance(exc, NeedRetry) else None
@@ -470,7 +471,7 @@ class Consumer:
                 props[ERROR_PROPERTY] = error_text(exc)
             props_raw = encode_properties(props)
             due_ms = time.time_ns() // 1_000_000 + delay_ms if delay_ms else 0
-            encoded = with_times(m.encoded, attempt, subject=target_raw, deliver_at_ms=due_ms, properties=props_raw)
+            encoded = with_times(m.encoded, copy_times, subject=target_raw, deliver_at_ms=due_ms, properties=props_raw)
             message_id = m.message_id
         try:
             await producer.send_encoded(target, encoded, message_id)
@@ -486,7 +487,7 @@ class Consumer:
                     delay_ms,
                     exc_send,
                 )
-            encoded = with_times(encoded, attempt, deliver_at_ms=0)
+            encoded = with_times(encoded, copy_times, deliver_at_ms=0)
             await producer.send_encoded(target, encoded, message_id)
         if target == dead and dead != retry:
             log.warning(

@@ -348,8 +348,9 @@ class Message:
     def tags(self) -> tuple[str, ...]:
         return tuple(self._tags)
 
-    def encode(self, times: int = 0) -> bytes:
-        """The message as sent on the wire (``qmq.protocol.message``); checks the total size."""
+    def encode(self, times: int = 1) -> bytes:
+        """The message as sent on the wire (``qmq.protocol.message``) for delivery attempt
+        ``times`` (1: a first send); checks the total size."""
         tags = self._tags
         props = self._properties
         raw = encode_message(

@@ -19,7 +19,15 @@ import crc32c
 
 from qmq.client.acks import AckTracker
 from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.message import HEADER, HEADER_BYTES, VERSION, PropertyValue, decode_properties, decode_tags
+from qmq.protocol.message import (
+    HEADER,
+    HEADER_BYTES,
+    VERSION,
+    PropertyValue,
+    decode_properties,
+    decode_tags,
+    delivery_attempt,
+)
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
 
 log = logging.getLogger(__name__)
@@ -135,8 +143,8 @@ class ReceivedBase:
 
     @property
     def times(self) -> int:
-        """Delivery attempt: 1 for a first delivery, n + 1 after n failures."""
-        return int(self._h[_TIMES]) + 1
+        """Delivery attempt: 1 for a first delivery, n + 1 after n failures (as on the wire)."""
+        return delivery_attempt(self._h[_TIMES])
 
     @property
     def created_ms(self) -> int:

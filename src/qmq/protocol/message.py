@@ -24,7 +24,8 @@ Layout of one encoded message (little-endian)::
     tags_len       u16  bytes of the tag block
     created_ms     i64  when the producer made the message (epoch ms)
     deliver_at_ms  i64  when it is due (epoch ms); 0 = now
-    times          u16  delivery attempt the message is on: 0 for a first send, n for the n-th retry
+    times          u16  the delivery attempt this copy is for: 1 for a first send, n + 1 for the
+                        copy made after n failed attempts (0, written by qmq before 0.2, reads as 1)
     reserved       u16  0
     props_len      u32  bytes of the msgpack-encoded properties (0 = none)
     body_len       u32  bytes of the body
@@ -158,7 +159,7 @@ def encode_message(
     body: bytes,
     created_ms: int,
     deliver_at_ms: int = 0,
-    times: int = 0,
+    times: int = 1,
 ) -> bytes:
     """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``)."""
     return b"".join(
@@ -380,6 +381,12 @@ def message_problem(body: bytes, sm: ScannedMessage, limits: Limits = DEFAULT_LI
         if not _property_blocks_ok(body, [start, start + plen]):
             return "its properties are not one msgpack map"
     return None
+
+
+def delivery_attempt(times: int) -> int:
+    """The delivery attempt a stored ``times`` stands for: itself, or 1 for the 0 that producers
+    before qmq 0.2 wrote for a first send."""
+    return times if times > 0 else 1
 
 
 def with_times(

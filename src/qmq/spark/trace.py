@@ -27,7 +27,7 @@ from pyspark.sql import functions as F
 
 from qmq.common.errors import ConfigError
 from qmq.common.naming import parse_internal_subject
-from qmq.protocol.message import decode_message, decode_properties
+from qmq.protocol.message import decode_message, decode_properties, delivery_attempt
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.spark.offsets import DEFAULT_BROKER_GROUP, to_json
 from qmq.spark.query import ISO_TIMESTAMP, find_by_id, id_date
@@ -168,7 +168,7 @@ def _trace_files(spark: SparkSession, out: Trace, seen: set[tuple[str, str, int]
         run = reader.read(stored.subject, stored.sequence, stored.sequence + 1)
         if run.records:
             fields = decode_message(run.data[RECORD_HEADER_BYTES:])
-            stored.attempt = fields.times
+            stored.attempt = delivery_attempt(fields.times)
             error = decode_properties(fields.properties_raw).get(ERROR_PROPERTY)
             stored.error = property_text(error) if error is not None else stored.error
     _deliveries(reader, out, group)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from qmq.common.naming import RETRY_PREFIX, dead_subject, parse_internal_subject, retry_subject
-from qmq.protocol.message import HEADER, scan_batch, with_times
+from qmq.protocol.message import HEADER, TIMES_MAX, delivery_attempt, scan_batch, with_times
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
 from qmq.store.consume_log import ENTRY
 from qmq.store.intake import Appending
@@ -97,9 +97,11 @@ def move_to_retry(store: Redelivering, gp: GroupProgress, cp: ConsumerProgress, 
         header = read_record_header(record, 0)
         assert header is not None
         message = record[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + header.length]
-        times = HEADER.unpack_from(message, 0)[8] + 1
-        target = dead_raw if times > max_retries else retry_raw
-        messages.append(with_times(message, times, subject=target))
+        attempt = delivery_attempt(HEADER.unpack_from(message, 0)[8])  # the one that timed out
+        if attempt > max_retries or attempt >= TIMES_MAX:
+            messages.append(with_times(message, attempt, subject=dead_raw))
+        else:
+            messages.append(with_times(message, attempt + 1, subject=retry_raw))
     if messages:
         body = b"".join(messages)
         result = store.append(body, scan_batch(body))
@@ -140,7 +142,7 @@ def resend_dead(store: Redelivering, subject: str, group: str, message_id: str |
         letters = store.dead.letters(name, limit=_MOVE_BATCH_MAX, message_id=message_id)
         if not letters:
             return resent
-        body = b"".join(with_times(letter.message, 0, subject=target) for letter in letters)
+        body = b"".join(with_times(letter.message, 1, subject=target) for letter in letters)
         store.append(body, scan_batch(body), dedup_check=False)
         store.remove_dead(name, [letter.number for letter in letters])
         resent += len(letters)

@@ -31,8 +31,8 @@ class StoredMessage(Message):
             self._deliver_at_ms = int(header[_DELIVER_AT])
         self._encoded = encoded
 
-    def encode(self, times: int = 0) -> bytes:
-        return self._encoded if times == 0 else with_times(self._encoded, times)
+    def encode(self, times: int = 1) -> bytes:
+        return self._encoded if times == 1 else with_times(self._encoded, times)
 
     def __repr__(self) -> str:
         return f"StoredMessage(subject={self.subject!r}, message_id={self.message_id!r}, {len(self._encoded)} bytes)"
