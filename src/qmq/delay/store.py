@@ -175,7 +175,8 @@ class DelayStore:
     def replay(
         self, records: bytearray, dues: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], stored_ms: Any, base: int
     ) -> Rows:
-        """Add write-ahead log records to their buckets (``Schedule.replay``)."""
+        """Add write-ahead log records to their buckets (``Schedule.replay``). ``append`` calls it
+        through the store so ``bench.delay_intake`` can time the replay step alone."""
         return self.schedule.replay(records, dues, sizes, stored_ms, base)
 
     # -- checkpoints -------------------------------------------------------------------
