@@ -1,10 +1,23 @@
 """The delay server: a write-ahead log, schedule logs per time bucket, an in-memory timer of
 what is about to come due, and hand-over to brokers through the SDK's producer.
 
-Path of a delay message: SEND_MESSAGES → write-ahead log (store.py; acknowledged once
-durable, flusher.py) → the schedule log of its time bucket (bucket.py) → loaded into the
-timer shortly before the bucket starts (scheduler.py, timer.py) → handed to a broker when due
-(dispatcher.py) → its entry number in the bucket's dispatch log.
+Path of a delay message: SEND_MESSAGES (handlers.py) → the write-ahead log (store.py;
+acknowledged once durable) → the schedule log of its time bucket (schedule.py, bucket.py) →
+loaded into the timer shortly before the bucket starts (scheduler.py, timer.py) → handed to a
+broker when due (dispatcher.py) → its entry number in the bucket's dispatch log (bucket.py).
+
+    server.py      the process: connections, group commit, checkpoints on their thread, shutdown
+    handlers.py    what each request code does (PING, SEND_MESSAGES, DELAY_STATS)
+    store.py       DelayStore: the data directory, the write-ahead log, a send's checks, checkpoints
+    recovery.py    builds the store's parts again from its files after any stop
+    schedule.py    the time buckets together: replay of records into them, buffers, writes, fsyncs
+    far.py         messages of far buckets waiting for the next flush, sorted into buckets in bulk
+    bucket.py      one bucket's schedule log: messages, index and dispatch log, and their layouts
+    checkpoint.py  the checkpoint's contents and layout, and the job that writes it
+    scheduler.py   which buckets are loaded, what is due, reading due records, acknowledgements
+    timer.py       the in-memory timer: rows of loaded buckets' messages sorted by due time
+    dispatcher.py  hands due messages to brokers through the producer, records what they took
+    metrics.py     the Prometheus metrics
 """
 
 from qmq.delay.server import DelayServer, run_delay

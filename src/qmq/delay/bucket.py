@@ -1,6 +1,10 @@
 """The schedule log of one time bucket: the delay messages due in ``[start, start + length)``,
 in three append-only files under ``schedule/<start_ms as 16 digits>/``.
 
+This module is the one home of the three files' layouts (format version 1; the version is
+not written in the files, which hold entries only: a new layout needs a new version here and
+a migration). What a checkpoint keeps of a bucket is in checkpoint.py.
+
 ``messages``: records exactly as in the write-ahead log (``qmq.protocol.record``: a 28-byte
 header with CRC32C, then the message as the producer encoded it, ``deliver_at_ms`` included).
 
@@ -23,7 +27,7 @@ sits at ``n × 20`` (little-endian)::
     | entry   |   u32  the message's entry number in ``index``
     +---------+
 
-The replayer appends to ``messages`` and ``index`` through an in-memory buffer (``add``,
+Replay (schedule.py) appends to ``messages`` and ``index`` through an in-memory buffer (``add``,
 ``flush``; ``messages`` is always written before ``index``, so an entry never points past
 the records). Both are fsynced before a checkpoint names their sizes; after a crash they are
 cut back to those sizes and rebuilt from the write-ahead log in the same order, so entry
@@ -43,6 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+FORMAT_VERSION = 1
 INDEX_ENTRY = struct.Struct("<qQI")
 INDEX_ENTRY_BYTES = INDEX_ENTRY.size  # 20
 INDEX_DTYPE = np.dtype([("due", "<i8"), ("offset", "<u8"), ("size", "<u4")])
@@ -113,7 +118,7 @@ class Bucket:
         self.pending_index = bytearray()
         self._messages_fd = -1
         self._dispatch_fd = -1
-        # append-only descriptors of the replayer's writes, kept while the store's cache says so
+        # append-only descriptors of the replayer's writes, kept while the schedule's cache says so
         self._messages_wfd = -1
         self._index_wfd = -1
 
@@ -284,10 +289,6 @@ class Bucket:
                 path.unlink()
         with contextlib.suppress(FileNotFoundError):
             self.directory.rmdir()
-
-    def summary(self) -> list[int]:
-        """What a checkpoint keeps of the bucket: [start_ms, bytes, entries, min due, wal_end]."""
-        return [self.start_ms, self.flushed_bytes, self.flushed_count, self.min_due_ms, self.wal_end]
 
 
 def read_index(directory: Path, entries: int) -> npt.NDArray[Any]:

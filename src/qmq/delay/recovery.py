@@ -16,50 +16,74 @@ Without a checkpoint the write-ahead log is replayed from its start. If its firs
 are gone (the checkpoint was damaged), the schedule logs are kept as they are and the log is
 replayed over them: messages may then be handed over twice, which the broker's duplicate
 window drops; this is logged.
+
+The store hands recovery its open write-ahead log and takes the parts it returns
+(``DelayParts``); recovery knows nothing of the store itself.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from qmq.common.clock import Clock
+from qmq.common.config import DelayConfig
 from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket
-from qmq.delay.store import DELIVER_AT, DELIVER_AT_POS
+from qmq.delay.checkpoint import BucketMark, read_delay_checkpoint
+from qmq.delay.schedule import Schedule
 from qmq.protocol.message import HEADER_BYTES
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
-from qmq.store.checkpoint import read_checkpoint
-from qmq.store.message_log import ScanResult
-
-if TYPE_CHECKING:
-    from qmq.delay.store import DelayStore
+from qmq.store.message_log import MessageLog, ScanResult
 
 log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 4 * 1024 * 1024
+# deliver_at_ms in an encoded message: an i64 at byte 16 (qmq.protocol.message)
+_DELIVER_AT = struct.Struct("<q")
+_DELIVER_AT_POS = 16
 
 
-def recover(store: DelayStore) -> dict[str, Any]:
+@dataclass(slots=True)
+class DelayParts:
+    """The in-memory state of a delay store beside its write-ahead log."""
+
+    schedule: Schedule  # the time buckets, what is buffered for them and what checkpoints cover
+    wal_messages: int  # records in the write-ahead log: the next record's sequence
+
+
+def empty_parts(config: DelayConfig, clock: Clock) -> DelayParts:
+    """Parts that know nothing yet (what a store holds until it is opened)."""
+    return DelayParts(Schedule(config, clock), 0)
+
+
+def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayParts, dict[str, Any]]:
+    """The parts of the store in ``config.data_dir``, whose write-ahead log is open (its torn
+    tail is cut), and a report of what recovery found."""
     t0 = time.monotonic()
-    state = read_checkpoint(store.dir)
-    wal = store.wal
-    summaries: dict[int, list[int]] = {}
-    if state is not None:
-        replay_from = int(state["wal_offset"])
-        store.wal_messages = int(state["wal_messages"])
-        store.checkpointed_offset = replay_from
-        summaries = {int(s[0]): [int(x) for x in s] for s in state["buckets"]}
-        if int(state.get("bucket_ms", store.bucket_ms)) != store.bucket_ms:
+    checkpoint = read_delay_checkpoint(Path(config.data_dir))
+    parts = empty_parts(config, clock)
+    schedule = parts.schedule
+    marks: dict[int, BucketMark] = {}
+    if checkpoint is not None:
+        replay_from = checkpoint.wal_offset
+        parts.wal_messages = checkpoint.wal_messages
+        schedule.checkpointed_offset = replay_from
+        marks = {m.start_ms: m for m in checkpoint.buckets}
+        if checkpoint.bucket_ms is not None and checkpoint.bucket_ms != schedule.bucket_ms:
             log.warning(
                 "the time bucket length changed from %d ms to %d ms; existing buckets keep theirs",
-                state["bucket_ms"],
-                store.bucket_ms,
+                checkpoint.bucket_ms,
+                schedule.bucket_ms,
             )
     else:
         replay_from = wal.start
-    trust_files = state is None and wal.start > 0
+    trust_files = checkpoint is None and wal.start > 0
     if trust_files:
         log.error(
             "no usable checkpoint, and the write-ahead log before offset %d is gone: keeping the schedule "
@@ -69,15 +93,15 @@ def recover(store: DelayStore) -> dict[str, Any]:
         )
 
     rebuilt: list[Bucket] = []
-    for start in store.existing_bucket_starts():
-        b = store.bucket(start)
+    for start in schedule.existing_bucket_starts():
+        b = schedule.bucket(start)
         if trust_files:
             _adopt_files(b)
-        elif start in summaries:
-            _, nbytes, entries, min_due, wal_end = summaries[start]
-            b.truncate(nbytes, entries)
-            b.min_due_ms = min_due
-            b.wal_end = wal_end
+        elif start in marks:
+            mark = marks[start]
+            b.truncate(mark.nbytes, mark.entries)
+            b.min_due_ms = mark.min_due_ms
+            b.wal_end = mark.wal_end
         else:
             b.truncate(0, 0)
         rebuilt.append(b)
@@ -91,19 +115,19 @@ def recover(store: DelayStore) -> dict[str, Any]:
             result.append(ScanResult(rec.offset, wal.end - rec.offset))
             break
         chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
-        store.wal_messages = max(store.wal_messages, rec.sequence + 1)
+        parts.wal_messages = max(parts.wal_messages, rec.sequence + 1)
         replayed += 1
         if len(chunk.records) >= _CHUNK_BYTES:
-            chunk.replay_into(store)
-    chunk.replay_into(store)
-    store.flush_buffers()
+            chunk.replay_into(schedule)
+    chunk.replay_into(schedule)
+    schedule.flush_buffers()
     good_end, torn = result[-1] if result else (wal.end, 0)
     if torn:
         wal.truncate(good_end)
         log.warning("write-ahead log: cut a torn tail of %d bytes at offset %d", torn, good_end)
 
     removed = 0
-    for b in list(store.iter_buckets()):
+    for b in list(schedule.iter_buckets()):
         dispatched = b.read_dispatched()
         valid = np.unique(dispatched[dispatched < b.count])
         if len(valid) != len(dispatched):
@@ -115,18 +139,18 @@ def recover(store: DelayStore) -> dict[str, Any]:
             b.rewrite_dispatch(valid)
         b.dispatched = len(valid)
         if b.count == 0:
-            store.remove_bucket(b)
+            schedule.remove_bucket(b)
             removed += 1
-    store.pending_total = sum(b.pending for b in store.buckets.values())
-    return {
-        "from_checkpoint": state is not None,
+    schedule.pending_total = sum(b.pending for b in schedule.buckets.values())
+    return parts, {
+        "from_checkpoint": checkpoint is not None,
         "replayed_from": replay_from,
         "records_replayed": replayed,
         "torn_bytes": torn,
-        "buckets": len(store.buckets),
+        "buckets": len(schedule.buckets),
         "buckets_rebuilt": len(rebuilt),
         "empty_buckets_removed": removed,
-        "pending": store.pending_total,
+        "pending": schedule.pending_total,
         "seconds": round(time.monotonic() - t0, 3),
     }
 
@@ -147,7 +171,7 @@ class _Chunk:
     def add(self, offset: int, message: memoryview, sequence: int, stored_ms: int) -> None:
         if self.base < 0:
             self.base = offset
-        (due_ms,) = DELIVER_AT.unpack_from(message, DELIVER_AT_POS)
+        (due_ms,) = _DELIVER_AT.unpack_from(message, _DELIVER_AT_POS)
         # the schedule log takes the whole record, header included, as the write-ahead log has it
         at = len(self.records)
         self.records += bytes(RECORD_HEADER_BYTES + len(message))
@@ -156,16 +180,16 @@ class _Chunk:
         self.sizes.append(RECORD_HEADER_BYTES + len(message))
         self.stored.append(stored_ms)
 
-    def replay_into(self, store: DelayStore) -> None:
+    def replay_into(self, schedule: Schedule) -> None:
         if self.dues:
-            store.replay(
+            schedule.replay(
                 self.records,
                 np.array(self.dues, dtype=np.int64),
                 np.array(self.sizes, dtype=np.int64),
                 np.array(self.stored, dtype=np.int64),
                 self.base,
             )
-            store.after_replay()
+            schedule.after_replay()
         self.reset()
 
 

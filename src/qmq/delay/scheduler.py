@@ -8,19 +8,22 @@ adjacent records, each record's CRC checked, and handed to a broker as the produ
 them: ``deliver_at_ms`` tells the broker to hold one handed over before it is due, and the
 unchanged id, subject and attempt let its duplicate window drop one handed over twice.
 Acknowledged entries go to the bucket's dispatch log.
+
+The scheduler reaches the time buckets through ``Buckets``: the store's ``Schedule`` (a test
+may build one alone), or the delay store, which passes its own on.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Protocol
 
 import crc32c
 import numpy as np
 
 from qmq.delay.bucket import Bucket, read_index
-from qmq.delay.store import DelayStore
-from qmq.delay.timer import ROW, Rows, Timer, sort_rows
+from qmq.delay.timer import ROW, Rows, Timer, make_rows, sort_rows
 from qmq.protocol.message import HEADER_BYTES
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
 from qmq.store.datadir import StoreError
@@ -69,18 +72,32 @@ class LoadJob:
         keep = np.ones(entries, dtype=bool)
         keep[dispatched[dispatched < entries]] = False
         numbers = np.flatnonzero(keep)
-        rows = np.empty(len(numbers), dtype=ROW)
         picked = index[numbers]
-        rows["due"] = picked["due"]
-        rows["bucket"] = b.start_ms
-        rows["offset"] = picked["offset"]
-        rows["entry"] = numbers
-        rows["size"] = picked["size"]
+        rows = make_rows(b.start_ms, picked["due"], picked["offset"], numbers, picked["size"])
         self.rows = sort_rows(rows)
 
 
+class Buckets(Protocol):
+    """What the scheduler (and the metrics read through it) use of the time buckets: a
+    ``Schedule``, or the delay store, which passes its own on."""
+
+    @property
+    def buckets(self) -> dict[int, Bucket]: ...
+    @property
+    def pending_total(self) -> int: ...
+    @property
+    def buffered_bytes(self) -> int: ...
+    @property
+    def deferred_from_ms(self) -> int | None: ...
+    def flush_deferred(self) -> None: ...
+    def iter_buckets(self) -> Iterator[Bucket]: ...
+    def finished_buckets(self, now_ms: int) -> list[Bucket]: ...
+    def remove_bucket(self, b: Bucket) -> None: ...
+    def dispatched(self, start_ms: int, entries: bytes) -> int: ...
+
+
 class Scheduler:
-    def __init__(self, store: DelayStore, preload_ms: int) -> None:
+    def __init__(self, store: Buckets, preload_ms: int) -> None:
         self.store = store
         self.preload_ms = preload_ms
         self.timer = Timer()
@@ -220,6 +237,7 @@ class Scheduler:
                     log.error("time bucket %d: the record at offset %d fails its check; skipped", start, offsets[k])
                     bad.append(at)
                     continue
+                # subj_len (u16 at 2) and id_l (u8 at 4) of the message header (qmq.protocol.message)
                 slen = data[m + 2] | data[m + 3] << 8
                 s = m + HEADER_BYTES
                 raw_subject = bytes(view[s : s + slen])
@@ -250,17 +268,7 @@ class Scheduler:
 
     def dispatched(self, start_ms: int, entries: bytes) -> int:
         """Record entries of one bucket as handed over for good; returns how many."""
-        b = self.store.buckets.get(start_ms)
-        if b is None:
-            return 0
-        before = b.dispatched
-        try:
-            b.append_dispatch(entries)
-        except OSError as exc:
-            raise StoreError(f"cannot write the dispatch log of time bucket {start_ms}: {exc}") from exc
-        n = b.dispatched - before
-        self.store.pending_total -= n
-        return n
+        return self.store.dispatched(start_ms, entries)
 
     def remove_finished(self, now_ms: int) -> list[int]:
         """Delete the buckets the store says are finished; returns their starts."""

@@ -40,6 +40,23 @@ def empty_rows() -> Rows:
     return np.empty(0, dtype=ROW)
 
 
+def make_rows(
+    bucket_start_ms: int,
+    dues: npt.NDArray[Any],
+    offsets: npt.NDArray[Any],
+    entries: npt.NDArray[Any],
+    sizes: npt.NDArray[Any],
+) -> Rows:
+    """Rows of messages of one bucket, from arrays of their fields (in the order given)."""
+    rows = np.empty(len(dues), dtype=ROW)
+    rows["due"] = dues
+    rows["bucket"] = bucket_start_ms
+    rows["offset"] = offsets
+    rows["entry"] = entries
+    rows["size"] = sizes
+    return rows
+
+
 def sort_rows(rows: Rows) -> Rows:
     """``rows`` sorted by due time, keeping the order of equal ones."""
     if len(rows) < 2:
