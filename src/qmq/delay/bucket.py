@@ -53,6 +53,7 @@ INDEX_ENTRY_BYTES = INDEX_ENTRY.size  # 20
 INDEX_DTYPE = np.dtype([("due", "<i8"), ("offset", "<u8"), ("size", "<u4")])
 DISPATCH_ENTRY_BYTES = 4
 DISPATCH_DTYPE = np.dtype("<u4")
+DISPATCH_TYPECODE = "I"  # array.array's 4-byte unsigned int: the entry's bytes on little-endian Linux
 ENTRIES_MAX = 0xFFFF_FFFF  # entry numbers are u32 in the dispatch log
 
 MESSAGES = "messages"

@@ -29,6 +29,7 @@ import numpy as np
 from qmq.client.producer import Producer
 from qmq.common.clock import Clock
 from qmq.common.errors import QmqError, SendError
+from qmq.delay.bucket import DISPATCH_DTYPE, DISPATCH_TYPECODE
 from qmq.delay.scheduler import LoadJob, Scheduler
 from qmq.delay.timer import Rows
 
@@ -231,7 +232,7 @@ class Dispatcher:
             self.corrupt_total += len(handover.corrupt)
             for start in np.unique(handover.corrupt["bucket"]).tolist():
                 mine = handover.corrupt[handover.corrupt["bucket"] == start]
-                self.scheduler.dispatched(int(start), mine["entry"].astype("<u4").tobytes())
+                self.scheduler.dispatched(int(start), mine["entry"].astype(DISPATCH_DTYPE).tobytes())
         rows = handover.rows
         if not len(rows):
             return
@@ -259,7 +260,7 @@ class Dispatcher:
         start = batch.buckets[i]
         acks = self._acks.get(start)
         if acks is None:
-            acks = self._acks[start] = array("I")
+            acks = self._acks[start] = array(DISPATCH_TYPECODE)
         acks.append(batch.entries[i])
         self._settled(batch, i)
 
