@@ -56,6 +56,13 @@ class BrokerMetrics:
         self.pulls = Counter("qmq_pulls", "pull requests answered, by outcome", ["outcome"], registry=r)
         self.acks = Counter("qmq_acked_messages", "messages acknowledged", ["subject", "group"], registry=r)
         self.connections = Gauge("qmq_connections", "open client connections", registry=r)
+        self.connections_dropped = Counter(
+            "qmq_connections_dropped",
+            "client connections the server closed on its own, by reason: reply_backlog (replies unread "
+            "past reply_backlog_bytes_max), protocol_error",
+            ["reason"],
+            registry=r,
+        )
         self.flush_seconds = Histogram(
             "qmq_store_flush_seconds",
             "time of one fdatasync of the message and action logs",

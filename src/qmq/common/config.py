@@ -41,6 +41,17 @@ def _opt(doc: str, default: Any, check: Callable[[Any], str | None] | None = Non
 FlushPolicy = Literal["sync", "periodic"]
 
 
+# A field every role that takes frames has (qmq.serving.connection), defined once.
+def _reply_backlog_bytes_max() -> Any:
+    return _opt(
+        "bytes of replies one connection may hold that its client has not read; past it the connection is "
+        "closed. A connection whose client does not read stops taking requests once 64 KiB wait, but answers "
+        "to requests already taken (parked pulls) still come; at least 32 MiB, two of the largest frames",
+        64 * MiB,
+        _range(32 * MiB, 1 << 34),
+    )
+
+
 @dataclass(slots=True)
 class BrokerConfig:
     """A realtime broker: where it listens, where it keeps data, how it flushes."""
@@ -108,6 +119,7 @@ class BrokerConfig:
         _range(1, 10_000_000),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     heartbeat_interval_ms: int = _opt(
         "how often the broker reports itself to the meta server",
         10_000,
@@ -238,6 +250,7 @@ class DelayConfig:
         _range(MiB, 1 << 34),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     heartbeat_interval_ms: int = _opt(
         "how often the delay server reports itself to the meta server",
         10_000,

@@ -24,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client import Counter
 
 from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
-from qmq.serving.connection import Connections, FrameConnection, Responder
+from qmq.serving.connection import ConnectionLimits, Connections, FrameConnection, Responder
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.periodic import Periodic
 from qmq.serving.registration import Registration, server_payload
@@ -59,6 +60,8 @@ class ServingConfig(Protocol):
     def heartbeat_interval_ms(self) -> int: ...
     @property
     def connections_max(self) -> int: ...
+    @property
+    def reply_backlog_bytes_max(self) -> int: ...
 
 
 class RoleStore(Protocol):
@@ -68,7 +71,11 @@ class RoleStore(Protocol):
 
 
 class RoleMetrics(Protocol):
-    """The role's metrics registry, rendered for GET /metrics."""
+    """The role's metrics registry, rendered for GET /metrics, with the count of the
+    connections the server closed on its own (by reason)."""
+
+    @property
+    def connections_dropped(self) -> Counter: ...
 
     def render(self) -> bytes: ...
 
@@ -97,7 +104,11 @@ class FrameServer:
     ) -> None:
         self.config = config
         self.limits = limits
-        self.connections = Connections(config.connections_max, on_connections)
+        self.connections = Connections(
+            ConnectionLimits(config.connections_max, config.reply_backlog_bytes_max),
+            on_connections,
+            lambda reason: self.metrics.connections_dropped.labels(reason).inc(),
+        )
         self.periodic = Periodic()
         self.stopping = False
         self.port = 0
