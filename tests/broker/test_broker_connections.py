@@ -1,12 +1,15 @@
 """What one client can cost a broker through its connections: a client that never reads its
-replies holds a bounded amount of the broker's memory."""
+replies holds a bounded amount of the broker's memory, and idle connections past
+connections_max neither lock real clients out for good nor leave them guessing why."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from rawclient import RawClient, message
 from qmq.common.limits import MiB
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame, FrameDecoder, encode_frame
-from qmq.testing import ReadyProcess, metric_value, running_role
+from qmq.testing import ReadyProcess, metric_value, running_role, running_standalone
 
 pytestmark = pytest.mark.integration
 
@@ -84,3 +87,66 @@ def test_a_client_that_never_reads_its_replies_holds_bounded_memory(broker: Read
     finally:
         hog.close()
         other.close()
+
+
+def qmq(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qmq", *args], capture_output=True, text=True, timeout=60)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def closing_words(sock: socket.socket) -> Frame:
+    """The error frame a server sends before it closes ``sock``, and its close."""
+    sock.settimeout(10)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    decoder = FrameDecoder()
+    decoder.receive_data(data)
+    frame = decoder.next_frame()
+    assert frame is not None, "the server closed the connection without a word"
+    return frame
+
+
+def test_connections_past_connections_max_are_told_why_and_silent_ones_time_out(tmp_path: Path, subject: str) -> None:
+    config = {"broker": {"connections_max": 5, "first_request_timeout_ms": 1000}}
+    with running_standalone(tmp_path / "qmq-data", config) as standalone:
+        address, http = standalone.ready["broker"], standalone.ready["broker_http"]
+        meta = standalone.meta_server
+        others = int(metric_value(http, "qmq_connections"))  # the delay server's, ready to hand over
+        # clients that sent a request once and went quiet keep their connections: the rest of the 5
+        quiet = [RawClient(address) for _ in range(5 - others)]
+        for c in quiet:
+            assert c.call(RequestCode.PING).status == Status.OK
+        assert metric_value(http, "qmq_connections") == 5
+        sent = qmq("send", subject, "--body", "x", "--meta-server", meta)
+        assert sent.returncode != 0
+        assert "connections_max 5" in sent.stderr, sent.stderr
+        assert "raise connections_max (--connections-max" in sent.stderr, sent.stderr
+        assert metric_value(http, "qmq_connections_refused_total", reason="connections_max") >= 1
+        # two of them leave; two connections that never send a request take their places
+        for c in quiet[:2]:
+            c.close()
+        wait_for("two connections closed", lambda: metric_value(http, "qmq_connections") == 3, 10)
+        host, port = address.rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            for sock in silent:
+                bye = closing_words(sock)  # after first_request_timeout_ms
+                assert bye.request_id == 0
+                assert "no request within first_request_timeout_ms 1000 ms" in bye.header["error"]
+        finally:
+            for sock in silent:
+                sock.close()
+        assert metric_value(http, "qmq_connections_dropped_total", reason="no_request") == 2
+        for c in quiet[2:]:
+            assert c.call(RequestCode.PING).status == Status.OK  # quiet for seconds, still open
+        sent = qmq("send", subject, "--body", "x", "--meta-server", meta)
+        assert sent.returncode == 0, sent.stderr
+        for c in quiet[2:]:
+            c.close()

@@ -1,19 +1,24 @@
 """A server's connection alone, over a transport that records what is written: what a client
-that does not read its replies can cost the server."""
+that does not read its replies, that never sends a request, or that comes past
+connections_max can cost the server."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from qmq.common.config import DelayConfig
 from qmq.common.limits import DEFAULT_LIMITS, MiB
-from qmq.protocol.codes import RequestCode
+from qmq.delay.metrics import DelayMetrics
+from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame, FrameDecoder, encode_frame
 from qmq.serving.connection import ConnectionLimits, Connections, FrameConnection
+from qmq.serving.server import FrameServer
 
 _HIGH_BYTES = 64 * 1024  # the connection's write buffer high-water mark
 
@@ -96,18 +101,20 @@ class Host:
     limits = DEFAULT_LIMITS
     yield_after = frozenset({RequestCode.SEND_MESSAGES})
 
-    def __init__(self, connections_max: int = 10, backlog_max: int = 32 * MiB) -> None:
+    def __init__(
+        self, connections_max: int = 10, first_request_timeout_ms: int = 10_000, backlog_max: int = 32 * MiB
+    ) -> None:
+        self.refused: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self.connections = Connections(
-            ConnectionLimits(connections_max, backlog_max),
+            ConnectionLimits(connections_max, first_request_timeout_ms, backlog_max),
+            "refused: connections_max reached",
             lambda _n: None,
+            lambda reason: self.refused.update([reason]),
             lambda reason: self.dropped.update([reason]),
         )
         self.handled: list[int] = []
         self.answer_bytes = 100 * 1024
-
-    def admit(self, conn: FrameConnection) -> bool:
-        return self.connections.admit(conn)
 
     def dispatch(self, conn: FrameConnection, frame: Frame) -> None:
         self.handled.append(frame.request_id)
@@ -183,3 +190,68 @@ async def test_answers_that_come_later_are_bounded_by_the_backlog_cap(caplog: py
     conn.respond(RequestCode.PULL, 200, {}, [b"z"])  # a later answer is dropped quietly
     conn.data_received(requests(RequestCode.PING, 2, 1))
     assert host.handled == [1]
+
+
+async def test_a_connection_that_sends_no_request_is_closed_after_the_timeout() -> None:
+    host = Host(first_request_timeout_ms=100)
+    _silent, silent_t = connect(host)
+    partial, partial_t = connect(host)
+    talker, talker_t = connect(host)
+    partial.data_received(requests(RequestCode.PING, 1, 1)[:10])  # part of a frame is no request
+    talker.data_received(requests(RequestCode.PING, 7, 1))
+    assert len(host.connections) == 3
+    await asyncio.sleep(0.3)
+    assert silent_t.closed
+    assert partial_t.closed
+    assert not talker_t.closed
+    assert host.dropped == {"no_request": 2}
+    assert len(host.connections) == 1
+    [bye] = silent_t.frames()
+    assert bye.request_id == 0
+    assert bye.status == Status.BAD_REQUEST
+    assert "no request within first_request_timeout_ms 100 ms" in bye.header["error"]
+    talker.data_received(requests(RequestCode.PING, 8, 1))  # quiet but open, long after
+    assert host.handled == [7, 8]
+
+
+async def test_a_connection_past_connections_max_is_told_why() -> None:
+    host = Host(connections_max=2)
+    _a, a_t = connect(host)
+    _b, _b_t = connect(host)
+    refused, refused_t = connect(host)
+    assert host.refused == {"connections_max": 1}
+    assert len(host.connections) == 2
+    [frame] = refused_t.frames()
+    assert (frame.response, frame.request_id, frame.status) == (True, 0, Status.BUSY)
+    assert frame.header["error"] == "refused: connections_max reached"
+    assert refused_t.eof
+    assert not refused_t.closed
+    refused.data_received(requests(RequestCode.PING, 1, 1))
+    assert host.handled == []
+    refused.connection_lost(None)  # the client closed its side
+    assert len(host.connections) == 2
+    assert not a_t.closed
+
+
+def test_a_delay_server_counts_the_connections_it_refuses_and_drops(tmp_path: Path) -> None:
+    class Shell(FrameServer):
+        kind = "delay"
+        title = "delay server"
+
+    metrics = DelayMetrics()
+    config = DelayConfig(data_dir=tmp_path, connections_max=3)
+    shell = Shell.__new__(Shell)
+    shell.metrics = metrics  # as a role sets it before the shell's __init__
+    FrameServer.__init__(shell, config, DEFAULT_LIMITS, metrics.connections.set, "test-checkpoint")
+    try:
+        text = shell.connections.refusal
+        assert "connections_max 3" in text
+        assert "--connections-max, or connections_max in [delay]" in text
+        shell.connections.on_refused("connections_max")
+        shell.connections.on_dropped("no_request")
+        shell.connections.on_dropped("no_request")
+        reg = metrics.registry
+        assert reg.get_sample_value("qmq_delay_connections_refused_total", {"reason": "connections_max"}) == 1
+        assert reg.get_sample_value("qmq_delay_connections_dropped_total", {"reason": "no_request"}) == 2
+    finally:
+        shell.checkpoint_executor.shutdown()

@@ -56,10 +56,13 @@ class BrokerMetrics:
         self.pulls = Counter("qmq_pulls", "pull requests answered, by outcome", ["outcome"], registry=r)
         self.acks = Counter("qmq_acked_messages", "messages acknowledged", ["subject", "group"], registry=r)
         self.connections = Gauge("qmq_connections", "open client connections", registry=r)
+        self.connections_refused = Counter(
+            "qmq_connections_refused", "client connections refused, by reason", ["reason"], registry=r
+        )
         self.connections_dropped = Counter(
             "qmq_connections_dropped",
-            "client connections the server closed on its own, by reason: reply_backlog (replies unread "
-            "past reply_backlog_bytes_max), protocol_error",
+            "client connections the server closed on its own, by reason: no_request (none within "
+            "first_request_timeout_ms), reply_backlog (replies unread past reply_backlog_bytes_max), protocol_error",
             ["reason"],
             registry=r,
         )

@@ -41,7 +41,16 @@ def _opt(doc: str, default: Any, check: Callable[[Any], str | None] | None = Non
 FlushPolicy = Literal["sync", "periodic"]
 
 
-# A field every role that takes frames has (qmq.serving.connection), defined once.
+# Two fields every role that takes frames has (qmq.serving.connection), one definition each.
+def _first_request_timeout_ms() -> Any:
+    return _opt(
+        "a connection that has sent no complete request this long after it opened is closed (clients send "
+        "theirs as soon as they connect); one that has sent a request stays open however long it is quiet",
+        10_000,
+        _range(100, 3_600_000),
+    )
+
+
 def _reply_backlog_bytes_max() -> Any:
     return _opt(
         "bytes of replies one connection may hold that its client has not read; past it the connection is "
@@ -119,6 +128,7 @@ class BrokerConfig:
         _range(1, 10_000_000),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     heartbeat_interval_ms: int = _opt(
         "how often the broker reports itself to the meta server",
@@ -250,6 +260,7 @@ class DelayConfig:
         _range(MiB, 1 << 34),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     heartbeat_interval_ms: int = _opt(
         "how often the delay server reports itself to the meta server",

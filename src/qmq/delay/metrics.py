@@ -79,10 +79,13 @@ class DelayMetrics:
         self.refused = Counter("qmq_delay_messages_refused", "messages of a send refused", ["status"], registry=r)
         self.requests = Counter("qmq_delay_requests", "requests by command", ["command"], registry=r)
         self.connections = Gauge("qmq_delay_connections", "open client connections", registry=r)
+        self.connections_refused = Counter(
+            "qmq_delay_connections_refused", "client connections refused, by reason", ["reason"], registry=r
+        )
         self.connections_dropped = Counter(
             "qmq_delay_connections_dropped",
-            "client connections the server closed on its own, by reason: reply_backlog (replies unread "
-            "past reply_backlog_bytes_max), protocol_error",
+            "client connections the server closed on its own, by reason: no_request (none within "
+            "first_request_timeout_ms), reply_backlog (replies unread past reply_backlog_bytes_max), protocol_error",
             ["reason"],
             registry=r,
         )

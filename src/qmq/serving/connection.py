@@ -14,7 +14,11 @@ What one client can hold of the server is bounded:
   handled before (a group commit's, a parked pull's) are still written when they come, so
   the buffer has a hard cap, ``reply_backlog_bytes_max``: past it the connection is aborted,
   its unread replies dropped, and the reason logged;
-- past ``connections_max`` a new connection is closed.
+- a connection that sends no complete request within ``first_request_timeout_ms`` of opening
+  is closed (an SDK sends its first request as soon as it connects; a connection that has
+  sent one stays open however long it is quiet, since clients idle between sends and polls);
+- past ``connections_max`` a new connection gets an error frame saying so, and the setting
+  to raise, before it is closed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ log = logging.getLogger(__name__)
 # asyncio's and uvloop's defaults, set here so the bound does not hang on the loop's choice.
 _WRITE_HIGH_BYTES = 64 * KiB
 _WRITE_LOW_BYTES = 16 * KiB
+# A refused connection is closed once the client has closed its side, or after this long: a close
+# with the client's request unread would reset the connection, and the reset can overtake the
+# error frame that says why.
+_REFUSAL_LINGER_S = 1.0
 
 
 class Responder(Protocol):
@@ -58,10 +66,6 @@ class ConnectionHost(Protocol):
     yield_after: frozenset[int]
     connections: Connections
 
-    def admit(self, conn: FrameConnection) -> bool:
-        """Take a new connection (False: refuse it, e.g. past connections_max)."""
-        ...
-
     def dispatch(self, conn: FrameConnection, frame: Frame) -> None: ...
 
     def forget(self, conn: FrameConnection) -> None: ...
@@ -76,6 +80,8 @@ class FrameConnection(asyncio.Protocol):
         self.closed = False
         self._flow_paused = False  # the client reads our answers too slowly
         self._turn_paused = False  # frames left for the next loop turn
+        # until the first request: the deadline for it; on a refused connection: the linger's end
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCPTransport does not subclass asyncio.Transport but has its methods
@@ -83,9 +89,13 @@ class FrameConnection(asyncio.Protocol):
         peer = tr.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         tr.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
-        if not self.host.admit(self):
-            tr.close()
-            self.closed = True
+        connections = self.host.connections
+        refusal = connections.admit(self)
+        loop = asyncio.get_running_loop()
+        if refusal is not None:
+            self._refuse(refusal, loop)
+        else:
+            self._timer = loop.call_later(connections.limits.first_request_timeout_ms / 1000, self._no_request)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -95,8 +105,20 @@ class FrameConnection(asyncio.Protocol):
         except RemoteProtocolError as exc:
             self._protocol_error(exc)
             return
+        if self._timer is not None:
+            self._first_data()
+        elif not (self._turn_paused or self._flow_paused):
+            self._handle_frames()
+
+    def _first_data(self) -> None:
+        """Handle what arrived before the first request, and end its deadline once one came."""
+        decoder = self.decoder
+        before = decoder.buffered_bytes
         if not (self._turn_paused or self._flow_paused):
             self._handle_frames()
+        # the decoder gives up bytes only with a complete frame
+        if decoder.buffered_bytes < before:
+            self._stop_timer()
 
     def _handle_frames(self) -> None:
         decoder = self.decoder
@@ -171,6 +193,11 @@ class FrameConnection(asyncio.Protocol):
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
         self._drop("protocol_error", f"protocol error: {exc}", Status.BAD_REQUEST)
 
+    def _no_request(self) -> None:
+        self._timer = None
+        timeout_ms = self.host.connections.limits.first_request_timeout_ms
+        self._drop("no_request", f"no request within first_request_timeout_ms {timeout_ms} ms", Status.BAD_REQUEST)
+
     def _too_much_unread(self, backlog_bytes: int) -> None:
         cap = self.host.connections.limits.reply_backlog_bytes_max
         log.warning(
@@ -182,6 +209,7 @@ class FrameConnection(asyncio.Protocol):
         )
         self.host.connections.on_dropped("reply_backlog")
         self.closed = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.abort()  # close() would keep the backlog until the client read it
         self.host.forget(self)
@@ -193,16 +221,33 @@ class FrameConnection(asyncio.Protocol):
         self.respond(0, 0, {"error": f"{text}; closing the connection"}, status=status)
         self.close()
 
+    def _refuse(self, text: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Say why in an error frame, then close once the client has closed (or the linger ends)."""
+        self.closed = True
+        transport = self.transport
+        assert transport is not None
+        transport.write(encode_frame_parts(0, 0, {"error": text}, 0, status=Status.BUSY, response=True))
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = loop.call_later(_REFUSAL_LINGER_S, transport.close)
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             if self.transport is not None:
                 self.transport.close()
+        self._stop_timer()
         self.host.forget(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         self.host.forget(self)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,33 +255,44 @@ class ConnectionLimits:
     """What the connections of one server may cost it (fields of the role's config)."""
 
     connections_max: int
+    first_request_timeout_ms: int
     reply_backlog_bytes_max: int
 
 
 class Connections:
     """The open connections of a server, at most ``limits.connections_max`` (a new one past it is
-    refused), and the count of those it closed on its own, by reason."""
+    refused with ``refusal``, the text its client is sent), and the counts of those it refused
+    and of those it closed on its own, by reason."""
 
     def __init__(
-        self, limits: ConnectionLimits, on_count: Callable[[int], None], on_dropped: Callable[[str], None]
+        self,
+        limits: ConnectionLimits,
+        refusal: str,
+        on_count: Callable[[int], None],
+        on_refused: Callable[[str], None],
+        on_dropped: Callable[[str], None],
     ) -> None:
         self.limits = limits
+        self.refusal = refusal
         self.on_count = on_count
+        self.on_refused = on_refused
         self.on_dropped = on_dropped
         self._open: set[FrameConnection] = set()
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def admit(self, conn: FrameConnection) -> bool:
+    def admit(self, conn: FrameConnection) -> str | None:
+        """Take a new connection: None, or the text that refuses it (past connections_max)."""
         if len(self._open) >= self.limits.connections_max:
             log.warning(
                 "refusing connection from %s: connections_max %d reached", conn.peer, self.limits.connections_max
             )
-            return False
+            self.on_refused("connections_max")
+            return self.refusal
         self._open.add(conn)
         self.on_count(len(self._open))
-        return True
+        return None
 
     def forget(self, conn: FrameConnection) -> None:
         if conn in self._open:

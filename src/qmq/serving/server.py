@@ -61,6 +61,8 @@ class ServingConfig(Protocol):
     @property
     def connections_max(self) -> int: ...
     @property
+    def first_request_timeout_ms(self) -> int: ...
+    @property
     def reply_backlog_bytes_max(self) -> int: ...
 
 
@@ -71,9 +73,11 @@ class RoleStore(Protocol):
 
 
 class RoleMetrics(Protocol):
-    """The role's metrics registry, rendered for GET /metrics, with the count of the
-    connections the server closed on its own (by reason)."""
+    """The role's metrics registry, rendered for GET /metrics, with the counters of the
+    connections the server refused (by reason) and closed on its own (by reason)."""
 
+    @property
+    def connections_refused(self) -> Counter: ...
     @property
     def connections_dropped(self) -> Counter: ...
 
@@ -105,8 +109,10 @@ class FrameServer:
         self.config = config
         self.limits = limits
         self.connections = Connections(
-            ConnectionLimits(config.connections_max, config.reply_backlog_bytes_max),
+            ConnectionLimits(config.connections_max, config.first_request_timeout_ms, config.reply_backlog_bytes_max),
+            self._refusal(config.connections_max),
             on_connections,
+            lambda reason: self.metrics.connections_refused.labels(reason).inc(),
             lambda reason: self.metrics.connections_dropped.labels(reason).inc(),
         )
         self.periodic = Periodic()
@@ -136,8 +142,12 @@ class FrameServer:
 
     # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
 
-    def admit(self, conn: FrameConnection) -> bool:
-        return self.connections.admit(conn)
+    def _refusal(self, connections_max: int) -> str:
+        return (
+            f"the {self.title} refuses the connection: it has connections_max {connections_max} client "
+            f"connections open; raise connections_max (--connections-max, or connections_max in "
+            f"[{self.kind}] of its config file), or close idle connections"
+        )
 
     def forget(self, conn: FrameConnection) -> None:
         """A connection closed; a role that keeps state per connection extends this."""
