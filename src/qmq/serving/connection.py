@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from prometheus_client import CollectorRegistry, Counter
+
 from qmq.common.limits import KiB, Limits
 from qmq.protocol.codes import Status
 from qmq.protocol.errors import RemoteProtocolError
@@ -302,3 +304,19 @@ class Connections:
     def close_all(self) -> None:
         for conn in list(self._open):
             conn.close()
+
+
+def connection_counters(prefix: str, registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """A role's counters of the connections it refused and of those it closed on its own, by
+    reason (``Connections``' ``on_refused`` and ``on_dropped``), named after ``prefix``."""
+    refused = Counter(
+        f"{prefix}_connections_refused", "client connections refused, by reason", ["reason"], registry=registry
+    )
+    dropped = Counter(
+        f"{prefix}_connections_dropped",
+        "client connections the server closed on its own, by reason: no_request (none within "
+        "first_request_timeout_ms), reply_backlog (replies unread past reply_backlog_bytes_max), protocol_error",
+        ["reason"],
+        registry=registry,
+    )
+    return refused, dropped
