@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from qmq.serving.connection import connection_counters
 from qmq.store.broker_store import BrokerStore
 
 
@@ -56,6 +57,7 @@ class BrokerMetrics:
         self.pulls = Counter("qmq_pulls", "pull requests answered, by outcome", ["outcome"], registry=r)
         self.acks = Counter("qmq_acked_messages", "messages acknowledged", ["subject", "group"], registry=r)
         self.connections = Gauge("qmq_connections", "open client connections", registry=r)
+        self.connections_refused, self.connections_dropped = connection_counters("qmq", r)
         self.flush_seconds = Histogram(
             "qmq_store_flush_seconds",
             "time of one fdatasync of the message and action logs",

@@ -18,7 +18,7 @@ from typing import Any, cast
 from qmq.common.errors import ConnectionLostError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
 from qmq.protocol.codes import Status
-from qmq.protocol.errors import RemoteProtocolError, error_for_status
+from qmq.protocol.errors import RemoteProtocolError, error_for_status, status_name
 from qmq.protocol.frame import REQUEST_ID_MAX, Frame, FrameDecoder, encode_frame_parts
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class _FrameProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, asyncio.Future[Frame]] = {}
         self.lost: BaseException | None = None
+        self.server_said = ""  # why the broker closed the connection, when it said (request id 0)
         self.closed = asyncio.get_running_loop().create_future()
         self._decoder = FrameDecoder(limits)
         self._paused = False
@@ -77,7 +78,10 @@ class _FrameProtocol(asyncio.Protocol):
             return
         fut = self.pending.pop(frame.request_id, None)
         if fut is None or fut.done():
-            return  # the requester gave up (timeout or cancellation)
+            if frame.request_id == 0 and frame.status != Status.OK:
+                # no request has id 0: the broker's word on the connection, before it closes it
+                self.server_said = f"{status_name(frame.status)}: {frame.header.get('error', '')}"
+            return  # otherwise the requester gave up (timeout or cancellation)
         if frame.status == Status.OK:
             fut.set_result(frame)
         else:
@@ -112,9 +116,8 @@ class _FrameProtocol(asyncio.Protocol):
             self.closed.set_result(None)
 
     def _lost_error(self) -> ConnectionLostError:
-        return ConnectionLostError(
-            f"connection to broker {self.address} closed ({self.lost}); reconnecting on next use"
-        )
+        why = f"by the broker: {self.server_said}" if self.server_said else f"({self.lost})"
+        return ConnectionLostError(f"connection to broker {self.address} closed {why}; reconnecting on next use")
 
     def _fail_all(self, error: QmqError) -> None:
         pending, self.pending = self.pending, {}

@@ -41,6 +41,26 @@ def _opt(doc: str, default: Any, check: Callable[[Any], str | None] | None = Non
 FlushPolicy = Literal["sync", "periodic"]
 
 
+# Two fields every role that takes frames has (qmq.serving.connection), one definition each.
+def _first_request_timeout_ms() -> Any:
+    return _opt(
+        "a connection that has sent no complete request this long after it opened is closed (clients send "
+        "theirs as soon as they connect); one that has sent a request stays open however long it is quiet",
+        10_000,
+        _range(100, 3_600_000),
+    )
+
+
+def _reply_backlog_bytes_max() -> Any:
+    return _opt(
+        "bytes of replies one connection may hold that its client has not read; past it the connection is "
+        "closed. A connection whose client does not read stops taking requests once 64 KiB wait, but answers "
+        "to requests already taken (parked pulls) still come; at least 32 MiB, two of the largest frames",
+        64 * MiB,
+        _range(32 * MiB, 1 << 34),
+    )
+
+
 @dataclass(slots=True)
 class BrokerConfig:
     """A realtime broker: where it listens, where it keeps data, how it flushes."""
@@ -108,6 +128,8 @@ class BrokerConfig:
         _range(1, 10_000_000),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    first_request_timeout_ms: int = _first_request_timeout_ms()
+    reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     heartbeat_interval_ms: int = _opt(
         "how often the broker reports itself to the meta server",
         10_000,
@@ -238,6 +260,8 @@ class DelayConfig:
         _range(MiB, 1 << 34),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    first_request_timeout_ms: int = _first_request_timeout_ms()
+    reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     heartbeat_interval_ms: int = _opt(
         "how often the delay server reports itself to the meta server",
         10_000,

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from qmq.serving.connection import connection_counters
+
 if TYPE_CHECKING:
     from qmq.delay.dispatcher import Dispatcher
     from qmq.delay.scheduler import Scheduler
@@ -79,6 +81,7 @@ class DelayMetrics:
         self.refused = Counter("qmq_delay_messages_refused", "messages of a send refused", ["status"], registry=r)
         self.requests = Counter("qmq_delay_requests", "requests by command", ["command"], registry=r)
         self.connections = Gauge("qmq_delay_connections", "open client connections", registry=r)
+        self.connections_refused, self.connections_dropped = connection_counters("qmq_delay", r)
         self.background_syncs = Counter(
             "qmq_delay_background_syncs",
             "background fsyncs of schedule logs written sync_bytes past their last one",

@@ -1,13 +1,24 @@
-"""One client connection of a server: an ``asyncio.Protocol`` feeding a sans-IO ``FrameDecoder``.
+"""One client connection of a server: an ``asyncio.Protocol`` feeding a sans-IO ``FrameDecoder``,
+and the set of them with what each may cost the server.
 
 Requests are handled as they are decoded, on the loop, without a task per request. After a
 frame whose code is in the host's ``yield_after`` set (sends), the rest of what arrived waits
 for the next loop turn (reading paused), so timers and other connections run between
-frames. A handler that answers a request on a later loop turn, and must handle nothing
-after it before then, ``hold``s the connection until it calls ``release``. A frame that
-cannot be decoded costs only its own connection: the peer gets an error frame, then the
-connection closes. When the peer reads answers slower than they are written, its requests
-stop being read until it catches up.
+frames. A frame that cannot be decoded costs only its own connection: the peer gets an error
+frame, then the connection closes.
+
+What one client can hold of the server is bounded:
+- replies it does not read: once the transport's write buffer passes its high-water mark
+  (``_WRITE_HIGH_BYTES``), the connection stops reading *and* stops handling the requests it
+  already decoded, until the buffer drains below the low-water mark. Answers to requests
+  handled before (a group commit's, a parked pull's) are still written when they come, so
+  the buffer has a hard cap, ``reply_backlog_bytes_max``: past it the connection is aborted,
+  its unread replies dropped, and the reason logged;
+- a connection that sends no complete request within ``first_request_timeout_ms`` of opening
+  is closed (an SDK sends its first request as soon as it connects; a connection that has
+  sent one stays open however long it is quiet, since clients idle between sends and polls);
+- past ``connections_max`` a new connection gets an error frame saying so, and the setting
+  to raise, before it is closed.
 """
 
 from __future__ import annotations
@@ -15,14 +26,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
-from qmq.common.limits import Limits
+from prometheus_client import CollectorRegistry, Counter
+
+from qmq.common.limits import KiB, Limits
 from qmq.protocol.codes import Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame, FrameDecoder, encode_frame_parts
 
 log = logging.getLogger(__name__)
+
+# Replies buffered past this stop the handling of requests until they drain below the low mark:
+# asyncio's and uvloop's defaults, set here so the bound does not hang on the loop's choice.
+_WRITE_HIGH_BYTES = 64 * KiB
+_WRITE_LOW_BYTES = 16 * KiB
+# A refused connection is closed once the client has closed its side, or after this long: a close
+# with the client's request unread would reset the connection, and the reset can overtake the
+# error frame that says why.
+_REFUSAL_LINGER_S = 1.0
 
 
 class Responder(Protocol):
@@ -43,10 +66,7 @@ class ConnectionHost(Protocol):
 
     limits: Limits
     yield_after: frozenset[int]
-
-    def admit(self, conn: FrameConnection) -> bool:
-        """Take a new connection (False: refuse it, e.g. past connections_max)."""
-        ...
+    connections: Connections
 
     def dispatch(self, conn: FrameConnection, frame: Frame) -> None: ...
 
@@ -62,14 +82,22 @@ class FrameConnection(asyncio.Protocol):
         self.closed = False
         self._flow_paused = False  # the client reads our answers too slowly
         self._turn_paused = False  # frames left for the next loop turn
+        # until the first request: the deadline for it; on a refused connection: the linger's end
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport is not a subclass
-        peer = transport.get_extra_info("peername")
+        # uvloop's TCPTransport does not subclass asyncio.Transport but has its methods
+        self.transport = tr = cast(asyncio.Transport, transport)
+        peer = tr.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        if not self.host.admit(self):
-            transport.close()
-            self.closed = True
+        tr.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
+        connections = self.host.connections
+        refusal = connections.admit(self)
+        loop = asyncio.get_running_loop()
+        if refusal is not None:
+            self._refuse(refusal, loop)
+        else:
+            self._timer = loop.call_later(connections.limits.first_request_timeout_ms / 1000, self._no_request)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -79,8 +107,20 @@ class FrameConnection(asyncio.Protocol):
         except RemoteProtocolError as exc:
             self._protocol_error(exc)
             return
-        if not self._turn_paused:
+        if self._timer is not None:
+            self._first_data()
+        elif not (self._turn_paused or self._flow_paused):
             self._handle_frames()
+
+    def _first_data(self) -> None:
+        """Handle what arrived before the first request, and end its deadline once one came."""
+        decoder = self.decoder
+        before = decoder.buffered_bytes
+        if not (self._turn_paused or self._flow_paused):
+            self._handle_frames()
+        # the decoder gives up bytes only with a complete frame
+        if decoder.buffered_bytes < before:
+            self._stop_timer()
 
     def _handle_frames(self) -> None:
         decoder = self.decoder
@@ -88,7 +128,9 @@ class FrameConnection(asyncio.Protocol):
         dispatch = host.dispatch
         yield_after = host.yield_after
         try:
-            while not self.closed and (frame := decoder.next_frame()) is not None:
+            # a handler's answer may fill the write buffer (pause_writing): the frames after it
+            # wait in the decoder until resume_writing
+            while not self.closed and not self._flow_paused and (frame := decoder.next_frame()) is not None:
                 if frame.response:
                     raise RemoteProtocolError("a client sent a response frame; only requests are accepted")
                 dispatch(self, frame)
@@ -116,11 +158,6 @@ class FrameConnection(asyncio.Protocol):
         else:
             self.transport.resume_reading()
 
-    def _protocol_error(self, exc: RemoteProtocolError) -> None:
-        log.warning("closing connection from %s: %s", self.peer, exc)
-        self.respond(0, 0, {"error": f"protocol error: {exc}; closing the connection"}, status=Status.BAD_REQUEST)
-        self.close()
-
     def respond(
         self,
         code: int,
@@ -137,6 +174,10 @@ class FrameConnection(asyncio.Protocol):
             self.transport.writelines([head, *chunks])
         else:
             self.transport.write(head)
+        if self._flow_paused:
+            backlog_bytes = self.transport.get_write_buffer_size()
+            if backlog_bytes > self.host.connections.limits.reply_backlog_bytes_max:
+                self._too_much_unread(backlog_bytes)
 
     def pause_writing(self) -> None:
         self._flow_paused = True
@@ -144,38 +185,116 @@ class FrameConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._flow_paused = False
-        self._set_reading()
+        if self.decoder.buffered_bytes and not self._turn_paused and not self.closed:
+            self._next_turn()  # the requests that waited for the client to read, from the next turn
+        else:
+            self._set_reading()
+
+    # -- ends ------------------------------------------------------------------------------
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        self._drop("protocol_error", f"protocol error: {exc}", Status.BAD_REQUEST)
+
+    def _no_request(self) -> None:
+        self._timer = None
+        timeout_ms = self.host.connections.limits.first_request_timeout_ms
+        self._drop("no_request", f"no request within first_request_timeout_ms {timeout_ms} ms", Status.BAD_REQUEST)
+
+    def _too_much_unread(self, backlog_bytes: int) -> None:
+        cap = self.host.connections.limits.reply_backlog_bytes_max
+        log.warning(
+            "aborting connection from %s: %d bytes of replies it has not read, over reply_backlog_bytes_max %d "
+            "(a client must read its replies)",
+            self.peer,
+            backlog_bytes,
+            cap,
+        )
+        self.host.connections.on_dropped("reply_backlog")
+        self.closed = True
+        self._stop_timer()
+        if self.transport is not None:
+            self.transport.abort()  # close() would keep the backlog until the client read it
+        self.host.forget(self)
+
+    def _drop(self, reason: str, text: str, status: Status) -> None:
+        """Close for ``reason`` (a metric's label), telling the client ``text`` in an error frame."""
+        log.warning("closing connection from %s: %s", self.peer, text)
+        self.host.connections.on_dropped(reason)
+        self.respond(0, 0, {"error": f"{text}; closing the connection"}, status=status)
+        self.close()
+
+    def _refuse(self, text: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Say why in an error frame, then close once the client has closed (or the linger ends)."""
+        self.closed = True
+        transport = self.transport
+        assert transport is not None
+        transport.write(encode_frame_parts(0, 0, {"error": text}, 0, status=Status.BUSY, response=True))
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = loop.call_later(_REFUSAL_LINGER_S, transport.close)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             if self.transport is not None:
                 self.transport.close()
+        self._stop_timer()
         self.host.forget(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         self.host.forget(self)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What the connections of one server may cost it (fields of the role's config)."""
+
+    connections_max: int
+    first_request_timeout_ms: int
+    reply_backlog_bytes_max: int
 
 
 class Connections:
-    """The open connections of a server, at most ``limit`` (a new one past it is refused)."""
+    """The open connections of a server, at most ``limits.connections_max`` (a new one past it is
+    refused with ``refusal``, the text its client is sent), and the counts of those it refused
+    and of those it closed on its own, by reason."""
 
-    def __init__(self, limit: int, on_count: Callable[[int], None]) -> None:
-        self.limit = limit
+    def __init__(
+        self,
+        limits: ConnectionLimits,
+        refusal: str,
+        on_count: Callable[[int], None],
+        on_refused: Callable[[str], None],
+        on_dropped: Callable[[str], None],
+    ) -> None:
+        self.limits = limits
+        self.refusal = refusal
         self.on_count = on_count
+        self.on_refused = on_refused
+        self.on_dropped = on_dropped
         self._open: set[FrameConnection] = set()
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def admit(self, conn: FrameConnection) -> bool:
-        if len(self._open) >= self.limit:
-            log.warning("refusing connection from %s: connections_max %d reached", conn.peer, self.limit)
-            return False
+    def admit(self, conn: FrameConnection) -> str | None:
+        """Take a new connection: None, or the text that refuses it (past connections_max)."""
+        if len(self._open) >= self.limits.connections_max:
+            log.warning(
+                "refusing connection from %s: connections_max %d reached", conn.peer, self.limits.connections_max
+            )
+            self.on_refused("connections_max")
+            return self.refusal
         self._open.add(conn)
         self.on_count(len(self._open))
-        return True
+        return None
 
     def forget(self, conn: FrameConnection) -> None:
         if conn in self._open:
@@ -185,3 +304,19 @@ class Connections:
     def close_all(self) -> None:
         for conn in list(self._open):
             conn.close()
+
+
+def connection_counters(prefix: str, registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """A role's counters of the connections it refused and of those it closed on its own, by
+    reason (``Connections``' ``on_refused`` and ``on_dropped``), named after ``prefix``."""
+    refused = Counter(
+        f"{prefix}_connections_refused", "client connections refused, by reason", ["reason"], registry=registry
+    )
+    dropped = Counter(
+        f"{prefix}_connections_dropped",
+        "client connections the server closed on its own, by reason: no_request (none within "
+        "first_request_timeout_ms), reply_backlog (replies unread past reply_backlog_bytes_max), protocol_error",
+        ["reason"],
+        registry=registry,
+    )
+    return refused, dropped

@@ -24,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client import Counter
 
 from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
-from qmq.serving.connection import Connections, FrameConnection, Responder
+from qmq.serving.connection import ConnectionLimits, Connections, FrameConnection, Responder
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.periodic import Periodic
 from qmq.serving.registration import Registration, server_payload
@@ -59,6 +60,10 @@ class ServingConfig(Protocol):
     def heartbeat_interval_ms(self) -> int: ...
     @property
     def connections_max(self) -> int: ...
+    @property
+    def first_request_timeout_ms(self) -> int: ...
+    @property
+    def reply_backlog_bytes_max(self) -> int: ...
 
 
 class RoleStore(Protocol):
@@ -68,7 +73,13 @@ class RoleStore(Protocol):
 
 
 class RoleMetrics(Protocol):
-    """The role's metrics registry, rendered for GET /metrics."""
+    """The role's metrics registry, rendered for GET /metrics, with the counters of the
+    connections the server refused (by reason) and closed on its own (by reason)."""
+
+    @property
+    def connections_refused(self) -> Counter: ...
+    @property
+    def connections_dropped(self) -> Counter: ...
 
     def render(self) -> bytes: ...
 
@@ -97,7 +108,13 @@ class FrameServer:
     ) -> None:
         self.config = config
         self.limits = limits
-        self.connections = Connections(config.connections_max, on_connections)
+        self.connections = Connections(
+            ConnectionLimits(config.connections_max, config.first_request_timeout_ms, config.reply_backlog_bytes_max),
+            self._refusal(config.connections_max),
+            on_connections,
+            lambda reason: self.metrics.connections_refused.labels(reason).inc(),
+            lambda reason: self.metrics.connections_dropped.labels(reason).inc(),
+        )
         self.periodic = Periodic()
         self.stopping = False
         self.port = 0
@@ -125,8 +142,12 @@ class FrameServer:
 
     # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
 
-    def admit(self, conn: FrameConnection) -> bool:
-        return self.connections.admit(conn)
+    def _refusal(self, connections_max: int) -> str:
+        return (
+            f"the {self.title} refuses the connection: it has connections_max {connections_max} client "
+            f"connections open; raise connections_max (--connections-max, or connections_max in "
+            f"[{self.kind}] of its config file), or close idle connections"
+        )
 
     def forget(self, conn: FrameConnection) -> None:
         """A connection closed; a role that keeps state per connection extends this."""
