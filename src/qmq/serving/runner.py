@@ -25,6 +25,8 @@ from qmq.common.errors import QmqError
 log = logging.getLogger(__name__)
 
 EXIT_STARTUP_FAILED = 3
+# The server stopped, but not cleanly: what it could not finish (its final checkpoint) is on stderr.
+EXIT_STOP_FAILED = 4
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MALLOC_THRESHOLD_BYTES = 256 * 1024
@@ -43,6 +45,11 @@ class RunnableServer(Protocol):
     def ready_line(self) -> str: ...
 
     async def stop(self) -> None: ...
+
+    @property
+    def stop_failed(self) -> str | None:
+        """What the last ``stop`` could not finish, or None after a clean stop."""
+        ...
 
 
 def run_server(role: str, make: Callable[[], RunnableServer]) -> int:
@@ -86,6 +93,9 @@ async def _serve(role: str, make: Callable[[], RunnableServer]) -> int:
         log.info("%s shutting down", role)
     finally:
         await server.stop()
+    if server.stop_failed is not None:
+        print(f"qmq {role}: stopped, but {server.stop_failed}", file=sys.stderr, flush=True)
+        return EXIT_STOP_FAILED
     return 0
 
 

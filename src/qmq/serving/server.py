@@ -124,6 +124,7 @@ class FrameServer:
         self._registration: Registration | None = None
         # set once the store is open (start): from then on a shutdown writes a final checkpoint
         self.checkpointing: asyncio.Lock | None = None
+        self.stop_failed: str | None = None  # what the last stop could not finish (exit status 4)
         self.checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix=checkpoint_thread)
 
     @property
@@ -229,6 +230,9 @@ class FrameServer:
             await self.checkpoint()
         except (OSError, StoreError) as exc:
             log.error("shutdown: the final checkpoint failed: %s", exc)
+            self.stop_failed = (
+                f"the final checkpoint failed ({exc}); the next start replays the logs from the last good one"
+            )
 
     async def close_connections(self) -> None:
         """Close every connection, then the frame port and the HTTP port."""
