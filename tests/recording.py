@@ -5,14 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
+
 from qmq.protocol.codes import Status
 
-# (code, request id, header, status) of one answer
+# (code, request id, header or answer document, status) of one answer
 Answer = tuple[int, int, dict[str, Any] | None, int]
 
 
 class RecordingResponder:
-    """A ``qmq.serving.connection.Responder`` that keeps every answer in ``answers``."""
+    """A ``qmq.serving.connection.Responder`` that keeps every answer in ``answers``: its header,
+    or for an answer carried in the body (``qmq.protocol.answers``) its document."""
 
     def __init__(self) -> None:
         self.answers: list[Answer] = []
@@ -25,4 +28,6 @@ class RecordingResponder:
         chunks: Sequence[bytes] = (),
         status: int = Status.OK,
     ) -> None:
+        if header is None and chunks:
+            header = msgpack.unpackb(b"".join(chunks))
         self.answers.append((code, request_id, header, status))

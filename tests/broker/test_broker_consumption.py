@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 from rawclient import RawClient, message, split_records
 
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import decode_message, encode_message, encode_properties, encode_tags
 from qmq.testing import ReadyProcess, running_role
@@ -117,8 +118,8 @@ def test_dead_letters_are_listed_resent_and_purged(client: RawClient, subject: s
     letters = [
         encode_message(dead.encode(), f"d{i}".encode(), encode_tags(()), 0, props, b"x", 1, 0, 16) for i in range(3)
     ]
-    assert client.send(*letters).header["errors"] == []
-    listing = client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}).header
+    assert answer_of(client.send(*letters))["errors"] == []
+    listing = answer_of(client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}))
     assert listing["total"] == 3
     first = listing["letters"][0]
     assert (first["message_id"], first["attempts"], first["error"]) == ("d0", 16, "ValueError: bad order")
@@ -128,7 +129,7 @@ def test_dead_letters_are_listed_resent_and_purged(client: RawClient, subject: s
     assert got == ["d1"]
     purged = client.call(RequestCode.PURGE_DEAD, {"subject": subject, "group": "g", "all": True})
     assert purged.header == {"purged": 2}
-    assert client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}).header["total"] == 0
+    assert answer_of(client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}))["total"] == 0
     refused = client.call(RequestCode.PURGE_DEAD, {"subject": subject, "group": "g"})
     assert refused.status == Status.BAD_REQUEST
 
@@ -161,12 +162,12 @@ def test_ack_many_acknowledges_several_subjects_at_once_and_refuses_by_entry(cli
     acks.append("not a map")  # type: ignore[arg-type]
     resp = client.call(RequestCode.ACK_MANY, {"consumer_id": "c1", "acks": acks})
     assert resp.status == Status.OK, resp.header
-    results = resp.header["results"]
+    results = answer_of(resp)["results"]
     assert [r.get("ack_offset") for r in results] == [2, None, 2, 2, None]
     assert "'never-pulled' has never pulled" in results[1]["error"]
     assert "must be a map" in results[4]["error"]
     for s in subjects:
-        lag = client.call(RequestCode.LAG, {"subject": s, "group": "g"}).header
+        lag = answer_of(client.call(RequestCode.LAG, {"subject": s, "group": "g"}))
         assert lag["unacked"] == 0, lag
     empty = client.call(RequestCode.ACK_MANY, {"consumer_id": "c1", "acks": []})
     assert empty.status == Status.BAD_REQUEST

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from rawclient import RawClient, message, split_records
 
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import decode_message
 from qmq.testing import running_role
@@ -40,7 +41,7 @@ def test_kill_9_during_sends_loses_no_acknowledged_message(tmp_path: Path) -> No
                     batch = [f"m{n + i}" for i in range(50)]
                     resp = c.send(*[message("crash.s", i, b"x" * 200) for i in batch])
                     assert resp.status == Status.OK
-                    assert not resp.header["errors"]
+                    assert not answer_of(resp)["errors"]
                     acked_sends.extend(batch)
                     n += 50
                     if n >= 3000:
@@ -105,7 +106,7 @@ def test_held_messages_acknowledged_before_kill_9_are_delivered_once_after_resta
         now = int(time.time() * 1000)
         due = {f"h{i}": now + 100 + i * 40 for i in range(20)}  # 100 .. 860 ms ahead
         resp = c.send(*[message("held.s", mid, deliver_at_ms=at) for mid, at in due.items()])
-        assert resp.header == {"errors": [], "duplicates": 0}
+        assert answer_of(resp) == {"errors": [], "duplicates": 0}
         got = c.pull("held.s", "g", max_n=100, timeout_ms=2000)  # woken by the first release
         received_at = int(time.time() * 1000)
         before = _ids(bytes(got.body))

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
+import msgpack
 import pytest
 from rawclient import message
 
@@ -19,6 +20,7 @@ from qmq.broker.replication import ReplicationSource, Replicator
 from qmq.common.clock import ManualClock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import DEFAULT_LIMITS, Limits
+from qmq.protocol.answers import PAGE_BYTES_MAX
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.group_commit import GroupCommit
@@ -136,3 +138,85 @@ def test_a_failing_store_costs_one_request(context: Context, monkeypatch: pytest
         Status.INTERNAL_ERROR,
     )
     assert conn.answers[1][3] == Status.OK
+
+
+# -- listings: in the body, paged by count and by bytes -----------------------------------
+
+
+def follow(handlers: Handlers, code: RequestCode, header: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every page of a listing, each checked to fit its byte budget (an item over it only alone)."""
+    pages: list[dict[str, Any]] = []
+    after: Any = None
+    for request_id in range(1, 100):
+        conn = RecordingResponder()
+        handlers.dispatch(conn, Frame(code, request_id, header if after is None else {**header, "after": after}))
+        [(_code, _id, doc, status)] = conn.answers
+        assert status == Status.OK, doc
+        assert doc is not None
+        pages.append(doc)
+        listed = next(v for k, v in doc.items() if k in ("subjects", "consumers", "letters"))
+        assert len(listed) == 1 or len(msgpack.packb(doc)) <= PAGE_BYTES_MAX + 1024  # and its figures
+        after = doc.get("next")
+        if after is None:
+            return pages
+    raise AssertionError("the listing never ended")
+
+
+def test_subjects_are_paged_and_a_subjects_groups_run_on_into_the_next_page(context: Context) -> None:
+    store = context.store
+    names = [f"s.{i:03d}." + "n" * 90 for i in range(40)]
+    groups = [f"g{i:04d}." + "x" * 90 for i in range(3000)]  # 3,000 x ~100 bytes: past one page
+    for name in names:
+        store.group(name, "g", "earliest")
+    for group in groups:
+        store.group(names[7], group, "earliest")
+    pages = follow(Handlers(context), RequestCode.SUBJECTS, {})
+    assert len(pages) >= 2
+    items = [item for page in pages for item in page["subjects"]]
+    listed = [i["subject"] for i in items]
+    assert sorted(set(listed)) == names
+    assert listed.count(names[7]) == len(pages)  # its groups ran over every page boundary
+    seventh = [g for i in items if i["subject"] == names[7] for g in i["groups"]]
+    assert seventh == sorted(["g", *groups])
+    by_count = follow(Handlers(context), RequestCode.SUBJECTS, {"limit": 3})
+    assert [i["subject"] for p in by_count[:2] for i in p["subjects"]] == names[:6]
+
+
+def test_lag_pages_consumers_by_id_and_limit_0_gives_the_figures_alone(context: Context) -> None:
+    gp = context.store.group("s.lag", "g", "earliest")
+    ids = [f"consumer-{i:05d}-" + "c" * 150 for i in range(2500)]
+    for consumer_id in reversed(ids):
+        gp.consumer(consumer_id)
+    pages = follow(Handlers(context), RequestCode.LAG, {"subject": "s.lag", "group": "g"})
+    assert len(pages) >= 2
+    assert [c["consumer_id"] for p in pages for c in p["consumers"]] == ids
+    assert {p["consumers_total"] for p in pages} == {2500}
+    [figures] = follow(Handlers(context), RequestCode.LAG, {"subject": "s.lag", "group": "g", "limit": 0})
+    assert figures["consumers"] == []
+    assert "next" not in figures
+    assert (figures["messages"], figures["backlog"], figures["unacked"]) == (0, 0, 0)
+
+
+def test_dead_letters_are_paged_by_limit_and_by_bytes(context: Context) -> None:
+    dead = "%DEAD_RETRY%s.d%g"
+    error = "处理失败" * 1000  # 12 KB of UTF-8 a letter
+    body = b"".join(message(dead, f"d{i}", props={"qmq.error": error}) for i in range(60))
+    conn = RecordingResponder()
+    handlers = Handlers(context)
+    handlers.dispatch(conn, Frame(RequestCode.SEND_MESSAGES, 1, {}, body))
+    assert conn.answers[0][2] == {"errors": [], "duplicates": 0}
+    pages = follow(handlers, RequestCode.DEAD_LETTERS, {"subject": "s.d", "group": "g", "limit": 1000})
+    assert len(pages) == 3  # 720 KB in pages of 256 KiB
+    assert [x["message_id"] for p in pages for x in p["letters"]] == [f"d{i}" for i in range(60)]
+    assert {p["total"] for p in pages} == {60}
+    by_limit = follow(handlers, RequestCode.DEAD_LETTERS, {"subject": "s.d", "group": "g", "limit": 7})
+    assert [len(p["letters"]) for p in by_limit[:2]] == [7, 7]
+
+
+def test_a_cursor_that_is_not_one_is_refused(context: Context) -> None:
+    conn = RecordingResponder()
+    Handlers(context).dispatch(conn, Frame(RequestCode.SUBJECTS, 1, {"after": "s.a"}))
+    [(_code, _id, header, status)] = conn.answers
+    assert status == Status.BAD_REQUEST
+    assert header is not None
+    assert "pass back the 'next' of the last page" in header["error"]

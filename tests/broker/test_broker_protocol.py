@@ -12,6 +12,7 @@ import msgpack
 import pytest
 from rawclient import RawClient, message, split_records
 
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import PREFIX
 from qmq.protocol.message import decode_message, encode_message
@@ -50,7 +51,7 @@ def test_a_send_refuses_by_index_what_consumers_could_not_read(client: RawClient
     ]
     resp = client.send(good, *bad, message(subject, "good-2"))
     assert resp.status == Status.OK
-    errors = {index: (status, text) for index, status, text in resp.header["errors"]}
+    errors = {index: (status, text) for index, status, text in answer_of(resp)["errors"]}
     assert sorted(errors) == [1, 2, 3, 4]
     assert all(status == Status.INVALID_MESSAGE for status, _ in errors.values())
     assert "message id is not valid UTF-8" in errors[1][1]
@@ -66,7 +67,7 @@ def test_send_then_pull_returns_the_stored_bytes(client: RawClient, subject: str
     m2 = message(subject, "id-2", b"world")
     resp = client.send(m1, m2)
     assert resp.status == Status.OK
-    assert resp.header == {"errors": [], "duplicates": 0}
+    assert answer_of(resp) == {"errors": [], "duplicates": 0}
     got = client.pull(subject, "g")
     assert got.header["runs"] == [[0, 2]]
     records = split_records(bytes(got.body))
@@ -77,7 +78,7 @@ def test_send_then_pull_returns_the_stored_bytes(client: RawClient, subject: str
 def test_refused_messages_are_named_by_index(client: RawClient, subject: str) -> None:
     resp = client.send(message(subject, "a"), message("has space", "b"), message(subject, "c", deliver_at_ms=2**50))
     assert resp.status == Status.OK
-    errors = {e[0]: (e[1], e[2]) for e in resp.header["errors"]}
+    errors = {e[0]: (e[1], e[2]) for e in answer_of(resp)["errors"]}
     assert set(errors) == {1, 2}
     assert errors[1][0] == Status.INVALID_SUBJECT
     assert "has space" in errors[1][1]
@@ -96,12 +97,12 @@ def test_a_broker_holding_held_messages_max_refuses_more_as_busy(tmp_path: Path,
         try:
             due = int(time.time() * 1000) + 800
             held = c.send(message(subject, "h1", deliver_at_ms=due), message(subject, "h2", deliver_at_ms=due))
-            assert held.header == {"errors": [], "duplicates": 0}
+            assert answer_of(held) == {"errors": [], "duplicates": 0}
             refused = c.send(message(subject, "h3", deliver_at_ms=due))
             assert refused.status == Status.BUSY
             assert "holds 2 messages until they are due, its held_messages_max" in refused.header["error"]
             realtime = c.send(message(subject, "now"))  # nothing to hold: taken
-            assert realtime.header == {"errors": [], "duplicates": 0}
+            assert answer_of(realtime) == {"errors": [], "duplicates": 0}
             got = c.pull(subject, "g", timeout_ms=3000)
             first = [decode_message(r[1]).message_id for r in split_records(bytes(got.body))]
             assert first == ["now"]
@@ -115,7 +116,7 @@ def test_a_broker_holding_held_messages_max_refuses_more_as_busy(tmp_path: Path,
 def test_a_repeated_id_is_stored_once(client: RawClient, subject: str) -> None:
     client.send(message(subject, "dup"))
     resp = client.send(message(subject, "dup"))
-    assert resp.header["duplicates"] == 1
+    assert answer_of(resp)["duplicates"] == 1
     assert len(split_records(bytes(client.pull(subject, "g").body))) == 1
 
 
@@ -152,9 +153,9 @@ def test_ack_advances_and_lag_reports(client: RawClient, subject: str) -> None:
         RequestCode.ACK, {"subject": subject, "group": "g", "consumer_id": "c1", "ranges": [[0, 2], [3, 4]]}
     )
     assert resp.header["ack_offset"] == 2
-    lag = client.call(RequestCode.LAG, {"subject": subject, "group": "g"}).header
+    lag = answer_of(client.call(RequestCode.LAG, {"subject": subject, "group": "g"}))
     assert (lag["messages"], lag["backlog"], lag["unacked"]) == (5, 0, 2)
-    subjects = client.call(RequestCode.SUBJECTS).header["subjects"]
+    subjects = answer_of(client.call(RequestCode.SUBJECTS))["subjects"]
     assert {"subject": subject, "messages": 5, "first": 0, "groups": ["g"]} in subjects
 
 
@@ -286,7 +287,7 @@ def test_message_size_limit_is_configurable_and_refused_by_index(tmp_path: Path)
         c = RawClient(proc.ready["address"])
         resp = c.send(message("s", "small", b"x" * 100), message("s", "big", b"x" * 4000))
         assert resp.status == Status.OK
-        [(index, status, text)] = resp.header["errors"]
+        [(index, status, text)] = answer_of(resp)["errors"]
         assert (index, status) == (1, Status.MESSAGE_TOO_LARGE)
         assert "message_bytes_max 2048" in text
         c.close()

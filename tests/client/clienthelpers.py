@@ -9,6 +9,7 @@ from typing import Any
 from qmq.aio import Batch, PullConsumer, ReceivedMessage
 from qmq.client.connection import Connection
 from qmq.client.meta import MetaClient
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 
 
@@ -40,7 +41,7 @@ async def lag(meta_server: str, subject: str, group: str) -> dict[str, Any]:
         frame = await conn.request(RequestCode.LAG, {"subject": subject, "group": group})
     finally:
         await conn.close()
-    return frame.header
+    return answer_of(frame)
 
 
 async def wait_for_lag(

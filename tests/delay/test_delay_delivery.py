@@ -16,6 +16,7 @@ from delaywire import collect, delay_group, meta_address, now_ms, request, wait_
 from qmq import SendError
 from qmq.aio import Consumer, Producer
 from qmq.client.connection import Connection
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import encode_message
 from qmq.testing import ReadyProcess, running_standalone
@@ -75,7 +76,7 @@ async def test_a_message_is_handed_to_a_broker_ahead_of_its_time_and_delivered_a
     neither the hand-over nor an fsync makes it late; consumers still get it only once due."""
     url = standalone.meta_server
     address = delay_group(url)["address"]
-    before = (await request(address, RequestCode.DELAY_STATS, {})).header["dispatched_total"]
+    before = answer_of(await request(address, RequestCode.DELAY_STATS, {}))["dispatched_total"]
     async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
         pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
         m = producer.generate_message(subject)
@@ -83,7 +84,7 @@ async def test_a_message_is_handed_to_a_broker_ahead_of_its_time_and_delivered_a
         await producer.send(m)
 
         async def handed_over() -> bool:
-            stats = (await request(address, RequestCode.DELAY_STATS, {})).header
+            stats = answer_of(await request(address, RequestCode.DELAY_STATS, {}))
             return bool(stats["dispatched_total"] > before)
 
         await wait_until("the hand-over", handed_over, timeout_s=5, interval_s=0.005)
@@ -135,7 +136,7 @@ async def test_a_past_time_sent_straight_to_the_delay_server_is_handed_over_at_o
     async with Consumer(app_code="t", meta_server=url) as consumer:
         pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
         frame = await request(delay_group(url)["address"], RequestCode.SEND_MESSAGES, {}, [raw])
-        assert frame.header == {"errors": []}
+        assert answer_of(frame) == {"errors": []}
         sent_at = now_ms()
         got = await collect(pull, 1, timeout_s=5)
     assert got["raw-past-1"] - sent_at < LATE_MS_MAX
@@ -148,7 +149,7 @@ async def test_the_delay_server_refuses_by_index_what_consumers_could_not_read(
     good = encode_message(subject.encode(), b"good-1", b"", 0, b"", b"x", int(now_ms()), due)
     bad = encode_message(subject.encode(), b"id-\xff", b"", 0, b"", b"x", int(now_ms()), due)
     frame = await request(delay_group(standalone.meta_server)["address"], RequestCode.SEND_MESSAGES, {}, [good, bad])
-    [[index, status, text]] = frame.header["errors"]
+    [[index, status, text]] = answer_of(frame)["errors"]
     assert (index, status) == (1, Status.INVALID_MESSAGE)
     assert "message id is not valid UTF-8" in text
 
@@ -174,7 +175,7 @@ async def test_a_broker_holds_a_message_due_a_moment_ahead_until_it_is_due(
         finally:
             await conn.close()
         got = await collect(pull, 2, timeout_s=5)
-    assert [f.header for f in frames] == [{"errors": [], "duplicates": 0}] * 2
+    assert [answer_of(f) for f in frames] == [{"errors": [], "duplicates": 0}] * 2
     assert answered_at < due, "the send of a message due later was answered only once it was due"
     assert got["now-1"] < due, "a message sent after a held one waited for it"
     assert got["soon-1"] >= due, f"delivered {due - got['soon-1']:.2f} ms before it was due"
@@ -187,7 +188,7 @@ async def test_a_broker_refuses_to_hold_a_message_due_later_than_it_holds(
     broker = meta_address(standalone.meta_server)["broker_groups"][0]["address"]
     later = encode_message(subject.encode(), b"later-1", b"", 0, b"", b"x", int(now_ms()), int(now_ms()) + 60_000)
     frame = await request(broker, RequestCode.SEND_MESSAGES, {}, [later])
-    ((index, status, text),) = frame.header["errors"]
+    ((index, status, text),) = answer_of(frame)["errors"]
     assert (index, status) == (0, Status.INVALID_MESSAGE)
     assert "a broker holds messages due at most 1000 ms ahead; send later ones to a delay server" in text
 
@@ -216,7 +217,7 @@ async def test_finished_buckets_are_deleted(standalone: ReadyProcess, subject: s
     address = delay_group(url)["address"]
 
     async def nothing_pending() -> bool:
-        stats = (await request(address, RequestCode.DELAY_STATS, {})).header
+        stats = answer_of(await request(address, RequestCode.DELAY_STATS, {}))
         return stats["pending"] == 0 and stats["buckets_total"] <= 1  # at most the current bucket remains
 
     await wait_until("deletion of finished buckets", nothing_pending, timeout_s=10)
@@ -233,7 +234,7 @@ async def test_a_batch_spread_over_far_buckets_is_counted_in_each(standalone: Re
             m.set_delay(timedelta(minutes=30 + i))
             messages.append(m)
         await asyncio.gather(*[producer.send_nowait(m) for m in messages])
-    stats = (await request(delay_group(url)["address"], RequestCode.DELAY_STATS, {"buckets_max": 500})).header
+    stats = answer_of(await request(delay_group(url)["address"], RequestCode.DELAY_STATS, {"buckets_max": 500}))
     for m in messages:
         (bucket,) = [b for b in stats["buckets"] if b["start_ms"] <= m.deliver_at_ms < b["start_ms"] + BUCKET_MS]
         assert bucket["pending"] == 1
@@ -246,7 +247,7 @@ async def test_delay_stats_answers_per_bucket(standalone: ReadyProcess, subject:
         m = producer.generate_message(subject)
         m.set_delay(timedelta(minutes=10))
         await producer.send(m)
-    stats = (await request(delay_group(url)["address"], RequestCode.DELAY_STATS, {"buckets_max": 500})).header
+    stats = answer_of(await request(delay_group(url)["address"], RequestCode.DELAY_STATS, {"buckets_max": 500}))
     assert stats["group"] == "delay-1"
     assert stats["pending"] >= 1
     later = [b for b in stats["buckets"] if b["start_ms"] <= m.deliver_at_ms < b["start_ms"] + BUCKET_MS]

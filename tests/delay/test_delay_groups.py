@@ -13,6 +13,7 @@ import pytest
 from delaywire import delay_group, request
 
 from qmq.aio import Producer
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 from qmq.testing import ReadyProcess, running_role
 
@@ -33,7 +34,7 @@ def two_delay_groups(tmp_path: Path) -> Iterator[tuple[str, ReadyProcess, ReadyP
 
 async def pending(meta_server: str, group: str) -> int:
     stats = await request(delay_group(meta_server, group)["address"], RequestCode.DELAY_STATS, {})
-    return int(stats.header["pending"])
+    return int(answer_of(stats)["pending"])
 
 
 async def test_sends_take_the_delay_groups_in_turn_and_fail_over(

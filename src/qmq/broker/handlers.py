@@ -1,5 +1,7 @@
 """What the broker does for each request code. Answers go through ``Responder``s, so a
-handler may answer at once (most) or later (a send waiting for fsync, a parked pull)."""
+handler may answer at once (most) or later (a send waiting for fsync, a parked pull); a later
+answer is ``guarded``, so its failure fails its own request only. Listings are answered one
+page at a time (``listings.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import logging
 import operator
 from typing import Protocol
 
+from qmq.broker.listings import dead_letters_page, lag_page, subjects_page
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
@@ -14,7 +17,8 @@ from qmq.broker.replication import ReplicationSource, Replicator
 from qmq.common.clock import Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import Limits
-from qmq.common.naming import dead_subject, retry_subject
+from qmq.common.naming import retry_subject
+from qmq.protocol.answers import encode_answer
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import ScannedMessage
@@ -22,6 +26,7 @@ from qmq.serving.connection import Responder
 from qmq.serving.disk import FreeSpace, disk_refusal
 from qmq.serving.dispatch import Handler, RequestTable
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replies import guarded
 from qmq.serving.requests import (
     BadRequest,
     get_bool,
@@ -44,8 +49,9 @@ _ID_CHARS_MAX = 200
 # ScannedMessage is a NamedTuple: reading the field by index halves the cost of the scan per frame
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
-_DEAD_LIST_MAX = 1000
 _ACK_MANY_ENTRIES_MAX = 10_000
+# the answer of most sends, packed once
+_ALL_STORED = encode_answer({"errors": [], "duplicates": 0})
 # what only a master does; a slave answers NOT_MASTER naming its master
 _MASTER_ONLY = frozenset(
     {
@@ -191,20 +197,23 @@ class Handlers:
             metrics.duplicates.inc(result.duplicates)
         for err in result.errors:
             metrics.refused.labels(Status(err[1]).name).inc()
-        header = {"errors": result.errors, "duplicates": result.duplicates}
+        if result.errors or result.duplicates:
+            answer = encode_answer({"errors": result.errors, "duplicates": result.duplicates})
+        else:
+            answer = _ALL_STORED
         code, request_id = frame.code, frame.request_id
         end = self.store.mlog.end
         source = self.broker.source
 
         def replicated(error: str | None) -> None:
             if error is None:
-                conn.respond(code, request_id, header)
+                conn.respond(code, request_id, None, (answer,))
             else:
                 conn.respond(code, request_id, {"error": error}, status=Status.NOT_MASTER)
 
         def durable(error: str | None) -> None:
             if error is None:
-                source.after_log_replicated(end, replicated)
+                source.after_log_replicated(end, guarded(conn, code, request_id, replicated))
             else:
                 conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
 
@@ -214,7 +223,7 @@ class Handlers:
                 self.broker.parked.notify(set(result.per_subject))
             return
         # Also when nothing new was stored: duplicates may belong to a batch still waiting for fsync.
-        self.broker.flusher.after_write(end, durable)
+        self.broker.flusher.after_write(end, guarded(conn, code, request_id, durable))
 
     def _group_and_consumer(self, frame: Frame, create: bool) -> tuple[GroupProgress, ConsumerProgress]:
         return self._group_and_consumer_of(frame.header, create)
@@ -266,7 +275,7 @@ class Handlers:
             if ack_ranges:
                 # the acks it carried must reach the slave first, or a failover would deliver those again
                 self.broker.source.after_actions_replicated(
-                    self.store.alog.end, lambda error: send_answer(result, error)
+                    self.store.alog.end, guarded(conn, code, request_id, lambda error: send_answer(result, error))
                 )
             else:
                 send_answer(result, None)
@@ -288,7 +297,8 @@ class Handlers:
         if result is not None or timeout_ms == 0 or self.broker.stopping:
             answer(result)
             return
-        self.broker.parked.park(ParkedPull(conn, gp, cp, session, max_n, tag_filter, answer), timeout_ms)
+        parked = ParkedPull(conn, gp, cp, session, max_n, tag_filter, guarded(conn, code, request_id, answer))
+        self.broker.parked.park(parked, timeout_ms)
 
     def _tag_filter(self, tags: tuple[str, ...], mode: str) -> TagFilter | None:
         if not tags:
@@ -322,12 +332,12 @@ class Handlers:
             else:
                 conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
 
-        self.broker.source.after_actions_replicated(self.store.alog.end, replicated)
+        self.broker.source.after_actions_replicated(self.store.alog.end, guarded(conn, code, request_id, replicated))
 
     def ack_many(self, conn: Responder, frame: Frame) -> None:
         """ACK for many (subject, group) pairs of one consumer: ``acks`` is a list of
         ``{subject, group, ranges[, broadcast]}``; each gets ``{ack_offset}`` or ``{error}`` in
-        ``results``, in order, so one refused pair does not fail the others."""
+        the answer's ``results``, in order, so one refused pair does not fail the others."""
         header = frame.header
         consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
         entries = header.get("acks")
@@ -346,64 +356,21 @@ class Handlers:
             except BadRequest as exc:
                 results.append({"error": str(exc)})
         code, request_id = frame.code, frame.request_id
+        answer = encode_answer({"results": results})
 
         def replicated(error: str | None) -> None:
             if error is None:
-                conn.respond(code, request_id, {"results": results})
+                conn.respond(code, request_id, None, (answer,))
             else:
                 conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
 
-        self.broker.source.after_actions_replicated(self.store.alog.end, replicated)
+        self.broker.source.after_actions_replicated(self.store.alog.end, guarded(conn, code, request_id, replicated))
 
     def subjects(self, conn: Responder, frame: Frame) -> None:
-        """Every subject with messages or consumer groups (a group may wait for a subject's first message)."""
-        groups: dict[str, list[str]] = {}
-        for subject, group in self.store.progress.groups:
-            groups.setdefault(subject, []).append(group)
-        out = []
-        for name in sorted(set(self.store.subjects) | set(groups)):
-            st = self.store.subjects.get(name)
-            out.append(
-                {
-                    "subject": name,
-                    "messages": st.visible_seq if st else 0,
-                    "first": st.clog.min_seq if st else 0,
-                    "groups": sorted(groups.get(name, [])),
-                }
-            )
-        conn.respond(frame.code, frame.request_id, {"subjects": out})
+        conn.respond(frame.code, frame.request_id, None, (subjects_page(self.store, frame.header),))
 
     def lag(self, conn: Responder, frame: Frame) -> None:
-        subject = get_subject(frame.header)
-        group = get_group(frame.header)
-        st = self.store.subjects.get(subject)
-        messages = st.visible_seq if st else 0
-        gp = self.store.progress.get(subject, group)
-        if gp is None:
-            raise BadRequest(f"consumer group {group!r} has never pulled {subject!r}")
-        consumers = [
-            {
-                "consumer_id": cp.consumer_id,
-                "pulled": cp.pull_log_end,
-                "ack_offset": cp.ack_offset,
-                "unacked": cp.unacked,
-                "last_seen_ms": cp.last_seen_ms,
-            }
-            for cp in gp.consumers.values()
-        ]
-        conn.respond(
-            frame.code,
-            frame.request_id,
-            {
-                "subject": subject,
-                "group": group,
-                "messages": messages,
-                "pull_offset": gp.pull_offset,
-                "backlog": max(0, messages - gp.pull_offset),
-                "unacked": sum(c["unacked"] for c in consumers),
-                "consumers": consumers,
-            },
-        )
+        conn.respond(frame.code, frame.request_id, None, (lag_page(self.store, frame.header),))
 
     # -- group administration ----------------------------------------------------------
 
@@ -432,14 +399,7 @@ class Handlers:
         return subject, group, message_id
 
     def dead_letters(self, conn: Responder, frame: Frame) -> None:
-        header = frame.header
-        subject = get_subject(header)
-        group = get_group(header)
-        limit = get_int(header, "limit", 1, _DEAD_LIST_MAX, default=100)
-        after = get_int(header, "after", -1, 1 << 62, default=-1)
-        name = dead_subject(subject, group)
-        letters = [letter.describe() for letter in self.store.dead.letters(name, after=after, limit=limit)]
-        conn.respond(frame.code, frame.request_id, {"letters": letters, "total": self.store.dead.live(name)})
+        conn.respond(frame.code, frame.request_id, None, (dead_letters_page(self.store, frame.header),))
 
     def resend_dead(self, conn: Responder, frame: Frame) -> None:
         subject, group, message_id = self._dead_args(frame)
@@ -454,7 +414,7 @@ class Handlers:
                 conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
 
         if resent and self.store.sync_policy:
-            self.broker.flusher.after_write(self.store.mlog.end, durable)
+            self.broker.flusher.after_write(self.store.mlog.end, guarded(conn, code, request_id, durable))
         else:
             durable(None)
             if resent:

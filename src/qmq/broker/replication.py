@@ -5,7 +5,8 @@ poll woken when the logs grow), learns from each request how far the slave has w
 and releases the answers of sends and acks waiting for that (``wait_slave_wrote``). It also
 says whether the group may take writes: with a slave that stopped replicating for
 ``slave_timeout_ms`` the group is read-only, or degraded to unreplicated writes when
-``degrade_unreplicated`` is on.
+``degrade_unreplicated`` is on. Each waiting answer runs through ``call_reply``, so one that
+fails is logged and the others are released.
 
 ``Replicator`` is the slave's side: one loop asking its master for what follows its copy and
 appending it (``store.replica``).
@@ -25,13 +26,13 @@ from qmq.common.config import BrokerConfig
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
 from qmq.protocol.codes import RequestCode, Status
 from qmq.serving.connection import Responder
+from qmq.serving.replies import Reply, call_reply
 from qmq.store.broker_store import BrokerStore
 from qmq.store.replica import Chunk, ReplicaError, append_actions, append_log, read_actions, read_log
 
 log = logging.getLogger(__name__)
 
 WriteState = Literal["alone", "replicated", "degraded", "read-only"]
-Reply = Callable[[str | None], None]
 
 _CHUNK_BYTES_MAX = 4 * 1024 * 1024
 _PARKED_MAX = 64
@@ -73,11 +74,11 @@ class ReplicationSource:
         """Call ``reply`` once a slave has written the message log up to ``end`` (or at once, alone)."""
         state = self.write_state()
         if state in ("alone", "degraded") or self.replicated >= end:
-            reply(None)
+            call_reply(reply, None)
         elif state == "read-only":
-            reply(self.read_only_text())
+            call_reply(reply, self.read_only_text())
         elif len(self._log_waiters) >= _WAITERS_MAX:
-            reply("too many writes are waiting for the slave; retry shortly")
+            call_reply(reply, "too many writes are waiting for the slave; retry shortly")
         else:
             self._log_waiters.append((end, reply))
 
@@ -88,11 +89,11 @@ class ReplicationSource:
         and an answered ack always survives a failover."""
         state = self.write_state()
         if state in ("alone", "degraded") or self.actions_replicated >= end:
-            reply(None)
+            call_reply(reply, None)
         elif state == "read-only":
-            reply(self.read_only_text())
+            call_reply(reply, self.read_only_text())
         elif len(self._action_waiters) >= _WAITERS_MAX:
-            reply("too many acks are waiting for the slave; they are sent again shortly")
+            call_reply(reply, "too many acks are waiting for the slave; they are sent again shortly")
         else:
             self._action_waiters.append((end, reply))
 
@@ -108,15 +109,15 @@ class ReplicationSource:
         if self.write_state() == "read-only" and self._log_waiters:
             text = self.read_only_text()
             while self._log_waiters:
-                self._log_waiters.popleft()[1](text)
+                call_reply(self._log_waiters.popleft()[1], text)
             while self._action_waiters:
-                self._action_waiters.popleft()[1](text)
+                call_reply(self._action_waiters.popleft()[1], text)
 
     def fail_all(self, text: str) -> None:
         while self._log_waiters:
-            self._log_waiters.popleft()[1](text)
+            call_reply(self._log_waiters.popleft()[1], text)
         while self._action_waiters:
-            self._action_waiters.popleft()[1](text)
+            call_reply(self._action_waiters.popleft()[1], text)
         for conn, code, request_id, _h, timer in self._parked:
             timer.cancel()
             conn.respond(code, request_id, {"error": text}, status=Status.NOT_MASTER)
@@ -140,9 +141,9 @@ class ReplicationSource:
         self.replicated = max(self.replicated, log_offset)
         self.actions_replicated = max(self.actions_replicated, action_offset)
         while self._log_waiters and self._log_waiters[0][0] <= self.replicated:
-            self._log_waiters.popleft()[1](None)
+            call_reply(self._log_waiters.popleft()[1], None)
         while self._action_waiters and self._action_waiters[0][0] <= self.actions_replicated:
-            self._action_waiters.popleft()[1](None)
+            call_reply(self._action_waiters.popleft()[1], None)
 
     def _answer(self, conn: Responder, code: int, request_id: int, header: dict[str, int], wait: bool) -> bool:
         """Send what is there; True when there was nothing and the request should wait."""

@@ -1,19 +1,24 @@
-"""Administrative requests of the CLI: ask every broker group of a meta server and gather the answers."""
+"""Administrative requests of the CLI: ask every broker group of a meta server and gather the
+answers, or open a connection to each for a listing read page by page (``qmq.client.pages``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from qmq.client.connection import Connection
 from qmq.client.meta import MetaClient
 from qmq.common.errors import NoBrokerError, QmqError
+from qmq.protocol.answers import answer_of
 
 _TIMEOUT_MS = 10_000
 
 
-async def ask_every_broker(meta_server: str, code: int, header: dict[str, Any]) -> dict[str, dict[str, Any] | QmqError]:
-    """``{broker group: response header or the error it answered}`` of one request to every available group."""
+@asynccontextmanager
+async def broker_connections(meta_server: str) -> AsyncIterator[dict[str, Connection]]:
+    """``{broker group: a connection to its master}`` of every available group, closed after."""
     meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS)
     await meta.start()
     try:
@@ -22,11 +27,25 @@ async def ask_every_broker(meta_server: str, code: int, header: dict[str, Any]) 
         await meta.close()
     if not groups:
         raise NoBrokerError(f"the meta server {meta_server} knows no available broker group; is a broker running?")
-    conns = {name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS) for name, g in groups.items()}
+    conns = {name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS) for name, g in sorted(groups.items())}
     try:
-        results = await asyncio.gather(*(c.request(code, dict(header)) for c in conns.values()), return_exceptions=True)
+        yield conns
     finally:
         await asyncio.gather(*(c.close() for c in conns.values()))
+
+
+async def ask_every_broker(meta_server: str, code: int, header: dict[str, Any]) -> dict[str, dict[str, Any] | QmqError]:
+    """``{broker group: its answer or the error it answered}`` of one request to every available
+    group (the answer of a paged request is its first page)."""
+    async with broker_connections(meta_server) as conns:
+        return await ask_each(conns, code, header)
+
+
+async def ask_each(
+    conns: dict[str, Connection], code: int, header: dict[str, Any]
+) -> dict[str, dict[str, Any] | QmqError]:
+    """``{name: its answer or the error it answered}`` of one request on each of ``conns``, at once."""
+    results = await asyncio.gather(*(c.request(code, dict(header)) for c in conns.values()), return_exceptions=True)
     out: dict[str, dict[str, Any] | QmqError] = {}
     for name, result in zip(conns, results, strict=True):
         if isinstance(result, QmqError):
@@ -34,5 +53,8 @@ async def ask_every_broker(meta_server: str, code: int, header: dict[str, Any]) 
         elif isinstance(result, BaseException):
             raise result
         else:
-            out[name] = result.header
+            try:
+                out[name] = answer_of(result)
+            except QmqError as exc:
+                out[name] = exc
     return out

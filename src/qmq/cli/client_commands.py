@@ -9,7 +9,8 @@ import json
 import re
 import sys
 import time
-from datetime import datetime
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -229,18 +230,42 @@ def consume(
 @cli.command()
 @meta_server_option
 def subjects(meta_server: str) -> None:
-    """List the subjects every broker group holds, with message counts and consumer groups."""
-    answers = asyncio.run(_ask(meta_server, RequestCode.SUBJECTS, {}))
-    totals: dict[str, list[Any]] = {}
-    for header in answers.values():
-        for item in header["subjects"]:
-            row = totals.setdefault(item["subject"], [0, set()])
-            row[0] += item["messages"]
-            row[1].update(item["groups"])
-    table = Table("subject", "messages", "consumer groups")
-    for name in sorted(totals):
-        table.add_row(name, f"{totals[name][0]:,}", ", ".join(sorted(totals[name][1])))
-    Console().print(table)
+    """List the subjects every broker group holds, with message counts and consumer groups: one
+    subject a line (tab-separated), printed as the brokers' pages come."""
+    asyncio.run(_print_subjects(meta_server))
+
+
+async def _print_subjects(meta_server: str) -> None:
+    from qmq.cli.admin import broker_connections
+    from qmq.client.pages import subjects as subjects_of
+
+    async with broker_connections(meta_server) as conns:
+        click.echo("subject\tmessages\tconsumer groups")
+        async for name, items in _by_subject([subjects_of(c) for c in conns.values()]):
+            groups = sorted({g for item in items for g in item.get("groups", [])})
+            click.echo(f"{name}\t{sum(int(item.get('messages', 0)) for item in items):,}\t{', '.join(groups)}")
+
+
+async def _by_subject(
+    streams: list[AsyncIterator[dict[str, Any]]],
+) -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    """Merge each broker group's subjects, listed by name, into one listing by name: each name
+    with its items from every group that holds it."""
+    heads: dict[int, dict[str, Any]] = {}
+    for i, stream in enumerate(streams):
+        item = await anext(stream, None)
+        if item is not None:
+            heads[i] = item
+    while heads:
+        name = min(str(h["subject"]) for h in heads.values())
+        holding = [i for i, h in heads.items() if h["subject"] == name]
+        yield name, [heads[i] for i in holding]
+        for i in holding:
+            item = await anext(streams[i], None)
+            if item is None:
+                del heads[i]
+            else:
+                heads[i] = item
 
 
 @cli.command()
@@ -248,30 +273,47 @@ def subjects(meta_server: str) -> None:
 @click.option("--group", required=True, help="consumer group")
 @meta_server_option
 def lag(subject: str, group: str, meta_server: str) -> None:
-    """How far GROUP is behind on SUBJECT, per broker group and consumer."""
-    answers = asyncio.run(_ask(meta_server, RequestCode.LAG, {"subject": subject, "group": group}, missing_ok=True))
-    if not answers:
-        raise click.ClickException(f"consumer group {group!r} has never pulled {subject!r} on any broker group")
-    table = Table("broker group", "messages", "group pulled up to", "backlog", "unacked", "consumers")
-    for name, h in sorted(answers.items()):
-        consumers = ", ".join(f"{c['consumer_id']} ({c['unacked']} unacked)" for c in h["consumers"])
-        table.add_row(
-            name, f"{h['messages']:,}", f"{h['pull_offset']:,}", f"{h['backlog']:,}", f"{h['unacked']:,}", consumers
+    """How far GROUP is behind on SUBJECT, per broker group, then each consumer one a line."""
+    asyncio.run(_print_lag(meta_server, subject, group))
+
+
+async def _print_lag(meta_server: str, subject: str, group: str) -> None:
+    from qmq.cli.admin import ask_each, broker_connections
+    from qmq.client.pages import pages
+
+    header = {"subject": subject, "group": group}
+    async with broker_connections(meta_server) as conns:
+        answers: dict[str, dict[str, Any]] = {}
+        for name, answer in (await ask_each(conns, RequestCode.LAG, header)).items():
+            if isinstance(answer, QmqError):
+                if isinstance(answer, BrokerError) and "has never pulled" in str(answer):
+                    continue
+                raise answer
+            answers[name] = answer
+        if not answers:
+            raise click.ClickException(f"consumer group {group!r} has never pulled {subject!r} on any broker group")
+        table = Table("broker group", "messages", "group pulled up to", "backlog", "unacked", "consumers")
+        for name, h in answers.items():
+            table.add_row(
+                name,
+                f"{h['messages']:,}",
+                f"{h['pull_offset']:,}",
+                f"{h['backlog']:,}",
+                f"{h['unacked']:,}",
+                f"{h.get('consumers_total', len(h['consumers'])):,}",
+            )
+        Console().print(table)
+        click.echo("consumer\tbroker group\tpulled\tack offset\tunacked\tlast seen (UTC)")
+        for name, first in answers.items():
+            _echo_consumers(name, first)
+            if first.get("next") is not None:
+                async for doc in pages(conns[name], RequestCode.LAG, {**header, "after": first["next"]}):
+                    _echo_consumers(name, doc)
+
+
+def _echo_consumers(broker_group: str, page: dict[str, Any]) -> None:
+    for c in page.get("consumers", []):
+        seen = datetime.fromtimestamp(c["last_seen_ms"] / 1000, tz=UTC).isoformat(timespec="seconds")
+        click.echo(
+            f"{c['consumer_id']}\t{broker_group}\t{c['pulled']:,}\t{c['ack_offset']:,}\t{c['unacked']:,}\t{seen}"
         )
-    Console().print(table)
-
-
-async def _ask(
-    meta_server: str, code: int, header: dict[str, Any], missing_ok: bool = False
-) -> dict[str, dict[str, Any]]:
-    """Answers of every broker group; a group's error is raised, or skipped when it only says "never pulled"."""
-    from qmq.cli.admin import ask_every_broker
-
-    out: dict[str, dict[str, Any]] = {}
-    for name, answer in (await ask_every_broker(meta_server, code, header)).items():
-        if isinstance(answer, QmqError):
-            if missing_ok and isinstance(answer, BrokerError) and "has never pulled" in str(answer):
-                continue
-            raise answer
-        out[name] = answer
-    return out

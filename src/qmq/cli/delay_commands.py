@@ -11,12 +11,16 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from qmq.cli.admin import ask_each
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.main import cli
 from qmq.common.errors import NoBrokerError, QmqError
 from qmq.protocol.codes import RequestCode
 
 _TIMEOUT_MS = 10_000
+# the delay server's STATS_BUCKETS_MAX (qmq.delay.handlers), which the CLI does not import: it
+# would load the delay server's store for one number
+_BUCKETS_MAX = 20_000
 
 
 async def ask_every_delay_group(meta_server: str, header: dict[str, Any]) -> dict[str, dict[str, Any] | QmqError]:
@@ -37,20 +41,9 @@ async def ask_every_delay_group(meta_server: str, header: dict[str, Any]) -> dic
         )
     conns = {name: Connection(address, connect_timeout_ms=_TIMEOUT_MS) for name, address in groups.items()}
     try:
-        results = await asyncio.gather(
-            *(c.request(RequestCode.DELAY_STATS, dict(header)) for c in conns.values()), return_exceptions=True
-        )
+        return await ask_each(conns, RequestCode.DELAY_STATS, header)
     finally:
         await asyncio.gather(*(c.close() for c in conns.values()))
-    out: dict[str, dict[str, Any] | QmqError] = {}
-    for name, result in zip(conns, results, strict=True):
-        if isinstance(result, QmqError):
-            out[name] = result
-        elif isinstance(result, BaseException):
-            raise result
-        else:
-            out[name] = result.header
-    return out
 
 
 def _time(ms: object) -> str:
@@ -61,7 +54,9 @@ def _time(ms: object) -> str:
 
 @cli.command("delay-stats")
 @meta_server_option
-@click.option("--buckets", type=click.IntRange(0, 500), default=24, show_default=True, help="time buckets to list")
+@click.option(
+    "--buckets", type=click.IntRange(0, _BUCKETS_MAX), default=24, show_default=True, help="time buckets to list"
+)
 @click.option("--json", "as_json", is_flag=True, help="the answers as one JSON object, by delay group")
 def delay_stats(meta_server: str, buckets: int, as_json: bool) -> None:
     """What every delay group holds: pending messages per time bucket (soonest first), the next

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from datetime import UTC, datetime
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
-from qmq.cli.admin import ask_every_broker
+from qmq.cli.admin import ask_every_broker, broker_connections
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.main import cli
 from qmq.common.errors import QmqError
@@ -77,18 +76,34 @@ def _when(ms: int) -> str:
 )
 @meta_server_option
 def dead_letters(subject: str, group: str, limit: int, meta_server: str) -> None:
-    """List GROUP's dead letters of SUBJECT: id, attempts, last error, time."""
-    answers = _answers(meta_server, RequestCode.DEAD_LETTERS, {"subject": subject, "group": group, "limit": limit})
-    table = Table("broker group", "message id", "attempts", "last error", "dead since (UTC)")
-    total = 0
-    for name, h in sorted(answers.items()):
-        total += h["total"]
-        for letter in h["letters"]:
-            table.add_row(
-                name, letter["message_id"], str(letter["attempts"]), letter["error"], _when(letter["dead_at_ms"])
-            )
-    Console().print(table)
+    """List GROUP's dead letters of SUBJECT, oldest first, one a line (tab-separated): broker
+    group, id, attempts, time, last error."""
+    total = asyncio.run(_print_dead_letters(meta_server, subject, group, limit))
     click.echo(f"{total} dead letter(s) of {subject} / {group}")
+
+
+async def _print_dead_letters(meta_server: str, subject: str, group: str, limit: int) -> int:
+    """Print up to ``limit`` letters of each broker group; returns how many the groups hold."""
+    from qmq.client.pages import pages
+
+    total = 0
+    click.echo("broker group\tmessage id\tattempts\tdead since (UTC)\tlast error")
+    async with broker_connections(meta_server) as conns:
+        for name, conn in conns.items():
+            shown = held = 0
+            header = {"subject": subject, "group": group, "limit": limit}
+            async with aclosing(pages(conn, RequestCode.DEAD_LETTERS, header)) as listing:
+                async for page in listing:
+                    held = int(page["total"])
+                    for letter in page["letters"][: limit - shown]:
+                        error = " ".join(str(letter["error"]).split())
+                        when = _when(letter["dead_at_ms"])
+                        click.echo(f"{name}\t{letter['message_id']}\t{letter['attempts']}\t{when}\t{error}")
+                    shown += len(page["letters"])
+                    if shown >= limit:
+                        break
+            total += held
+    return total
 
 
 def _selection(message_id: str | None, all_: bool) -> dict[str, Any]:

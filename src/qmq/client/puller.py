@@ -28,6 +28,7 @@ from qmq.client.options import ConnectOptions, ConsumerOptions, StartFrom
 from qmq.client.received import BatchBase, M, parse_records, parse_runs
 from qmq.client.subscription import Subscription
 from qmq.common.errors import BrokerError, ConnectionLostError, NoBrokerError, QmqError
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
@@ -399,7 +400,7 @@ async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup,
         else:
             log.error("broker group %s refused the acks of %d subject(s): %s", bg.name, len(taken), exc)
         raise
-    results = frame.header.get("results")
+    results = answer_of(frame).get("results")
     if not isinstance(results, list) or len(results) != len(taken):
         raise RemoteProtocolError(f"broker group {bg.name} answered ACK_MANY without one result per entry")
     for (p, tracker, _entry, _ranges), result in zip(taken, results, strict=True):

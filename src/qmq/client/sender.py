@@ -33,8 +33,9 @@ from qmq.client.connection import ConnectionPool
 from qmq.client.meta import MetaClient, describe_target
 from qmq.client.options import ProducerOptions
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError, SendError
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
-from qmq.protocol.errors import status_name
+from qmq.protocol.errors import RemoteProtocolError, status_name
 from qmq.protocol.frame import Frame
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,17 @@ class Sender:
                 except QmqError as exc:
                     self.fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
                     return
-                self._complete(entries, frame.header, target)
+                try:
+                    answer = answer_of(frame)
+                except RemoteProtocolError as exc:
+                    self.fail(
+                        entries,
+                        f"{describe_target(target)} answered the batch unreadably ({exc}); "
+                        "the messages may or may not be stored",
+                        retriable=False,
+                    )
+                    return
+                self._complete(entries, answer, target)
                 return
         except asyncio.CancelledError:
             self.fail(
@@ -286,8 +297,8 @@ class Sender:
                 with contextlib.suppress(*_INVALID_STATE):
                     w.set_exception(SendError(reason, e[MESSAGE_ID], retriable=retriable))
 
-    def _complete(self, entries: list[Entry], header: dict[str, object], group: str) -> None:
-        errors = header.get("errors") or []
+    def _complete(self, entries: list[Entry], answer: dict[str, object], group: str) -> None:
+        errors = answer.get("errors") or []
         failed: dict[int, tuple[int, str]] = {}
         if isinstance(errors, list):
             for item in errors:
@@ -295,7 +306,7 @@ class Sender:
                     failed[item[0]] = (int(item[1]), str(item[2]))
                 else:
                     log.warning("broker group %s sent a malformed send error %r", group, item)
-        dups = header.get("duplicates", 0)
+        dups = answer.get("duplicates", 0)
         stats = self.stats
         stats.duplicates += dups if isinstance(dups, int) else 0
         stats.messages_stored += len(entries) - len(failed)

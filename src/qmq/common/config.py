@@ -140,6 +140,13 @@ class BrokerConfig:
         180_000,
         _range(10, 86_400_000),
     )
+    consumer_forget_ms: int = _opt(
+        "a consumer silent this long with nothing unacknowledged is forgotten (it leaves LAG; if it "
+        "comes back it starts afresh). At least twice the longest long poll (60 s), so a consumer "
+        "waiting in one is never forgotten",
+        86_400_000,
+        _range(120_000, 30 * 86_400_000),
+    )
     shutdown_grace_ms: int = _opt("how long shutdown waits for in-flight requests", 5_000, _range(0, 600_000))
     role: Literal["master", "slave"] = _opt(
         "what this broker starts as in its group; the meta server decides from then on (docs/cluster.md)", "master"

@@ -15,17 +15,20 @@ from qmq.delay.metrics import DelayMetrics
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
+from qmq.protocol.answers import encode_answer
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
 from qmq.serving.disk import FreeSpace, disk_refusal
 from qmq.serving.dispatch import Handler, RequestTable
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replies import guarded
 from qmq.serving.requests import BadRequest, scan_send
 
 STATS_BUCKETS_DEFAULT = 100
-# The answer is a frame header (at most frame_header_bytes_max, 64 KiB); a bucket row is < 100 bytes.
-STATS_BUCKETS_MAX = 500
+# Every bucket of the default horizon (730 days of one-hour buckets: 17,520). A bucket row is
+# < 100 bytes of the answer document, in the body: 2 MB at most, far inside frame_bytes_max.
+STATS_BUCKETS_MAX = 20_000
 
 
 class DelayContext(Protocol):
@@ -125,10 +128,10 @@ class Handlers:
             server.poke_dispatcher()  # a new bucket may need loading now
         # No "duplicates": a delay server keeps no duplicate window; a repeated send is dropped by
         # the broker's when both copies are handed over (docs/protocol.md).
-        header = {"errors": result.errors}
+        answer = encode_answer({"errors": result.errors})
         code, request_id = frame.code, frame.request_id
         if not store.sync_policy:
-            conn.respond(code, request_id, header)
+            conn.respond(code, request_id, None, (answer,))
             server.arrived(result.arrivals)
             return
         end = store.wal.end
@@ -136,13 +139,15 @@ class Handlers:
             server.unflushed.append((end, result.arrivals))
 
         def durable(error: str | None) -> None:
-            if error is None:
-                conn.respond(code, request_id, header)
-            else:
-                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
-            server.release_durable()
+            try:
+                if error is None:
+                    conn.respond(code, request_id, None, (answer,))
+                else:
+                    conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+            finally:
+                server.release_durable()
 
-        server.flusher.after_write(end, durable)
+        server.flusher.after_write(end, guarded(conn, code, request_id, durable))
 
     def delay_stats(self, conn: Responder, frame: Frame) -> None:
         buckets_max = frame.header.get("buckets_max", STATS_BUCKETS_DEFAULT)
@@ -150,9 +155,9 @@ class Handlers:
         if not is_int or not 0 <= buckets_max <= STATS_BUCKETS_MAX:
             raise BadRequest(f"'buckets_max' = {buckets_max!r} must be a whole number from 0 to {STATS_BUCKETS_MAX}")
         server = self.server
-        header = server.scheduler.stats(buckets_max)
+        stats = server.scheduler.stats(buckets_max)
         d = server.dispatcher
-        header.update(
+        stats.update(
             {
                 "group": server.config.group,
                 "time_ms": server.clock.now_ms(),
@@ -163,4 +168,4 @@ class Handlers:
                 "handover_in_flight": d.in_flight if d else 0,
             }
         )
-        conn.respond(frame.code, frame.request_id, header)
+        conn.respond(frame.code, frame.request_id, None, (encode_answer(stats),))

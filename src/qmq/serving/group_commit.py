@@ -7,6 +7,8 @@ written and a timer fsyncs every ``flush_interval_ms``.
 
 The role says what one flush covers (``begin``: fds and the offset they reach, on the loop)
 and what becomes true once it has (``complete``: e.g. messages made visible to consumers).
+Each waiting write's reply runs through ``call_reply``: one that fails is logged and the
+others are answered; the flush task goes on.
 """
 
 from __future__ import annotations
@@ -18,12 +20,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from qmq.serving.replies import Reply, call_reply
 from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
-
-# called with None once durable, or with the reason it never will be
-Reply = Callable[[str | None], None]
 
 
 class GroupCommit:
@@ -76,7 +76,7 @@ class GroupCommit:
             self.failed = exc
             log.critical("fsync of %s failed: %s; no more writes are taken", self.what, exc)
             while self._waiting:
-                self._waiting.popleft()[1](f"fsync of {self.what} failed: {exc}")
+                call_reply(self._waiting.popleft()[1], f"fsync of {self.what} failed: {exc}")
             self.on_failure(exc)
             raise
         self.observe_seconds(time.perf_counter() - t0)
@@ -84,7 +84,7 @@ class GroupCommit:
         self.complete(ticket)
         waiting = self._waiting
         while waiting and waiting[0][0] <= ticket.offset:
-            waiting.popleft()[1](None)
+            call_reply(waiting.popleft()[1], None)
 
     def start_periodic(self, interval_ms: int) -> None:
         self._periodic = asyncio.get_running_loop().create_task(self._every(interval_ms / 1000))

@@ -35,8 +35,11 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from qmq.client.connection import Connection
+from qmq.client.pages import pages
+from qmq.client.pages import subjects as subjects_of
 from qmq.common.errors import BrokerError, ConfigError
 from qmq.common.naming import parse_internal_subject
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.message import decode_message, decode_properties
 from qmq.spark.offsets import Positions, SourceOptions, from_json, parse_options, to_json
@@ -52,7 +55,6 @@ GROUPS_DIR = "_groups"
 DEAD_DIR = "_dead"
 _STATE_VERSION = 1
 _DEAD_PAGE = 1000
-_DEAD_PAGES_MAX = 10_000  # per (subject, group) and run: ten million letters
 _REQUEST_TIMEOUT_S = 60.0
 
 GROUPS_SCHEMA = pa.schema(
@@ -249,7 +251,8 @@ async def _remote_lag(meta_server: str, run_ms: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     async for group_name, conn, subject, g in _subject_groups(meta_server, user_subjects_only=False):
         try:
-            h = (await conn.request(RequestCode.LAG, {"subject": subject, "group": g})).header
+            # limit 0: the group's figures without its consumers
+            h = answer_of(await conn.request(RequestCode.LAG, {"subject": subject, "group": g, "limit": 0}))
         except BrokerError as exc:
             log.warning("no lag of group %r of %r: %s", g, subject, exc)
             continue
@@ -268,8 +271,7 @@ async def _subject_groups(
         conn = Connection(address, connect_timeout_ms=5_000)
         try:
             async with asyncio.timeout(_REQUEST_TIMEOUT_S):
-                subjects = (await conn.request(RequestCode.SUBJECTS, {})).header.get("subjects", [])
-                for item in subjects:
+                async for item in subjects_of(conn):
                     subject = item["subject"]
                     if user_subjects_only and subject.startswith("%"):
                         continue
@@ -339,10 +341,9 @@ async def _remote_dead(meta_server: str, state: ArchiveState) -> list[dict[str, 
     rows: list[dict[str, Any]] = []
     async for group_name, conn, subject, g in _subject_groups(meta_server, user_subjects_only=True):
         after = state.dead.get(f"{group_name}/%DEAD_RETRY%{subject}%{g}", -1)
-        for _ in range(_DEAD_PAGES_MAX):
-            header = {"subject": subject, "group": g, "limit": _DEAD_PAGE, "after": after}
-            letters = (await conn.request(RequestCode.DEAD_LETTERS, header)).header.get("letters", [])
-            for x in letters:
+        header = {"subject": subject, "group": g, "limit": _DEAD_PAGE, "after": after}
+        async for page in pages(conn, RequestCode.DEAD_LETTERS, header):
+            for x in page.get("letters", []):
                 rows.append(
                     _dead_row(
                         group_name,
@@ -355,7 +356,4 @@ async def _remote_dead(meta_server: str, state: ArchiveState) -> list[dict[str, 
                         int(x["dead_at_ms"]),
                     )
                 )
-            if len(letters) < _DEAD_PAGE:
-                break
-            after = int(letters[-1]["letter"])
     return rows

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from qmq.client.connection import Connection
 from qmq.client.meta import MetaClient
+from qmq.client.pages import subjects as subjects_of
 from qmq.common.errors import ConnectionLostError, QmqError
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
@@ -118,9 +119,8 @@ async def _group_bounds(group: str, address: str, selects: Callable[[str], bool]
     conn = Connection(address, connect_timeout_ms=_CONNECT_TIMEOUT_MS)
     try:
         async with asyncio.timeout(_REQUEST_TIMEOUT_S):
-            frame = await conn.request(RequestCode.SUBJECTS, {})
             out: Bounds = {}
-            for item in frame.header.get("subjects", []):
+            async for item in subjects_of(conn):
                 subject = item.get("subject")
                 if not isinstance(subject, str) or not selects(subject):
                     continue

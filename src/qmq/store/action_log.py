@@ -22,6 +22,7 @@ Payloads (a later version may only add items at the end):
     [ACK, subject, group, consumer_id, [[start, end], ...]]
     [RESET, subject, group, new_group_pull_offset]
     [DEAD_REMOVE, dead_letter_subject, [letter numbers]]   (resent or purged)
+    [FORGET, subject, group, [consumer_id, ...]]   (consumers gone with nothing unacknowledged)
 
 The version is not written in the files: a new layout needs a new version here and a
 migration. A consumer's pull log is the sequence of its PULL runs; it lives in memory
@@ -56,8 +57,11 @@ PULL = 2
 ACK = 3
 RESET = 4
 DEAD_REMOVE = 5
+FORGET = 6
+# consumer ids one FORGET names at most (~200 KB): an action is replicated in one frame
+_FORGET_IDS_MAX = 1000
 # items in each kind's payload, the kind included
-_ITEMS = {CREATE_GROUP: 4, PULL: 7, ACK: 5, RESET: 4, DEAD_REMOVE: 3}
+_ITEMS = {CREATE_GROUP: 4, PULL: 7, ACK: 5, RESET: 4, DEAD_REMOVE: 3, FORGET: 4}
 
 
 def frame_len(buf: bytes, pos: int) -> int | None:
@@ -139,6 +143,8 @@ def apply_action(
         Progress.record_pull(gp, cp, action[5], int(action[6]))
     elif kind == ACK:
         Progress.apply_ack(gp.consumer(str(action[3])), action[4])
+    elif kind == FORGET:
+        Progress.forget(gp, [str(c) for c in action[3]])
     else:  # RESET
         gp.pull_offset = int(action[3])
 
@@ -219,6 +225,18 @@ class ProgressLog:
     def reset(self, gp: GroupProgress, seq: int) -> None:
         self.alog.append([RESET, gp.subject, gp.group, seq])
         gp.pull_offset = seq
+
+    def forget_gone(self, now_ms: int, gone_ms: int) -> int:
+        """Log and forget every consumer silent for ``gone_ms`` with nothing unacknowledged;
+        returns how many."""
+        forgotten = 0
+        for gp, ids in self.progress.gone_consumers(now_ms, gone_ms):
+            for at in range(0, len(ids), _FORGET_IDS_MAX):
+                some = ids[at : at + _FORGET_IDS_MAX]
+                self.alog.append([FORGET, gp.subject, gp.group, some])
+                Progress.forget(gp, some)
+            forgotten += len(ids)
+        return forgotten
 
     def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
         if numbers:

@@ -262,6 +262,10 @@ class BrokerStore:
         self._progress.reset(gp, seq)
         return seq
 
+    def forget_gone_consumers(self, now_ms: int, gone_ms: int) -> int:
+        """Forget consumers silent for ``gone_ms`` with nothing unacknowledged (ProgressLog.forget_gone)."""
+        return self._progress.forget_gone(now_ms, gone_ms)
+
     def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
         """Drop dead letters (resent or purged), logged so replay and slaves drop them too."""
         self._progress.remove_dead(dead_subject, numbers)

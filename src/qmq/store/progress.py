@@ -86,6 +86,24 @@ class Progress:
     def groups_of(self, subject: str) -> list[GroupProgress]:
         return [gp for (s, _g), gp in self.groups.items() if s == subject]
 
+    # -- consumers gone ----------------------------------------------------------------
+
+    def gone_consumers(self, now_ms: int, gone_ms: int) -> list[tuple[GroupProgress, list[str]]]:
+        """By group, the consumers silent for ``gone_ms`` with nothing unacknowledged: nothing
+        of theirs is left to redeliver, so they may be forgotten."""
+        out: list[tuple[GroupProgress, list[str]]] = []
+        for gp in self.groups.values():
+            ids = [c.consumer_id for c in gp.consumers.values() if now_ms - c.last_seen_ms >= gone_ms and not c.unacked]
+            if ids:
+                out.append((gp, ids))
+        return out
+
+    @staticmethod
+    def forget(gp: GroupProgress, consumer_ids: list[str]) -> None:
+        """Drop consumers of ``gp``; one that pulls again starts a new pull log at 0."""
+        for consumer_id in consumer_ids:
+            gp.consumers.pop(consumer_id, None)
+
     # -- pulls -------------------------------------------------------------------------
 
     @staticmethod
