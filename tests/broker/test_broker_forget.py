@@ -70,3 +70,21 @@ async def test_consumers_gone_with_nothing_unacked_are_forgotten_by_the_silent_c
     clock.advance(FORGET_MS / 1000)
     await broker._expire_silent()
     assert consumers(broker) == ["alive"]
+
+
+async def test_a_slave_moves_nothing_to_retry_on_its_own(broker: BrokerServer) -> None:
+    # its copy must change only by what its master sends, or it would differ from the master's
+    clock = broker.clock
+    assert isinstance(clock, ManualClock)
+    broker.dispatch(RecordingResponder(), Frame(RequestCode.SEND_MESSAGES, 1, {}, message("s", "m1")))
+    pull(broker, "silent")  # takes m1, never acks it
+    end = broker.store.mlog.end
+    broker.role = "slave"
+    clock.advance(10)  # far past consumer_offline_ms
+    await broker._expire_silent()
+    assert broker.store.mlog.end == end
+    assert not any(name.startswith("%RETRY%") for name in broker.store.subjects)
+    broker.role = "master"
+    await broker._expire_silent()
+    assert broker.store.mlog.end > end  # the master does move it
+

@@ -217,11 +217,13 @@ class BrokerServer(FrameServer):
         run_retention(self.store)
 
     async def _expire_silent(self) -> None:
+        if self.role != "master":
+            # a slave's copy changes only by what its master sends: it moves nothing to retry and
+            # forgets no consumer on its own (its master's logs say when)
+            return
         now_ms = self.clock.now_ms()
         if expire_silent_consumers(self.store, now_ms, self.config.consumer_offline_ms):
             self.after_internal_append({s for s in self.store.subjects if s.startswith(RETRY_PREFIX)})
-        if self.role != "master":
-            return  # a slave forgets what its master's action log says, never on its own
         forgotten = self.store.forget_gone_consumers(now_ms, self.config.consumer_forget_ms)
         if forgotten:
             log.info("forgot %d consumer(s) gone with nothing unacknowledged", forgotten)
