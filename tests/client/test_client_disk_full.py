@@ -1,12 +1,13 @@
 """A full disk through the SDK: the broker's data directory on a small tmpfs, filled until it
-has less free space than ``disk_free_bytes_min``. Sends are refused with DISK_FULL, which the
-producer retries until ``send_timeout_ms`` and then raises as a ``SendError`` naming it;
-nothing acknowledged is lost, and once space is freed a send still being retried is stored and
-new sends work. Needs root (mount)."""
+has less free space than ``disk_free_bytes_min``, or none at all. Sends are refused with
+DISK_FULL, which the producer retries until ``send_timeout_ms`` and then raises as a
+``SendError`` naming it; nothing acknowledged is lost, and once space is freed a send still
+being retried is stored and new sends work. Needs root (mount)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
 import time
@@ -58,25 +59,68 @@ def _fill(disk: Path, left_bytes: int) -> Path:
     size = st.f_bavail * st.f_frsize - left_bytes
     filler = disk / "filler"
     chunk = b"\0" * MiB
-    with open(filler, "wb") as fh:
-        while size > 0:
-            size -= fh.write(chunk[: min(size, len(chunk))])
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            while size > 0:
+                size -= fh.write(chunk[: min(size, len(chunk))])
+        except OSError as exc:  # full before the count: the file system's own use of its space
+            if exc.errno != errno.ENOSPC:
+                raise
     return filler
 
 
 async def test_a_disk_below_its_free_space_minimum_refuses_sends_until_freed(small_disk: Path) -> None:
-    """Less free space than disk_free_bytes_min: refused before anything is written."""
+    """Less free space than disk_free_bytes_min: refused before anything is written, however
+    small the send, so a send made meanwhile is retried until the space is freed."""
     config = {"broker": {"disk_free_bytes_min": FREE_BYTES_MIN}}
     with running_standalone(small_disk.parent, config) as proc:
-        await _refused_retried_and_recovered(proc.meta_server, small_disk, LEFT_FREE_BYTES, "disk_free_bytes_min")
+        url = proc.meta_server
+        subject = f"disk.{uuid.uuid4().hex[:8]}"
+        acked, refused, filler = await _fill_and_send_until_refused(
+            url, subject, small_disk, LEFT_FREE_BYTES, "disk_free_bytes_min"
+        )
+        async with Producer(app_code="t", meta_server=url, send_timeout_ms=30_000, retry_backoff_ms=50) as patient:
+            waiting = patient.generate_message(subject)
+            sending = patient.send_nowait(waiting)
+            async with asyncio.timeout(FULL_TIMEOUT_S):
+                while True:  # until refused and retried while the disk is full
+                    if patient.stats.retries >= 2:
+                        break
+                    await asyncio.sleep(0.05)  # polling the producer's counter, bounded by the timeout
+            assert not sending.done()
+            filler.unlink()
+            await sending  # stored once the broker sees the space, within the send's timeout
+            acked.append(waiting.message_id)
+            after = patient.generate_message(subject)
+            await patient.send(after)
+            acked.append(after.message_id)
+        got = await _read_back(url, subject, after.message_id)
+    assert Counter(got) == Counter(acked), "acknowledged sends lost or stored twice"
+    assert refused.message_id not in got, "a send refused with DISK_FULL was stored"
 
 
-async def _refused_retried_and_recovered(meta_server: str, disk: Path, left_bytes: int, why: str) -> None:
-    """Sends until one raises DISK_FULL (saying ``why``) once the disk is filled to ``left_bytes``
-    free; a send retried meanwhile is stored once the space is freed; every acknowledged send
-    is stored once and the refused one not at all."""
-    url = meta_server
-    subject = f"disk.{uuid.uuid4().hex[:8]}"
+async def test_a_disk_with_no_space_left_refuses_sends_until_freed(small_disk: Path) -> None:
+    """No free-space minimum, a disk filled to the last byte: the broker's write fails
+    (ENOSPC, or a short write) and the send is refused as DISK_FULL all the same."""
+    with running_standalone(small_disk.parent, {"broker": {"disk_free_bytes_min": 0}}) as proc:
+        url = proc.meta_server
+        subject = f"disk.{uuid.uuid4().hex[:8]}"
+        acked, refused, filler = await _fill_and_send_until_refused(url, subject, small_disk, 0, "is full")
+        filler.unlink()
+        async with Producer(app_code="t", meta_server=url) as producer:
+            after = producer.generate_message(subject)
+            await producer.send(after)
+            acked.append(after.message_id)
+        got = await _read_back(url, subject, after.message_id)
+    assert Counter(got) == Counter(acked), "acknowledged sends lost or stored twice"
+    assert refused.message_id not in got, "a send refused with DISK_FULL was stored"
+
+
+async def _fill_and_send_until_refused(
+    url: str, subject: str, disk: Path, left_bytes: int, why: str
+) -> tuple[list[str], SendError, Path]:
+    """Send 20 messages, fill the disk to ``left_bytes`` free, and send until one raises a
+    SendError naming DISK_FULL and ``why`` after retries; (ids acknowledged, that error, the filler)."""
     acked: list[str] = []
     async with Producer(app_code="t", meta_server=url, send_timeout_ms=1_500, retry_backoff_ms=50) as producer:
         for _ in range(20):
@@ -84,13 +128,11 @@ async def _refused_retried_and_recovered(meta_server: str, disk: Path, left_byte
             m.body = BODY
             await producer.send(m)
             acked.append(m.message_id)
-
         filler = _fill(disk, left_bytes)
         # The broker looks at its free space at most once a second: send until it refuses.
         deadline = time.monotonic() + FULL_TIMEOUT_S
-        refused: SendError | None = None
         retries_before = producer.stats.retries
-        while refused is None:
+        while True:
             assert time.monotonic() < deadline, f"no send was refused within {FULL_TIMEOUT_S} s of the disk filling"
             m = producer.generate_message(subject)
             m.body = BODY
@@ -98,37 +140,24 @@ async def _refused_retried_and_recovered(meta_server: str, disk: Path, left_byte
                 await producer.send(m)
             except SendError as exc:
                 refused = exc
-            else:
-                acked.append(m.message_id)
-        assert "DISK_FULL" in str(refused)
-        assert why in str(refused)
-        assert refused.retriable
-        assert refused.message_id == m.message_id
-        assert producer.stats.retries > retries_before, "the producer raised without retrying"
+                break
+            acked.append(m.message_id)
+    assert "DISK_FULL" in str(refused)
+    assert why in str(refused)
+    assert refused.retriable
+    assert refused.message_id == m.message_id
+    assert producer.stats.retries > retries_before, "the producer raised without retrying"
+    return acked, refused, filler
 
-    async with Producer(app_code="t", meta_server=url, send_timeout_ms=30_000, retry_backoff_ms=50) as patient:
-        waiting = patient.generate_message(subject)
-        sending = patient.send_nowait(waiting)
-        async with asyncio.timeout(FULL_TIMEOUT_S):
-            while True:  # until refused and retried while the disk is full
-                if patient.stats.retries >= 2:
-                    break
-                await asyncio.sleep(0.05)  # polling the producer's counter, bounded by the timeout
-        assert not sending.done()
-        filler.unlink()
-        await sending  # stored once the broker sees the space, within the send's timeout
-        acked.append(waiting.message_id)
-        after = patient.generate_message(subject)
-        await patient.send(after)
-        acked.append(after.message_id)
 
+async def _read_back(url: str, subject: str, last: str) -> list[str]:
+    """Ids a new group pulls from the start of ``subject`` up to ``last``."""
     async with Consumer(app_code="audit", meta_server=url) as consumer:
         pull = consumer.pull_consumer(subject, "audit", start_from="earliest")
         got: list[str] = []
         async with asyncio.timeout(30):
-            while after.message_id not in got:
+            while last not in got:
                 batch = await pull.pull(max_messages=500, timeout_ms=500)
                 batch.ack_all()
                 got.extend(m.message_id for m in batch)
-    assert Counter(got) == Counter(acked), "acknowledged sends lost or stored twice"
-    assert refused.message_id not in got, "a send refused with DISK_FULL was stored"
+    return got
