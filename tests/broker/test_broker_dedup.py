@@ -8,33 +8,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
-from rawclient import RawClient, message, split_records
+from rawclient import RawClient, broker_client, message, split_records
 
 from qmq.protocol.message import decode_message
-from qmq.testing import running_role, write_config
 
 pytestmark = pytest.mark.integration
 
 WINDOW_MS = 3_000
 ENTRIES_MAX = 8
-
-
-@contextmanager
-def _broker(tmp_path: Path, settings: dict[str, Any]) -> Iterator[RawClient]:
-    config = write_config(tmp_path / "broker.toml", {"broker": settings})
-    argv = ["broker", "--data-dir", str(tmp_path / "data"), "--port", "0", "--http-port", "0", "--config", str(config)]
-    with running_role(argv) as proc:
-        client = RawClient(proc.ready["address"])
-        try:
-            yield client
-        finally:
-            client.close()
 
 
 def _send(client: RawClient, subject: str, message_id: str) -> int:
@@ -57,7 +41,7 @@ def _stored_ids(client: RawClient, subject: str) -> list[str]:
 
 
 def test_a_repeat_is_dropped_within_the_window_and_stored_again_after_it(tmp_path: Path, subject: str) -> None:
-    with _broker(tmp_path, {"dedup_window_ms": WINDOW_MS}) as client:
+    with broker_client(tmp_path, {"dedup_window_ms": WINDOW_MS}) as client:
         first_at = time.monotonic()
         assert _send(client, subject, "m") == 0
         # later sends, every 200 ms, as any traffic would: each quarter window begins a generation
@@ -80,7 +64,7 @@ def test_a_repeat_is_dropped_within_the_window_and_stored_again_after_it(tmp_pat
 
 
 def test_a_repeat_is_dropped_among_the_last_ids_and_stored_again_past_them(tmp_path: Path, subject: str) -> None:
-    with _broker(tmp_path, {"dedup_entries_max": ENTRIES_MAX}) as client:
+    with broker_client(tmp_path, {"dedup_entries_max": ENTRIES_MAX}) as client:
         assert _send(client, subject, "m") == 0
         for i in range(ENTRIES_MAX // 2 - 1):
             assert _send(client, subject, f"near-{i}") == 0

@@ -12,12 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rawclient import RawClient, message, split_records
+from rawclient import RawClient, broker_client, message, split_records
 
 from qmq.common.naming import dead_subject
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import decode_message
-from qmq.testing import running_role, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,25 +28,19 @@ BODY = b"x" * 160
 
 @pytest.fixture
 def broker_dir(tmp_path: Path) -> Path:
-    return tmp_path / "data"
+    return tmp_path / "data"  # where broker_client keeps the broker's files
 
 
 @pytest.fixture
-def client(tmp_path: Path, broker_dir: Path) -> Iterator[RawClient]:
+def client(tmp_path: Path) -> Iterator[RawClient]:
     settings = {
         "retention_hours": RETENTION_S / 3600,
         "retention_check_interval_ms": 100,
         "segment_bytes": 65_536,
         "consume_log_segment_entries": 1_024,
     }
-    config = write_config(tmp_path / "broker.toml", {"broker": settings})
-    argv = ["broker", "--data-dir", str(broker_dir), "--port", "0", "--http-port", "0", "--config", str(config)]
-    with running_role(argv) as proc:
-        c = RawClient(proc.ready["address"])
-        try:
-            yield c
-        finally:
-            c.close()
+    with broker_client(tmp_path, settings) as c:
+        yield c
 
 
 def _ids(frame_body: bytes) -> list[str]:

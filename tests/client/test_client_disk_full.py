@@ -91,12 +91,7 @@ async def test_a_disk_below_its_free_space_minimum_refuses_sends_until_freed(sma
             filler.unlink()
             await sending  # stored once the broker sees the space, within the send's timeout
             acked.append(waiting.message_id)
-            after = patient.generate_message(subject)
-            await patient.send(after)
-            acked.append(after.message_id)
-        got = await _read_back(url, subject, after.message_id)
-    assert Counter(got) == Counter(acked), "acknowledged sends lost or stored twice"
-    assert refused.message_id not in got, "a send refused with DISK_FULL was stored"
+            await _send_again_and_read_back(patient, url, subject, acked, refused)
 
 
 async def test_a_disk_with_no_space_left_refuses_sends_until_freed(small_disk: Path) -> None:
@@ -108,12 +103,7 @@ async def test_a_disk_with_no_space_left_refuses_sends_until_freed(small_disk: P
         acked, refused, filler = await _fill_and_send_until_refused(url, subject, small_disk, 0, "is full")
         filler.unlink()
         async with Producer(app_code="t", meta_server=url) as producer:
-            after = producer.generate_message(subject)
-            await producer.send(after)
-            acked.append(after.message_id)
-        got = await _read_back(url, subject, after.message_id)
-    assert Counter(got) == Counter(acked), "acknowledged sends lost or stored twice"
-    assert refused.message_id not in got, "a send refused with DISK_FULL was stored"
+            await _send_again_and_read_back(producer, url, subject, acked, refused)
 
 
 async def _fill_and_send_until_refused(
@@ -150,14 +140,21 @@ async def _fill_and_send_until_refused(
     return acked, refused, filler
 
 
-async def _read_back(url: str, subject: str, last: str) -> list[str]:
-    """Ids a new group pulls from the start of ``subject`` up to ``last``."""
+async def _send_again_and_read_back(
+    producer: Producer, url: str, subject: str, acked: list[str], refused: SendError
+) -> None:
+    """Once space is freed: a send works, and a new group reads every acknowledged send once
+    and the refused one not at all."""
+    after = producer.generate_message(subject)
+    await producer.send(after)
+    acked.append(after.message_id)
     async with Consumer(app_code="audit", meta_server=url) as consumer:
         pull = consumer.pull_consumer(subject, "audit", start_from="earliest")
         got: list[str] = []
         async with asyncio.timeout(30):
-            while last not in got:
+            while after.message_id not in got:
                 batch = await pull.pull(max_messages=500, timeout_ms=500)
                 batch.ack_all()
                 got.extend(m.message_id for m in batch)
-    return got
+    assert Counter(got) == Counter(acked), "acknowledged sends lost or stored twice"
+    assert refused.message_id not in got, "a send refused with DISK_FULL was stored"
