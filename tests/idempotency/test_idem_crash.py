@@ -31,7 +31,7 @@ _APP = Path(__file__).with_name("dedup_crash_app.py")
 _LINE_TIMEOUT_S = 30.0
 # A consumer silent this long loses its unacknowledged messages to its group's retry subject.
 _OFFLINE_MS = 1_000
-_REDELIVERY_TIMEOUT_S = 30.0
+_REDELIVERY_TIMEOUT_S = 15.0  # about 2 s: consumer_offline_ms, its check, a retry pull
 _GROUP = "payments"
 
 _meta = sa.MetaData()
