@@ -1,15 +1,20 @@
-"""A blocking client that speaks frames directly, to test the broker below the SDK."""
+"""A blocking client that speaks frames directly, to test the broker below the SDK, and a
+broker of its own (with chosen settings) to speak them to."""
 
 from __future__ import annotations
 
 import itertools
 import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame, FrameDecoder, encode_frame
 from qmq.protocol.message import encode_message, encode_properties, encode_tags
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
+from qmq.testing import running_role, write_config
 
 
 def message(
@@ -102,3 +107,17 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@contextmanager
+def broker_client(tmp_path: Path, settings: Mapping[str, Any]) -> Iterator[RawClient]:
+    """A broker alone, with ``settings`` in the [broker] table of its config file and its data in
+    ``tmp_path/data``, and a client connected to it; both stopped afterwards."""
+    config = write_config(tmp_path / "broker.toml", {"broker": settings})
+    argv = ["broker", "--data-dir", str(tmp_path / "data"), "--port", "0", "--http-port", "0", "--config", str(config)]
+    with running_role(argv) as proc:
+        client = RawClient(proc.ready["address"])
+        try:
+            yield client
+        finally:
+            client.close()

@@ -205,22 +205,29 @@ async def test_beyond_the_horizon_the_send_fails_with_a_clear_error(standalone: 
     assert not info.value.retriable
 
 
-async def test_finished_buckets_are_deleted(standalone: ReadyProcess, subject: str, tmp_path: Path) -> None:
+async def test_finished_buckets_are_deleted(standalone: ReadyProcess, subject: str) -> None:
+    """A bucket is a directory ``schedule/<start_ms, 16 digits>/`` of the delay server's data
+    directory; once its messages were delivered and a checkpoint covers them, it goes."""
     url = standalone.meta_server
+    schedule = Path(standalone.ready["data_dir"]) / "delay" / "schedule"
+    buckets: set[Path] = set()
     async with Producer(app_code="t", meta_server=url) as producer, Consumer(app_code="t", meta_server=url) as consumer:
         pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
         for i in range(5):
             m = producer.generate_message(subject)
             m.set_delay(0.5 + i * 0.3)
             await producer.send(m)
+            buckets.add(schedule / f"{m.deliver_at_ms - m.deliver_at_ms % BUCKET_MS:016d}")
+        await wait_until("the buckets' directories", lambda: all(b.is_dir() for b in buckets), timeout_s=5)
         assert len(await collect(pull, 5, timeout_s=10)) == 5
+
+    def deleted() -> bool:
+        return not any(b.exists() for b in buckets)
+
+    await wait_until("deletion of the finished buckets' directories", deleted, timeout_s=15)
     address = delay_group(url)["address"]
-
-    async def nothing_pending() -> bool:
-        stats = answer_of(await request(address, RequestCode.DELAY_STATS, {}))
-        return stats["pending"] == 0 and stats["buckets_total"] <= 1  # at most the current bucket remains
-
-    await wait_until("deletion of finished buckets", nothing_pending, timeout_s=10)
+    stats = answer_of(await request(address, RequestCode.DELAY_STATS, {"buckets_max": 500}))
+    assert not [b for b in stats["buckets"] if schedule / f"{b['start_ms']:016d}" in buckets]
 
 
 async def test_a_batch_spread_over_far_buckets_is_counted_in_each(standalone: ReadyProcess, subject: str) -> None:

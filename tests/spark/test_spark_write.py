@@ -12,8 +12,12 @@ from pyspark.sql import SparkSession
 from sparkhelpers import send_messages
 
 from qmq.common.errors import ConfigError
+from qmq.testing import ReadyProcess, metric_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+_SCHEMA = pa.schema([("body", pa.string()), ("subject", pa.string())])
+_ARROW_BATCH_ROWS = "spark.sql.execution.arrow.maxRecordsPerBatch"
 
 
 def _read(spark: SparkSession, meta_server: str, subject: str) -> list[dict[str, object]]:
@@ -44,25 +48,45 @@ def test_rows_become_messages_with_their_subject_tags_and_properties(
 
 
 def test_a_retried_write_task_stores_each_message_once(
-    spark: SparkSession, meta_server: str, subject: str, tmp_path: Path
+    spark: SparkSession, shared_standalone: ReadyProcess, subject: str, tmp_path: Path
 ) -> None:
+    """The first attempt of partition 0 hands its 200 rows to the writer, which sends them, and
+    then fails on a row it cannot send; Spark retries the task, which sends the same ids again,
+    and the broker's duplicate window drops every one of them."""
+    meta_server = shared_standalone.meta_server
+    broker_http = shared_standalone.ready["broker_http"]
     marker = tmp_path / "failed-once"
 
-    def fail_first_attempt(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        yield from batches
+    def rows_then_a_bad_one_at_first(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         ctx = TaskContext.get()
         assert ctx is not None
-        if ctx.partitionId() == 0 and ctx.attemptNumber() == 0:
+        attempt = ctx.attemptNumber()
+        for batch in batches:  # each body says which attempt sent it: "<row>@<attempt>"
+            bodies = [f"{body}@{attempt}" for body in batch.column("body").to_pylist()]
+            yield pa.RecordBatch.from_arrays([pa.array(bodies), pa.nulls(len(bodies), pa.string())], _SCHEMA)
+        if ctx.partitionId() == 0 and attempt == 0:
             marker.touch()
-            raise RuntimeError("the first attempt fails after its rows went to the writer")
+            # in a batch of its own, after the rows (maxRecordsPerBatch): the writer fails on it
+            # once it has handed the 200 rows to its producer, which still sends them
+            yield pa.RecordBatch.from_arrays([pa.array(["bad"]), pa.array(["not a subject"])], _SCHEMA)
 
+    duplicates_before = metric_value(broker_http, "qmq_duplicates_total")
     rows = spark.range(0, 400, numPartitions=2).selectExpr("CAST(id AS STRING) AS body")
-    flaky = rows.mapInArrow(fail_first_attempt, rows.schema)
-    flaky.write.format("qmq").option("meta_server", meta_server).option("subject", subject).mode("append").save()
+    flaky = rows.mapInArrow(rows_then_a_bad_one_at_first, "body string, subject string")
+    spark.conf.set(_ARROW_BATCH_ROWS, "100")
+    try:
+        flaky.write.format("qmq").option("meta_server", meta_server).option("subject", subject).mode("append").save()
+    finally:
+        spark.conf.unset(_ARROW_BATCH_ROWS)
     assert marker.exists(), "the write task never failed, so nothing was retried"
     stored = _read(spark, meta_server, subject)
-    assert sorted(int(r["body"]) for r in stored) == list(range(400))  # type: ignore[call-overload]
+    bodies = [bytes(r["body"]).decode().split("@") for r in stored]  # type: ignore[arg-type]
+    assert sorted(int(row) for row, _attempt in bodies) == list(range(400))
     assert len({r["message_id"] for r in stored}) == 400
+    # Every copy stored is a first attempt's, the failed one's included: the retry's were dropped...
+    assert {attempt for _row, attempt in bodies} == {"0"}
+    # ...by the broker's duplicate window, which saw each of partition 0's 200 rows again.
+    assert metric_value(broker_http, "qmq_duplicates_total") - duplicates_before == 200
 
 
 def test_a_stream_of_messages_writes_a_stream_of_messages(

@@ -1,0 +1,129 @@
+"""`qmq standalone` supervises its roles: a role killed with kill -9 is restarted (and serves
+again, registered with the meta server under its new pid), at most 3 times a minute; the
+fourth crash within the minute makes the supervisor stop the other roles and exit 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import qmq
+from qmq.testing import ReadyProcess, running_standalone
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
+
+# An interpreter start, imports and recovery on a loaded 2-core machine.
+RESTART_TIMEOUT_S = 60.0
+EXIT_TIMEOUT_S = 60.0
+RESTARTS_MAX = 3  # what the README promises: "at most 3 times a minute"
+
+
+def _children(pid: int) -> dict[int, str]:
+    """{pid: command line} of the live child processes of ``pid``."""
+    out: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # gone meanwhile
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            out[int(entry.name)] = cmdline
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _registered_broker_pid(proc: ReadyProcess) -> int | None:
+    """pid of the broker the meta server lists as its broker group's master, if it is available."""
+    base = proc.meta_server.removesuffix("/meta/address")
+    with urllib.request.urlopen(f"{base}/meta/cluster", timeout=10) as resp:
+        view: dict[str, Any] = json.load(resp)
+    [group] = [g for g in view["groups"] if g["role"] == "broker"]
+    for s in view["servers"]:
+        if s["address"] == group["master"] and group["state"] == "available":
+            return int(s["pid"])
+    return None
+
+
+def _wait_restarted(proc: ReadyProcess, old_pid: int) -> int:
+    """Wait until the supervisor has a new broker child that the meta server lists as master."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        brokers = [pid for pid, cmd in _children(proc.pid).items() if " broker " in cmd and pid != old_pid]
+        try:
+            registered = _registered_broker_pid(proc)
+        except OSError:
+            registered = None
+        if brokers and registered in brokers:
+            return brokers[0]
+        assert proc.proc.poll() is None, f"the supervisor exited with {proc.proc.returncode} instead of restarting"
+        assert time.monotonic() < deadline, f"no broker restarted within {RESTART_TIMEOUT_S} s: {brokers}"
+        time.sleep(0.1)  # polling the process table and the meta server, bounded by the deadline
+
+
+def _send_and_consume(meta_server: str) -> None:
+    subject = f"restart.{uuid.uuid4().hex[:8]}"
+    with qmq.Producer(app_code="t", meta_server=meta_server, send_timeout_ms=30_000) as producer:
+        sent = producer.generate_message(subject)
+        producer.send(sent)
+    with qmq.Consumer(app_code="t", meta_server=meta_server) as consumer:
+        pull = consumer.pull_consumer(subject, "g", start_from="earliest")
+        deadline = time.monotonic() + 30
+        got: list[str] = []
+        while not got:
+            assert time.monotonic() < deadline, "the message sent after the restart never came"
+            batch = pull.pull(max_messages=10, timeout_ms=1000)
+            batch.ack_all()
+            got = [m.message_id for m in batch]
+    assert got == [sent.message_id]
+
+
+def test_a_broker_killed_with_kill_9_is_restarted_and_serves(standalone_dir: Path) -> None:
+    with running_standalone(standalone_dir) as proc:
+        _send_and_consume(proc.meta_server)
+        old = proc.pid_of("broker")
+        os.kill(old, signal.SIGKILL)
+        new = _wait_restarted(proc, old)
+        assert new != old
+        _send_and_consume(proc.meta_server)
+        assert proc.proc.poll() is None
+        assert _alive(proc.pid_of("meta"))
+        assert _alive(proc.pid_of("delay"))
+        assert proc.stop() == 0
+    assert not _alive(new)
+
+
+def test_the_supervisor_gives_up_after_3_restarts_in_a_minute(standalone_dir: Path) -> None:
+    with running_standalone(standalone_dir) as proc:
+        meta_pid, delay_pid = proc.pid_of("meta"), proc.pid_of("delay")
+        broker = proc.pid_of("broker")
+        started = time.monotonic()
+        for _ in range(RESTARTS_MAX):
+            os.kill(broker, signal.SIGKILL)
+            broker = _wait_restarted(proc, broker)
+        os.kill(broker, signal.SIGKILL)  # the fourth crash within the minute
+        code = proc.proc.wait(EXIT_TIMEOUT_S)
+        assert time.monotonic() - started < 60, "the crashes were not within a minute: the limit was not tested"
+        assert code == 1
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while _alive(meta_pid) or _alive(delay_pid):  # the supervisor stopped them before exiting
+            assert time.monotonic() < deadline, "the other roles outlived the supervisor"
+            time.sleep(0.05)  # polling pids for exit: there is no readiness signal to wait on
