@@ -216,6 +216,7 @@ class BrokerStore:
         re-deliver what was acknowledged since the last checkpoint: at least once, never lost.
         """
         fds = self.mlog.segments.sync_fds()
+        fds.extend(self.dead.take_sync_fds())  # dead letters are answered like any send: after this flush
         if consume_logs:
             fds.extend(self.alog.segments.sync_fds())
             dirty = self._subjects.dirty

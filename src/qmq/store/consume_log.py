@@ -4,7 +4,7 @@ This module is the one home of the entry layout: the struct, the numpy dtype and
 numbers below are what every reader of consume logs uses (the store's pulls, recovery,
 retention, retries, and the offline reader in ``reader.py``).
 
-Entry layout, format version 1 (little-endian, 32 bytes; entry N at byte N × 32)::
+Entry layout, format version 1 (little-endian, 32 bytes; entry N at log offset N × 32)::
 
     0                 8         12                20                28        32
     +-----------------+---------+-----------------+-----------------+---------+
@@ -19,8 +19,9 @@ Entry layout, format version 1 (little-endian, 32 bytes; entry N at byte N × 32
     | tag bloom  | u64  | 20-27  | two bits per tag (``tag_bloom``); 0 without tags      |
     | reserved   | u32  | 28-31  | 0                                                     |
 
-The version is not written in the files (they hold entries only): a new layout needs a new
-version here and a migration. Along a subject, log offsets and stored times never go back.
+Each segment file begins with the header of ``file_header.py`` (kind ``CLOG``, the format
+version), then entries; files written before headers hold entries only. A new layout needs a
+new version here. Along a subject, log offsets and stored times never go back.
 
 The consume log is derived: recovery rebuilds its tail from the message log. Its segment
 files are named by their base byte offset (entry number × 32), like the message log's.
@@ -35,9 +36,11 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from qmq.store.file_header import FileKind
 from qmq.store.segments import SegmentedLog
 
 FORMAT_VERSION = 1
+FILE_KIND = FileKind(b"CLOG", FORMAT_VERSION, "consume-log segment")
 ENTRY = struct.Struct("<QIqQI")
 ENTRY_BYTES = ENTRY.size  # 32
 # the same layout as a numpy record, for reading many entries at once
@@ -93,7 +96,10 @@ class ConsumeLog:
             tmp = directory / (SUBJECT_FILE + ".tmp")
             tmp.write_text(subject, encoding="utf-8")
             tmp.replace(name_file)
-        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES)
+        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND)
+        partial = self.segments.end % ENTRY_BYTES
+        if partial:  # a torn last entry: appends must start on an entry boundary
+            self.segments.truncate(self.segments.end - partial)
 
     @staticmethod
     def subject_in(directory: Path) -> str | None:

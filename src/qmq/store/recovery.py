@@ -5,7 +5,9 @@
    checkpoint mark still inside the window), checking every CRC: records after the checkpoint
    are indexed into their consume logs again if their entries were lost, held records (and
    those the checkpoint names) are held again unless a copy follows them (held.py); the
-   first record that does not check out marks a torn tail, which is cut and logged.
+   first record that fails its CRC (or is cut short) marks a torn tail, which is cut and
+   logged. A record that passes its CRC but does not decode is another version's: recovery
+   refuses to start (StoreError naming the file, offset and format version), cutting nothing.
 3. Cut consume-log entries that point past the end of the message log.
 4. Replay the action log from the checkpoint into consumer progress (cutting its torn tail).
 
@@ -23,8 +25,10 @@ from pathlib import Path
 from qmq.common.clock import Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import Limits
+from qmq.store import message_log
 from qmq.store.action_log import ActionLog, ProgressLog
 from qmq.store.checkpoint import read_checkpoint
+from qmq.store.datadir import StoreError
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.held import HeldMessages
@@ -115,10 +119,13 @@ def recover(
         scanned += 1
         try:
             indexer.add(rec.offset, rec.sequence, rec.stored_ms, rec.message)
-        except UnreadableRecord:
-            # CRC-valid but unreadable: written by a different version; stop here like a torn tail
-            result.append(ScanResult(rec.offset, mlog.end - rec.offset))
-            break
+        except UnreadableRecord as exc:
+            seg = mlog.segments.segment_for(rec.offset)
+            raise StoreError(
+                f"{seg.path if seg else mlog.segments.directory}: {exc}, though it passes its CRC: this qmq "
+                f"reads message-log format version {message_log.FORMAT_VERSION} and another version of qmq wrote "
+                "it. Nothing was cut: run the qmq version that wrote it, or move the data directory aside"
+            ) from None
     indexer.finish()
     good_end, torn = result[-1] if result else (mlog.end, 0)
     if torn:

@@ -4,6 +4,9 @@ Offsets are global byte positions in the log: the byte at offset ``o`` lives in 
 with the largest base ``<= o``, at position ``o - base``. Segments are appended to, read with
 ``pread`` and deleted whole from the front; the last one can be cut (``truncate``) to remove
 a torn tail found by recovery.
+
+Each segment file begins with the header of ``file_header.py`` naming its kind and format
+version (files written before headers have none); offsets never count it.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from qmq.store.file_header import FileKind, header, read_head, write_all
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)
 class Segment:
     base: int
     path: Path
     fd: int
-    size: int
+    size: int  # bytes of data, the header not counted
+    head: int  # bytes of the file's header: 16, or 0 in a file written before headers
 
     @property
     def end(self) -> int:
@@ -37,9 +43,10 @@ def fsync_dir(path: Path) -> None:
 class SegmentedLog:
     """Append-only bytes over a directory of segment files with suffix ``suffix``."""
 
-    def __init__(self, directory: Path, suffix: str, segment_bytes: int) -> None:
+    def __init__(self, directory: Path, suffix: str, segment_bytes: int, kind: FileKind) -> None:
         self.directory = directory
         self.suffix = suffix
+        self.kind = kind
         self.segment_bytes = segment_bytes
         directory.mkdir(parents=True, exist_ok=True)
         self.segments: list[Segment] = []
@@ -51,8 +58,7 @@ class SegmentedLog:
             stem = path.name[: -len(suffix)]
             if len(stem) != 20 or not stem.isdigit():
                 continue
-            fd = os.open(path, os.O_RDWR | os.O_APPEND)
-            self.segments.append(Segment(int(stem), path, fd, os.fstat(fd).st_size))
+            self.segments.append(self._open_segment(int(stem), path))
         if not self.segments:
             self._new_segment(0)
 
@@ -68,10 +74,29 @@ class SegmentedLog:
     def active(self) -> Segment:
         return self.segments[-1]
 
+    def _open_segment(self, base: int, path: Path) -> Segment:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        try:
+            head = read_head(fd, path, self.kind)
+            if head is None:  # created, but cut inside its header: it holds nothing yet
+                os.ftruncate(fd, 0)
+                write_all(fd, header(self.kind))
+                head = len(header(self.kind))
+            return Segment(base, path, fd, os.fstat(fd).st_size - head, head)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _new_segment(self, base: int) -> Segment:
         path = self.directory / f"{base:020d}{self.suffix}"
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
-        seg = Segment(base, path, fd, 0)
+        head = header(self.kind)
+        try:
+            write_all(fd, head)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg = Segment(base, path, fd, 0, len(head))
         self.segments.append(seg)
         # Not fsynced here, on the caller's thread: under a heavy write load a directory fsync
         # commits the file system's journal, hundreds of milliseconds. What is written to the
@@ -108,8 +133,7 @@ class SegmentedLog:
             if written != len(data):
                 raise OSError(f"short write: {written} of {len(data)} bytes")
         except OSError:
-            os.ftruncate(seg.fd, seg.size)
-            os.lseek(seg.fd, seg.size, os.SEEK_SET)
+            os.ftruncate(seg.fd, seg.head + seg.size)
             raise
         seg.size += written
         return offset
@@ -120,7 +144,7 @@ class SegmentedLog:
         if seg is None:
             return b""
         pos = offset - seg.base
-        return os.pread(seg.fd, min(size, seg.size - pos), pos)
+        return os.pread(seg.fd, min(size, seg.size - pos), seg.head + pos)
 
     def segment_for(self, offset: int) -> Segment | None:
         segs = self.segments
@@ -147,9 +171,8 @@ class SegmentedLog:
         if offset < seg.end:
             keep = max(0, offset - seg.base)
             removed += seg.size - keep
-            os.ftruncate(seg.fd, keep)
+            os.ftruncate(seg.fd, seg.head + keep)
             seg.size = keep
-        os.lseek(seg.fd, seg.size, os.SEEK_SET)
         return removed
 
     def delete_before(self, offset: int) -> list[Segment]:
