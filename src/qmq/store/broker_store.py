@@ -33,6 +33,7 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import pack_record_into
 from qmq.store.action_log import ActionLog
+from qmq.store.checkpoint import FORMAT_VERSION as CHECKPOINT_VERSION
 from qmq.store.checkpoint import history as checkpoint_history
 from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY
@@ -285,7 +286,7 @@ class BrokerStore:
     def checkpoint_state(self) -> dict[str, Any]:
         now = self.clock.now_ms()
         return {
-            "version": 1,
+            "version": CHECKPOINT_VERSION,
             "time_ms": now,
             "message_offset": self.mlog.end,
             "action_offset": self.alog.end,
@@ -300,15 +301,19 @@ class BrokerStore:
         """Thread-safe part of a checkpoint: fsync what it covers, then replace the checkpoint file
         (keeping the last few, for a demoted master cutting its logs back; see replica.rewind)."""
         ticket.run()
-        write_checkpoint(self.dir, state, history_key=state["message_offset"], history_max=_CHECKPOINTS_KEPT)
+        # keyed by both offsets: checkpoints of acks alone (no new messages) are kept apart too
+        key = (state["message_offset"], state["action_offset"])
+        write_checkpoint(self.dir, state, history_key=key, history_max=_CHECKPOINTS_KEPT)
 
     def after_checkpoint(self, state: dict[str, Any]) -> None:
-        # action-log segments are kept back to the oldest kept checkpoint, which may be recovered from
+        # action-log segments are kept back to the oldest kept checkpoint that checks out, which
+        # recovery falls back to when the newer ones are damaged
         oldest = state["action_offset"]
-        for path in checkpoint_history(self.dir)[:1]:
+        for path in checkpoint_history(self.dir):
             kept = read_checkpoint(self.dir, path)
             if kept is not None:
                 oldest = min(oldest, kept["action_offset"])
+                break
         self.alog.delete_before(oldest)
 
     def _grew(self) -> None:

@@ -38,7 +38,7 @@ from qmq.protocol.record import RECORD_HEADER_BYTES, RECORD_MAGIC, read_record_h
 from qmq.store import action_log as act
 from qmq.store import consume_log, message_log
 from qmq.store import dead_letters as dl
-from qmq.store.checkpoint import read_checkpoint
+from qmq.store.checkpoint import newest_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE, SUBJECT_FILE, first_seq_reaching
 from qmq.store.file_header import HEAD_BYTES, FileFormatError, FileKind, head_bytes
 from qmq.store.message_log import RECORD_HEADER_DTYPE
@@ -339,7 +339,7 @@ class StoreReader:
     def _crc_from(self) -> int:
         """Message-log offset from which records are CRC-checked: the checkpoint's, read once."""
         if self._checked_from is None:
-            state = read_checkpoint(self.dir)
+            state = newest_checkpoint(self.dir)
             self._checked_from = int(state.get("message_offset", 0)) if state else 0
         return self._checked_from
 
@@ -385,7 +385,7 @@ class StoreReader:
     # -- consumer progress -------------------------------------------------------------
 
     def checkpoint(self) -> dict[str, Any] | None:
-        return read_checkpoint(self.dir)
+        return newest_checkpoint(self.dir)
 
     def actions(self, start: int = 0) -> Iterator[ActionAt]:
         """Actions from offset ``start`` (or the oldest kept) to the first that does not check out."""

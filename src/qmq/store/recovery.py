@@ -1,6 +1,11 @@
 """Recovery: build a broker store's in-memory parts again from its files after any stop.
 
-1. Read the checkpoint (offsets, subjects, consumer progress, held messages, dedup marks).
+1. Read the checkpoint (offsets, subjects, consumer progress, held messages, dedup marks): the
+   newest that checks out, the latest or a kept one. Consumer progress is the checkpoint's plus
+   the action log after it, so when no checkpoint checks out and the action log no longer
+   begins at 0 (segments before the oldest kept checkpoint are deleted), progress would be
+   lost: recovery refuses to start (StoreError naming the damaged file) unless the operator
+   accepts that (``accept_progress_loss``), never resetting consumer groups without a word.
 2. Scan the message log from the checkpoint (or, for the duplicate window, from the oldest
    checkpoint mark still inside the window), checking every CRC: records after the checkpoint
    are indexed into their consume logs again if their entries were lost, held records (and
@@ -21,13 +26,14 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qmq.common.clock import Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import Limits
 from qmq.store import message_log
 from qmq.store.action_log import ActionLog, ProgressLog
-from qmq.store.checkpoint import read_checkpoint
+from qmq.store.checkpoint import DamagedCheckpoint, candidates, load_checkpoint
 from qmq.store.datadir import StoreError
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
@@ -83,6 +89,48 @@ def empty_parts(
     )
 
 
+def choose_checkpoint(directory: Path, action_start: int, accept_progress_loss: bool) -> dict[str, Any] | None:
+    """The newest checkpoint in ``directory`` that checks out (None when there is none), when
+    the action log, which now begins at ``action_start``, covers everything after it.
+
+    Raises StoreError when it does not, unless ``accept_progress_loss``: then the loss is logged.
+    """
+    damaged: list[tuple[Path, str]] = []
+    state = None
+    for path in candidates(directory):
+        try:
+            state = load_checkpoint(path)
+        except DamagedCheckpoint as exc:
+            damaged.append((path, str(exc)))
+            continue
+        if state is not None:
+            break
+    action_from = int(state["action_offset"]) if state is not None else 0
+    if action_from >= action_start:
+        for path, why in damaged:
+            log.error("checkpoint %s is damaged (%s); recovering from an older one or the logs' start", path, why)
+        return state
+    # the refusal is one line (a start-up failure prints one): the first damaged file, and a count
+    if damaged:
+        path, why = damaged[0]
+        others = f" (and {len(damaged) - 1} kept one(s) are damaged too)" if len(damaged) > 1 else ""
+        older = "the newest that checks out is older than the action log" if state else "no older one checks out"
+        what = f"checkpoint {path} is damaged ({why}){others} and {older}"
+    else:
+        what = f"there is no checkpoint in {directory}"
+    loss = (
+        f"the action log now begins at offset {action_start}, so the consumer progress recorded before it "
+        "is gone and consumer groups would go back to where that checkpoint (or their start) left them"
+    )
+    if not accept_progress_loss:
+        raise StoreError(
+            f"{what}; {loss}. Restore the checkpoint from a backup, or start the broker with "
+            "--accept-progress-loss (accept_progress_loss = true) to accept that"
+        )
+    log.error("%s; %s: accepted (accept_progress_loss)", what, loss)
+    return state
+
+
 def recover(
     directory: Path,
     config: BrokerConfig,
@@ -94,7 +142,7 @@ def recover(
 ) -> tuple[StoreParts, RecoveryReport]:
     """The parts of the store in ``directory``, whose logs are open; torn tails are cut."""
     t0 = time.monotonic()
-    state = read_checkpoint(directory)
+    state = choose_checkpoint(directory, alog.segments.start, config.accept_progress_loss)
     parts = empty_parts(
         directory, config, limits, alog, dead, Progress.from_snapshot(state["progress"]) if state else None
     )
