@@ -18,6 +18,14 @@ the files; no part knows the store.
 Everything is synchronous. ``begin_flush`` returns a ticket whose ``run`` (fdatasync of the
 files written since the last flush) may run on another thread; ``complete_flush`` then makes
 the flushed messages visible to consumers.
+
+When a write fails, the store is left as it was before it: a send's batch is undone whole
+(message log, consume logs and dead letters cut back, sequences restored, nothing in the
+duplicate window), so the producer's retry stores it once. A full disk (``DiskFullError``) or
+no free file descriptor (``OutOfFilesError``) clears by itself: the next write just works.
+Any other I/O error, a failed fsync, or an undo that fails leaves the store unsure of what
+is durable: it sets ``failed`` (the reason) and refuses every later write with a StoreError
+saying a restart is needed; recovery then finds what is on disk.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from qmq.store.checkpoint import FORMAT_VERSION as CHECKPOINT_VERSION
 from qmq.store.checkpoint import history as checkpoint_history
 from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY
-from qmq.store.datadir import DataDirLock, StoreError, store_error
+from qmq.store.datadir import DataDirLock, StoreError, clears_by_itself, store_error
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.held import HELD_SEQUENCE, Held
 from qmq.store.indexer import RecordIndexer
@@ -68,6 +76,8 @@ class BrokerStore:
         self.sync_policy = config.flush == "sync"
         # called after anything is written to the message log or the action log (slaves wait on it)
         self.on_grow: Callable[[], None] | None = None
+        # why the store stopped taking writes (see the module docstring); None while it takes them
+        self.failed: str | None = None
         self._open_files()
         self._install(empty_parts(self.dir, config, limits, self.alog, self.dead))
 
@@ -111,6 +121,31 @@ class BrokerStore:
         """An indexer of message-log records written without ``append`` (a slave's copy)."""
         return RecordIndexer(self._subjects, self.dedup, self.held, self.dead, index_from)
 
+    # -- failures ----------------------------------------------------------------------
+
+    def _refused(self) -> StoreError:
+        return StoreError(
+            f"the broker's store in {str(self.dir)!r} stopped taking writes ({self.failed}); it can no longer "
+            "tell what is durable: restart the broker, and recovery will find what is on disk"
+        )
+
+    def _write_failed(self, exc: OSError, what: str) -> StoreError:
+        """The error to raise for ``exc``, met while ``what``; the store fails unless it clears by itself."""
+        err = store_error(exc, self.dir)
+        if clears_by_itself(err):
+            return err
+        self._fail(f"{what} failed: {exc}")
+        return self._refused()
+
+    def _fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            log.critical("the broker's store stops taking writes until a restart: %s", reason)
+
+    def _flush_failed(self, exc: OSError) -> None:
+        # may run on the flusher's thread: after a failed fsync the page cache's state is unknown
+        self._fail(f"an fsync failed: {exc}")
+
     def replay_actions(self, start: int) -> tuple[int, int]:
         """Apply action-log records written without this store (a slave's copy); see ProgressLog.replay."""
         return self._progress.replay(start)
@@ -133,14 +168,19 @@ class BrokerStore:
         (copies of held records, already durable) skips waiting for the fsync under the sync
         policy wherever nothing earlier of the subject still waits for one.
         """
+        if self.failed is not None:
+            raise self._refused()
         now = self.clock.now_ms() if now_ms is None else now_ms
-        errors, accepted, duplicates, total = check_send(
-            scanned, now, self.limits, self._subjects, self.dedup, dedup_check
-        )
-        if not accepted:
-            return AppendResult(errors, duplicates, 0, 0, {})
+        try:
+            errors, accepted, duplicates, total = check_send(
+                scanned, now, self.limits, self._subjects, self.dedup, dedup_check
+            )
+            if not accepted:
+                return AppendResult(errors, duplicates, 0, 0, {})
+            base = self.mlog.offset_for_append(total)
+        except OSError as exc:  # a new subject's consume log, or the message log's next segment
+            raise self._write_failed(exc, "opening a file") from exc
 
-        base = self.mlog.offset_for_append(total)
         out = bytearray(total)
         view = memoryview(body)
         touched: dict[SubjectState, int] = {}
@@ -176,28 +216,7 @@ class BrokerStore:
             else:
                 counts[0] += 1
                 counts[1] += sm.length
-        try:
-            self.mlog.append(out)
-        except OSError as exc:
-            for st, seq in touched.items():
-                st.next_seq = seq
-                st.pending.clear()
-            raise store_error(exc, self.dir) from exc
-        dirty = self._subjects.dirty
-        for st in touched:
-            try:
-                st.clog.append(st.pending)
-            except OSError as exc:
-                # The message log holds the records; recovery rebuilds this consume log from it.
-                raise StoreError(f"consume log of {st.name!r} could not be written: {exc}") from exc
-            finally:
-                st.pending.clear()
-            dirty.add(st)
-        for name, letters in dead_letters.items():
-            try:
-                self.dead.append(name, letters, now)
-            except OSError as exc:
-                raise store_error(exc, self.dir) from exc
+        self._write_batch(out, base, touched, dead_letters, now)
         self.dedup.add_many([a[3] for a in accepted], now)
         self.dedup.total_messages += len(accepted)
         for h in held:
@@ -205,6 +224,50 @@ class BrokerStore:
         self._subjects.publish(touched, self.mlog.end, total, self.sync_policy, visible_now)
         self._grew()
         return AppendResult(errors, duplicates, len(accepted), total, per_subject)
+
+    def _write_batch(
+        self,
+        out: bytearray,
+        base: int,
+        touched: dict[SubjectState, int],
+        dead_letters: dict[str, list[tuple[int, bytes | memoryview]]],
+        now_ms: int,
+    ) -> None:
+        """Write one send's records (``out``, at ``base``), its consume-log entries (each touched
+        subject's ``pending``, from the sequence ``touched`` gives) and its dead letters: all of
+        them, or none (see the module docstring)."""
+        clogs_written: list[SubjectState] = []
+        dead_marks: dict[str, tuple[int, int, int] | None] = {}
+        what = "the message-log append"
+        try:
+            self.mlog.append(out)
+            what = "a consume-log append"
+            for st in touched:
+                st.clog.append(st.pending)
+                clogs_written.append(st)
+            what = "a dead-letter append"
+            for name, letters in dead_letters.items():
+                dead_marks[name] = self.dead.mark(name)
+                self.dead.append(name, letters, now_ms)
+        except OSError as exc:
+            for st, first in touched.items():
+                st.next_seq = first
+                st.pending.clear()
+            try:
+                for st in clogs_written:
+                    st.clog.truncate(touched[st])
+                for name, mark in dead_marks.items():
+                    self.dead.cut_back(name, mark)
+                if self.mlog.end > base:
+                    self.mlog.truncate(base)
+            except OSError as undo:
+                self._fail(f"{what} failed ({exc}) and the batch could not be undone: {undo}")
+                raise self._refused() from exc
+            raise self._write_failed(exc, what) from exc
+        dirty = self._subjects.dirty
+        for st in touched:
+            st.pending.clear()
+            dirty.add(st)
 
     # -- flush -------------------------------------------------------------------------
 
@@ -224,7 +287,7 @@ class BrokerStore:
             for st in dirty:
                 fds.extend(st.clog.segments.sync_fds())
             dirty.clear()
-        return FlushTicket(fds, self.mlog.end)
+        return FlushTicket(fds, self.mlog.end, self._flush_failed)
 
     def complete_flush(self, ticket: FlushTicket) -> set[str]:
         """Make everything the ticket covered visible; returns the subjects that moved."""
@@ -241,11 +304,21 @@ class BrokerStore:
                 start_seq = st.clog.min_seq if st else 0
             else:
                 start_seq = st.visible_seq if st else 0
-            gp = self._progress.create_group(subject, group, start_seq)
+            if self.failed is not None:
+                raise self._refused()
+            try:
+                gp = self._progress.create_group(subject, group, start_seq)
+            except OSError as exc:
+                raise self._write_failed(exc, "an action-log append") from exc
         return gp
 
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
-        return self._progress.ack(gp, cp, ranges)
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            return self._progress.ack(gp, cp, ranges)
+        except OSError as exc:
+            raise self._write_failed(exc, "an action-log append") from exc
 
     def reset(self, gp: GroupProgress, to: str | int) -> int:
         """Move a group's pull offset to ``"earliest"``, ``"latest"`` or the first message stored at or
@@ -259,12 +332,22 @@ class BrokerStore:
             seq = st.visible_seq
         else:
             seq = min(st.clog.seq_at_time(int(to)), st.visible_seq)
-        self._progress.reset(gp, seq)
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            self._progress.reset(gp, seq)
+        except OSError as exc:
+            raise self._write_failed(exc, "an action-log append") from exc
         return seq
 
     def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
         """Drop dead letters (resent or purged), logged so replay and slaves drop them too."""
-        self._progress.remove_dead(dead_subject, numbers)
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            self._progress.remove_dead(dead_subject, numbers)
+        except OSError as exc:
+            raise self._write_failed(exc, "removing dead letters") from exc
 
     def pull(
         self,
@@ -274,8 +357,13 @@ class BrokerStore:
         max_n: int,
         tag_filter: TagFilter | None = None,
     ) -> PullResult | None:
-        """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull)."""
-        return self._pulls.pull(self._subjects.get(gp.subject), gp, cp, session, max_n, tag_filter)
+        """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            return self._pulls.pull(self._subjects.get(gp.subject), gp, cp, session, max_n, tag_filter)
+        except OSError as exc:
+            raise self._write_failed(exc, "a pull") from exc
 
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
@@ -299,11 +387,21 @@ class BrokerStore:
 
     def write_checkpoint(self, ticket: FlushTicket, state: dict[str, Any]) -> None:
         """Thread-safe part of a checkpoint: fsync what it covers, then replace the checkpoint file
-        (keeping the last few, for a demoted master cutting its logs back; see replica.rewind)."""
-        ticket.run()
+        (keeping the last few, for a demoted master cutting its logs back; see replica.rewind).
+
+        A failed store writes none: it can no longer vouch for the offsets it would name."""
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            ticket.run()  # a failed fsync fails the store (the ticket's on_error)
+        except OSError as exc:
+            raise self._refused() from exc
         # keyed by both offsets: checkpoints of acks alone (no new messages) are kept apart too
         key = (state["message_offset"], state["action_offset"])
-        write_checkpoint(self.dir, state, history_key=key, history_max=_CHECKPOINTS_KEPT)
+        try:
+            write_checkpoint(self.dir, state, history_key=key, history_max=_CHECKPOINTS_KEPT)
+        except OSError as exc:
+            raise self._write_failed(exc, "writing the checkpoint") from exc
 
     def after_checkpoint(self, state: dict[str, Any]) -> None:
         # action-log segments are kept back to the oldest kept checkpoint that checks out, which

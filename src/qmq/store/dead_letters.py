@@ -32,6 +32,7 @@ from qmq.common.naming import subject_file_name
 from qmq.protocol.message import decode_message, decode_properties
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into, read_record_header, record_crc_ok
 from qmq.store.file_header import HEAD_BYTES, FileKind, head_bytes, header, read_head, write_all
+from qmq.store.segments import cut_back
 
 FORMAT_VERSION = 1
 LETTERS_KIND = FileKind(b"DEAD", FORMAT_VERSION, "dead-letter file")
@@ -226,8 +227,8 @@ class DeadLetters:
         fd = self._letters_fd(box)
         try:
             write_all(fd, out)
-        except OSError:
-            os.ftruncate(fd, box.head + box.size)
+        except OSError as exc:
+            cut_back(fd, box.head + box.size, exc)
             raise
         box.size += len(out)
         box.count += len(fresh)
@@ -305,8 +306,15 @@ class DeadLetters:
         fresh = [n for n in numbers if n not in box.removed]
         if not fresh:
             return
-        write_all(self._removed_fd(box), b"".join(REMOVED.pack(n) for n in fresh))
+        # removed at once: the action log, written first, says so and its replay removes them again
         box.removed.update(fresh)
+        fd = self._removed_fd(box)
+        size = os.fstat(fd).st_size
+        try:
+            write_all(fd, b"".join(REMOVED.pack(n) for n in fresh))
+        except OSError as exc:
+            cut_back(fd, size, exc)
+            raise
 
     def live(self, subject: str) -> int:
         box = self.boxes.get(subject)

@@ -11,8 +11,10 @@ version (files written before headers have none); offsets never count it.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,15 @@ class Segment:
     @property
     def end(self) -> int:
         return self.base + self.size
+
+
+def cut_back(fd: int, size: int, exc: OSError) -> None:
+    """Cut the file ``fd`` back to ``size`` after a write failed with ``exc``; when even that
+    fails, an EIO error saying so: what the file holds is then unknown."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError as undo:
+        raise OSError(errno.EIO, f"{exc}; and what was written could not be cut back: {undo}") from exc
 
 
 def fsync_dir(path: Path) -> None:
@@ -131,9 +142,9 @@ class SegmentedLog:
         try:
             written = os.write(seg.fd, data)
             if written != len(data):
-                raise OSError(f"short write: {written} of {len(data)} bytes")
-        except OSError:
-            os.ftruncate(seg.fd, seg.head + seg.size)
+                raise OSError(errno.ENOSPC, f"short write: {written} of {len(data)} bytes")
+        except OSError as exc:
+            cut_back(seg.fd, seg.head + seg.size, exc)
             raise
         seg.size += written
         return offset
@@ -205,13 +216,17 @@ class SegmentedLog:
 
 
 class FlushTicket:
-    """fsync work captured on the loop thread; ``run`` may execute on any thread."""
+    """fsync work captured on the loop thread; ``run`` may execute on any thread.
 
-    __slots__ = ("fds", "offset")
+    ``on_error`` is told of a failed fsync (on the thread that ran it) before ``run`` raises it.
+    """
 
-    def __init__(self, fds: list[int], offset: int) -> None:
+    __slots__ = ("fds", "offset", "on_error")
+
+    def __init__(self, fds: list[int], offset: int, on_error: Callable[[OSError], None] | None = None) -> None:
         self.fds = fds
         self.offset = offset
+        self.on_error = on_error
 
     def run(self) -> None:
         try:
@@ -220,6 +235,10 @@ class FlushTicket:
                     os.fsync(fd)  # a new entry: fdatasync need not commit it
                 else:
                     os.fdatasync(fd)
+        except OSError as exc:
+            if self.on_error is not None:
+                self.on_error(exc)
+            raise
         finally:
             for fd in self.fds:
                 os.close(fd)
