@@ -53,6 +53,7 @@ from qmq.store.intake import AppendResult, check_send
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.recovery import RecoveryReport, StoreParts, empty_parts, recover
+from qmq.store.redelivery import RedeliveryProblems
 from qmq.store.segments import FlushTicket
 from qmq.store.subjects import SubjectState
 from qmq.store.tags import TagFilter
@@ -78,6 +79,7 @@ class BrokerStore:
         self.on_grow: Callable[[], None] | None = None
         # why the store stopped taking writes (see the module docstring); None while it takes them
         self.failed: str | None = None
+        self.redelivery_problems = RedeliveryProblems()  # see redelivery.py
         self._open_files()
         self._install(empty_parts(self.dir, config, limits, self.alog, self.dead))
 
