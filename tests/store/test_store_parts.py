@@ -41,7 +41,7 @@ def message(subject: str, mid: str, times: int = 0, deliver_at_ms: int = 0) -> b
 
 
 def subjects_in(tmp_path: Path) -> Subjects:
-    return Subjects(tmp_path / "consume", 1024, DEFAULT_LIMITS)
+    return Subjects(tmp_path / "consume", 1024, DEFAULT_LIMITS, files_max=100)
 
 
 # -- subjects ----------------------------------------------------------------------------

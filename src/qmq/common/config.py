@@ -134,6 +134,12 @@ class BrokerConfig:
         "when the slave is gone, keep acknowledging sends on the master's copy alone instead of turning read-only",
         False,
     )
+    open_files_max: int = _opt(
+        "most consume-log files kept open at once, whatever the number of subjects (the least recently used "
+        "are closed; at most half the process's open-file limit is used)",
+        1000,
+        _range(16, 1_000_000),
+    )
     accept_progress_loss: bool = _opt(
         "start even when no checkpoint checks out and the action log no longer covers consumer progress "
         "(the groups then go back to an older checkpoint, or to their start); without it the broker refuses "

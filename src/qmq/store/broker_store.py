@@ -31,6 +31,7 @@ saying a restart is needed; recovery then finds what is on disk.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,8 @@ class BrokerStore:
         self.dir = Path(config.data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = DataDirLock(self.dir, "broker")
+        # held for the life of the store: a checkpoint's syncfs goes through it (FlushTicket)
+        self._dir_fd = os.open(self.dir, os.O_RDONLY)
         self.sync_policy = config.flush == "sync"
         # called after anything is written to the message log or the action log (slaves wait on it)
         self.on_grow: Callable[[], None] | None = None
@@ -266,16 +269,15 @@ class BrokerStore:
                 self._fail(f"{what} failed ({exc}) and the batch could not be undone: {undo}")
                 raise self._refused() from exc
             raise self._write_failed(exc, what) from exc
-        dirty = self._subjects.dirty
         for st in touched:
             st.pending.clear()
-            dirty.add(st)
 
     # -- flush -------------------------------------------------------------------------
 
     def begin_flush(self, consume_logs: bool = False) -> FlushTicket:
-        """fsync work for what was written so far: the message log always; with ``consume_logs``
-        (checkpoints) also the action log and every consume log written since the last one.
+        """fsync work for what was written so far: the message log and dead letters always; with
+        ``consume_logs`` (checkpoints) also the action log and, with one syncfs of the data's
+        file system, every consume log written since the last one (open or closed: open_files.py).
 
         Acks and pulls reach the OS at once, so ``kill -9`` loses none; fsyncing them only at
         checkpoints keeps the send path to one fsync per group commit. A power loss may then
@@ -283,13 +285,14 @@ class BrokerStore:
         """
         fds = self.mlog.segments.sync_fds()
         fds.extend(self.dead.take_sync_fds())  # dead letters are answered like any send: after this flush
+        syncfs_fd = -1
         if consume_logs:
             fds.extend(self.alog.segments.sync_fds())
-            dirty = self._subjects.dirty
-            for st in dirty:
-                fds.extend(st.clog.segments.sync_fds())
-            dirty.clear()
-        return FlushTicket(fds, self.mlog.end, self._flush_failed)
+            files = self._subjects.files
+            if files.unsynced:
+                files.unsynced = False
+                syncfs_fd = self._dir_fd
+        return FlushTicket(fds, self.mlog.end, self._flush_failed, syncfs_fd)
 
     def complete_flush(self, ticket: FlushTicket) -> set[str]:
         """Make everything the ticket covered visible; returns the subjects that moved."""
@@ -433,4 +436,7 @@ class BrokerStore:
 
     def close(self) -> None:
         self.close_files()
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
         self._lock.release()

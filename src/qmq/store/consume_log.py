@@ -29,6 +29,7 @@ files are named by their base byte offset (entry number × 32), like the message
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,8 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from qmq.store.file_header import FileKind
+from qmq.store.file_header import FileKind, write_all
+from qmq.store.open_files import OpenFiles
 from qmq.store.segments import SegmentedLog
 
 FORMAT_VERSION = 1
@@ -87,19 +89,39 @@ def first_seq_reaching(read: Callable[[int, int], bytes], lo: int, hi: int, fiel
 
 
 class ConsumeLog:
-    def __init__(self, directory: Path, subject: str, entries_per_segment: int) -> None:
+    """One subject's entries. With ``files`` (the broker's), its segment files are opened when
+    used and closed within that bound (see open_files.py)."""
+
+    def __init__(self, directory: Path, subject: str, entries_per_segment: int, files: OpenFiles | None = None) -> None:
         self.directory = directory
         self.subject = subject
-        directory.mkdir(parents=True, exist_ok=True)
-        name_file = directory / SUBJECT_FILE
-        if not name_file.exists():
-            tmp = directory / (SUBJECT_FILE + ".tmp")
-            tmp.write_text(subject, encoding="utf-8")
-            tmp.replace(name_file)
-        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND)
+        # a new subject costs a few file-system calls, each tens of microseconds: no more than needed
+        try:
+            os.mkdir(directory)
+            new = True
+        except FileExistsError:
+            new = False
+        except FileNotFoundError:
+            directory.mkdir(parents=True)
+            new = True
+        name_file = f"{directory}/{SUBJECT_FILE}"
+        if new or not os.path.exists(name_file):
+            tmp = name_file + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_all(fd, subject.encode("utf-8"))
+            finally:
+                os.close(fd)
+            os.replace(tmp, name_file)
+        self.segments = SegmentedLog(
+            directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, empty=new
+        )
         partial = self.segments.end % ENTRY_BYTES
         if partial:  # a torn last entry: appends must start on an entry boundary
             self.segments.truncate(self.segments.end - partial)
+        # where the last entry's record ends, read now while the file is open (see cut_past)
+        last = self.last_entry()
+        self._last_record_end: int | None = 0 if last is None else last[0] + last[1]
 
     @staticmethod
     def subject_in(directory: Path) -> str | None:
@@ -118,6 +140,7 @@ class ConsumeLog:
 
     def append(self, entries: bytes | bytearray) -> None:
         self.segments.append(entries)
+        self._last_record_end = None
 
     def read(self, seq: int, count: int) -> bytes:
         """Up to ``count`` entries from ``seq`` (fewer at the end of the log)."""
@@ -143,11 +166,14 @@ class ConsumeLog:
 
     def truncate(self, seq: int) -> int:
         """Drop entries from ``seq`` on; returns how many were dropped."""
+        self._last_record_end = None
         return self.segments.truncate(seq * ENTRY_BYTES) // ENTRY_BYTES
 
     def cut_past(self, log_end: int) -> int:
         """Drop the entries at the end whose record lies past ``log_end`` (the message log's end
         after recovery cut a torn tail); returns how many were dropped."""
+        if self._last_record_end is not None and self._last_record_end <= log_end:
+            return 0  # known without reading: with many subjects, most files are closed by now
         cut = 0
         while self.next_seq > self.min_seq:
             back = min(1024, self.next_seq - self.min_seq)

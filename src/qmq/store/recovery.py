@@ -82,7 +82,7 @@ def empty_parts(
 ) -> StoreParts:
     """Parts that know nothing yet (what a store holds until it is opened)."""
     return StoreParts(
-        Subjects(directory / CONSUME_DIR, config.consume_log_segment_entries, limits),
+        Subjects(directory / CONSUME_DIR, config.consume_log_segment_entries, limits, config.open_files_max),
         ProgressLog(alog, Progress() if progress is None else progress, dead.remove),
         DedupWindow(config.dedup_window_ms, config.dedup_entries_max),
         HeldMessages(),
