@@ -9,17 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import append, batch, flush
+from conftest import append, batch, checkpoint, flush
 from qmq.common.config import BrokerConfig
 from qmq.store.broker_store import BrokerStore
 from qmq.store.checkpoint import NAME, history, read_checkpoint, write_checkpoint
 from qmq.store.datadir import StoreError
-
-
-def checkpoint(store: BrokerStore) -> None:
-    state = store.checkpoint_state()
-    store.write_checkpoint(store.begin_flush(consume_logs=True), state)
-    store.after_checkpoint(state)
 
 
 def consume_with_checkpoints(store: BrokerStore, rounds: int) -> None:
@@ -35,6 +29,15 @@ def consume_with_checkpoints(store: BrokerStore, rounds: int) -> None:
         assert got is not None
         store.ack(gp, cp, [[got.runs[0][0], got.runs[0][0] + 2]])
         checkpoint(store)
+
+
+def refusal(directory: Path) -> str:
+    """The StoreError opening the store in ``directory`` raises."""
+    store = BrokerStore(BrokerConfig(data_dir=directory))
+    with pytest.raises(StoreError) as refused:
+        store.open()
+    store.close()
+    return str(refused.value)
 
 
 def damage(path: Path) -> None:
@@ -81,11 +84,7 @@ def test_no_checkpoint_that_checks_out_refuses_to_start_naming_the_file_and_the_
     directory = tmp_path / "broker"
     for path in [directory / NAME, *history(directory)]:
         damage(path)
-    refused_store = BrokerStore(BrokerConfig(data_dir=directory))
-    with pytest.raises(StoreError) as refused:
-        refused_store.open()
-    refused_store.close()
-    text = str(refused.value)
+    text = refusal(directory)
     assert f"checkpoint {directory / NAME} is damaged (it fails its CRC)" in text
     assert f"the action log now begins at offset {start}" in text
     assert "--accept-progress-loss" in text
@@ -105,10 +104,7 @@ def test_no_checkpoint_at_all_after_the_action_log_was_trimmed_is_refused_too(
     directory = tmp_path / "broker"
     for path in [directory / NAME, *history(directory)]:
         path.unlink()
-    refused_store = BrokerStore(BrokerConfig(data_dir=directory))
-    with pytest.raises(StoreError, match=rf"there is no checkpoint in {directory}; the action log now begins"):
-        refused_store.open()
-    refused_store.close()
+    assert refusal(directory).startswith(f"there is no checkpoint in {directory}; the action log now begins")
 
 
 def test_a_fresh_directory_and_an_untrimmed_action_log_need_no_checkpoint(

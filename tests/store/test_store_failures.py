@@ -62,23 +62,32 @@ def state(store: BrokerStore) -> tuple[int, int, int, int, int]:
     ],
     ids=["consume-log", "dead-letters", "message-log"],
 )
-def test_a_full_disk_after_the_message_log_append_undoes_the_batch_and_clears_by_itself(
-    open_store: Callable[..., BrokerStore], monkeypatch: pytest.MonkeyPatch, cls: type, method: str, when: Any
+@pytest.mark.parametrize(
+    ("err", "refusal"), [(errno.ENOSPC, DiskFullError), (errno.EMFILE, OutOfFilesError)], ids=["disk-full", "no-fd"]
+)
+def test_a_full_disk_or_no_free_descriptor_undoes_the_batch_and_clears_by_itself(
+    open_store: Callable[..., BrokerStore],
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type,
+    method: str,
+    when: Any,
+    err: int,
+    refusal: type[StoreError],
 ) -> None:
     store = open_store()
     append(store, two_subjects("first"))
     flush(store)
     before = state(store)
     with monkeypatch.context() as patched:
-        fail_when(patched, cls, method, errno.ENOSPC, when)
-        with pytest.raises(DiskFullError, match="is full"):
+        fail_when(patched, cls, method, err, when)
+        with pytest.raises(refusal):
             append(store, two_subjects("second"))
     assert state(store) == before
     assert store.failed is None
     flush(store)
     assert everything(store, "a") == ["first-a1", "first-a2"]
 
-    # space is back: the producer's retry stores the batch once, where it belongs
+    # space (or a descriptor) is free again: the producer's retry stores the batch once, where it belongs
     res = append(store, two_subjects("second"))
     assert (res.stored, res.duplicates) == (4, 0)
     flush(store)
@@ -88,21 +97,6 @@ def test_a_full_disk_after_the_message_log_append_undoes_the_batch_and_clears_by
     again = open_store()
     assert everything(again, "a") == ["first-a1", "first-a2", "second-a1", "second-a2"]
     assert again.dead.live(DEAD) == 2
-
-
-def test_no_free_file_descriptor_is_refused_and_clears_by_itself(
-    open_store: Callable[..., BrokerStore], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = open_store()
-    append(store, two_subjects("first"))
-    before = state(store)
-    with monkeypatch.context() as patched:
-        fail_when(patched, ConsumeLog, "append", errno.EMFILE, lambda clog: clog.subject == "b")
-        with pytest.raises(OutOfFilesError, match="no file descriptor is free"):
-            append(store, two_subjects("second"))
-    assert state(store) == before
-    assert store.failed is None
-    assert append(store, two_subjects("second")).stored == 4
 
 
 def test_an_io_error_undoes_the_batch_and_stops_writes_until_a_restart(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_store_send_pull import records
 
-from conftest import append, batch, flush
+from conftest import append, batch, checkpoint, flush
 from qmq.store.broker_store import BrokerStore
 from qmq.store.open_files import OpenFiles
 from qmq.store.segments import Segment
@@ -22,12 +22,6 @@ SUBJECTS = 300
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def checkpoint(store: BrokerStore) -> None:
-    state = store.checkpoint_state()
-    store.write_checkpoint(store.begin_flush(consume_logs=True), state)
-    store.after_checkpoint(state)
 
 
 def test_many_subjects_keep_open_files_within_the_bound(open_store: Callable[..., BrokerStore]) -> None:

@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 from test_store_send_pull import records
 
-from conftest import append, batch, flush
+from conftest import append, batch, checkpoint, flush
 from qmq.store.broker_store import BrokerStore
 from qmq.store.datadir import StoreError
 from qmq.store.file_header import HEAD_BYTES
 from qmq.store.retention import run_retention
-
-
-def checkpoint(store: BrokerStore) -> None:
-    state = store.checkpoint_state()
-    store.write_checkpoint(store.begin_flush(consume_logs=True), state)
-    store.after_checkpoint(state)
 
 
 def test_restart_keeps_messages_and_consumer_progress(open_store: Callable[..., BrokerStore]) -> None:

@@ -34,7 +34,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
@@ -52,6 +52,7 @@ from qmq.store.held import HELD_SEQUENCE, Held
 from qmq.store.indexer import RecordIndexer
 from qmq.store.intake import AppendResult, check_send
 from qmq.store.message_log import MessageLog
+from qmq.store.open_files import OpenFiles
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.recovery import RecoveryReport, StoreParts, empty_parts, recover
 from qmq.store.redelivery import RedeliveryProblems
@@ -63,6 +64,7 @@ from qmq.store.take import PullResult, Pulls
 __all__ = ["AppendResult", "BrokerStore", "PullResult", "SubjectState"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CHECKPOINTS_KEPT = 4
 
@@ -118,6 +120,11 @@ class BrokerStore:
         return self._progress.progress
 
     @property
+    def consume_files(self) -> OpenFiles:
+        """The consume logs' open files: how many (``len``), their bound, how many were closed to keep it."""
+        return self._subjects.files
+
+    @property
     def unflushed_bytes(self) -> int:
         """Bytes appended under the sync policy that wait for an fsync before pulls see them."""
         return self._subjects.unflushed_bytes
@@ -133,6 +140,15 @@ class BrokerStore:
             f"the broker's store in {str(self.dir)!r} stopped taking writes ({self.failed}); it can no longer "
             "tell what is durable: restart the broker, and recovery will find what is on disk"
         )
+
+    def _write(self, what: str, write: Callable[..., T], *args: Any) -> T:
+        """``write(*args)``, refused when the store failed; an OSError becomes the StoreError it is."""
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            return write(*args)
+        except OSError as exc:
+            raise self._write_failed(exc, what) from exc
 
     def _write_failed(self, exc: OSError, what: str) -> StoreError:
         """The error to raise for ``exc``, met while ``what``; the store fails unless it clears by itself."""
@@ -309,21 +325,11 @@ class BrokerStore:
                 start_seq = st.clog.min_seq if st else 0
             else:
                 start_seq = st.visible_seq if st else 0
-            if self.failed is not None:
-                raise self._refused()
-            try:
-                gp = self._progress.create_group(subject, group, start_seq)
-            except OSError as exc:
-                raise self._write_failed(exc, "an action-log append") from exc
+            gp = self._write("an action-log append", self._progress.create_group, subject, group, start_seq)
         return gp
 
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
-        if self.failed is not None:
-            raise self._refused()
-        try:
-            return self._progress.ack(gp, cp, ranges)
-        except OSError as exc:
-            raise self._write_failed(exc, "an action-log append") from exc
+        return self._write("an action-log append", self._progress.ack, gp, cp, ranges)
 
     def reset(self, gp: GroupProgress, to: str | int) -> int:
         """Move a group's pull offset to ``"earliest"``, ``"latest"`` or the first message stored at or
@@ -337,22 +343,12 @@ class BrokerStore:
             seq = st.visible_seq
         else:
             seq = min(st.clog.seq_at_time(int(to)), st.visible_seq)
-        if self.failed is not None:
-            raise self._refused()
-        try:
-            self._progress.reset(gp, seq)
-        except OSError as exc:
-            raise self._write_failed(exc, "an action-log append") from exc
+        self._write("an action-log append", self._progress.reset, gp, seq)
         return seq
 
     def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
         """Drop dead letters (resent or purged), logged so replay and slaves drop them too."""
-        if self.failed is not None:
-            raise self._refused()
-        try:
-            self._progress.remove_dead(dead_subject, numbers)
-        except OSError as exc:
-            raise self._write_failed(exc, "removing dead letters") from exc
+        self._write("removing dead letters", self._progress.remove_dead, dead_subject, numbers)
 
     def pull(
         self,
@@ -363,12 +359,8 @@ class BrokerStore:
         tag_filter: TagFilter | None = None,
     ) -> PullResult | None:
         """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
-        if self.failed is not None:
-            raise self._refused()
-        try:
-            return self._pulls.pull(self._subjects.get(gp.subject), gp, cp, session, max_n, tag_filter)
-        except OSError as exc:
-            raise self._write_failed(exc, "a pull") from exc
+        st = self._subjects.get(gp.subject)
+        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter)
 
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
