@@ -13,6 +13,7 @@ from sparkhelpers import send_messages
 from qmq.protocol.message import decode_message
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
 from qmq.spark.records import records_to_batch
+from qmq.store.file_header import HEAD_BYTES
 from qmq.store.reader import DataDirError, StoreReader
 
 pytestmark = pytest.mark.integration
@@ -75,7 +76,7 @@ def test_a_torn_tail_is_not_read_and_a_copy_is_left_as_it_was(
     reader = StoreReader(copy)
     end = reader.bounds(subject)[1]
     raw = last_clog.read_bytes()
-    offset = int.from_bytes(raw[-32:-24], "little") - int(last_log.name[:20])
+    offset = HEAD_BYTES + int.from_bytes(raw[-32:-24], "little") - int(last_log.name[:20])
     data = bytearray(last_log.read_bytes())
     data[offset + RECORD_HEADER_BYTES + 10] ^= 0xFF
     last_log.write_bytes(bytes(data))

@@ -24,6 +24,12 @@ def append(store: BrokerStore, body: bytes):  # type: ignore[no-untyped-def]
     return store.append(body, scan_batch(body))
 
 
+def checkpoint(store: BrokerStore) -> None:
+    state = store.checkpoint_state()
+    store.write_checkpoint(store.begin_flush(consume_logs=True), state)
+    store.after_checkpoint(state)
+
+
 def flush(store: BrokerStore) -> set[str]:
     ticket = store.begin_flush()
     ticket.run()

@@ -9,16 +9,11 @@ from pathlib import Path
 import pytest
 from test_store_send_pull import records
 
-from conftest import append, batch, flush
+from conftest import append, batch, checkpoint, flush
 from qmq.store.broker_store import BrokerStore
 from qmq.store.datadir import StoreError
+from qmq.store.file_header import HEAD_BYTES
 from qmq.store.retention import run_retention
-
-
-def checkpoint(store: BrokerStore) -> None:
-    state = store.checkpoint_state()
-    store.write_checkpoint(store.begin_flush(consume_logs=True), state)
-    store.after_checkpoint(state)
 
 
 def test_restart_keeps_messages_and_consumer_progress(open_store: Callable[..., BrokerStore]) -> None:
@@ -95,7 +90,8 @@ def test_lost_consume_log_entries_are_rebuilt_from_the_message_log(
     store.close()
     clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
     with open(clog, "r+b") as fh:
-        fh.truncate(32)  # as if the process died between the message-log and consume-log writes
+        # as if the process died between the message-log and consume-log writes, in the middle of an entry
+        fh.truncate(HEAD_BYTES + 32 + 10)
     again = open_store()
     assert again.subjects["s"].next_seq == 3
     gp = again.group("s", "g", "earliest")

@@ -7,6 +7,7 @@ import os
 import stat
 from pathlib import Path
 
+from qmq.store.message_log import FILE_KIND
 from qmq.store.segments import FlushTicket, SegmentedLog
 
 
@@ -15,7 +16,7 @@ def kinds(fds: list[int]) -> list[str]:
 
 
 def test_a_roll_leaves_the_directory_fsync_to_the_next_flush(tmp_path: Path) -> None:
-    log = SegmentedLog(tmp_path / "log", ".log", segment_bytes=100)
+    log = SegmentedLog(tmp_path / "log", ".log", 100, FILE_KIND)
     first = log.sync_fds()
     assert kinds(first) == ["dir", "file"]  # the first segment was created too
     FlushTicket(first, log.end).run()

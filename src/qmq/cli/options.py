@@ -33,12 +33,15 @@ def config_options(
         for f in reversed(fields):
             flag = "--" + rename.get(f.name, f.name).replace("_", "-")
             default = f.default if f.default is not dataclasses.MISSING else None
+            # a bool option given alone (``--accept-progress-loss``) means true; ``--x false`` still works
+            flag_value = {"flag_value": "true"} if hints[f.name] is bool else {}
             fn = click.option(
                 flag,
                 f.name,
                 default=None,
                 metavar=_metavar(hints[f.name]),
                 help=f"{f.metadata.get('doc', '')} [default: {default}]",
+                **flag_value,  # type: ignore[arg-type]
             )(fn)
         return fn
 

@@ -163,6 +163,18 @@ class BrokerConfig:
         "when the slave is gone, keep acknowledging sends on the master's copy alone instead of turning read-only",
         False,
     )
+    open_files_max: int = _opt(
+        "most consume-log files kept open at once, whatever the number of subjects (the least recently used "
+        "are closed; at most half the process's open-file limit is used)",
+        1000,
+        _range(16, 1_000_000),
+    )
+    accept_progress_loss: bool = _opt(
+        "start even when no checkpoint checks out and the action log no longer covers consumer progress "
+        "(the groups then go back to an older checkpoint, or to their start); without it the broker refuses "
+        "to start and names the damaged checkpoint",
+        False,
+    )
     message_bytes_max: int = _opt(
         "largest message the broker stores (bytes of the encoded message: a 4 MiB body plus 64 KiB for its "
         "header, names, tags and properties); larger ones are refused by index",

@@ -3,7 +3,8 @@ can replay it. This module is the one home of its format: the frame, the payload
 is written (``ProgressLog``) and the one replay of them (``apply_action``), which serves the
 broker and the offline reader (``reader.py``).
 
-Frame layout, format version 1 (little-endian), one action per frame::
+Each segment file begins with the header of ``file_header.py`` (kind ``ALOG``, the format
+version below), then frames. Frame layout, format version 1 (little-endian), one action per frame::
 
     +-----------+-----------+---------------------------+
     | length u32| crc32c u32| payload (msgpack list)    |
@@ -24,8 +25,10 @@ Payloads (a later version may only add items at the end):
     [DEAD_REMOVE, dead_letter_subject, [letter numbers]]   (resent or purged)
     [FORGET, subject, group, [consumer_id, ...]]   (consumers gone with nothing unacknowledged)
 
-The version is not written in the files: a new layout needs a new version here and a
-migration. A consumer's pull log is the sequence of its PULL runs; it lives in memory
+A new layout needs a new version here, and a way to read the files of the old one. A frame
+that passes its CRC but is no action of this version was written by another version of qmq:
+recovery refuses to start rather than cut it (only a frame that fails its CRC is a torn tail).
+A consumer's pull log is the sequence of its PULL runs; it lives in memory
 (``progress``), in checkpoints, and here. Writes go to the OS at once (so ``kill -9`` loses
 nothing) and are fsynced with checkpoints.
 """
@@ -41,12 +44,15 @@ from typing import Any
 import crc32c
 import msgpack
 
+from qmq.store.datadir import StoreError
+from qmq.store.file_header import FileKind
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.segments import SegmentedLog
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+FILE_KIND = FileKind(b"ALOG", FORMAT_VERSION, "action-log segment")
 FRAME = struct.Struct("<II")  # payload length, CRC32C of the payload
 FRAME_BYTES = FRAME.size
 SEGMENT_SUFFIX = ".act"
@@ -72,9 +78,14 @@ def frame_len(buf: bytes, pos: int) -> int | None:
     return FRAME_BYTES + int(length)
 
 
+class UnreadableAction(Exception):
+    """A frame that passes its CRC but holds no action of this format version."""
+
+
 def read_frame(read: Callable[[int, int], bytes], pos: int) -> tuple[list[Any], int] | None:
     """The action in the frame at ``pos`` and the position after it; None where the frame is
-    partial, fails its CRC or does not decode as an action (a torn tail).
+    partial or fails its CRC (a torn tail). ``UnreadableAction`` for a frame that passes its
+    CRC but does not decode as an action (another version's).
 
     ``read(pos, size)`` gives the bytes there, fewer where the log ends.
     """
@@ -87,10 +98,12 @@ def read_frame(read: Callable[[int, int], bytes], pos: int) -> tuple[list[Any], 
         return None
     try:
         action = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception:  # a CRC-valid record that does not decode (another version's): as torn
-        return None
+    except Exception:  # msgpack raises many types for bad input
+        action = None
     if not isinstance(action, list) or not action:
-        return None
+        raise UnreadableAction(
+            f"the action-log frame at offset {pos} passes its CRC but is no action of format version {FORMAT_VERSION}"
+        )
     return action, pos + FRAME_BYTES + length
 
 
@@ -155,7 +168,7 @@ class ActionLog:
     def __init__(
         self, directory: Path, segment_bytes: int = SEGMENT_BYTES, on_append: Callable[[], None] | None = None
     ) -> None:
-        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, segment_bytes)
+        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, segment_bytes, FILE_KIND)
         self.on_append = on_append
 
     @property
@@ -169,7 +182,9 @@ class ActionLog:
             self.on_append()
 
     def replay(self, start: int, torn: list[int]) -> Iterator[list[Any]]:
-        """Yield actions from ``start``; on a torn or corrupt record, cut the log there.
+        """Yield actions from ``start``; on a torn record (partial, or failing its CRC), cut the
+        log there. A record that passes its CRC but does not decode raises StoreError: it is
+        another version's, and cutting it would lose what follows.
 
         ``torn`` receives the number of bytes cut (0 when the log was whole).
         """
@@ -179,7 +194,13 @@ class ActionLog:
             seg = log.segment_for(pos)
             if seg is None:
                 break
-            frame = read_frame(log.read, pos)
+            try:
+                frame = read_frame(log.read, pos)
+            except UnreadableAction as exc:
+                raise StoreError(
+                    f"{seg.path}: {exc}; it was written by another version of qmq. Nothing was cut: "
+                    "run the qmq version that wrote it, or move the data directory aside"
+                ) from None
             if frame is None:
                 torn.append(log.truncate(pos))
                 return

@@ -18,14 +18,23 @@ the files; no part knows the store.
 Everything is synchronous. ``begin_flush`` returns a ticket whose ``run`` (fdatasync of the
 files written since the last flush) may run on another thread; ``complete_flush`` then makes
 the flushed messages visible to consumers.
+
+When a write fails, the store is left as it was before it: a send's batch is undone whole
+(message log, consume logs and dead letters cut back, sequences restored, nothing in the
+duplicate window), so the producer's retry stores it once. A full disk (``DiskFullError``) or
+no free file descriptor (``OutOfFilesError``) clears by itself: the next write just works.
+Any other I/O error, a failed fsync, or an undo that fails leaves the store unsure of what
+is durable: it sets ``failed`` (the reason) and refuses every later write with a StoreError
+saying a restart is needed; recovery then finds what is on disk.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
@@ -33,17 +42,20 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import pack_record_into
 from qmq.store.action_log import ActionLog
+from qmq.store.checkpoint import FORMAT_VERSION as CHECKPOINT_VERSION
 from qmq.store.checkpoint import history as checkpoint_history
 from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY
-from qmq.store.datadir import DataDirLock, StoreError, store_error
+from qmq.store.datadir import DataDirLock, StoreError, clears_by_itself, store_error
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.held import HELD_SEQUENCE, Held
 from qmq.store.indexer import RecordIndexer
 from qmq.store.intake import AppendResult, check_send
 from qmq.store.message_log import MessageLog
+from qmq.store.open_files import OpenFiles
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.recovery import RecoveryReport, StoreParts, empty_parts, recover
+from qmq.store.redelivery import RedeliveryProblems
 from qmq.store.segments import FlushTicket
 from qmq.store.subjects import SubjectState
 from qmq.store.tags import TagFilter
@@ -52,6 +64,7 @@ from qmq.store.take import PullResult, Pulls
 __all__ = ["AppendResult", "BrokerStore", "PullResult", "SubjectState"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CHECKPOINTS_KEPT = 4
 
@@ -64,9 +77,14 @@ class BrokerStore:
         self.dir = Path(config.data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = DataDirLock(self.dir, "broker")
+        # held for the life of the store: a checkpoint's syncfs goes through it (FlushTicket)
+        self._dir_fd = os.open(self.dir, os.O_RDONLY)
         self.sync_policy = config.flush == "sync"
         # called after anything is written to the message log or the action log (slaves wait on it)
         self.on_grow: Callable[[], None] | None = None
+        # why the store stopped taking writes (see the module docstring); None while it takes them
+        self.failed: str | None = None
+        self.redelivery_problems = RedeliveryProblems()  # see redelivery.py
         self._open_files()
         self._install(empty_parts(self.dir, config, limits, self.alog, self.dead))
 
@@ -102,6 +120,11 @@ class BrokerStore:
         return self._progress.progress
 
     @property
+    def consume_files(self) -> OpenFiles:
+        """The consume logs' open files: how many (``len``), their bound, how many were closed to keep it."""
+        return self._subjects.files
+
+    @property
     def unflushed_bytes(self) -> int:
         """Bytes appended under the sync policy that wait for an fsync before pulls see them."""
         return self._subjects.unflushed_bytes
@@ -109,6 +132,40 @@ class BrokerStore:
     def indexer(self, index_from: int) -> RecordIndexer:
         """An indexer of message-log records written without ``append`` (a slave's copy)."""
         return RecordIndexer(self._subjects, self.dedup, self.held, self.dead, index_from)
+
+    # -- failures ----------------------------------------------------------------------
+
+    def _refused(self) -> StoreError:
+        return StoreError(
+            f"the broker's store in {str(self.dir)!r} stopped taking writes ({self.failed}); it can no longer "
+            "tell what is durable: restart the broker, and recovery will find what is on disk"
+        )
+
+    def _write(self, what: str, write: Callable[..., T], *args: Any) -> T:
+        """``write(*args)``, refused when the store failed; an OSError becomes the StoreError it is."""
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            return write(*args)
+        except OSError as exc:
+            raise self._write_failed(exc, what) from exc
+
+    def _write_failed(self, exc: OSError, what: str) -> StoreError:
+        """The error to raise for ``exc``, met while ``what``; the store fails unless it clears by itself."""
+        err = store_error(exc, self.dir)
+        if clears_by_itself(err):
+            return err
+        self._fail(f"{what} failed: {exc}")
+        return self._refused()
+
+    def _fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            log.critical("the broker's store stops taking writes until a restart: %s", reason)
+
+    def _flush_failed(self, exc: OSError) -> None:
+        # may run on the flusher's thread: after a failed fsync the page cache's state is unknown
+        self._fail(f"an fsync failed: {exc}")
 
     def replay_actions(self, start: int) -> tuple[int, int]:
         """Apply action-log records written without this store (a slave's copy); see ProgressLog.replay."""
@@ -134,14 +191,19 @@ class BrokerStore:
         policy wherever nothing earlier of the subject still waits for one. ``refused`` names,
         by index, messages the caller found unfit to store (the reason goes into the errors).
         """
+        if self.failed is not None:
+            raise self._refused()
         now = self.clock.now_ms() if now_ms is None else now_ms
-        errors, accepted, duplicates, total = check_send(
-            scanned, now, self.limits, self._subjects, self.dedup, dedup_check, refused
-        )
-        if not accepted:
-            return AppendResult(errors, duplicates, 0, 0, {})
+        try:
+            errors, accepted, duplicates, total = check_send(
+                scanned, now, self.limits, self._subjects, self.dedup, dedup_check, refused
+            )
+            if not accepted:
+                return AppendResult(errors, duplicates, 0, 0, {})
+            base = self.mlog.offset_for_append(total)
+        except OSError as exc:  # a new subject's consume log, or the message log's next segment
+            raise self._write_failed(exc, "opening a file") from exc
 
-        base = self.mlog.offset_for_append(total)
         out = bytearray(total)
         view = memoryview(body)
         touched: dict[SubjectState, int] = {}
@@ -177,28 +239,7 @@ class BrokerStore:
             else:
                 counts[0] += 1
                 counts[1] += sm.length
-        try:
-            self.mlog.append(out)
-        except OSError as exc:
-            for st, seq in touched.items():
-                st.next_seq = seq
-                st.pending.clear()
-            raise store_error(exc, self.dir) from exc
-        dirty = self._subjects.dirty
-        for st in touched:
-            try:
-                st.clog.append(st.pending)
-            except OSError as exc:
-                # The message log holds the records; recovery rebuilds this consume log from it.
-                raise StoreError(f"consume log of {st.name!r} could not be written: {exc}") from exc
-            finally:
-                st.pending.clear()
-            dirty.add(st)
-        for name, letters in dead_letters.items():
-            try:
-                self.dead.append(name, letters, now)
-            except OSError as exc:
-                raise store_error(exc, self.dir) from exc
+        self._write_batch(out, base, touched, dead_letters, now)
         self.dedup.add_many([a[3] for a in accepted], now)
         self.dedup.total_messages += len(accepted)
         for h in held:
@@ -207,24 +248,69 @@ class BrokerStore:
         self._grew()
         return AppendResult(errors, duplicates, len(accepted), total, per_subject)
 
+    def _write_batch(
+        self,
+        out: bytearray,
+        base: int,
+        touched: dict[SubjectState, int],
+        dead_letters: dict[str, list[tuple[int, bytes | memoryview]]],
+        now_ms: int,
+    ) -> None:
+        """Write one send's records (``out``, at ``base``), its consume-log entries (each touched
+        subject's ``pending``, from the sequence ``touched`` gives) and its dead letters: all of
+        them, or none (see the module docstring)."""
+        clogs_written: list[SubjectState] = []
+        dead_marks: dict[str, tuple[int, int, int] | None] = {}
+        what = "the message-log append"
+        try:
+            self.mlog.append(out)
+            what = "a consume-log append"
+            for st in touched:
+                st.clog.append(st.pending)
+                clogs_written.append(st)
+            what = "a dead-letter append"
+            for name, letters in dead_letters.items():
+                dead_marks[name] = self.dead.mark(name)
+                self.dead.append(name, letters, now_ms)
+        except OSError as exc:
+            for st, first in touched.items():
+                st.next_seq = first
+                st.pending.clear()
+            try:
+                for st in clogs_written:
+                    st.clog.truncate(touched[st])
+                for name, mark in dead_marks.items():
+                    self.dead.cut_back(name, mark)
+                if self.mlog.end > base:
+                    self.mlog.truncate(base)
+            except OSError as undo:
+                self._fail(f"{what} failed ({exc}) and the batch could not be undone: {undo}")
+                raise self._refused() from exc
+            raise self._write_failed(exc, what) from exc
+        for st in touched:
+            st.pending.clear()
+
     # -- flush -------------------------------------------------------------------------
 
     def begin_flush(self, consume_logs: bool = False) -> FlushTicket:
-        """fsync work for what was written so far: the message log always; with ``consume_logs``
-        (checkpoints) also the action log and every consume log written since the last one.
+        """fsync work for what was written so far: the message log and dead letters always; with
+        ``consume_logs`` (checkpoints) also the action log and, with one syncfs of the data's
+        file system, every consume log written since the last one (open or closed: open_files.py).
 
         Acks and pulls reach the OS at once, so ``kill -9`` loses none; fsyncing them only at
         checkpoints keeps the send path to one fsync per group commit. A power loss may then
         re-deliver what was acknowledged since the last checkpoint: at least once, never lost.
         """
         fds = self.mlog.segments.sync_fds()
+        fds.extend(self.dead.take_sync_fds())  # dead letters are answered like any send: after this flush
+        syncfs_fd = -1
         if consume_logs:
             fds.extend(self.alog.segments.sync_fds())
-            dirty = self._subjects.dirty
-            for st in dirty:
-                fds.extend(st.clog.segments.sync_fds())
-            dirty.clear()
-        return FlushTicket(fds, self.mlog.end)
+            files = self._subjects.files
+            if files.unsynced:
+                files.unsynced = False
+                syncfs_fd = self._dir_fd
+        return FlushTicket(fds, self.mlog.end, self._flush_failed, syncfs_fd)
 
     def complete_flush(self, ticket: FlushTicket) -> set[str]:
         """Make everything the ticket covered visible; returns the subjects that moved."""
@@ -241,11 +327,11 @@ class BrokerStore:
                 start_seq = st.clog.min_seq if st else 0
             else:
                 start_seq = st.visible_seq if st else 0
-            gp = self._progress.create_group(subject, group, start_seq)
+            gp = self._write("an action-log append", self._progress.create_group, subject, group, start_seq)
         return gp
 
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
-        return self._progress.ack(gp, cp, ranges)
+        return self._write("an action-log append", self._progress.ack, gp, cp, ranges)
 
     def reset(self, gp: GroupProgress, to: str | int) -> int:
         """Move a group's pull offset to ``"earliest"``, ``"latest"`` or the first message stored at or
@@ -259,7 +345,7 @@ class BrokerStore:
             seq = st.visible_seq
         else:
             seq = min(st.clog.seq_at_time(int(to)), st.visible_seq)
-        self._progress.reset(gp, seq)
+        self._write("an action-log append", self._progress.reset, gp, seq)
         return seq
 
     def forget_gone_consumers(self, now_ms: int, gone_ms: int) -> int:
@@ -268,7 +354,7 @@ class BrokerStore:
 
     def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
         """Drop dead letters (resent or purged), logged so replay and slaves drop them too."""
-        self._progress.remove_dead(dead_subject, numbers)
+        self._write("removing dead letters", self._progress.remove_dead, dead_subject, numbers)
 
     def pull(
         self,
@@ -278,8 +364,9 @@ class BrokerStore:
         max_n: int,
         tag_filter: TagFilter | None = None,
     ) -> PullResult | None:
-        """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull)."""
-        return self._pulls.pull(self._subjects.get(gp.subject), gp, cp, session, max_n, tag_filter)
+        """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
+        st = self._subjects.get(gp.subject)
+        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter)
 
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
@@ -290,7 +377,7 @@ class BrokerStore:
     def checkpoint_state(self) -> dict[str, Any]:
         now = self.clock.now_ms()
         return {
-            "version": 1,
+            "version": CHECKPOINT_VERSION,
             "time_ms": now,
             "message_offset": self.mlog.end,
             "action_offset": self.alog.end,
@@ -303,17 +390,31 @@ class BrokerStore:
 
     def write_checkpoint(self, ticket: FlushTicket, state: dict[str, Any]) -> None:
         """Thread-safe part of a checkpoint: fsync what it covers, then replace the checkpoint file
-        (keeping the last few, for a demoted master cutting its logs back; see replica.rewind)."""
-        ticket.run()
-        write_checkpoint(self.dir, state, history_key=state["message_offset"], history_max=_CHECKPOINTS_KEPT)
+        (keeping the last few, for a demoted master cutting its logs back; see replica.rewind).
+
+        A failed store writes none: it can no longer vouch for the offsets it would name."""
+        if self.failed is not None:
+            raise self._refused()
+        try:
+            ticket.run()  # a failed fsync fails the store (the ticket's on_error)
+        except OSError as exc:
+            raise self._refused() from exc
+        # keyed by both offsets: checkpoints of acks alone (no new messages) are kept apart too
+        key = (state["message_offset"], state["action_offset"])
+        try:
+            write_checkpoint(self.dir, state, history_key=key, history_max=_CHECKPOINTS_KEPT)
+        except OSError as exc:
+            raise self._write_failed(exc, "writing the checkpoint") from exc
 
     def after_checkpoint(self, state: dict[str, Any]) -> None:
-        # action-log segments are kept back to the oldest kept checkpoint, which may be recovered from
+        # action-log segments are kept back to the oldest kept checkpoint that checks out, which
+        # recovery falls back to when the newer ones are damaged
         oldest = state["action_offset"]
-        for path in checkpoint_history(self.dir)[:1]:
+        for path in checkpoint_history(self.dir):
             kept = read_checkpoint(self.dir, path)
             if kept is not None:
                 oldest = min(oldest, kept["action_offset"])
+                break
         self.alog.delete_before(oldest)
 
     def _grew(self) -> None:
@@ -333,4 +434,7 @@ class BrokerStore:
 
     def close(self) -> None:
         self.close_files()
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
         self._lock.release()

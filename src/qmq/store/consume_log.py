@@ -4,7 +4,7 @@ This module is the one home of the entry layout: the struct, the numpy dtype and
 numbers below are what every reader of consume logs uses (the store's pulls, recovery,
 retention, retries, and the offline reader in ``reader.py``).
 
-Entry layout, format version 1 (little-endian, 32 bytes; entry N at byte N × 32)::
+Entry layout, format version 1 (little-endian, 32 bytes; entry N at log offset N × 32)::
 
     0                 8         12                20                28        32
     +-----------------+---------+-----------------+-----------------+---------+
@@ -19,8 +19,9 @@ Entry layout, format version 1 (little-endian, 32 bytes; entry N at byte N × 32
     | tag bloom  | u64  | 20-27  | two bits per tag (``tag_bloom``); 0 without tags      |
     | reserved   | u32  | 28-31  | 0                                                     |
 
-The version is not written in the files (they hold entries only): a new layout needs a new
-version here and a migration. Along a subject, log offsets and stored times never go back.
+Each segment file begins with the header of ``file_header.py`` (kind ``CLOG``, the format
+version), then entries; files written before headers hold entries only. A new layout needs a
+new version here. Along a subject, log offsets and stored times never go back.
 
 The consume log is derived: recovery rebuilds its tail from the message log. Its segment
 files are named by their base byte offset (entry number × 32), like the message log's.
@@ -28,6 +29,7 @@ files are named by their base byte offset (entry number × 32), like the message
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -35,9 +37,12 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from qmq.store.file_header import FileKind, write_all
+from qmq.store.open_files import OpenFiles
 from qmq.store.segments import SegmentedLog
 
 FORMAT_VERSION = 1
+FILE_KIND = FileKind(b"CLOG", FORMAT_VERSION, "consume-log segment")
 ENTRY = struct.Struct("<QIqQI")
 ENTRY_BYTES = ENTRY.size  # 32
 # the same layout as a numpy record, for reading many entries at once
@@ -84,16 +89,39 @@ def first_seq_reaching(read: Callable[[int, int], bytes], lo: int, hi: int, fiel
 
 
 class ConsumeLog:
-    def __init__(self, directory: Path, subject: str, entries_per_segment: int) -> None:
+    """One subject's entries. With ``files`` (the broker's), its segment files are opened when
+    used and closed within that bound (see open_files.py)."""
+
+    def __init__(self, directory: Path, subject: str, entries_per_segment: int, files: OpenFiles | None = None) -> None:
         self.directory = directory
         self.subject = subject
-        directory.mkdir(parents=True, exist_ok=True)
-        name_file = directory / SUBJECT_FILE
-        if not name_file.exists():
-            tmp = directory / (SUBJECT_FILE + ".tmp")
-            tmp.write_text(subject, encoding="utf-8")
-            tmp.replace(name_file)
-        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES)
+        # a new subject costs a few file-system calls, each tens of microseconds: no more than needed
+        try:
+            os.mkdir(directory)
+            new = True
+        except FileExistsError:
+            new = False
+        except FileNotFoundError:
+            directory.mkdir(parents=True)
+            new = True
+        name_file = f"{directory}/{SUBJECT_FILE}"
+        if new or not os.path.exists(name_file):
+            tmp = name_file + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_all(fd, subject.encode("utf-8"))
+            finally:
+                os.close(fd)
+            os.replace(tmp, name_file)
+        self.segments = SegmentedLog(
+            directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, empty=new
+        )
+        partial = self.segments.end % ENTRY_BYTES
+        if partial:  # a torn last entry: appends must start on an entry boundary
+            self.segments.truncate(self.segments.end - partial)
+        # where the last entry's record ends, read now while the file is open (see cut_past)
+        last = self.last_entry()
+        self._last_record_end: int | None = 0 if last is None else last[0] + last[1]
 
     @staticmethod
     def subject_in(directory: Path) -> str | None:
@@ -112,6 +140,7 @@ class ConsumeLog:
 
     def append(self, entries: bytes | bytearray) -> None:
         self.segments.append(entries)
+        self._last_record_end = None
 
     def read(self, seq: int, count: int) -> bytes:
         """Up to ``count`` entries from ``seq`` (fewer at the end of the log)."""
@@ -137,11 +166,14 @@ class ConsumeLog:
 
     def truncate(self, seq: int) -> int:
         """Drop entries from ``seq`` on; returns how many were dropped."""
+        self._last_record_end = None
         return self.segments.truncate(seq * ENTRY_BYTES) // ENTRY_BYTES
 
     def cut_past(self, log_end: int) -> int:
         """Drop the entries at the end whose record lies past ``log_end`` (the message log's end
         after recovery cut a torn tail); returns how many were dropped."""
+        if self._last_record_end is not None and self._last_record_end <= log_end:
+            return 0  # known without reading: with many subjects, most files are closed by now
         cut = 0
         while self.next_seq > self.min_seq:
             back = min(1024, self.next_seq - self.min_seq)

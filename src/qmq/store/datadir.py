@@ -27,6 +27,13 @@ class DiskFullError(StoreError):
     retriable = True
 
 
+class OutOfFilesError(StoreError):
+    """The process (or the system) has no file descriptor to spare; clears by itself once some
+    are closed (connections end, the store closes files it caches)."""
+
+    retriable = True
+
+
 class DataDirLock:
     """An exclusive ``flock`` on ``<data_dir>/LOCK`` holding the owner's pid, for the life of a store."""
 
@@ -50,7 +57,18 @@ class DataDirLock:
 
 
 def store_error(exc: OSError, directory: Path) -> StoreError:
-    """``DiskFullError`` for a full disk or quota, else ``StoreError``, each naming ``directory``."""
+    """``DiskFullError`` for a full disk or quota, ``OutOfFilesError`` when no file descriptor is
+    free, else ``StoreError``, each naming ``directory``."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFullError(f"the disk of {str(directory)!r} is full; free space or move the data directory")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return OutOfFilesError(
+            f"no file descriptor is free to write to {str(directory)!r} ({exc.strerror}); retry shortly, "
+            "or raise the open-file limit (ulimit -n) or lower open_files_max"
+        )
     return StoreError(f"writing to {str(directory)!r} failed: {exc}")
+
+
+def clears_by_itself(err: StoreError) -> bool:
+    """Whether ``err`` (from ``store_error``) passes without a restart: a full disk, no free descriptor."""
+    return isinstance(err, DiskFullError | OutOfFilesError)

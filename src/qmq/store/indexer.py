@@ -52,7 +52,7 @@ class RecordIndexer:
         try:
             (sm,) = scan_batch(bytes(message))
         except (RemoteProtocolError, ValueError):
-            raise UnreadableRecord(f"record at offset {offset} does not decode as a message") from None
+            raise UnreadableRecord(f"the record at offset {offset} does not decode as a message") from None
         key = dedup_key(sm)
         self._keys.append(key)
         self._last_ms = stored_ms

@@ -7,6 +7,9 @@ of records is written with one ``write`` and never spans two segments, so every 
 starts on a record boundary. Recovery scans records from a
 checkpointed offset, checks each CRC and cuts the log at the first record that does not
 check out (a torn tail).
+
+Format version 1: each segment file begins with the header of ``file_header.py`` (kind
+``MLOG``), then records back to back. A record's magic "QMR1" also names its layout's version.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import numpy as np
 
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, read_record_header, record_crc_ok
 from qmq.store.datadir import StoreError
+from qmq.store.file_header import FileKind
 from qmq.store.segments import SegmentedLog
 
 log = logging.getLogger(__name__)
 
+FORMAT_VERSION = 1
+FILE_KIND = FileKind(b"MLOG", FORMAT_VERSION, "message-log segment")
 SEGMENT_SUFFIX = ".log"
 RECORD_HEADER_DTYPE = np.dtype(
     [("magic", "<u4"), ("crc", "<u4"), ("length", "<u4"), ("sequence", "<u8"), ("stored_ms", "<i8")]
@@ -46,7 +52,7 @@ class ScanResult(NamedTuple):
 
 class MessageLog:
     def __init__(self, directory: Path, segment_bytes: int) -> None:
-        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, segment_bytes)
+        self.segments = SegmentedLog(directory, SEGMENT_SUFFIX, segment_bytes, FILE_KIND)
 
     @property
     def start(self) -> int:

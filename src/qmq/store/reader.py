@@ -13,6 +13,10 @@ safe to use while the broker runs. It reads what the files hold at the moment it
   replayed by the broker's own rule (``action_log.apply_action``).
 - dead letters (``dead_letters.py``), with the ones resent or purged marked as removed.
 
+Every file may begin with the header of ``file_header.py``; files written before headers have
+none. A file of a format version this qmq does not read, or a record that passes its CRC but
+does not decode, raises DataDirError naming it: a data job never reads past what it cannot read.
+
 Files that retention deletes while a read runs count as gone: a read then starts at the
 first record still kept.
 """
@@ -34,8 +38,9 @@ from qmq.protocol.record import RECORD_HEADER_BYTES, RECORD_MAGIC, read_record_h
 from qmq.store import action_log as act
 from qmq.store import consume_log, message_log
 from qmq.store import dead_letters as dl
-from qmq.store.checkpoint import read_checkpoint
+from qmq.store.checkpoint import newest_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE, SUBJECT_FILE, first_seq_reaching
+from qmq.store.file_header import HEAD_BYTES, FileFormatError, FileKind, head_bytes
 from qmq.store.message_log import RECORD_HEADER_DTYPE
 from qmq.store.progress import Progress
 
@@ -44,6 +49,8 @@ READ_BYTES_MAX = 8 * 1024 * 1024
 # Re-listing segments after one vanished mid-read: retention deletes from the front, so a
 # couple of tries always find the new front.
 _RELIST_TRIES_MAX = 3
+# Header sizes of segment files seen (a file's header never changes), to read each once.
+_HEADS_CACHED_MAX = 100_000
 
 
 class DataDirError(QmqError):
@@ -54,29 +61,12 @@ class DataDirError(QmqError):
 class _Seg:
     base: int
     path: Path
-    size: int
+    size: int  # bytes of data, the header not counted
+    head: int  # bytes of the header
 
     @property
     def end(self) -> int:
         return self.base + self.size
-
-
-def _segments(directory: Path, suffix: str) -> list[_Seg]:
-    out: list[_Seg] = []
-    try:
-        paths = sorted(directory.glob(f"*{suffix}"))
-    except OSError:
-        return out
-    for path in paths:
-        stem = path.name[: -len(suffix)]
-        if len(stem) != 20 or not stem.isdigit():
-            continue
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            continue
-        out.append(_Seg(int(stem), path, size))
-    return out
 
 
 def _reader_of(data: bytes) -> Callable[[int, int], bytes]:
@@ -126,11 +116,40 @@ class StoreReader:
         if not _is_broker_dir(self.dir) and _is_broker_dir(self.dir / "broker"):
             self.dir = self.dir / "broker"  # the --data-dir of `qmq standalone`
         self._checked_from: int | None = None
+        self._heads: dict[Path, int] = {}
         if not _is_broker_dir(self.dir):
             raise DataDirError(
                 f"{str(self.dir)!r} is not a broker's data directory (no log/ and consume/ in it); "
                 "pass the --data-dir a broker or `qmq standalone` was started with"
             )
+
+    def _segments(self, directory: Path, suffix: str, kind: FileKind) -> list[_Seg]:
+        out: list[_Seg] = []
+        try:
+            paths = sorted(directory.glob(f"*{suffix}"))
+        except OSError:
+            return out
+        for path in paths:
+            stem = path.name[: -len(suffix)]
+            if len(stem) != 20 or not stem.isdigit():
+                continue
+            try:
+                size = path.stat().st_size
+                head = self._heads.get(path)
+                if head is None:
+                    head = head_bytes(path, _pread(path, HEAD_BYTES, 0), kind)
+                    if head is None:  # being created: nothing in it yet
+                        out.append(_Seg(int(stem), path, 0, HEAD_BYTES))
+                        continue
+                    if len(self._heads) >= _HEADS_CACHED_MAX:
+                        self._heads.clear()
+                    self._heads[path] = head
+            except FileNotFoundError:
+                continue
+            except FileFormatError as exc:
+                raise DataDirError(str(exc)) from None
+            out.append(_Seg(int(stem), path, max(0, size - head), head))
+        return out
 
     # -- subjects ----------------------------------------------------------------------
 
@@ -160,7 +179,7 @@ class StoreReader:
         clog = self.consume_dir(subject)
         if clog is None:
             return 0, 0
-        segs = _segments(clog, consume_log.SEGMENT_SUFFIX)
+        segs = self._segments(clog, consume_log.SEGMENT_SUFFIX, consume_log.FILE_KIND)
         if not segs:
             return 0, 0
         first = self._first_kept(subject, clog, segs)
@@ -171,7 +190,7 @@ class StoreReader:
 
     def _first_kept(self, subject: str, clog: Path, segs: list[_Seg]) -> int:
         """The first sequence whose record the message log still holds (retention goes by whole segments)."""
-        logs = _segments(self.dir / "log", message_log.SEGMENT_SUFFIX)
+        logs = self._segments(self.dir / "log", message_log.SEGMENT_SUFFIX, message_log.FILE_KIND)
         log_start = logs[0].base if logs else 0
         seq = -(-segs[0].base // ENTRY_BYTES)
         end = segs[-1].end // ENTRY_BYTES
@@ -206,13 +225,13 @@ class StoreReader:
         out = bytearray()
         offset = seq * ENTRY_BYTES
         want = count * ENTRY_BYTES
-        for seg in _segments(clog, consume_log.SEGMENT_SUFFIX):
+        for seg in self._segments(clog, consume_log.SEGMENT_SUFFIX, consume_log.FILE_KIND):
             if seg.end <= offset or len(out) >= want:
                 continue
             if seg.base > offset:
                 break  # a hole: never happens in a broker's files; stop rather than guess
             try:
-                chunk = _pread(seg.path, min(want - len(out), seg.end - offset), offset - seg.base)
+                chunk = _pread(seg.path, min(want - len(out), seg.end - offset), seg.head + offset - seg.base)
             except FileNotFoundError:
                 break
             out += chunk
@@ -222,10 +241,10 @@ class StoreReader:
         return bytes(out[: len(out) // ENTRY_BYTES * ENTRY_BYTES])
 
     def _read_log(self, offset: int, size: int) -> bytes:
-        for seg in _segments(self.dir / "log", message_log.SEGMENT_SUFFIX):
+        for seg in self._segments(self.dir / "log", message_log.SEGMENT_SUFFIX, message_log.FILE_KIND):
             if seg.base <= offset < seg.end:
                 try:
-                    return _pread(seg.path, min(size, seg.end - offset), offset - seg.base)
+                    return _pread(seg.path, min(size, seg.end - offset), seg.head + offset - seg.base)
                 except FileNotFoundError:
                     return b""
         return b""
@@ -259,7 +278,7 @@ class StoreReader:
         )
 
     def _read(self, subject: str, clog: Path, from_seq: int, to_seq: int, bytes_max: int, verify: bool) -> RecordRun:
-        segs = _segments(clog, consume_log.SEGMENT_SUFFIX)
+        segs = self._segments(clog, consume_log.SEGMENT_SUFFIX, consume_log.FILE_KIND)
         if not segs:
             return RecordRun(from_seq, 0, b"")
         first = max(from_seq, self._first_kept(subject, clog, segs))
@@ -276,7 +295,7 @@ class StoreReader:
         offsets, sizes, ends = offsets[:count], sizes[:count], ends[:count]
         # records that follow each other in the message log are read with one pread
         breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1
-        logs = _segments(self.dir / "log", message_log.SEGMENT_SUFFIX)
+        logs = self._segments(self.dir / "log", message_log.SEGMENT_SUFFIX, message_log.FILE_KIND)
         out = bytearray()
         for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
             out += self._read_span(logs, int(offsets[a]), int(offsets[b - 1] + sizes[b - 1]))
@@ -320,7 +339,7 @@ class StoreReader:
     def _crc_from(self) -> int:
         """Message-log offset from which records are CRC-checked: the checkpoint's, read once."""
         if self._checked_from is None:
-            state = read_checkpoint(self.dir)
+            state = newest_checkpoint(self.dir)
             self._checked_from = int(state.get("message_offset", 0)) if state else 0
         return self._checked_from
 
@@ -334,7 +353,7 @@ class StoreReader:
                 continue
             if seg.base > pos:
                 break
-            chunk = _pread(seg.path, min(end, seg.end) - pos, pos - seg.base)
+            chunk = _pread(seg.path, min(end, seg.end) - pos, seg.head + pos - seg.base)
             out += chunk
             pos += len(chunk)
             if len(chunk) == 0:
@@ -366,22 +385,29 @@ class StoreReader:
     # -- consumer progress -------------------------------------------------------------
 
     def checkpoint(self) -> dict[str, Any] | None:
-        return read_checkpoint(self.dir)
+        return newest_checkpoint(self.dir)
 
     def actions(self, start: int = 0) -> Iterator[ActionAt]:
         """Actions from offset ``start`` (or the oldest kept) to the first that does not check out."""
-        segs = _segments(self.dir / "action", act.SEGMENT_SUFFIX)
+        segs = self._segments(self.dir / "action", act.SEGMENT_SUFFIX, act.FILE_KIND)
         for seg in segs:
             if seg.end <= start:
                 continue
             try:
-                data = _pread(seg.path, seg.size, 0)
+                data = _pread(seg.path, seg.size, seg.head)
             except FileNotFoundError:
                 continue  # deleted after a checkpoint: its actions are in the checkpoint
             pos = max(0, start - seg.base)
             read = _reader_of(data)
             while pos < len(data):
-                frame = act.read_frame(read, pos)
+                try:
+                    frame = act.read_frame(read, pos)
+                except act.UnreadableAction:
+                    raise DataDirError(
+                        f"{seg.path}: the action-log frame at offset {seg.base + pos} passes its CRC but is no "
+                        f"action of format version {act.FORMAT_VERSION}; another version of qmq wrote it: "
+                        "read this directory with that version"
+                    ) from None
                 if frame is None:
                     return
                 yield ActionAt(seg.base + pos, frame[0])
@@ -415,9 +441,12 @@ class StoreReader:
             try:
                 name = (box / dl.SUBJECT_FILE).read_text(encoding="utf-8")
                 raw_removed = (box / dl.REMOVED_FILE).read_bytes() if (box / dl.REMOVED_FILE).exists() else b""
-                letters = (box / dl.LETTERS_FILE).read_bytes()
+                letters = dl.file_data(box / dl.LETTERS_FILE, (box / dl.LETTERS_FILE).read_bytes(), dl.LETTERS_KIND)
+                raw_removed = dl.file_data(box / dl.REMOVED_FILE, raw_removed, dl.REMOVED_KIND)
             except (FileNotFoundError, NotADirectoryError):
                 continue
+            except FileFormatError as exc:
+                raise DataDirError(str(exc)) from None
             removed = dl.removed_numbers(raw_removed)
             removed |= removed_by_action.get(name, set())
             pos = 0

@@ -1,11 +1,18 @@
 """Recovery: build a broker store's in-memory parts again from its files after any stop.
 
-1. Read the checkpoint (offsets, subjects, consumer progress, held messages, dedup marks).
+1. Read the checkpoint (offsets, subjects, consumer progress, held messages, dedup marks): the
+   newest that checks out, the latest or a kept one. Consumer progress is the checkpoint's plus
+   the action log after it, so when no checkpoint checks out and the action log no longer
+   begins at 0 (segments before the oldest kept checkpoint are deleted), progress would be
+   lost: recovery refuses to start (StoreError naming the damaged file) unless the operator
+   accepts that (``accept_progress_loss``), never resetting consumer groups without a word.
 2. Scan the message log from the checkpoint (or, for the duplicate window, from the oldest
    checkpoint mark still inside the window), checking every CRC: records after the checkpoint
    are indexed into their consume logs again if their entries were lost, held records (and
    those the checkpoint names) are held again unless a copy follows them (held.py); the
-   first record that does not check out marks a torn tail, which is cut and logged.
+   first record that fails its CRC (or is cut short) marks a torn tail, which is cut and
+   logged. A record that passes its CRC but does not decode is another version's: recovery
+   refuses to start (StoreError naming the file, offset and format version), cutting nothing.
 3. Cut consume-log entries that point past the end of the message log.
 4. Replay the action log from the checkpoint into consumer progress (cutting its torn tail).
 
@@ -19,12 +26,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qmq.common.clock import Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import Limits
+from qmq.store import message_log
 from qmq.store.action_log import ActionLog, ProgressLog
-from qmq.store.checkpoint import read_checkpoint
+from qmq.store.checkpoint import DamagedCheckpoint, candidates, load_checkpoint
+from qmq.store.datadir import StoreError
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.held import HeldMessages
@@ -72,11 +82,53 @@ def empty_parts(
 ) -> StoreParts:
     """Parts that know nothing yet (what a store holds until it is opened)."""
     return StoreParts(
-        Subjects(directory / CONSUME_DIR, config.consume_log_segment_entries, limits),
+        Subjects(directory / CONSUME_DIR, config.consume_log_segment_entries, limits, config.open_files_max),
         ProgressLog(alog, Progress() if progress is None else progress, dead.remove),
         DedupWindow(config.dedup_window_ms, config.dedup_entries_max),
         HeldMessages(),
     )
+
+
+def choose_checkpoint(directory: Path, action_start: int, accept_progress_loss: bool) -> dict[str, Any] | None:
+    """The newest checkpoint in ``directory`` that checks out (None when there is none), when
+    the action log, which now begins at ``action_start``, covers everything after it.
+
+    Raises StoreError when it does not, unless ``accept_progress_loss``: then the loss is logged.
+    """
+    damaged: list[tuple[Path, str]] = []
+    state = None
+    for path in candidates(directory):
+        try:
+            state = load_checkpoint(path)
+        except DamagedCheckpoint as exc:
+            damaged.append((path, str(exc)))
+            continue
+        if state is not None:
+            break
+    action_from = int(state["action_offset"]) if state is not None else 0
+    if action_from >= action_start:
+        for path, why in damaged:
+            log.error("checkpoint %s is damaged (%s); recovering from an older one or the logs' start", path, why)
+        return state
+    # the refusal is one line (a start-up failure prints one): the first damaged file, and a count
+    if damaged:
+        path, why = damaged[0]
+        others = f" (and {len(damaged) - 1} kept one(s) are damaged too)" if len(damaged) > 1 else ""
+        older = "the newest that checks out is older than the action log" if state else "no older one checks out"
+        what = f"checkpoint {path} is damaged ({why}){others} and {older}"
+    else:
+        what = f"there is no checkpoint in {directory}"
+    loss = (
+        f"the action log now begins at offset {action_start}, so the consumer progress recorded before it "
+        "is gone and consumer groups would go back to where that checkpoint (or their start) left them"
+    )
+    if not accept_progress_loss:
+        raise StoreError(
+            f"{what}; {loss}. Restore the checkpoint from a backup, or start the broker with "
+            "--accept-progress-loss (accept_progress_loss = true) to accept that"
+        )
+    log.error("%s; %s: accepted (accept_progress_loss)", what, loss)
+    return state
 
 
 def recover(
@@ -90,7 +142,7 @@ def recover(
 ) -> tuple[StoreParts, RecoveryReport]:
     """The parts of the store in ``directory``, whose logs are open; torn tails are cut."""
     t0 = time.monotonic()
-    state = read_checkpoint(directory)
+    state = choose_checkpoint(directory, alog.segments.start, config.accept_progress_loss)
     parts = empty_parts(
         directory, config, limits, alog, dead, Progress.from_snapshot(state["progress"]) if state else None
     )
@@ -115,10 +167,13 @@ def recover(
         scanned += 1
         try:
             indexer.add(rec.offset, rec.sequence, rec.stored_ms, rec.message)
-        except UnreadableRecord:
-            # CRC-valid but unreadable: written by a different version; stop here like a torn tail
-            result.append(ScanResult(rec.offset, mlog.end - rec.offset))
-            break
+        except UnreadableRecord as exc:
+            seg = mlog.segments.segment_for(rec.offset)
+            raise StoreError(
+                f"{seg.path if seg else mlog.segments.directory}: {exc}, though it passes its CRC: this qmq "
+                f"reads message-log format version {message_log.FORMAT_VERSION} and another version of qmq wrote "
+                "it. Nothing was cut: run the qmq version that wrote it, or move the data directory aside"
+            ) from None
     indexer.finish()
     good_end, torn = result[-1] if result else (mlog.end, 0)
     if torn:

@@ -6,18 +6,36 @@ goes to ``%RETRY%<subject>%<group>`` with its attempt count raised (or, past the
 ``max_retries``, to ``%DEAD_RETRY%<subject>%<group>``), and is acknowledged for that consumer,
 so it never receives them again when it comes back. Broadcast groups (``group%consumer``)
 are never retried.
+
+One bad consumer or message never stops the rest: a message that cannot be put back on retry
+(its attempt count already at the largest the codec holds, or unreadable) goes to the dead
+letters with the reason (``qmq.error``), or, if it cannot even be that, is skipped; either
+way it is logged and counted (``RedeliveryProblems``). A consumer whose messages cannot be
+read is logged, counted and tried again on the next round; the other consumers go on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from qmq.common.naming import RETRY_PREFIX, dead_subject, parse_internal_subject, retry_subject
-from qmq.protocol.message import HEADER, TIMES_MAX, delivery_attempt, scan_batch, with_times
+from qmq.protocol.message import (
+    HEADER,
+    HEADER_BYTES,
+    TIMES_MAX,
+    decode_properties,
+    delivery_attempt,
+    encode_properties,
+    scan_batch,
+    with_times,
+)
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
-from qmq.store.consume_log import ENTRY
+from qmq.store.consume_log import ENTRY, ENTRY_BYTES
+from qmq.store.datadir import StoreError
+from qmq.store.dead_letters import ERROR_PROPERTY
 from qmq.store.intake import Appending
 
 if TYPE_CHECKING:
@@ -32,11 +50,20 @@ _MOVE_BATCH_MAX = 1000
 DEFAULT_MAX_RETRIES = 16
 
 
+@dataclass(slots=True)
+class RedeliveryProblems:
+    """What went wrong putting messages back on retry, counted since the store opened."""
+
+    consumers_failed: int = 0  # rounds in which a consumer's messages could not be moved (tried again)
+    messages_set_aside: int = 0  # messages that could not be retried: dead-lettered with the reason, or skipped
+
+
 class Redelivering(Appending, Protocol):
     """What putting messages back on a retry subject needs of the store."""
 
     mlog: MessageLog
     dead: DeadLetters
+    redelivery_problems: RedeliveryProblems
 
     @property
     def subjects(self) -> Mapping[str, SubjectState]: ...
@@ -88,6 +115,9 @@ def move_to_retry(store: Redelivering, gp: GroupProgress, cp: ConsumerProgress, 
     for poff, seq in entries:
         raw = st.clog.read(seq, 1)
         done.append([poff, poff + 1])
+        if len(raw) != ENTRY_BYTES:
+            _set_aside(store, None, f"entry {seq} of {gp.subject!r} is not in its consume log", dead_raw)
+            continue
         off, size, *_rest = ENTRY.unpack(raw)
         if off < store.mlog.start:
             continue  # removed by retention: nothing left to retry
@@ -95,13 +125,23 @@ def move_to_retry(store: Redelivering, gp: GroupProgress, cp: ConsumerProgress, 
         store.mlog.read_into(off, size, chunk)
         record = b"".join(chunk)
         header = read_record_header(record, 0)
-        assert header is not None
+        if header is None:
+            _set_aside(store, None, f"entry {seq} of {gp.subject!r} points at no record (offset {off})", dead_raw)
+            continue
         message = record[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + header.length]
-        attempt = delivery_attempt(HEADER.unpack_from(message, 0)[8])  # the one that timed out
-        if attempt > max_retries or attempt >= TIMES_MAX:
-            messages.append(with_times(message, attempt, subject=dead_raw))
-        else:
-            messages.append(with_times(message, attempt + 1, subject=retry_raw))
+        try:
+            attempt = delivery_attempt(HEADER.unpack_from(message, 0)[8])  # the one that timed out
+            if attempt > max_retries or attempt >= TIMES_MAX:
+                retry = with_times(message, attempt, subject=dead_raw)
+            else:
+                retry = with_times(message, attempt + 1, subject=retry_raw)
+            scan_batch(retry)  # each on its own: one that cannot be stored must not sink the batch
+        except Exception as exc:  # whatever is wrong with this one message, it is set aside alone
+            letter = _set_aside(store, message, f"{gp.subject!r} sequence {seq} cannot be retried: {exc}", dead_raw)
+            if letter is not None:
+                messages.append(letter)
+            continue
+        messages.append(retry)
     if messages:
         body = b"".join(messages)
         result = store.append(body, scan_batch(body))
@@ -111,15 +151,57 @@ def move_to_retry(store: Redelivering, gp: GroupProgress, cp: ConsumerProgress, 
     return len(entries)
 
 
+def _set_aside(store: Redelivering, message: bytes | None, reason: str, dead_raw: bytes) -> bytes | None:
+    """Count and log a message that cannot be retried; returns it for the dead letters
+    (``dead_raw``) with the reason among its properties, or None if it cannot even be that."""
+    store.redelivery_problems.messages_set_aside += 1
+    letter = None
+    if message is not None:
+        try:
+            fields = HEADER.unpack_from(message, 0)
+            props_at = HEADER_BYTES + fields[2] + fields[3] + fields[5]
+            try:
+                props = decode_properties(message[props_at : props_at + fields[10]])
+            except Exception:  # unreadable properties: the reason alone is kept
+                props = {}
+            props[ERROR_PROPERTY] = reason
+            letter = with_times(
+                message, min(fields[8], TIMES_MAX), subject=dead_raw, properties=encode_properties(props)
+            )
+            scan_batch(letter)
+        except Exception:  # not even a readable message: nothing to keep
+            letter = None
+    log.error("%s; %s", reason, "it goes to the dead letters" if letter is not None else "it is skipped")
+    return letter
+
+
 def expire_silent_consumers(store: Redelivering, now_ms: int, offline_ms: int) -> int:
-    """Move the unacked messages of every consumer silent for ``offline_ms`` to retry."""
+    """Move the unacked messages of every consumer silent for ``offline_ms`` to retry.
+
+    A consumer that fails is logged, counted and tried again next time; a StoreError (the store
+    takes no writes now) ends the round, since every other move would fail too.
+    """
     moved = 0
     for gp in list(store.progress.groups.values()):
         if "%" in gp.group:
             continue
         for cp in list(gp.consumers.values()):
             if now_ms - cp.last_seen_ms >= offline_ms and cp.unacked > 0:
-                n = move_to_retry(store, gp, cp, gp.max_retries)
+                try:
+                    n = move_to_retry(store, gp, cp, gp.max_retries)
+                except StoreError as exc:
+                    log.error("moving unacked messages to retry stopped: %s", exc)
+                    return moved
+                except Exception:  # one consumer's trouble never stops the others' redelivery
+                    store.redelivery_problems.consumers_failed += 1
+                    log.exception(
+                        "the unacked messages of consumer %r of group %r on %r could not be moved to retry; "
+                        "tried again next round",
+                        cp.consumer_id,
+                        gp.group,
+                        gp.subject,
+                    )
+                    continue
                 if n:
                     log.warning(
                         "consumer %r of group %r was silent for %d ms: moved %d unacked message(s) of %r to retry",

@@ -159,10 +159,14 @@ def rewind(store: Replicated, message_offset: int, action_offset: int) -> Recove
     """
     log.warning("cutting the logs back to message offset %d, action offset %d", message_offset, action_offset)
     store.close_files()
-    mlog_segs = SegmentedLog(store.dir / "log", message_log.SEGMENT_SUFFIX, store.config.segment_bytes)
+    mlog_segs = SegmentedLog(
+        store.dir / "log", message_log.SEGMENT_SUFFIX, store.config.segment_bytes, message_log.FILE_KIND
+    )
     cut_bytes = mlog_segs.truncate(min(message_offset, mlog_segs.end))
     mlog_segs.close()
-    alog_segs = SegmentedLog(store.dir / "action", action_log.SEGMENT_SUFFIX, action_log.SEGMENT_BYTES)
+    alog_segs = SegmentedLog(
+        store.dir / "action", action_log.SEGMENT_SUFFIX, action_log.SEGMENT_BYTES, action_log.FILE_KIND
+    )
     alog_segs.truncate(min(action_offset, alog_segs.end))
     alog_segs.close()
     chosen = None

@@ -4,26 +4,52 @@ Offsets are global byte positions in the log: the byte at offset ``o`` lives in 
 with the largest base ``<= o``, at position ``o - base``. Segments are appended to, read with
 ``pread`` and deleted whole from the front; the last one can be cut (``truncate``) to remove
 a torn tail found by recovery.
+
+Each segment file begins with the header of ``file_header.py`` naming its kind and format
+version (files written before headers have none); offsets never count it.
+
+A log keeps its segment files open (the message log, the action log: few files, each fsynced
+by the flush that follows its writes, ``sync_fds``), or, given an ``OpenFiles``, lets it open
+and close them within its bound (consume logs: many files, made durable by a checkpoint's
+``syncfs`` instead).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from qmq.store.file_header import FileKind, header, read_head, write_all
+from qmq.store.open_files import OpenFiles
 
-@dataclass(slots=True)
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+@dataclass(slots=True, eq=False)
 class Segment:
     base: int
     path: Path
-    fd: int
-    size: int
+    fd: int  # -1 while its OpenFiles has it closed
+    size: int  # bytes of data, the header not counted
+    head: int  # bytes of the file's header: 16, or 0 in a file written before headers
 
     @property
     def end(self) -> int:
         return self.base + self.size
+
+
+def cut_back(fd: int, size: int, exc: OSError) -> None:
+    """Cut the file ``fd`` back to ``size`` after a write failed with ``exc``; when even that
+    fails, an EIO error saying so: what the file holds is then unknown."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError as undo:
+        raise OSError(errno.EIO, f"{exc}; and what was written could not be cut back: {undo}") from exc
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,27 +60,87 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class SegmentedLog:
-    """Append-only bytes over a directory of segment files with suffix ``suffix``."""
+def _libc_syncfs() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
-    def __init__(self, directory: Path, suffix: str, segment_bytes: int) -> None:
+
+_syncfs = _libc_syncfs()
+
+
+def syncfs(fd: int) -> None:
+    """Make every file of the file system holding ``fd`` durable, closed ones included.
+
+    Linux reports (since 5.8) a writeback error of any file of that file system since the
+    last syncfs through the same open descriptor; elsewhere this is ``sync()``, which reports none.
+    """
+    if _syncfs is None:
+        os.sync()
+    elif _syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")
+
+
+def _dup_or_sync(fd: int, sync: Callable[[int], None]) -> int | None:
+    """A duplicate of ``fd`` for a flush to sync and close; with no descriptor free, ``fd`` is
+    synced here and now (blocking, but a flush never fails for want of a descriptor)."""
+    try:
+        return os.dup(fd)
+    except OSError as exc:
+        if exc.errno not in _OUT_OF_FILES:
+            raise
+    sync(fd)
+    return None
+
+
+class SegmentedLog:
+    """Append-only bytes over a directory of segment files with suffix ``suffix``; see the
+    module docstring for ``files``."""
+
+    def __init__(
+        self,
+        directory: Path,
+        suffix: str,
+        segment_bytes: int,
+        kind: FileKind,
+        files: OpenFiles | None = None,
+        empty: bool = False,
+    ) -> None:
+        """``empty``: the caller just created ``directory``, so there is nothing in it to look for."""
         self.directory = directory
         self.suffix = suffix
+        self.kind = kind
         self.segment_bytes = segment_bytes
-        directory.mkdir(parents=True, exist_ok=True)
+        self.files = files
+        names: list[str] = []
+        if not empty:
+            try:
+                names = sorted(os.listdir(directory))
+            except FileNotFoundError:
+                directory.mkdir(parents=True)
         self.segments: list[Segment] = []
+        # the directory, held open so that a flush can always fsync it
+        self._dir_fd = -1 if files is not None else os.open(directory, os.O_RDONLY)
         # fds of segments rolled or deleted while a flush may still need them: closed by the flusher
         self.retired_fds: list[int] = []
         # a segment was created since the last flush: its directory entry is fsynced by the next one
         self._dir_unsynced = False
-        for path in sorted(directory.glob(f"*{suffix}")):
-            stem = path.name[: -len(suffix)]
-            if len(stem) != 20 or not stem.isdigit():
-                continue
-            fd = os.open(path, os.O_RDWR | os.O_APPEND)
-            self.segments.append(Segment(int(stem), path, fd, os.fstat(fd).st_size))
-        if not self.segments:
-            self._new_segment(0)
+        try:
+            for name in names:
+                stem = name[: -len(suffix)]
+                if not name.endswith(suffix) or len(stem) != 20 or not stem.isdigit():
+                    continue
+                self.segments.append(self._open_segment(int(stem), directory / name))
+            if not self.segments:
+                self._new_segment(0)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def start(self) -> int:
@@ -68,22 +154,74 @@ class SegmentedLog:
     def active(self) -> Segment:
         return self.segments[-1]
 
+    def _fd(self, seg: Segment) -> int:
+        """``seg``'s descriptor, for one call: with ``files``, any later ``_fd`` may close it."""
+        return seg.fd if self.files is None else self.files.fd(seg)
+
+    def _open_segment(self, base: int, path: Path) -> Segment:
+        seg = Segment(base, path, -1, 0, 0)
+        if self.files is None:
+            seg.fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        else:
+            self.files.fd(seg)
+        try:
+            head = read_head(seg.fd, path, self.kind)
+            if head is None:  # created, but cut inside its header: it holds nothing yet
+                os.ftruncate(seg.fd, 0)
+                write_all(seg.fd, header(self.kind))
+                head = len(header(self.kind))
+            seg.head = head
+            seg.size = os.fstat(seg.fd).st_size - head
+            return seg
+        except BaseException:
+            self._close(seg)
+            raise
+
     def _new_segment(self, base: int) -> Segment:
         path = self.directory / f"{base:020d}{self.suffix}"
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
-        seg = Segment(base, path, fd, 0)
+        seg = Segment(base, path, -1, 0, len(header(self.kind)))
+
+        def create() -> int:
+            return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+
+        if self.files is None:
+            seg.fd = create()
+        else:
+            self.files.opened(seg, create)
+        try:
+            write_all(seg.fd, header(self.kind))
+        except BaseException:
+            self._close(seg)
+            raise
         self.segments.append(seg)
+        if self.files is not None:
+            self.files.unsynced = True
         # Not fsynced here, on the caller's thread: under a heavy write load a directory fsync
         # commits the file system's journal, hundreds of milliseconds. What is written to the
         # new segment is acknowledged only after a flush, which fsyncs the directory first.
         self._dir_unsynced = True
         return seg
 
+    def _close(self, seg: Segment) -> None:
+        if self.files is not None:
+            self.files.close(seg)
+        elif seg.fd >= 0:
+            os.close(seg.fd)
+            seg.fd = -1
+
+    def _retire(self, seg: Segment) -> None:
+        """``seg`` is written no more: its descriptor goes to the next flush (or, with ``files``,
+        is closed: a checkpoint's syncfs makes it durable)."""
+        if self.files is not None:
+            self.files.close(seg)
+        else:
+            self.retired_fds.append(os.dup(seg.fd))
+
     def roll_if_needed(self, incoming_bytes: int) -> None:
         """Begin a new segment when ``incoming_bytes`` would not fit the active one."""
         seg = self.active
         if seg.size and seg.size + incoming_bytes > self.segment_bytes:
-            self.retired_fds.append(os.dup(seg.fd))
+            self._retire(seg)
             self._new_segment(seg.end)
 
     def start_segment(self, base: int) -> None:
@@ -91,7 +229,7 @@ class SegmentedLog:
         if base != self.end:
             raise ValueError(f"a new segment must start at the log's end {self.end}, not {base}")
         if self.active.size:
-            self.retired_fds.append(os.dup(self.active.fd))
+            self._retire(self.active)
             self._new_segment(base)
 
     def append(self, data: bytes | bytearray | memoryview, roll: bool = True) -> int:
@@ -103,15 +241,17 @@ class SegmentedLog:
             self.roll_if_needed(len(data))
         seg = self.active
         offset = seg.end
+        fd = seg.fd if self.files is None else self.files.fd(seg)
         try:
-            written = os.write(seg.fd, data)
+            written = os.write(fd, data)
             if written != len(data):
-                raise OSError(f"short write: {written} of {len(data)} bytes")
-        except OSError:
-            os.ftruncate(seg.fd, seg.size)
-            os.lseek(seg.fd, seg.size, os.SEEK_SET)
+                raise OSError(errno.ENOSPC, f"short write: {written} of {len(data)} bytes")
+        except OSError as exc:
+            cut_back(fd, seg.head + seg.size, exc)
             raise
         seg.size += written
+        if self.files is not None:
+            self.files.unsynced = True
         return offset
 
     def read(self, offset: int, size: int) -> bytes:
@@ -120,7 +260,7 @@ class SegmentedLog:
         if seg is None:
             return b""
         pos = offset - seg.base
-        return os.pread(seg.fd, min(size, seg.size - pos), pos)
+        return os.pread(self._fd(seg), min(size, seg.size - pos), seg.head + pos)
 
     def segment_for(self, offset: int) -> Segment | None:
         segs = self.segments
@@ -141,15 +281,16 @@ class SegmentedLog:
         while len(self.segments) > 1 and self.segments[-1].base > offset:
             seg = self.segments.pop()
             removed += seg.size
-            os.close(seg.fd)
+            self._close(seg)
             seg.path.unlink()
         seg = self.active
         if offset < seg.end:
             keep = max(0, offset - seg.base)
             removed += seg.size - keep
-            os.ftruncate(seg.fd, keep)
+            os.ftruncate(self._fd(seg), seg.head + keep)
             seg.size = keep
-        os.lseek(seg.fd, seg.size, os.SEEK_SET)
+            if self.files is not None:
+                self.files.unsynced = True
         return removed
 
     def delete_before(self, offset: int) -> list[Segment]:
@@ -157,38 +298,63 @@ class SegmentedLog:
         gone: list[Segment] = []
         while len(self.segments) > 1 and self.segments[0].end <= offset:
             seg = self.segments.pop(0)
-            self.retired_fds.append(seg.fd)
+            if self.files is not None:
+                self.files.close(seg)
+            else:
+                self.retired_fds.append(seg.fd)
             seg.path.unlink()
             gone.append(seg)
         return gone
 
     def sync_fds(self) -> list[int]:
         """fds a flush must fsync: the directory if a segment was created since the last flush,
-        any segment rolled since, and the active one."""
+        any segment rolled since, and the active one. With no descriptor free, what would need
+        one is fsynced at once instead. Not for a log whose files an OpenFiles keeps."""
+        assert self.files is None, "a log in an OpenFiles is made durable by syncfs"
         fds, self.retired_fds = self.retired_fds, []
         if self._dir_unsynced:
             self._dir_unsynced = False
-            fds.insert(0, os.open(self.directory, os.O_RDONLY))
-        fds.append(os.dup(self.active.fd))
+            dir_fd = _dup_or_sync(self._dir_fd, os.fsync)
+            if dir_fd is not None:
+                fds.insert(0, dir_fd)
+        active = _dup_or_sync(self.active.fd, os.fdatasync)
+        if active is not None:
+            fds.append(active)
         return fds
 
     def close(self) -> None:
         for seg in self.segments:
-            os.close(seg.fd)
+            self._close(seg)
         for fd in self.retired_fds:
             os.close(fd)
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
         self.segments = []
         self.retired_fds = []
 
 
 class FlushTicket:
-    """fsync work captured on the loop thread; ``run`` may execute on any thread."""
+    """fsync work captured on the loop thread; ``run`` may execute on any thread.
 
-    __slots__ = ("fds", "offset")
+    ``syncfs_fd`` (a checkpoint's, or -1) is a descriptor on the data's file system, borrowed
+    from its store, whose ``syncfs`` makes every consume log durable. ``on_error`` is told of a
+    failed fsync (on the thread that ran it) before ``run`` raises it.
+    """
 
-    def __init__(self, fds: list[int], offset: int) -> None:
+    __slots__ = ("fds", "offset", "on_error", "syncfs_fd")
+
+    def __init__(
+        self,
+        fds: list[int],
+        offset: int,
+        on_error: Callable[[OSError], None] | None = None,
+        syncfs_fd: int = -1,
+    ) -> None:
         self.fds = fds
         self.offset = offset
+        self.on_error = on_error
+        self.syncfs_fd = syncfs_fd
 
     def run(self) -> None:
         try:
@@ -197,6 +363,12 @@ class FlushTicket:
                     os.fsync(fd)  # a new entry: fdatasync need not commit it
                 else:
                     os.fdatasync(fd)
+            if self.syncfs_fd >= 0:
+                syncfs(self.syncfs_fd)
+        except OSError as exc:
+            if self.on_error is not None:
+                self.on_error(exc)
+            raise
         finally:
             for fd in self.fds:
                 os.close(fd)

@@ -5,10 +5,14 @@ A subject's ``next_seq`` is the sequence its next message gets; pulls see the se
 its ``visible_seq``. Under the sync policy a message becomes visible once the fsync of its
 batch returns (``publish`` queues the batch, ``flushed`` releases it); under the periodic
 policy as soon as it is written.
+
+The consume logs' files are opened when used and closed least recently used first, at most
+``files_max`` at once whatever the number of subjects (``files``, see open_files.py).
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import Limits
 from qmq.common.naming import check_subject, parse_internal_subject, subject_file_name
 from qmq.store.consume_log import ConsumeLog
+from qmq.store.open_files import OpenFiles, files_max_within_limit
 
 _DEAD_NAMES_CACHED_MAX = 10_000
 
@@ -32,16 +37,15 @@ class SubjectState:
 
 
 class Subjects:
-    def __init__(self, consume_dir: Path, entries_per_segment: int, limits: Limits) -> None:
+    def __init__(self, consume_dir: Path, entries_per_segment: int, limits: Limits, files_max: int) -> None:
         self.consume_dir = consume_dir
         consume_dir.mkdir(exist_ok=True)
         self._entries_per_segment = entries_per_segment
         self._limits = limits
+        self.files = OpenFiles(files_max_within_limit(files_max))
         self.by_name: dict[str, SubjectState] = {}
         self._by_raw: dict[bytes, SubjectState] = {}
         self._dead_names: dict[bytes, str] = {}
-        # consume logs written since the last checkpoint fsynced them
-        self.dirty: set[SubjectState] = set()
         # sync policy: appended batches waiting for fsync: (end_offset, [(subject state, next_seq)])
         self._unflushed: deque[tuple[int, list[tuple[SubjectState, int]]]] = deque()
         self.unflushed_bytes = 0
@@ -58,7 +62,7 @@ class Subjects:
         """The subject named ``name``, its consume log opened (and created) if it was not yet."""
         st = self.by_name.get(name)
         if st is None:
-            clog = ConsumeLog(self.consume_dir / subject_file_name(name), name, self._entries_per_segment)
+            clog = ConsumeLog(self.consume_dir / subject_file_name(name), name, self._entries_per_segment, self.files)
             st = SubjectState(name, clog, clog.next_seq, clog.next_seq)
             self.by_name[name] = st
             self._by_raw[name.encode("utf-8")] = st
@@ -87,7 +91,8 @@ class Subjects:
         """Open the consume log of every subject in the directory; returns the directories
         that name no subject (ignored)."""
         unnamed = []
-        for directory in sorted(self.consume_dir.iterdir()):
+        for entry in sorted(os.listdir(self.consume_dir)):  # names, not Paths: 40,000 sort fast
+            directory = self.consume_dir / entry
             name = ConsumeLog.subject_in(directory)
             if name is None:
                 unnamed.append(directory)
