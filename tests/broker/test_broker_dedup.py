@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from rawclient import RawClient, broker_client, message, split_records
 
+from qmq.protocol.answers import answer_of
 from qmq.protocol.message import decode_message
 
 pytestmark = pytest.mark.integration
@@ -24,8 +25,9 @@ ENTRIES_MAX = 8
 def _send(client: RawClient, subject: str, message_id: str) -> int:
     """Send one message in a frame of its own; the duplicates the broker counted in it."""
     answer = client.send(message(subject, message_id))
-    assert answer.header["errors"] == [], answer.header
-    duplicates: int = answer.header["duplicates"]
+    doc = answer_of(answer)
+    assert doc["errors"] == [], doc
+    duplicates: int = doc["duplicates"]
     return duplicates
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from rawclient import RawClient, message, split_records
 
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import decode_message
 from qmq.store.checkpoint import read_checkpoint
@@ -51,7 +52,7 @@ def send_all(client: RawClient, tag: str) -> None:
         batch = [message(f"many.{i}", f"{tag}-{i}") for i in range(start, start + SEND_BATCH)]
         resp = client.send(*batch)
         assert resp.status == Status.OK, resp.header
-        assert resp.header["errors"] == [], resp.header["errors"][:3]
+        assert answer_of(resp)["errors"] == [], answer_of(resp)["errors"][:3]
 
 
 def pull_all(client: RawClient, group: str) -> dict[int, list[str]]:

@@ -15,6 +15,7 @@ import pytest
 from rawclient import RawClient, broker_client, message, split_records
 
 from qmq.common.naming import dead_subject
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import decode_message
 
@@ -68,10 +69,10 @@ def test_old_segments_are_deleted_and_consumers_read_on_from_what_is_kept(
     client: RawClient, broker_dir: Path, subject: str
 ) -> None:
     dead = client.send(message(dead_subject(subject, "g"), "dead-1"))
-    assert dead.header["errors"] == []
+    assert answer_of(dead)["errors"] == []
     sent = [f"m-{i}" for i in range(COUNT)]
     for i in range(0, COUNT, 100):
-        assert client.send(*[message(subject, mid, BODY) for mid in sent[i : i + 100]]).header["errors"] == []
+        assert answer_of(client.send(*[message(subject, mid, BODY) for mid in sent[i : i + 100]]))["errors"] == []
     # a group that read the first messages before retention ran
     early = _ids(bytes(client.pull(subject, "early", max_n=10).body))
     assert early == sent[:10]
@@ -97,8 +98,8 @@ def test_old_segments_are_deleted_and_consumers_read_on_from_what_is_kept(
     # The group that had read the first ten reads on from there: what is kept, nothing deleted.
     assert _pull_all(client, subject, "early") == kept
     # Dead letters are not the message log's: retention leaves them.
-    letters = client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}).header
+    letters = answer_of(client.call(RequestCode.DEAD_LETTERS, {"subject": subject, "group": "g"}))
     assert [letter["message_id"] for letter in letters["letters"]] == ["dead-1"]
     # Sends go on.
-    assert client.send(message(subject, "after")).header["errors"] == []
+    assert answer_of(client.send(message(subject, "after")))["errors"] == []
     assert _pull_all(client, subject, "early") == ["after"]

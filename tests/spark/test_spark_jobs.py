@@ -58,7 +58,7 @@ def story(
                 m.nack(RuntimeError("card declined"))
             else:
                 m.ack()
-        for m in _pull_until(pull, 1):  # the retry, attempt 1
+        for m in _pull_until(pull, 1):  # the retry, attempt 2
             assert m.message_id == failed
             m.nack(RuntimeError("card declined again"))
         pull.pull(max_messages=1, timeout_ms=0)  # carries the last acks
@@ -97,10 +97,10 @@ def test_trace_tells_the_life_of_a_message_from_the_brokers_files(
 ) -> None:
     t = trace(spark, story.failed_id, data_dir=data_dir, archive=story.archive)
     where = {(s.subject, s.attempt) for s in t.stored if s.found_in == "data dir, archive"}
-    assert (story.subject, 0) in where
+    assert (story.subject, 1) in where  # a first send is attempt 1
     retry_subject = f"%RETRY%{story.subject}%{GROUP}"
     [retry] = [s for s in t.stored if s.subject == retry_subject and "data dir" in s.found_in]
-    assert retry.attempt == 1
+    assert retry.attempt == 2
     assert "card declined" in (retry.error or "")
     first = [d for d in t.deliveries if d.subject == story.subject]
     assert [(d.consumer_group, d.consumer_id) for d in first] == [(GROUP, "c1")]

@@ -88,8 +88,12 @@ class Listener(Generic[M]):
             return
         self._stopping = False
         # The main subject pulls once half the prefetch is free, so batches stay large; the
-        # retry subject (few messages, long polls) holds at most a quarter of it.
-        shares = [(self.prefetch, max(1, self.prefetch // 2)), (max(1, self.prefetch // 4), 1)]
+        # retry subject (few messages, long polls) holds at most a quarter of it, which the main
+        # subject leaves free: a long poll holds its room while it waits, and a main subject
+        # with nothing new would otherwise hold all of it and starve the retries.
+        retry_share = max(1, self.prefetch // 4)
+        main_most = self.prefetch - retry_share if len(self._pullers) > 1 and self.prefetch > 1 else self.prefetch
+        shares = [(main_most, max(1, main_most // 2)), (retry_share, 1)]
         self._loops = []
         for puller, (most, least) in zip(self._pullers, shares, strict=False):
             self._watch(functools.partial(self._pull_loop, puller, most, least), "pull loop", self._loops)
@@ -139,6 +143,10 @@ class Listener(Generic[M]):
         failures = 0
         room_free = asyncio.Event()
         while not self._stopping:
+            if self._waiting:
+                # another loop waits for room (a prefetch of 1 has room for one poll at a time):
+                # let it take its turn before this one reserves again
+                await asyncio.sleep(0)
             while self._free() < least:
                 room_free.clear()
                 waiter = (least, room_free)
