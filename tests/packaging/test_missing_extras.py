@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import qmq.__main__
-from qmq.cli.main import COMMAND_EXTRAS, EXTRA_MODULES, QmqGroup, cli
+from qmq.cli.main import COMMAND_EXTRAS, EXTRA_MODULES, QmqGroup, cli, register_commands
 
 
 def _hide(monkeypatch: pytest.MonkeyPatch, *hidden: str) -> None:
@@ -27,16 +27,7 @@ def _hide(monkeypatch: pytest.MonkeyPatch, *hidden: str) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _commands() -> None:
-    # main() registers every command module on `cli`; register them without running it
-    from qmq.cli import (  # noqa: F401
-        client_commands,
-        cluster_commands,
-        delay_commands,
-        group_commands,
-        roles,
-        spark_commands,
-        tx_commands,
-    )
+    register_commands()
 
 
 def test_every_command_of_the_table_exists_and_every_extra_has_modules() -> None:

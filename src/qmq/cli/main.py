@@ -163,8 +163,8 @@ def cli(log_level: str, log_file: str | None) -> None:
     )
 
 
-def main() -> None:
-    # each module registers its commands
+def register_commands() -> None:
+    """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
         client_commands,
         cluster_commands,
@@ -175,4 +175,7 @@ def main() -> None:
         tx_commands,
     )
 
+
+def main() -> None:
+    register_commands()
     cli(prog_name="qmq")
