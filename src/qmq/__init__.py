@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # type checkers see the blocking SDK; at run time it is impor
     from qmq.client.sync import Message as Message
     from qmq.client.sync import Producer as Producer
 
+# The one place the version is written: pyproject.toml reads it from here (setuptools dynamic).
 __version__ = "0.1.0"
 
 __all__ = [

@@ -22,6 +22,7 @@ def qmq(*args: str, meta_server: str | None = None, stdin: str | None = None) ->
     )
 
 
+@pytest.mark.smoke
 def test_send_then_consume_as_json(meta_server: str, subject: str) -> None:
     sent = qmq("send", subject, "--prop", "orderId=42", "--tag", "vip", "--body", "hello", meta_server=meta_server)
     assert sent.returncode == 0, sent.stderr

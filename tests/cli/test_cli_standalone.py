@@ -58,6 +58,7 @@ def test_children_exit_when_the_supervisor_is_killed(standalone_dir: Path) -> No
         assert _wait_dead(broker_pid)
 
 
+@pytest.mark.smoke
 def test_demo_sends_and_consumes(standalone_dir: Path) -> None:
     with running_standalone(standalone_dir, extra_args=["--demo"]) as proc:
         assert proc.proc.stdout is not None

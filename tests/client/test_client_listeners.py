@@ -18,6 +18,7 @@ def _group() -> str:
     return f"g-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.mark.smoke
 async def test_a_listener_acks_what_its_handler_returns_from(meta_server: str, subject: str) -> None:
     group = _group()
     n = 300

@@ -21,6 +21,7 @@ def _group() -> str:
     return f"g-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.mark.smoke
 async def test_a_message_round_trips_with_every_field(meta_server: str, subject: str) -> None:
     async with (
         Producer(app_code="shop", meta_server=meta_server) as producer,

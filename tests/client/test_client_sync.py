@@ -20,6 +20,7 @@ def _group() -> str:
     return f"g-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.mark.smoke
 def test_a_blocking_round_trip(meta_server: str, subject: str) -> None:
     with (
         qmq.Producer(app_code="shop", meta_server=meta_server) as producer,

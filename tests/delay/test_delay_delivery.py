@@ -44,6 +44,7 @@ def subject() -> str:
     return f"delay.{uuid.uuid4().hex[:12]}"
 
 
+@pytest.mark.smoke
 async def test_delayed_messages_arrive_when_due_never_before(standalone: ReadyProcess, subject: str) -> None:
     url = standalone.meta_server
     due: dict[str, int] = {}

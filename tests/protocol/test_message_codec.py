@@ -93,6 +93,7 @@ CASES = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("msg", CASES.values(), ids=list(CASES))
 def test_round_trip_keeps_every_field(msg: Msg) -> None:
     assert_decodes_to(msg.encode(), msg)

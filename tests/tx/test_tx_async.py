@@ -39,6 +39,7 @@ async def _outbox_rows(engine: AsyncEngine) -> int:
         return int(await conn.scalar(sa.text("SELECT COUNT(*) FROM qmq_msg_queue")) or 0)
 
 
+@pytest.mark.smoke
 async def test_commit_sends_and_rollback_does_not(async_engine: AsyncEngine, meta_server: str, subject: str) -> None:
     async with (
         Producer(app_code="tx-tests", meta_server=meta_server) as producer,

@@ -43,6 +43,7 @@ def _orders(engine: sa.Engine) -> list[int]:
         return sorted(conn.scalars(sa.select(orders.c.id)))
 
 
+@pytest.mark.smoke
 def test_commit_sends_once_and_rollback_never(
     engine: sa.Engine, producer: Producer, meta_server: str, subject: str
 ) -> None:

@@ -1,11 +1,14 @@
 """Entry point of the ``qmq`` command: one sub-command per role or task.
 
 Errors a user can cause (a bad option, a server that cannot start, a broker that refuses)
-print one line naming the problem and exit non-zero, without a traceback.
+print one line naming the problem and exit non-zero, without a traceback. So does a command
+whose extra is not installed (``pip install qmq`` is the client SDK alone): it names the
+extra to install and exits 1.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import logging.handlers
 import os
@@ -18,18 +21,106 @@ from qmq.common.errors import QmqError
 from qmq.common.limits import MiB
 
 EXIT_USAGE = 2
+EXIT_MISSING_EXTRA = 1
 # A server's log file is bounded on disk: rotated at this size, this many old files kept.
 LOG_FILE_BYTES_MAX = 64 * MiB
 LOG_FILES_KEPT = 3
 
 
+# The modules each extra of pyproject.toml brings that the commands import; one missing
+# means the extra is not installed. The `cli` extra itself is checked by qmq.__main__.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "server": ("uvloop", "numpy", "prometheus_client", "sqlalchemy"),
+    "tx": ("sqlalchemy",),
+    "spark": ("pyspark", "pyarrow", "pandas"),
+}
+# The commands (by path below `qmq`) that need an extra beyond the cli one. The servers run
+# in child processes, so their extra is checked before the command starts them.
+COMMAND_EXTRAS: dict[str, str] = {
+    "meta": "server",
+    "broker": "server",
+    "delay": "server",
+    "standalone": "server",
+    "cluster up": "server",
+    "tx": "tx",
+    "watchdog": "tx",
+    "archive": "spark",
+    "query": "spark",
+    "trace": "spark",
+    "report": "spark",
+}
+_HELP_OPTIONS = ("-h", "--help")
+
+
+class MissingExtraError(QmqError):
+    """A command needs modules of an extra that is not installed."""
+
+    def __init__(self, command: str, extra: str, module: str) -> None:
+        super().__init__(
+            f"`qmq {command}` needs the {extra} extra, which is not installed (no module {module!r}): "
+            f"pip install 'qmq[{extra}]'"
+        )
+
+
+def missing_extra(command: str) -> MissingExtraError | None:
+    """The error to report when ``command`` (a path below ``qmq``) lacks its extra, else None."""
+    extra = COMMAND_EXTRAS.get(command)
+    if extra is None:
+        return None
+    for module in EXTRA_MODULES[extra]:
+        if importlib.util.find_spec(module) is None:
+            return MissingExtraError(command, extra, module)
+    return None
+
+
+def _extra_of(module: str, command: str) -> str | None:
+    top = module.partition(".")[0]
+    extras = [extra for extra, modules in EXTRA_MODULES.items() if top in modules]
+    if COMMAND_EXTRAS.get(command) in extras:
+        return COMMAND_EXTRAS[command]
+    return extras[0] if extras else None
+
+
+def _command_path(ctx: click.Context, name: str) -> str:
+    names = [name]
+    while ctx.parent is not None:
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    return " ".join(reversed(names))
+
+
 class QmqGroup(click.Group):
+    # `qmq cluster`, `qmq tx` ... are QmqGroups too, so `cluster up` is checked like `standalone`
+    group_class = type
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        # --help works without the extra; shell completion (resilient parsing) runs nothing
+        if cmd is not None and cmd.name and not ctx.resilient_parsing and not set(_HELP_OPTIONS) & set(rest):
+            error = missing_extra(_command_path(ctx, cmd.name))
+            if error is not None:
+                raise error
+        return name, cmd, rest
+
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
+        except MissingExtraError as exc:
+            click.echo(f"qmq: error: {exc}", err=True)
+            ctx.exit(EXIT_MISSING_EXTRA)
         except QmqError as exc:
             click.echo(f"qmq: error: {exc}", err=True)
             ctx.exit(EXIT_USAGE)
+        except ModuleNotFoundError as exc:
+            # a module imported on first use by a command the table does not name
+            command = _command_path(ctx, ctx.invoked_subcommand or "")
+            extra = _extra_of(exc.name or "", command)
+            if extra is None:
+                raise
+            click.echo(f"qmq: error: {MissingExtraError(command, extra, exc.name or '')}", err=True)
+            ctx.exit(EXIT_MISSING_EXTRA)
 
 
 @click.group(cls=QmqGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -72,8 +163,8 @@ def cli(log_level: str, log_file: str | None) -> None:
     )
 
 
-def main() -> None:
-    # each module registers its commands
+def register_commands() -> None:
+    """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
         client_commands,
         cluster_commands,
@@ -84,4 +175,7 @@ def main() -> None:
         tx_commands,
     )
 
+
+def main() -> None:
+    register_commands()
     cli(prog_name="qmq")

@@ -1,6 +1,6 @@
 """The blocking SDK: ``from qmq import Producer, Consumer, Message`` for code without asyncio.
 
-Each object runs the asyncio SDK on its own background thread with a uvloop event loop;
+Each object runs the asyncio SDK on its own background thread with an event loop (uvloop's if installed);
 blocking calls hand a coroutine to that loop and wait with a bound. ``send_async`` does not
 block: messages are handed over in batches (one loop wake-up for many messages), and a
 ``concurrent.futures.Future`` resolves when the message is stored. Listener handlers are
@@ -19,8 +19,6 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
-
-import uvloop
 
 from qmq.client.consumer import Consumer as AsyncConsumer
 from qmq.client.consumer import PullConsumerBase, check_pull_args
@@ -52,12 +50,20 @@ _JOIN_TIMEOUT_S = 10.0
 _NACK_TIMEOUT_S = 60.0
 _INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 
+_new_event_loop: Callable[[], asyncio.AbstractEventLoop]
+try:
+    import uvloop
+
+    _new_event_loop = uvloop.new_event_loop
+except ModuleNotFoundError:  # `pip install qmq` alone: the SDK needs no extra, asyncio's loop serves
+    _new_event_loop = asyncio.new_event_loop
+
 
 class _IoThread:
-    """A daemon thread running one uvloop event loop for one SDK object."""
+    """A daemon thread running one event loop for one SDK object."""
 
     def __init__(self, name: str) -> None:
-        self.loop = uvloop.new_event_loop()
+        self.loop = _new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
