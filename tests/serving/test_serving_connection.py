@@ -238,6 +238,12 @@ def test_a_delay_server_counts_the_connections_it_refuses_and_drops(tmp_path: Pa
         kind = "delay"
         title = "delay server"
 
+        def health(self) -> dict[str, object]:
+            return {"ok": True}
+
+        async def checkpoint(self) -> None:
+            pass
+
     metrics = DelayMetrics()
     config = DelayConfig(data_dir=tmp_path, connections_max=3)
     shell = Shell.__new__(Shell)

@@ -39,6 +39,7 @@ from qmq.serving.requests import (
     scan_send,
 )
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
+from qmq.store.datadir import DiskFullError
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
 from qmq.store.tags import TagFilter
@@ -164,7 +165,13 @@ class Handlers:
         if broker.flusher.failed is not None:
             return (
                 Status.INTERNAL_ERROR,
-                f"the broker's disk failed ({broker.flusher.failed}); it takes no sends",
+                f"the broker's disk failed ({broker.flusher.failed}); it takes no sends until it is restarted",
+            )
+        if self.store.failed is not None:
+            return (
+                Status.INTERNAL_ERROR,
+                f"the broker's store stopped taking writes ({self.store.failed}); it takes no sends until it is "
+                "restarted",
             )
         return disk_refusal(self.free_space, self.store.unflushed_bytes, broker.config.pending_flush_bytes_max)
 
@@ -184,7 +191,11 @@ class Handlers:
             )
             conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BUSY)
             return
-        result = store.append(body, scanned, refused=problems)
+        try:
+            result = store.append(body, scanned, refused=problems)
+        except DiskFullError as exc:
+            self.free_space.met_full(str(exc))  # later sends are refused at once until space returns
+            raise
         if holds:
             self.broker.release.schedule()
         self._answer_stored(conn, frame, result)

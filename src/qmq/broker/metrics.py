@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from qmq.serving.connection import connection_counters
@@ -43,6 +43,36 @@ class _ProgressCollector(Collector):
         yield consumers
 
 
+class _StoreCollector(Collector):
+    """The store's health and its bounded resources, read when scraped."""
+
+    def __init__(self, store: BrokerStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        store = self.store
+        yield GaugeMetricFamily(
+            "qmq_store_failed", "1 once the store stopped taking writes until a restart", value=store.failed is not None
+        )
+        files = store.consume_files
+        yield GaugeMetricFamily("qmq_consume_log_files_open", "consume-log files open now", value=len(files))
+        yield GaugeMetricFamily("qmq_consume_log_files_max", "bound on open consume-log files", value=files.files_max)
+        yield CounterMetricFamily(
+            "qmq_consume_log_files_closed", "consume-log files closed to stay within the bound", value=files.closed
+        )
+        problems = store.redelivery_problems
+        yield CounterMetricFamily(
+            "qmq_redelivery_consumers_failed",
+            "rounds in which a silent consumer's messages could not be moved to retry (tried again)",
+            value=problems.consumers_failed,
+        )
+        yield CounterMetricFamily(
+            "qmq_redelivery_messages_set_aside",
+            "messages that could not be retried: dead-lettered with the reason, or skipped",
+            value=problems.messages_set_aside,
+        )
+
+
 class BrokerMetrics:
     def __init__(self, store: BrokerStore) -> None:
         self.registry = CollectorRegistry()
@@ -68,6 +98,7 @@ class BrokerMetrics:
         held = Gauge("qmq_held_messages", "messages stored ahead of their due time, not yet visible", registry=r)
         held.set_function(lambda: len(store.held))
         r.register(_ProgressCollector(store))
+        r.register(_StoreCollector(store))
         self._in: dict[str, tuple[Counter, Counter]] = {}
 
     def stored(self, per_subject: dict[str, list[int]]) -> None:

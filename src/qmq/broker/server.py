@@ -112,8 +112,7 @@ class BrokerServer(FrameServer):
             action_end=self.store.alog.end,
         )
         if self.role == "master":
-            state = self.source.write_state()
-            payload["write_state"] = {"alone": "ok", "replicated": "ok"}.get(state, state)
+            payload["write_state"] = self.write_state()
         elif self.replicator is not None:
             payload["replicated_ms"] = self.replicator.last_ms
         return payload
@@ -235,16 +234,33 @@ class BrokerServer(FrameServer):
         else:
             self.parked.notify(subjects)
 
+    def write_state(self) -> str:
+        """What a send to this master meets: "ok", "failed" (the store stopped taking writes until a
+        restart), "disk-full" (clears by itself once space is freed), "read-only" or "degraded"
+        (the slave is gone: docs/cluster.md)."""
+        if self.store.failed is not None or self.flusher.failed is not None:
+            return "failed"
+        if self.handlers.free_space.low() is not None:
+            return "disk-full"
+        state = self.source.write_state()
+        return {"alone": "ok", "replicated": "ok"}.get(state, state)
+
     def health(self) -> dict[str, object]:
-        ok = not self.stopping and self.flusher.failed is None
+        failed = self.store.failed
+        if failed is None and self.flusher.failed is not None:
+            failed = f"an fsync failed: {self.flusher.failed}"
         body: dict[str, object] = {
-            "ok": ok,
+            "ok": not self.stopping and failed is None,
             "group": self.config.group,
             "role_in_group": self.role,
             "epoch": self.epoch,
         }
         if self.role == "master":
-            body["write_state"] = self.source.write_state()
+            body["write_state"] = self.write_state()
+        if failed is not None:
+            body["error"] = f"the store stopped taking writes ({failed}); restart the broker"
+        elif (low := self.handlers.free_space.low()) is not None:
+            body["error"] = low
         return body
 
     def _disk_failed(self, exc: BaseException) -> None:

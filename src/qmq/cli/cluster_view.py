@@ -25,7 +25,7 @@ def _state(state: str) -> str:
 
 
 def _writes(state: str | None) -> str:
-    colours = {"ok": "green", "read-only": "red", "degraded": "yellow"}
+    colours = {"ok": "green", "read-only": "red", "degraded": "yellow", "disk-full": "red", "failed": "red"}
     return f"[{colours[state]}]{state}[/{colours[state]}]" if state in colours else _NONE
 
 

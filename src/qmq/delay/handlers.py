@@ -24,6 +24,7 @@ from qmq.serving.dispatch import Handler, RequestTable
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.replies import guarded
 from qmq.serving.requests import BadRequest, scan_send
+from qmq.store.datadir import DiskFullError
 
 STATS_BUCKETS_DEFAULT = 100
 # Every bucket of the default horizon (730 days of one-hour buckets: 17,520). A bucket row is
@@ -112,7 +113,11 @@ class Handlers:
         scanned, problems = scan_send(body, self.limits)
         server = self.server
         store = self.store
-        result = store.append(body, scanned, problems)
+        try:
+            result = store.append(body, scanned, problems)
+        except DiskFullError as exc:
+            self.free_space.met_full(str(exc))  # later sends are refused at once until space returns
+            raise
         metrics = self.metrics
         if result.stored:
             metrics.messages_in.inc(result.stored)

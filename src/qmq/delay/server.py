@@ -114,7 +114,7 @@ class DelayServer(FrameServer):
             self.flusher.start_periodic(cfg.flush_interval_ms)
         self.periodic.every(cfg.checkpoint_interval_ms, self.checkpoint)
         self.dispatcher.start()
-        self.register(self.registration_payload())
+        self.register(self._heartbeat)
 
     async def checkpoint(self) -> None:
         """Make the schedule logs durable, record the write-ahead log offset they cover, and delete
@@ -162,9 +162,28 @@ class DelayServer(FrameServer):
         while unflushed and unflushed[0][0] <= flushed:
             self.arrived(unflushed.popleft()[1])
 
+    def write_state(self) -> str:
+        """What a send meets: "ok", "failed" (a write or an fsync failed: no sends until a restart)
+        or "disk-full" (clears by itself once space is freed)."""
+        if self.flusher.failed is not None or self.disk_error is not None:
+            return "failed"
+        return "disk-full" if self.handlers.free_space.low() is not None else "ok"
+
     def health(self) -> dict[str, object]:
-        ok = not self.stopping and self.flusher.failed is None and self.disk_error is None
-        return {"ok": ok, "group": self.config.group}
+        failed = self.flusher.failed or self.disk_error
+        body: dict[str, object] = {
+            "ok": not self.stopping and failed is None,
+            "group": self.config.group,
+            "write_state": self.write_state(),
+        }
+        if failed is not None:
+            body["error"] = f"the delay server's disk failed ({failed}); restart it"
+        elif (low := self.handlers.free_space.low()) is not None:
+            body["error"] = low
+        return body
+
+    def _heartbeat(self) -> dict[str, object]:
+        return {**self.registration_payload(), "write_state": self.write_state()}
 
     def sync_in_background(self) -> None:
         """fsync, on the checkpoint thread, the schedule logs written ``sync_bytes`` past their

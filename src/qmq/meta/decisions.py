@@ -33,11 +33,11 @@ from qmq.meta.store import GroupRecord, ServerRecord
 
 Role = Literal["broker", "delay"]
 RoleInGroup = Literal["master", "slave"]
-WriteState = Literal["ok", "read-only", "degraded"]
+WriteState = Literal["ok", "read-only", "degraded", "disk-full", "failed"]
 
 ROLES: Final = ("broker", "delay")
 ROLES_IN_GROUP: Final = ("master", "slave")
-WRITE_STATES: Final = ("ok", "read-only", "degraded")
+WRITE_STATES: Final = ("ok", "read-only", "degraded", "disk-full", "failed")
 
 
 @dataclass(frozen=True, slots=True)

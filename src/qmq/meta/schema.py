@@ -16,7 +16,7 @@ behind ``db_url`` may be shared with other applications):
         log_end           end offset of its message log
         action_end        end offset of its action log
         replicated_ms     slaves: when it last heard from its master (its own clock)
-        write_state       masters: "ok" | "read-only" | "degraded" (NULL: not reported)
+        write_state       masters: "ok" | "read-only" | "degraded" | "disk-full" | "failed" (NULL: not reported)
 
     qmq_meta_groups   key (role, group_name): what the meta server decided, one row per group
         epoch             the group's current epoch, raised by every promotion

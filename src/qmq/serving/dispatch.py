@@ -4,6 +4,7 @@ the one mapping of a handler's failure to its answer:
 
     BadRequest     → BAD_REQUEST     (the request is wrong; its text names the field)
     DiskFullError  → DISK_FULL       (retriable elsewhere or later)
+    OutOfFilesError → BUSY           (no file descriptor to spare: retriable shortly)
     StoreError     → INTERNAL_ERROR  (logged)
     any other      → INTERNAL_ERROR  "internal error: Type: text" (logged with its traceback)
 
@@ -21,7 +22,7 @@ from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
 from qmq.serving.requests import BadRequest
-from qmq.store.datadir import DiskFullError, StoreError
+from qmq.store.datadir import DiskFullError, OutOfFilesError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def answer_failure(conn: Responder, frame: Frame, exc: Exception) -> None:
         status, text = Status.BAD_REQUEST, str(exc)
     elif isinstance(exc, DiskFullError):
         status, text = Status.DISK_FULL, str(exc)
+    elif isinstance(exc, OutOfFilesError):
+        log.warning("%s: %s", RequestCode(frame.code).name, exc)
+        status, text = Status.BUSY, f"{exc}; retry shortly"
     elif isinstance(exc, StoreError):
         log.error("store error on %s: %s", RequestCode(frame.code).name, exc)
         status, text = Status.INTERNAL_ERROR, str(exc)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -84,7 +85,7 @@ class RoleMetrics(Protocol):
     def render(self) -> bytes: ...
 
 
-class FrameServer:
+class FrameServer(ABC):
     # At most one send frame is handled per loop turn: the rest of what a connection sent waits
     # for the next turn, which is fair to the other connections and, on a delay server, delays
     # due messages by one frame's work rather than a burst's.
@@ -192,9 +193,9 @@ class FrameServer:
 
     # -- HTTP --------------------------------------------------------------------------
 
+    @abstractmethod
     def health(self) -> dict[str, object]:
         """The body of GET /health; its "ok" says 200 or 503."""
-        raise NotImplementedError
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
@@ -205,8 +206,9 @@ class FrameServer:
 
     # -- checkpoints ---------------------------------------------------------------------
 
+    @abstractmethod
     async def checkpoint(self) -> None:
-        raise NotImplementedError
+        """Make the store durable and record how far (on the checkpoint thread, under ``checkpointing``)."""
 
     # -- steps of an ordered shutdown, in the order a role calls them ------------------------
 
