@@ -216,17 +216,20 @@ class Handlers:
         end = self.store.mlog.end
         source = self.broker.source
 
+        # Failures past this point come after the batch was written: it may be stored (and be
+        # consumed) although the answer is an error. "outcome": "unknown" tells the producer to
+        # retry on this group only, whose duplicate window drops the repeat.
         def replicated(error: str | None) -> None:
             if error is None:
                 conn.respond(code, request_id, None, (answer,))
             else:
-                conn.respond(code, request_id, {"error": error}, status=Status.NOT_MASTER)
+                conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.NOT_MASTER)
 
         def durable(error: str | None) -> None:
             if error is None:
                 source.after_log_replicated(end, guarded(conn, code, request_id, replicated))
             else:
-                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+                conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.INTERNAL_ERROR)
 
         if not self.store.sync_policy:
             durable(None)

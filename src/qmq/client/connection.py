@@ -85,7 +85,10 @@ class _FrameProtocol(asyncio.Protocol):
         if frame.status == Status.OK:
             fut.set_result(frame)
         else:
-            fut.set_exception(error_for_status(frame.status, str(frame.header.get("error", ""))))
+            header = frame.header
+            fut.set_exception(
+                error_for_status(frame.status, str(header.get("error", "")), header.get("outcome") == "unknown")
+            )
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -272,8 +275,15 @@ class Connection:
         *,
         with_session: bool = False,
     ) -> Frame:
-        """Send a request and wait for its response; a non-OK status raises its error."""
-        fut = await self.start_request(code, header, body, with_session=with_session)
+        """Send a request and wait for its response; a non-OK status raises its error.
+
+        A ConnectionLostError says whether the request may have been carried out: not when it
+        could not be written (``outcome_unknown`` False), maybe when the connection went after."""
+        try:
+            fut = await self.start_request(code, header, body, with_session=with_session)
+        except ConnectionLostError as exc:
+            exc.outcome_unknown = False  # never written
+            raise
         return await fut
 
     def abort(self) -> None:

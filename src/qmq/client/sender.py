@@ -209,6 +209,10 @@ class Sender:
         body = [e[ENCODED] for e in entries]
         deadline = min(e[ENQUEUED_AT] for e in entries) + opts.send_timeout_ms / 1000
         target = group
+        # Once the frame may have been stored (written, then no answer or an error after the
+        # write), it is sent again to the same group only: its duplicate window drops the repeat,
+        # where another group would store the messages twice.
+        pinned = False
         backoff_s = opts.retry_backoff_ms / 1000
         try:
             while True:
@@ -221,7 +225,8 @@ class Sender:
                         bg = self._meta.target(target)
                         if bg is None:
                             raise ConnectionLostError(
-                                f"{describe_target(target)} is not available (per the meta server)"
+                                f"{describe_target(target)} is not available (per the meta server)",
+                                outcome_unknown=False,
                             )
                         conn = self._pool.get(bg.address)
                         stats.frames_sent += 1
@@ -246,15 +251,18 @@ class Sender:
                         self.fail(
                             entries,
                             f"not stored within send_timeout_ms={opts.send_timeout_ms}; "
-                            f"last failure, from {describe_target(target)}: {exc}",
+                            f"last failure, from {describe_target(target)}: {exc}"
+                            + ("; the message may or may not be stored" if pinned or exc.outcome_unknown else ""),
                             retriable=True,
                         )
                         return
+                    pinned = pinned or exc.outcome_unknown
                     log.debug("retrying a batch of %d after %s", len(entries), exc)
                     stats.retries += 1
                     await asyncio.sleep(backoff_s)  # retry backoff, bounded by the deadline above
                     backoff_s = min(backoff_s * 2, opts.retry_backoff_ms_max / 1000)
-                    target = self._next_group(key, target)
+                    if not pinned:
+                        target = self._next_group(key, target)
                     continue
                 except QmqError as exc:
                     self.fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)

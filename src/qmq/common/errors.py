@@ -48,19 +48,36 @@ class BufferFullError(SendError):
 
 
 class BrokerError(QmqError):
-    """The broker answered a request with an error status."""
+    """The broker answered a request with an error status.
 
-    def __init__(self, status: int, status_name: str, text: str, *, retriable: bool) -> None:
+    ``outcome_unknown``: the broker failed the request after it had written it (its slave never
+    confirmed the copy, say), so what was asked may have taken effect. A send retried after
+    such an error goes to the same broker group, whose duplicate window drops a repeat.
+    """
+
+    def __init__(
+        self, status: int, status_name: str, text: str, *, retriable: bool, outcome_unknown: bool = False
+    ) -> None:
         self.status = status
         self.status_name = status_name
         self.retriable = retriable
+        self.outcome_unknown = outcome_unknown
         super().__init__(f"{status_name}: {text}" if text else status_name)
 
 
 class ConnectionLostError(QmqError):
-    """The connection to a server closed before the answer arrived."""
+    """The connection to a server closed before the answer arrived.
+
+    ``outcome_unknown`` is False when the request was never written (no connection, say): it
+    cannot have taken effect. Otherwise the server may have carried it out before the
+    connection went.
+    """
 
     retriable = True
+
+    def __init__(self, text: str, *, outcome_unknown: bool = True) -> None:
+        self.outcome_unknown = outcome_unknown
+        super().__init__(text)
 
 
 class NoBrokerError(QmqError):

@@ -147,8 +147,9 @@ class Handlers:
             try:
                 if error is None:
                     conn.respond(code, request_id, None, (answer,))
-                else:
-                    conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+                else:  # written, fsync failed: it may or may not be kept
+                    header = {"error": error, "outcome": "unknown"}
+                    conn.respond(code, request_id, header, status=Status.INTERNAL_ERROR)
             finally:
                 server.release_durable()
 

@@ -31,12 +31,14 @@ def status_name(status: int) -> str:
         return f"STATUS_{status}"
 
 
-def error_for_status(status: int, text: str) -> QmqError:
-    """The exception a client raises for a non-OK response."""
+def error_for_status(status: int, text: str, outcome_unknown: bool = False) -> QmqError:
+    """The exception a client raises for a non-OK response (``outcome_unknown``: see BrokerError)."""
     if status == Status.MESSAGE_TOO_LARGE:
         return MessageTooLargeError(text)
     if status == Status.INVALID_SUBJECT:
         return InvalidSubjectError(text)
     if status == Status.INVALID_MESSAGE:
         return InvalidMessageError(text)
-    return BrokerError(status, status_name(status), text, retriable=status in RETRIABLE_STATUSES)
+    return BrokerError(
+        status, status_name(status), text, retriable=status in RETRIABLE_STATUSES, outcome_unknown=outcome_unknown
+    )
