@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgpack
+
 from conftest import append, batch, flush
 from qmq.protocol.codes import Status
 from qmq.protocol.message import decode_message
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
 from qmq.store.broker_store import BrokerStore, PullResult
+from qmq.store.progress import REDELIVERY_RUNS_MAX
 
 
 def records(result: PullResult) -> list[tuple[int, str]]:
@@ -138,3 +141,28 @@ def test_same_id_on_another_subject_or_attempt_is_not_a_duplicate(open_store: Ca
     res = append(store, first + retry + with_times(first, 2, subject=b"%RETRY%s%g") + batch("other", ["a"]))
     assert (res.stored, res.duplicates) == (4, 0)
     assert append(store, retry).duplicates == 1
+
+
+def test_a_redelivery_of_scattered_unacked_messages_is_cut_into_answers_of_bounded_runs(
+    open_store: Callable[..., BrokerStore],
+) -> None:
+    # every other message acknowledged: each unacked one is a run of its own in the answer's
+    # header, which must stay far inside the 64 KiB a frame header may hold
+    n = 2 * (REDELIVERY_RUNS_MAX + 500)
+    store = open_store()
+    for start in range(0, n, 1000):
+        append(store, batch("s", [str(i) for i in range(start, start + 1000)], body=b"x"))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    cp = gp.consumer("c")
+    for _ in range(n // 1000):
+        assert store.pull(gp, cp, "session-1", 1000) is not None
+    store.ack(gp, cp, [[i, i + 1] for i in range(0, n, 2)])
+    first = store.pull(gp, cp, "session-2", 10_000)
+    assert first is not None
+    assert len(first.runs) == REDELIVERY_RUNS_MAX
+    assert len(msgpack.packb({"runs": first.runs})) < 64 * 1024 // 2
+    rest = store.pull(gp, cp, "session-2", 10_000)  # the next pull goes on where the last stopped
+    assert rest is not None
+    got = [i for _s, i in records(first) + records(rest)]
+    assert got == [str(i) for i in range(1, n, 2)]

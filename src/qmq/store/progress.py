@@ -20,6 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+# Runs of pulled-but-unacked entries one PULL answer hands again: its header lists each as
+# [pull_offset, count] (~15 bytes at most), so 2,000 stay far inside frame_header_bytes_max.
+REDELIVERY_RUNS_MAX = 2_000
+
 
 @dataclass(slots=True)
 class ConsumerProgress:
@@ -107,11 +111,14 @@ class Progress:
     # -- pulls -------------------------------------------------------------------------
 
     @staticmethod
-    def take_redelivery(cp: ConsumerProgress, max_n: int) -> list[tuple[int, int, int]]:
+    def take_redelivery(
+        cp: ConsumerProgress, max_n: int, runs_max: int = REDELIVERY_RUNS_MAX
+    ) -> list[tuple[int, int, int]]:
         """Pulled-but-unacked entries to hand again to a consumer that came back.
 
         Returns runs ``(pull_offset, seq, count)`` from the consumer's cursor on, skipping
-        acknowledged ranges, at most ``max_n`` entries, and advances the cursor.
+        acknowledged ranges, at most ``max_n`` entries in at most ``runs_max`` runs (each is one
+        ``[pull_offset, count]`` of the PULL answer's header), and advances the cursor.
         """
         out: list[tuple[int, int, int]] = []
         if cp.cursor >= cp.pull_log_end or max_n <= 0:
@@ -122,13 +129,13 @@ class Progress:
         acked = cp.acked
         ai = 0
         for poff, seq, count in cp.runs:
-            if left <= 0:
+            if left <= 0 or len(out) >= runs_max:
                 break
             end = poff + count
             if end <= cursor:
                 continue
             p = max(poff, cursor)
-            while p < end and left > 0:
+            while p < end and left > 0 and len(out) < runs_max:
                 while ai < len(acked) and acked[ai][1] <= p:
                     ai += 1
                 if ai < len(acked) and acked[ai][0] <= p:
@@ -142,7 +149,7 @@ class Progress:
                 left -= k
                 p += k
             cursor = p
-        cp.cursor = cursor if left <= 0 else cp.pull_log_end
+        cp.cursor = cursor if left <= 0 or len(out) >= runs_max else cp.pull_log_end
         return out
 
     @staticmethod
