@@ -44,6 +44,7 @@ class Replicated(Protocol):
     mlog: MessageLog
     alog: ActionLog
     dead: DeadLetters
+    failed: str | None
 
     @property
     def subjects(self) -> Mapping[str, SubjectState]: ...
@@ -113,6 +114,7 @@ def _follow_segment(segs: SegmentedLog, offset: int, segment_base: int) -> None:
 
 def append_log(store: Replicated, chunk: Chunk) -> set[str]:
     """Append a master's records and index them; returns the subjects that got messages."""
+    _check_writable(store)
     if not chunk.data:
         return set()
     segs = store.mlog.segments
@@ -140,6 +142,7 @@ def append_log(store: Replicated, chunk: Chunk) -> set[str]:
 
 def append_actions(store: Replicated, chunk: Chunk) -> int:
     """Append a master's action-log records and apply them; returns how many."""
+    _check_writable(store)
     if not chunk.data:
         return 0
     segs = store.alog.segments
@@ -149,6 +152,13 @@ def append_actions(store: Replicated, chunk: Chunk) -> int:
     if torn:
         raise ReplicaError(f"action-log records from the master at offset {chunk.offset} fail their check")
     return n
+
+
+def _check_writable(store: Replicated) -> None:
+    if store.failed is not None:
+        raise ReplicaError(
+            f"this slave's store stopped taking writes ({store.failed}); restart it to copy its master again"
+        )
 
 
 def rewind(store: Replicated, message_offset: int, action_offset: int) -> RecoveryReport:
