@@ -14,18 +14,15 @@ from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
-from qmq.common.clock import Clock
 from qmq.common.config import BrokerConfig
-from qmq.common.limits import Limits
 from qmq.common.naming import retry_subject
 from qmq.protocol.answers import encode_answer
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
-from qmq.serving.disk import FreeSpace, disk_refusal
-from qmq.serving.dispatch import Handler, RequestTable
-from qmq.serving.group_commit import GroupCommit
+from qmq.serving.disk import disk_refusal
+from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
     BadRequest,
@@ -36,10 +33,8 @@ from qmq.serving.requests import (
     get_str,
     get_subject,
     get_tags,
-    scan_send,
 )
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
-from qmq.store.datadir import DiskFullError
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
 from qmq.store.tags import TagFilter
@@ -68,22 +63,16 @@ _MASTER_ONLY = frozenset(
 )
 
 
-class BrokerContext(Protocol):
+class BrokerContext(RoleContext, Protocol):
     """What the handlers read and call of the broker (``BrokerServer`` is one; a test builds a
     small one): its state, never its lifecycle."""
 
     @property
     def config(self) -> BrokerConfig: ...
     @property
-    def clock(self) -> Clock: ...
-    @property
-    def limits(self) -> Limits: ...
-    @property
     def store(self) -> BrokerStore: ...
     @property
     def metrics(self) -> BrokerMetrics: ...
-    @property
-    def flusher(self) -> GroupCommit: ...
     @property
     def parked(self) -> ParkedPulls: ...
     @property
@@ -98,20 +87,16 @@ class BrokerContext(Protocol):
     def epoch(self) -> int: ...
     @property
     def address(self) -> str: ...
-    @property
-    def stopping(self) -> bool: ...
 
 
-class Handlers:
+class Handlers(RoleHandlers):
+    kind = "broker"
+
     def __init__(self, broker: BrokerContext) -> None:
-        self.broker = broker
-        self.store = broker.store
-        self.limits = broker.limits
-        self.metrics = broker.metrics
-        self.free_space = FreeSpace(self.store.dir, broker.config.disk_free_bytes_min)
+        super().__init__(broker)
+        self.broker, self.store, self.metrics = broker, broker.store, broker.metrics
         self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
         table: dict[int, Handler] = {
-            RequestCode.PING: self.ping,
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
             RequestCode.ACK: self.ack,
@@ -127,8 +112,7 @@ class Handlers:
         }
         for code in _MASTER_ONLY:
             table[code] = self._master_only(table[code])
-        self.requests = RequestTable(table, self.metrics.requests, _unknown)
-        self.dispatch = self.requests.dispatch
+        self.serve(table, self.metrics.requests, _unknown)
 
     def _master_only(self, handler: Handler) -> Handler:
         """``handler`` on a master; on a slave, NOT_MASTER naming the master."""
@@ -144,10 +128,6 @@ class Handlers:
 
     # -- commands ----------------------------------------------------------------------
 
-    def ping(self, conn: Responder, frame: Frame) -> None:
-        header = {"role": "broker", "group": self.broker.config.group, "time_ms": self.broker.clock.now_ms()}
-        conn.respond(frame.code, frame.request_id, header)
-
     def _not_master(self) -> str:
         broker = self.broker
         master = broker.replicator.master if broker.replicator is not None else "unknown yet"
@@ -156,7 +136,7 @@ class Handlers:
             f"its master is {master}: clients find masters through the meta server"
         )
 
-    def _refusal(self) -> tuple[Status, str] | None:
+    def refusal(self) -> tuple[Status, str] | None:
         broker = self.broker
         if broker.source.write_state() == "read-only":
             return Status.NOT_MASTER, broker.source.read_only_text()
@@ -176,12 +156,10 @@ class Handlers:
         return disk_refusal(self.free_space, self.store.unflushed_bytes, broker.config.pending_flush_bytes_max)
 
     def send(self, conn: Responder, frame: Frame) -> None:
-        refusal = self._refusal()
-        if refusal is not None:
-            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+        taken = self.take_send(conn, frame)
+        if taken is None:
             return
-        body = bytes(frame.body)
-        scanned, problems = scan_send(body, self.limits)
+        body, scanned, problems = taken
         store = self.store
         holds = max(map(_DELIVER_AT_MS, scanned), default=0) > self.broker.clock.now_ms()
         if holds and len(store.held) >= self.broker.config.held_messages_max:
@@ -191,11 +169,7 @@ class Handlers:
             )
             conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BUSY)
             return
-        try:
-            result = store.append(body, scanned, refused=problems)
-        except DiskFullError as exc:
-            self.free_space.met_full(str(exc))  # later sends are refused at once until space returns
-            raise
+        result = self.storing(lambda: store.append(body, scanned, refused=problems))
         if holds:
             self.broker.release.schedule()
         self._answer_stored(conn, frame, result)

@@ -7,9 +7,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from qmq.common.clock import Clock
 from qmq.common.config import DelayConfig
-from qmq.common.limits import Limits
 from qmq.delay.dispatcher import Dispatcher
 from qmq.delay.metrics import DelayMetrics
 from qmq.delay.scheduler import Scheduler
@@ -19,12 +17,10 @@ from qmq.protocol.answers import encode_answer
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
-from qmq.serving.disk import FreeSpace, disk_refusal
-from qmq.serving.dispatch import Handler, RequestTable
-from qmq.serving.group_commit import GroupCommit
+from qmq.serving.disk import disk_refusal
+from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replies import guarded
-from qmq.serving.requests import BadRequest, scan_send
-from qmq.store.datadir import DiskFullError
+from qmq.serving.requests import BadRequest
 
 STATS_BUCKETS_DEFAULT = 100
 # Every bucket of the default horizon (730 days of one-hour buckets: 17,520). A bucket row is
@@ -32,28 +28,20 @@ STATS_BUCKETS_DEFAULT = 100
 STATS_BUCKETS_MAX = 20_000
 
 
-class DelayContext(Protocol):
+class DelayContext(RoleContext, Protocol):
     """What the handlers read and call of the delay server (``DelayServer`` is one; a test
     builds a small one): its state and the hooks a stored send pulls, never its lifecycle."""
 
     @property
     def config(self) -> DelayConfig: ...
     @property
-    def clock(self) -> Clock: ...
-    @property
-    def limits(self) -> Limits: ...
-    @property
     def store(self) -> DelayStore: ...
     @property
     def metrics(self) -> DelayMetrics: ...
     @property
-    def flusher(self) -> GroupCommit: ...
-    @property
     def scheduler(self) -> Scheduler: ...
     @property
     def dispatcher(self) -> Dispatcher | None: ...
-    @property
-    def stopping(self) -> bool: ...
     @property
     def disk_error(self) -> BaseException | None: ...
     @property
@@ -68,20 +56,14 @@ class DelayContext(Protocol):
     def release_durable(self) -> None: ...
 
 
-class Handlers:
+class Handlers(RoleHandlers):
+    kind = "delay"
+
     def __init__(self, server: DelayContext) -> None:
-        self.server = server
-        self.store = server.store
-        self.limits = server.limits
-        self.metrics = server.metrics
-        self.free_space = FreeSpace(self.store.dir, server.config.disk_free_bytes_min)
-        table: dict[int, Handler] = {
-            RequestCode.PING: self.ping,
-            RequestCode.SEND_MESSAGES: self.send,
-            RequestCode.DELAY_STATS: self.delay_stats,
-        }
-        self.requests = RequestTable(table, self.metrics.requests, self._unknown)
-        self.dispatch = self.requests.dispatch
+        super().__init__(server)
+        self.server, self.store, self.metrics = server, server.store, server.metrics
+        table: dict[int, Handler] = {RequestCode.SEND_MESSAGES: self.send, RequestCode.DELAY_STATS: self.delay_stats}
+        self.serve(table, self.metrics.requests, self._unknown)
 
     def _unknown(self, code: int) -> str:
         return (
@@ -90,11 +72,7 @@ class Handlers:
             "pull from a broker"
         )
 
-    def ping(self, conn: Responder, frame: Frame) -> None:
-        header = {"role": "delay", "group": self.server.config.group, "time_ms": self.server.clock.now_ms()}
-        conn.respond(frame.code, frame.request_id, header)
-
-    def _refusal(self) -> tuple[Status, str] | None:
+    def refusal(self) -> tuple[Status, str] | None:
         server = self.server
         if server.stopping:
             return Status.SHUTTING_DOWN, "the delay server is shutting down; send to another delay group or retry"
@@ -105,19 +83,13 @@ class Handlers:
         return disk_refusal(self.free_space, unflushed_bytes, server.config.pending_flush_bytes_max)
 
     def send(self, conn: Responder, frame: Frame) -> None:
-        refusal = self._refusal()
-        if refusal is not None:
-            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+        taken = self.take_send(conn, frame)
+        if taken is None:
             return
-        body = bytes(frame.body)
-        scanned, problems = scan_send(body, self.limits)
+        body, scanned, problems = taken
         server = self.server
         store = self.store
-        try:
-            result = store.append(body, scanned, problems)
-        except DiskFullError as exc:
-            self.free_space.met_full(str(exc))  # later sends are refused at once until space returns
-            raise
+        result = self.storing(lambda: store.append(body, scanned, problems))
         metrics = self.metrics
         if result.stored:
             metrics.messages_in.inc(result.stored)

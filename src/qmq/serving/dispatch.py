@@ -14,19 +14,30 @@ A failure costs one request, never the server or the connection.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 from prometheus_client import Counter
 
+from qmq.common.clock import Clock
+from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
+from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
-from qmq.serving.requests import BadRequest
+from qmq.serving.disk import FreeSpace
+from qmq.serving.requests import BadRequest, scan_send
 from qmq.store.datadir import DiskFullError, OutOfFilesError, StoreError
+
+if TYPE_CHECKING:  # group_commit answers through replies, which answers failures through here
+    from qmq.serving.group_commit import GroupCommit
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Responder, Frame], None]
+T = TypeVar("T")
 
 
 class RequestTable:
@@ -81,3 +92,77 @@ def answer_failure(conn: Responder, frame: Frame, exc: Exception) -> None:
         log.error("%s failed", RequestCode(frame.code).name, exc_info=exc)
         status, text = Status.INTERNAL_ERROR, f"internal error: {type(exc).__name__}: {exc}"
     conn.respond(frame.code, frame.request_id, {"error": text}, status=status)
+
+
+class _RoleConfig(Protocol):
+    @property
+    def group(self) -> str: ...
+    @property
+    def disk_free_bytes_min(self) -> int: ...
+
+
+class _DataDir(Protocol):
+    @property
+    def dir(self) -> Path: ...
+
+
+class RoleContext(Protocol):
+    """What ``RoleHandlers`` reads of a role (a broker's or delay server's context is one)."""
+
+    @property
+    def config(self) -> _RoleConfig: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def store(self) -> _DataDir: ...
+    @property
+    def flusher(self) -> GroupCommit: ...
+    @property
+    def stopping(self) -> bool: ...
+
+
+class RoleHandlers(ABC):
+    """What the handlers of every frame-serving role share: PING, the limits, the free-space
+    check of the data directory a send consults, and the request table (PING included)
+    ``dispatch`` runs. A role's ``Handlers`` adds its commands with ``serve``."""
+
+    kind: ClassVar[str]  # "broker", "delay": what PING answers as the role
+
+    def __init__(self, ctx: RoleContext) -> None:
+        self.limits = ctx.limits
+        self.free_space = FreeSpace(ctx.store.dir, ctx.config.disk_free_bytes_min)
+        self._group = ctx.config.group
+        self._clock = ctx.clock
+
+    def serve(self, handlers: Mapping[int, Handler], requests: Counter, unknown: Callable[[int], str]) -> None:
+        self.requests = RequestTable({RequestCode.PING: self.ping, **handlers}, requests, unknown)
+        self.dispatch = self.requests.dispatch
+
+    def ping(self, conn: Responder, frame: Frame) -> None:
+        header = {"role": self.kind, "group": self._group, "time_ms": self._clock.now_ms()}
+        conn.respond(frame.code, frame.request_id, header)
+
+    @abstractmethod
+    def refusal(self) -> tuple[Status, str] | None:
+        """Why the role takes no send now, as (status, text); None when it takes one."""
+
+    def take_send(self, conn: Responder, frame: Frame) -> tuple[bytes, list[ScannedMessage], dict[int, str]] | None:
+        """A SEND_MESSAGES frame's body, its messages and, by index, those to refuse (see
+        ``scan_send``); None when the role refuses the whole frame now (answered here)."""
+        refusal = self.refusal()
+        if refusal is not None:
+            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+            return None
+        body = bytes(frame.body)
+        scanned, problems = scan_send(body, self.limits)
+        return body, scanned, problems
+
+    def storing(self, append: Callable[[], T]) -> T:
+        """``append()``; a full disk met on the way refuses later sends at once until space returns."""
+        try:
+            return append()
+        except DiskFullError as exc:
+            self.free_space.met_full(str(exc))
+            raise
