@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from qmq.client.accumulator import ENCODED, ENQUEUED_AT, MESSAGE_ID, WAITER, Accumulator, Entry, RouteKey
 from qmq.client.connection import ConnectionPool
-from qmq.client.meta import MetaClient, describe_target
+from qmq.client.meta import DELAY_TARGET_PREFIX, MetaClient, describe_target
 from qmq.client.options import ProducerOptions
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError, SendError
 from qmq.protocol.answers import answer_of
@@ -210,8 +210,11 @@ class Sender:
         deadline = min(e[ENQUEUED_AT] for e in entries) + opts.send_timeout_ms / 1000
         target = group
         # Once the frame may have been stored (written, then no answer or an error after the
-        # write), it is sent again to the same group only: its duplicate window drops the repeat,
-        # where another group would store the messages twice.
+        # write), it is sent again to the same broker group only: its duplicate window drops the
+        # repeat, where another group would store the messages twice. Delay groups are exempt:
+        # a copy kept by two of them is handed over twice, and the broker's window drops the
+        # second (so a delay group's loss never stalls delayed sends).
+        pins = not group.startswith(DELAY_TARGET_PREFIX)
         pinned = False
         backoff_s = opts.retry_backoff_ms / 1000
         try:
@@ -256,7 +259,7 @@ class Sender:
                             retriable=True,
                         )
                         return
-                    pinned = pinned or exc.outcome_unknown
+                    pinned = pinned or (pins and exc.outcome_unknown)
                     log.debug("retrying a batch of %d after %s", len(entries), exc)
                     stats.retries += 1
                     await asyncio.sleep(backoff_s)  # retry backoff, bounded by the deadline above
