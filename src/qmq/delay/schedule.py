@@ -34,6 +34,7 @@ from qmq.common.config import DelayConfig
 from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket, bucket_start_of
 from qmq.delay.far import FarMessages
 from qmq.delay.timer import ROW, Rows, make_rows
+from qmq.store import fileio
 from qmq.store.datadir import StoreError, store_error
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Schedule:
         self.bucket_ms = config.bucket_length_ms
         self._data_dir = Path(config.data_dir)  # named in write errors
         self.directory = self._data_dir / SCHEDULE_DIR
-        self.directory.mkdir(parents=True, exist_ok=True)
+        fileio.make_dirs(self.directory)
         self._buffer_bytes_max = config.schedule_buffer_bytes_max
         self._sync_bytes = config.sync_bytes
         self.buckets: dict[int, Bucket] = {}
@@ -91,10 +92,10 @@ class Schedule:
     def existing_bucket_starts(self) -> list[int]:
         """Starts of the bucket directories on disk."""
         out = []
-        for path in self.directory.iterdir():
-            start = bucket_start_of(path.name)
+        for name in fileio.listdir(self.directory):
+            start = bucket_start_of(name)
             if start is None:
-                log.warning("ignoring %s in the schedule directory: not a time bucket", path)
+                log.warning("ignoring %s in the schedule directory: not a time bucket", self.directory / name)
                 continue
             out.append(start)
         return sorted(out)

@@ -43,6 +43,7 @@ from qmq.delay.timer import ROW, Rows
 from qmq.protocol.codes import Status
 from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
+from qmq.store import fileio
 from qmq.store.datadir import DataDirLock, store_error
 from qmq.store.message_log import MessageLog
 
@@ -67,7 +68,8 @@ class DelayStore:
         self.bucket_ms = config.bucket_length_ms
         self.horizon_ms = config.horizon_days * DAY_MS
         self.dir = Path(config.data_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        fileio.from_environment()  # a fault plan or an I/O trace (fileio.py), when the process has one
+        fileio.make_dirs(self.dir)
         self._lock = DataDirLock(self.dir, "delay server")
         self.sync_policy = config.flush == "sync"
         self.wal = MessageLog(self.dir / WAL_DIR, config.wal_segment_bytes)
@@ -278,4 +280,3 @@ def _iso(epoch_ms: int) -> str:
         return datetime.fromtimestamp(epoch_ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
     except (OverflowError, ValueError, OSError):
         return f"{epoch_ms} ms after the epoch"
-
