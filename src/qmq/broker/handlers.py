@@ -22,7 +22,7 @@ from qmq.protocol.frame import Frame
 from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
-from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
+from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers, answer_failure
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
     BadRequest,
@@ -289,7 +289,16 @@ class Handlers(RoleHandlers):
         if result is not None or timeout_ms == 0 or self.broker.stopping:
             answer(result)
             return
-        parked = ParkedPull(conn, gp, cp, session, max_n, tag_filter, guarded(conn, code, request_id, answer))
+        parked = ParkedPull(
+            conn,
+            gp,
+            cp,
+            session,
+            max_n,
+            tag_filter,
+            guarded(conn, code, request_id, answer),
+            lambda exc: answer_failure(conn, Frame(code, request_id), exc),
+        )
         self.broker.parked.park(parked, timeout_ms)
 
     def _tag_filter(self, tags: tuple[str, ...], mode: str) -> TagFilter | None:
