@@ -29,11 +29,13 @@ sits at ``n × 20`` (little-endian)::
 
 Replay (schedule.py) appends to ``messages`` and ``index`` through an in-memory buffer (``add``,
 ``flush``; ``messages`` is always written before ``index``, so an entry never points past
-the records). Both are fsynced before a checkpoint names their sizes; after a crash they are
-cut back to those sizes and rebuilt from the write-ahead log in the same order, so entry
-numbers, and the dispatch log that names them, stay valid. The dispatch log is written after
-every broker acknowledgement and fsynced with checkpoints: an entry lost in a machine crash
-means one message handed over again, which the broker's duplicate window drops.
+the records). A flush that fails cuts both files back to what they held, so the buffer, kept,
+is written whole by the next one; what is still buffered is read from memory. Both are
+fsynced before a checkpoint names their sizes; after a crash they are cut back to those sizes
+and rebuilt from the write-ahead log in the same order, so entry numbers, and the dispatch
+log that names them, stay valid. The dispatch log is written after every broker
+acknowledgement and fsynced with checkpoints: an entry lost in a machine crash means one
+message handed over again, which the broker's duplicate window drops.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qmq.store import fileio
+from qmq.store.segments import cut_back
 
 FORMAT_VERSION = 1
 INDEX_ENTRY = struct.Struct("<qQI")
@@ -198,8 +201,14 @@ class Bucket:
             self._messages_wfd = _open_append(self.directory / MESSAGES)
         if self._index_wfd < 0:
             self._index_wfd = _open_append(self.directory / INDEX)
-        fileio.write_all(self._messages_wfd, self.pending_messages)
-        fileio.write_all(self._index_wfd, self.pending_index)
+        try:
+            fileio.write_all(self._messages_wfd, self.pending_messages)
+            fileio.write_all(self._index_wfd, self.pending_index)
+        except OSError as exc:
+            # index entries hold offsets counted from the flushed size: a retry must start there
+            cut_back(self._messages_wfd, self.flushed_bytes, exc)
+            cut_back(self._index_wfd, self.flushed_count * INDEX_ENTRY_BYTES, exc)
+            raise
         self.pending_messages = bytearray()
         self.pending_index = bytearray()
         self.flushed_count = self.count
@@ -209,12 +218,16 @@ class Bucket:
         return written
 
     def read(self, offset: int, size: int) -> bytes:
-        """``size`` bytes of ``messages`` at ``offset`` (flushing the buffer first if they are in it)."""
-        if offset + size > self.flushed_bytes:
-            self.flush()
-        if self._messages_fd < 0:
-            self._messages_fd = fileio.open(self.directory / MESSAGES, os.O_RDONLY)
-        data = fileio.pread(self._messages_fd, size, offset)
+        """``size`` bytes of ``messages`` at ``offset``: from the file, and what is still buffered from memory."""
+        on_disk = max(0, min(size, self.flushed_bytes - offset))
+        data = b""
+        if on_disk:
+            if self._messages_fd < 0:
+                self._messages_fd = fileio.open(self.directory / MESSAGES, os.O_RDONLY)
+            data = fileio.pread(self._messages_fd, on_disk, offset)
+        if on_disk < size:
+            at = offset + on_disk - self.flushed_bytes
+            data += self.pending_messages[at : at + size - on_disk]
         if len(data) != size:
             raise OSError(f"schedule log {self.directory / MESSAGES} ends before {offset + size}")
         return data

@@ -13,6 +13,11 @@ Files written ``sync_bytes`` past their last fsync are handed to the server to f
 background (``take_sync_due``); a checkpoint fsyncs what was written since the last one
 (``take_written_paths``) and, once durable, lets finished buckets be deleted.
 
+Schedule logs are derived from the write-ahead log, so a write that fails loses nothing: the
+bucket keeps its buffer and the next flush writes it. A full disk clears by itself; any other
+failure is reported to ``on_failure`` (the server stops taking sends until a restart, whose
+recovery rebuilds the schedule logs from the write-ahead log).
+
 Synchronous; runs on the server's event loop.
 """
 
@@ -22,7 +27,7 @@ import bisect
 import logging
 import resource
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,7 @@ from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket, bucket_start_of
 from qmq.delay.far import FarMessages
 from qmq.delay.timer import ROW, Rows, make_rows
 from qmq.store import fileio
-from qmq.store.datadir import StoreError, store_error
+from qmq.store.datadir import StoreError, clears_by_itself, store_error
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,8 @@ class Schedule:
         # files of buckets written sync_bytes past their last fsync: the server fsyncs them in
         # the background (take_sync_due), so a checkpoint never meets a burst's worth at once
         self._sync_due: dict[Path, None] = {}
+        # told of a failed write that does not clear by itself (see the module docstring)
+        self.on_failure: Callable[[StoreError], None] = lambda _exc: None
 
     # -- buckets -----------------------------------------------------------------------
 
@@ -249,7 +256,7 @@ class Schedule:
                     try:
                         written += b.flush()
                     except OSError as exc:
-                        raise store_error(exc, self._data_dir) from exc
+                        raise self._write_failed(b, exc) from exc
                     self._note_unsynced(b)
                     writers[b.start_ms] = b
                     writers.move_to_end(b.start_ms)
@@ -265,9 +272,18 @@ class Schedule:
         try:
             b.flush()
         except OSError as exc:
-            raise store_error(exc, self._data_dir) from exc
+            # kept in the buffer, read from there when due, written by the next flush
+            self._write_failed(b, exc)
+            return
         self.buffered_bytes -= held
         self._note_unsynced(b)
+
+    def _write_failed(self, b: Bucket, exc: OSError) -> StoreError:
+        err = store_error(exc, self._data_dir)
+        log.warning("writing the schedule log of time bucket %d failed (%s); its buffer is kept", b.start_ms, exc)
+        if not clears_by_itself(err):
+            self.on_failure(err)
+        return err
 
     def _note_unsynced(self, b: Bucket) -> None:
         if b.unsynced_bytes >= self._sync_bytes:
