@@ -10,8 +10,6 @@ import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +22,7 @@ from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import decode_message
 from qmq.serving.runner import EXIT_STOP_FAILED
 from qmq.store.trace_check import check_file
-from qmq.testing import ReadyProcess, running_role
+from qmq.testing import ReadyProcess, health, running_role
 
 pytestmark = pytest.mark.integration
 
@@ -46,14 +44,6 @@ def _plan(path: Path, *rules: Mapping[str, Any]) -> dict[str, str]:
     tmp.write_text(json.dumps({"rules": list(rules)}))
     os.replace(tmp, path)
     return {"QMQ_FAULT_PLAN": str(path)}
-
-
-def _health(proc: ReadyProcess) -> tuple[int, dict[str, object]]:
-    try:
-        with urllib.request.urlopen(f"{proc.ready['http']}/health", timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _ids(client: RawClient, subject: str) -> list[str]:
@@ -84,9 +74,9 @@ def test_a_failed_fsync_stops_writes_until_a_restart_and_loses_nothing_acknowled
         assert all(a.status == Status.INTERNAL_ERROR for a in answers[first_failed:])  # none after the first
         assert answers[first_failed].header["outcome"] == "unknown"  # written; whether it is kept is unknown
         assert "until it is restarted" in str(answers[-1].header["error"])
-        status, health = _health(proc)
-        assert (status, health["write_state"]) == (503, "failed")
-        assert "restart the broker" in str(health["error"])
+        status, body = health(proc.ready["http"])
+        assert (status, body["write_state"]) == (503, "failed")
+        assert "restart the broker" in str(body["error"])
         assert proc.stop() == EXIT_STOP_FAILED  # no final checkpoint from a store that failed
     with _broker(data) as (_proc, client):  # no plan: the disk is well again
         ids = _ids(client, "s")
@@ -108,15 +98,15 @@ def test_a_full_disk_met_by_a_write_is_refused_and_passes_without_a_restart(tmp_
             assert answer.status == Status.OK, answer.header
             acked.append(f"m{n}")
         assert refused is not None
-        status, health = _health(proc)
-        assert (status, health["write_state"]) == (200, "disk-full")
+        status, body = health(proc.ready["http"])
+        assert (status, body["write_state"]) == (200, "disk-full")
         deadline = time.monotonic() + 10
         while (answer := client.send(message("s", refused))).status == Status.DISK_FULL:
             assert time.monotonic() < deadline, answer.header
             time.sleep(0.1)  # refused at once for up to a second after a write met a full disk
         assert answer.status == Status.OK, answer.header
-        status, health = _health(proc)
-        assert (status, health["write_state"]) == (200, "ok")
+        status, body = health(proc.ready["http"])
+        assert (status, body["write_state"]) == (200, "ok")
         assert _ids(client, "s") == [*acked, refused]  # the refused write left nothing behind
 
 
@@ -131,7 +121,7 @@ def test_a_failed_read_fails_that_pull_only(tmp_path: Path) -> None:
         assert [decode_message(m).message_id for _s, m in split_records(again.body)] == ["a1"]
         assert [decode_message(m).message_id for _s, m in split_records(client.pull("b", "g").body)] == ["b1"]
         assert client.send(message("a", "a2")).status == Status.OK
-        assert _health(proc)[1]["write_state"] == "ok"
+        assert health(proc.ready["http"])[1]["write_state"] == "ok"
 
 
 def test_a_failed_read_waking_a_long_poll_fails_that_pull_and_the_send_is_answered(tmp_path: Path) -> None:

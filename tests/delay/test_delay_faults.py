@@ -11,8 +11,6 @@ import asyncio
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -28,7 +26,7 @@ from qmq.common.errors import BrokerError
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.store.trace_check import check_file
-from qmq.testing import ReadyProcess, running_role
+from qmq.testing import ReadyProcess, health, running_role
 
 pytestmark = pytest.mark.integration
 
@@ -82,14 +80,6 @@ async def _stats(proc: ReadyProcess) -> dict[str, Any]:
     return answer_of(await request(proc.ready["address"], RequestCode.DELAY_STATS, {}))
 
 
-def _health(proc: ReadyProcess) -> tuple[int, dict[str, object]]:
-    try:
-        with urllib.request.urlopen(f"{proc.ready['http']}/health", timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 async def test_a_failed_fsync_of_the_write_ahead_log_stops_sends_and_loses_nothing_acknowledged(
     tmp_path: Path, meta_and_broker: str
 ) -> None:
@@ -103,9 +93,9 @@ async def test_a_failed_fsync_of_the_write_ahead_log_stops_sends_and_loses_nothi
         assert all(a.status == Status.INTERNAL_ERROR for a in answers[acked:])
         assert answers[acked].outcome_unknown  # written; whether it is kept is unknown
         assert "disk failed" in answers[-1].text
-        status, health = _health(proc)
-        assert (status, health["write_state"]) == (503, "failed")
-        assert "restart it" in str(health["error"])
+        status, body = health(proc.ready["http"])
+        assert (status, body["write_state"]) == (503, "failed")
+        assert "restart it" in str(body["error"])
     with _delay(data, meta_and_broker) as proc:  # no plan
         pending = (await _stats(proc))["pending"]
     assert acked <= pending <= acked + 1  # the one whose fsync failed may be kept too
@@ -123,14 +113,14 @@ async def test_a_full_disk_met_by_the_write_ahead_log_is_refused_and_passes(
             acked += 1
             assert acked < 10
         assert answer.status == Status.DISK_FULL
-        assert _health(proc)[1]["write_state"] == "disk-full"
+        assert health(proc.ready["http"])[1]["write_state"] == "disk-full"
         deadline = time.monotonic() + 10
         while (answer := await _send(proc, "s", f"m{acked}", later)).status == Status.DISK_FULL:
             assert time.monotonic() < deadline, answer.text
             await asyncio.sleep(0.1)  # refused at once for up to a second after a write met a full disk
         assert answer.status == Status.OK, answer.text
         assert (await _stats(proc))["pending"] == acked + 1  # the refused write left nothing behind
-        assert _health(proc)[1]["write_state"] == "ok"
+        assert health(proc.ready["http"])[1]["write_state"] == "ok"
 
 
 async def test_a_failed_fsync_of_a_schedule_log_stops_sends_and_loses_nothing_acknowledged(
@@ -142,7 +132,7 @@ async def test_a_failed_fsync_of_a_schedule_log_stops_sends_and_loses_nothing_ac
     with _delay(data, meta_and_broker, env) as proc:
         assert (await _send(proc, "s", "m0", later)).status == Status.OK
         deadline = time.monotonic() + 15
-        while _health(proc)[1]["write_state"] != "failed":  # the next checkpoint fsyncs the schedule log
+        while health(proc.ready["http"])[1]["write_state"] != "failed":  # the next checkpoint fsyncs the schedule log
             assert time.monotonic() < deadline, "a failed fsync of a schedule log left the server taking sends"
             await asyncio.sleep(0.1)
         refused = await _send(proc, "s", "m1", later)
@@ -173,7 +163,7 @@ async def test_a_full_disk_met_by_a_schedule_log_loses_nothing_and_the_message_c
             assert sent.status == Status.OK, sent.text  # the write-ahead log has it
             got = await collect(pull, 2, timeout_s=15)
             assert sorted(got) == ["first", "second"]
-            assert _health(proc)[1]["write_state"] == "ok"
+            assert health(proc.ready["http"])[1]["write_state"] == "ok"
 
 
 async def test_no_delay_send_is_answered_before_the_fsync_covering_it(tmp_path: Path, meta_and_broker: str) -> None:

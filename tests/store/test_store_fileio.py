@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import append, batch, flush
+from conftest import append, batch
 from qmq.store import fileio
 from qmq.store.broker_store import BrokerStore
-from qmq.store.datadir import DiskFullError, StoreError
+from qmq.store.datadir import DiskFullError
 from qmq.store.fileio import FaultPlan, FaultPlanError
 
 
@@ -156,15 +156,3 @@ def test_the_stores_call_no_file_io_but_through_the_seam() -> None:
             if _FILE_CALLS.search(code) and "def open(" not in code:
                 found.append(f"{path.relative_to(src)}:{number}: {line.strip()}")
     assert found == []
-
-
-def test_a_failed_fsync_fails_the_store(open_store: Callable[..., BrokerStore]) -> None:
-    store = open_store()
-    with fileio.faults({"op": "fsync", "errno": "EIO"}):
-        assert append(store, batch("s", ["m1"])).stored == 1
-        with pytest.raises(OSError, match="injected"):
-            flush(store)
-    assert store.failed is not None
-    assert "an fsync failed" in store.failed
-    with pytest.raises(StoreError, match="restart the broker"):
-        append(store, batch("s", ["m2"]))

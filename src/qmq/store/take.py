@@ -66,9 +66,14 @@ class Pulls:
         before its first message): first what it pulled before and never acked (when its session
         changed), then the group's next visible messages (those matching ``tag_filter``, if any)."""
         was = cp.session, cp.cursor
+        if cp.session != session:
+            cp.session = session
+            cp.cursor = cp.ack_offset
+        if st is None:
+            return None
         self._recorded = False
         try:
-            return self._pull(st, gp, cp, session, max_n, tag_filter)
+            return self._take(st, gp, cp, max_n, tag_filter)
         except OSError as exc:
             if self._recorded:
                 raise  # writing the action log failed: the store's to judge
@@ -78,20 +83,9 @@ class Pulls:
                 "so pull again; if it goes on failing, the broker's disk is failing: see its log"
             ) from exc
 
-    def _pull(
-        self,
-        st: SubjectState | None,
-        gp: GroupProgress,
-        cp: ConsumerProgress,
-        session: str,
-        max_n: int,
-        tag_filter: TagFilter | None,
+    def _take(
+        self, st: SubjectState, gp: GroupProgress, cp: ConsumerProgress, max_n: int, tag_filter: TagFilter | None
     ) -> PullResult | None:
-        if cp.session != session:
-            cp.session = session
-            cp.cursor = cp.ack_offset
-        if st is None:
-            return None
         out = PullResult([], [], 0, 0)
         for poff, seq, k in Progress.take_redelivery(cp, max_n):
             got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
