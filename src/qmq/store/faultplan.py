@@ -39,8 +39,10 @@ path)`` before touching the file. A plan is installed in-process with ``fileio.i
 ``fileio.faults``, or by a server from ``QMQ_FAULT_PLAN=<file>`` when its store opens (a
 missing or bad file stops it from starting); that file is read again whenever it changes,
 looked at at most every 100 ms, so the campaign starts or stops a fault in a running server
-by writing a new file and renaming it over the old. Counts start again with each new plan; a
-changed file that does not parse is logged and the last plan stays.
+by writing a new file and renaming it over the old. Counts start again with each new plan, and
+each process counts its own calls (``qmq standalone`` passes the variable to every role: a rule's
+path tells them apart, e.g. ``wal/*.log`` is the delay server's); a changed file that does not
+parse is logged and the last plan stays.
 """
 
 from __future__ import annotations
