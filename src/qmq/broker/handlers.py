@@ -22,7 +22,7 @@ from qmq.protocol.frame import Frame
 from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
-from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
+from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers, answer_failure
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
     BadRequest,
@@ -34,6 +34,7 @@ from qmq.serving.requests import (
     get_subject,
     get_tags,
 )
+from qmq.store import fileio
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
@@ -189,12 +190,15 @@ class Handlers(RoleHandlers):
         code, request_id = frame.code, frame.request_id
         end = self.store.mlog.end
         source = self.broker.source
+        traced = fileio.tracing and self.store.sync_policy  # the I/O trace (store/iotrace.py)
 
         # Failures past this point come after the batch was written: it may be stored (and be
         # consumed) although the answer is an error. "outcome": "unknown" tells the producer to
         # retry on this group only, whose duplicate window drops the repeat.
         def replicated(error: str | None) -> None:
             if error is None:
+                if traced:
+                    fileio.trace_answer(self.store.mlog.segments, end)
                 conn.respond(code, request_id, None, (answer,))
             else:
                 conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.NOT_MASTER)
@@ -285,7 +289,16 @@ class Handlers(RoleHandlers):
         if result is not None or timeout_ms == 0 or self.broker.stopping:
             answer(result)
             return
-        parked = ParkedPull(conn, gp, cp, session, max_n, tag_filter, guarded(conn, code, request_id, answer))
+        parked = ParkedPull(
+            conn,
+            gp,
+            cp,
+            session,
+            max_n,
+            tag_filter,
+            guarded(conn, code, request_id, answer),
+            lambda exc: answer_failure(conn, Frame(code, request_id), exc),
+        )
         self.broker.parked.park(parked, timeout_ms)
 
     def _tag_filter(self, tags: tuple[str, ...], mode: str) -> TagFilter | None:

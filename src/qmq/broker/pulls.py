@@ -2,7 +2,8 @@
 
 A parked pull is retried when a flush makes messages of its subject visible, and answered
 empty when its timeout passes or its connection goes. No task per pull: a timer handle and
-an entry in a per-subject list.
+an entry in a per-subject list. A retry that fails (a read error) answers that pull with the
+error; the others, and the flush that woke them, go on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class PullAnswer(Protocol):
 
 
 class ParkedPull:
-    __slots__ = ("answer", "cp", "gp", "max_n", "owner", "session", "tag_filter", "timer")
+    __slots__ = ("answer", "cp", "fail", "gp", "max_n", "owner", "session", "tag_filter", "timer")
 
     def __init__(
         self,
@@ -32,7 +33,9 @@ class ParkedPull:
         max_n: int,
         tag_filter: TagFilter | None,
         answer: PullAnswer,
+        fail: Callable[[Exception], None],
     ) -> None:
+        """``fail`` answers the pull with what a retry of it raised."""
         self.owner = owner
         self.gp = gp
         self.cp = cp
@@ -40,6 +43,7 @@ class ParkedPull:
         self.max_n = max_n
         self.tag_filter = tag_filter
         self.answer = answer
+        self.fail = fail
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -80,7 +84,12 @@ class ParkedPulls:
             if not lst:
                 continue
             for parked in list(lst):
-                result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n, parked.tag_filter)
+                try:
+                    result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n, parked.tag_filter)
+                except Exception as exc:  # fails this pull only, as a handler's failure would
+                    self._remove(parked)
+                    parked.fail(exc)
+                    continue
                 if result is not None:
                     self._remove(parked)
                     parked.answer(result)

@@ -29,11 +29,13 @@ sits at ``n × 20`` (little-endian)::
 
 Replay (schedule.py) appends to ``messages`` and ``index`` through an in-memory buffer (``add``,
 ``flush``; ``messages`` is always written before ``index``, so an entry never points past
-the records). Both are fsynced before a checkpoint names their sizes; after a crash they are
-cut back to those sizes and rebuilt from the write-ahead log in the same order, so entry
-numbers, and the dispatch log that names them, stay valid. The dispatch log is written after
-every broker acknowledgement and fsynced with checkpoints: an entry lost in a machine crash
-means one message handed over again, which the broker's duplicate window drops.
+the records). A flush that fails cuts both files back to what they held, so the buffer, kept,
+is written whole by the next one; what is still buffered is read from memory. Both are
+fsynced before a checkpoint names their sizes; after a crash they are cut back to those sizes
+and rebuilt from the write-ahead log in the same order, so entry numbers, and the dispatch
+log that names them, stay valid. The dispatch log is written after every broker
+acknowledgement and fsynced with checkpoints: an entry lost in a machine crash means one
+message handed over again, which the broker's duplicate window drops.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from qmq.store import fileio
+from qmq.store.segments import cut_back
 
 FORMAT_VERSION = 1
 INDEX_ENTRY = struct.Struct("<qQI")
@@ -138,7 +143,8 @@ class Bucket:
         return len(self.pending_messages) + len(self.pending_index)
 
     def create(self) -> None:
-        self.directory.mkdir(exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            fileio.mkdir(self.directory)
 
     def add(self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int) -> tuple[int, int]:
         """Buffer one record due at ``due_ms``; returns its entry number and its offset in ``messages``."""
@@ -195,8 +201,14 @@ class Bucket:
             self._messages_wfd = _open_append(self.directory / MESSAGES)
         if self._index_wfd < 0:
             self._index_wfd = _open_append(self.directory / INDEX)
-        _write_all(self._messages_wfd, self.pending_messages, self.directory / MESSAGES)
-        _write_all(self._index_wfd, self.pending_index, self.directory / INDEX)
+        try:
+            fileio.write_all(self._messages_wfd, self.pending_messages)
+            fileio.write_all(self._index_wfd, self.pending_index)
+        except OSError as exc:
+            # index entries hold offsets counted from the flushed size: a retry must start there
+            cut_back(self._messages_wfd, self.flushed_bytes, exc)
+            cut_back(self._index_wfd, self.flushed_count * INDEX_ENTRY_BYTES, exc)
+            raise
         self.pending_messages = bytearray()
         self.pending_index = bytearray()
         self.flushed_count = self.count
@@ -206,22 +218,24 @@ class Bucket:
         return written
 
     def read(self, offset: int, size: int) -> bytes:
-        """``size`` bytes of ``messages`` at ``offset`` (flushing the buffer first if they are in it)."""
-        if offset + size > self.flushed_bytes:
-            self.flush()
-        if self._messages_fd < 0:
-            self._messages_fd = os.open(self.directory / MESSAGES, os.O_RDONLY)
-        data = os.pread(self._messages_fd, size, offset)
+        """``size`` bytes of ``messages`` at ``offset``: from the file, and what is still buffered from memory."""
+        on_disk = max(0, min(size, self.flushed_bytes - offset))
+        data = b""
+        if on_disk:
+            if self._messages_fd < 0:
+                self._messages_fd = fileio.open(self.directory / MESSAGES, os.O_RDONLY)
+            data = fileio.pread(self._messages_fd, on_disk, offset)
+        if on_disk < size:
+            at = offset + on_disk - self.flushed_bytes
+            data += self.pending_messages[at : at + size - on_disk]
         if len(data) != size:
             raise OSError(f"schedule log {self.directory / MESSAGES} ends before {offset + size}")
         return data
 
     def append_dispatch(self, entries: bytes) -> None:
         if self._dispatch_fd < 0:
-            self._dispatch_fd = os.open(self.directory / DISPATCH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        written = os.write(self._dispatch_fd, entries)
-        if written != len(entries):
-            raise OSError(f"short write to {self.directory / DISPATCH}: {written} of {len(entries)} bytes")
+            self._dispatch_fd = _open_append(self.directory / DISPATCH)
+        fileio.write_all(self._dispatch_fd, entries)
         self.dispatched += len(entries) // DISPATCH_ENTRY_BYTES
         self.dirty = True
 
@@ -236,21 +250,23 @@ class Bucket:
         path = self.directory / DISPATCH
         try:
             size = path.stat().st_size
+            entries = np.empty(size // DISPATCH_ENTRY_BYTES, dtype=DISPATCH_DTYPE)
+            got = fileio.read_into(path, entries.view(np.uint8).data)
         except FileNotFoundError:
             return np.empty(0, dtype=DISPATCH_DTYPE)
-        return np.fromfile(path, dtype=DISPATCH_DTYPE, count=size // DISPATCH_ENTRY_BYTES)
+        return entries[: got // DISPATCH_ENTRY_BYTES]
 
     def rewrite_dispatch(self, entries: npt.NDArray[np.uint32]) -> None:
         """Replace the dispatch log (recovery: drop entries of messages that are no longer there)."""
         self.close()
         tmp = self.directory / (DISPATCH + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            os.write(fd, entries.astype(DISPATCH_DTYPE).tobytes())
-            os.fsync(fd)
+            fileio.write_all(fd, entries.astype(DISPATCH_DTYPE).tobytes())
+            fileio.fsync(fd)
         finally:
-            os.close(fd)
-        os.replace(tmp, self.directory / DISPATCH)
+            fileio.close(fd)
+        fileio.replace(tmp, self.directory / DISPATCH)
         self.dispatched = len(entries)
 
     def truncate(self, nbytes: int, entries: int) -> None:
@@ -260,7 +276,7 @@ class Bucket:
             path = self.directory / name
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size > size:
-                    os.truncate(path, size)
+                    fileio.truncate(path, size)
         self.count = self.flushed_count = entries
         self.nbytes = self.flushed_bytes = nbytes
 
@@ -271,7 +287,7 @@ class Bucket:
         for name in ("_messages_wfd", "_index_wfd"):
             fd = getattr(self, name)
             if fd >= 0:
-                os.close(fd)
+                fileio.close(fd)
                 setattr(self, name, -1)
 
     def close(self) -> None:
@@ -279,50 +295,34 @@ class Bucket:
         for name in ("_messages_fd", "_dispatch_fd"):
             fd = getattr(self, name)
             if fd >= 0:
-                os.close(fd)
+                fileio.close(fd)
                 setattr(self, name, -1)
 
     def remove(self) -> None:
         """Delete the bucket's files and directory."""
         self.close()
         for path in [*self.file_paths(), self.directory / (DISPATCH + ".tmp")]:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            fileio.unlink(path, missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
-            self.directory.rmdir()
+            fileio.rmdir(self.directory)
 
 
 def read_index(directory: Path, entries: int) -> npt.NDArray[Any]:
     """The first ``entries`` entries of a bucket's ``index`` file (already written), as INDEX_DTYPE."""
     if not entries:
         return np.empty(0, dtype=INDEX_DTYPE)
-    index = np.fromfile(directory / INDEX, dtype=INDEX_DTYPE, count=entries)
-    if len(index) != entries:
-        raise OSError(f"index {directory / INDEX} holds {len(index)} entries, {entries} expected")
+    index = np.empty(entries, dtype=INDEX_DTYPE)
+    got = fileio.read_into(directory / INDEX, index.view(np.uint8).data)
+    if got != index.nbytes:
+        raise OSError(f"index {directory / INDEX} holds {got // INDEX_ENTRY_BYTES} entries, {entries} expected")
     return index
 
 
 def _open_append(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-
-def _write_all(fd: int, data: bytes | bytearray, path: Path) -> None:
-    view = memoryview(data)
-    while view:  # bounded: every write moves forward or raises
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(f"write to {path} made no progress")
-        view = view[written:]
+    return fileio.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
 
 def fsync_paths(paths: list[Path]) -> None:
     """fsync files by path (from a worker thread); files deleted meanwhile are skipped."""
     for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fileio.fsync_path(path)

@@ -23,6 +23,7 @@ written but not checked on reading: a new layout needs a new version here and a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -85,19 +86,35 @@ def read_delay_checkpoint(directory: Path) -> DelayCheckpoint | None:
 
 
 class CheckpointJob:
-    """A checkpoint captured on the loop; ``run`` fsyncs and writes it on a worker thread."""
+    """A checkpoint captured on the loop; ``run`` fsyncs and writes it on a worker thread.
 
-    __slots__ = ("checkpoint", "directory", "paths")
+    ``on_sync_error`` is told (on that thread) of a failed fsync of a schedule log before ``run``
+    raises it: what that file holds is then unknown, and no later checkpoint may name it.
+    """
 
-    def __init__(self, directory: Path, paths: list[Path], checkpoint: DelayCheckpoint) -> None:
+    __slots__ = ("checkpoint", "directory", "on_sync_error", "paths")
+
+    def __init__(
+        self,
+        directory: Path,
+        paths: list[Path],
+        checkpoint: DelayCheckpoint,
+        on_sync_error: Callable[[OSError], None] | None = None,
+    ) -> None:
         self.directory = directory
         self.paths = paths  # schedule-log files (and directories) the checkpoint names: fsynced first
         self.checkpoint = checkpoint
+        self.on_sync_error = on_sync_error
 
     @property
     def wal_offset(self) -> int:
         return self.checkpoint.wal_offset
 
     def run(self) -> None:
-        fsync_paths(self.paths)
+        try:
+            fsync_paths(self.paths)
+        except OSError as exc:
+            if self.on_sync_error is not None:
+                self.on_sync_error(exc)
+            raise
         write_checkpoint(self.directory, self.checkpoint.to_state())

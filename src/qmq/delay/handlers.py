@@ -21,6 +21,7 @@ from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replies import guarded
 from qmq.serving.requests import BadRequest
+from qmq.store import fileio
 
 STATS_BUCKETS_DEFAULT = 100
 # Every bucket of the default horizon (730 days of one-hour buckets: 17,520). A bucket row is
@@ -118,6 +119,8 @@ class Handlers(RoleHandlers):
         def durable(error: str | None) -> None:
             try:
                 if error is None:
+                    if fileio.tracing:  # the I/O trace (store/iotrace.py)
+                        fileio.trace_answer(store.wal.segments, end)
                     conn.respond(code, request_id, None, (answer,))
                 else:  # written, fsync failed: it may or may not be kept
                     header = {"error": error, "outcome": "unknown"}

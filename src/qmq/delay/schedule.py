@@ -13,6 +13,11 @@ Files written ``sync_bytes`` past their last fsync are handed to the server to f
 background (``take_sync_due``); a checkpoint fsyncs what was written since the last one
 (``take_written_paths``) and, once durable, lets finished buckets be deleted.
 
+Schedule logs are derived from the write-ahead log, so a write that fails loses nothing: the
+bucket keeps its buffer and the next flush writes it. A full disk clears by itself; any other
+failure is reported to ``on_failure`` (the server stops taking sends until a restart, whose
+recovery rebuilds the schedule logs from the write-ahead log).
+
 Synchronous; runs on the server's event loop.
 """
 
@@ -22,7 +27,7 @@ import bisect
 import logging
 import resource
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,8 @@ from qmq.common.config import DelayConfig
 from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket, bucket_start_of
 from qmq.delay.far import FarMessages
 from qmq.delay.timer import ROW, Rows, make_rows
-from qmq.store.datadir import StoreError, store_error
+from qmq.store import fileio
+from qmq.store.datadir import StoreError, clears_by_itself, store_error
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ class Schedule:
         self.bucket_ms = config.bucket_length_ms
         self._data_dir = Path(config.data_dir)  # named in write errors
         self.directory = self._data_dir / SCHEDULE_DIR
-        self.directory.mkdir(parents=True, exist_ok=True)
+        fileio.make_dirs(self.directory)
         self._buffer_bytes_max = config.schedule_buffer_bytes_max
         self._sync_bytes = config.sync_bytes
         self.buckets: dict[int, Bucket] = {}
@@ -73,6 +79,8 @@ class Schedule:
         # files of buckets written sync_bytes past their last fsync: the server fsyncs them in
         # the background (take_sync_due), so a checkpoint never meets a burst's worth at once
         self._sync_due: dict[Path, None] = {}
+        # told of a failed write that does not clear by itself (see the module docstring)
+        self.on_failure: Callable[[StoreError], None] = lambda _exc: None
 
     # -- buckets -----------------------------------------------------------------------
 
@@ -91,10 +99,10 @@ class Schedule:
     def existing_bucket_starts(self) -> list[int]:
         """Starts of the bucket directories on disk."""
         out = []
-        for path in self.directory.iterdir():
-            start = bucket_start_of(path.name)
+        for name in fileio.listdir(self.directory):
+            start = bucket_start_of(name)
             if start is None:
-                log.warning("ignoring %s in the schedule directory: not a time bucket", path)
+                log.warning("ignoring %s in the schedule directory: not a time bucket", self.directory / name)
                 continue
             out.append(start)
         return sorted(out)
@@ -248,7 +256,7 @@ class Schedule:
                     try:
                         written += b.flush()
                     except OSError as exc:
-                        raise store_error(exc, self._data_dir) from exc
+                        raise self._write_failed(b, exc) from exc
                     self._note_unsynced(b)
                     writers[b.start_ms] = b
                     writers.move_to_end(b.start_ms)
@@ -264,9 +272,18 @@ class Schedule:
         try:
             b.flush()
         except OSError as exc:
-            raise store_error(exc, self._data_dir) from exc
+            # kept in the buffer, read from there when due, written by the next flush
+            self._write_failed(b, exc)
+            return
         self.buffered_bytes -= held
         self._note_unsynced(b)
+
+    def _write_failed(self, b: Bucket, exc: OSError) -> StoreError:
+        err = store_error(exc, self._data_dir)
+        log.warning("writing the schedule log of time bucket %d failed (%s); its buffer is kept", b.start_ms, exc)
+        if not clears_by_itself(err):
+            self.on_failure(err)
+        return err
 
     def _note_unsynced(self, b: Bucket) -> None:
         if b.unsynced_bytes >= self._sync_bytes:

@@ -51,6 +51,7 @@ class DelayServer(FrameServer):
 
     def __init__(self, config: DelayConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits = DEFAULT_LIMITS) -> None:
         self.store = DelayStore(config, clock, limits)
+        self.store.on_disk_error = self._disk_failed  # a schedule log that failed (delay/schedule.py)
         self.metrics = DelayMetrics()
         super().__init__(config, limits, self.metrics.connections.set, "qmq-delay-checkpoint")
         self.clock = clock

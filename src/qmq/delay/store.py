@@ -23,7 +23,9 @@ Everything here is synchronous and runs on the server's event loop, except what
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,8 +45,11 @@ from qmq.delay.timer import ROW, Rows
 from qmq.protocol.codes import Status
 from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
-from qmq.store.datadir import DataDirLock, store_error
+from qmq.store import fileio
+from qmq.store.datadir import DataDirLock, StoreError, store_error
 from qmq.store.message_log import MessageLog
+
+log = logging.getLogger(__name__)
 
 DAY_MS = 86_400_000
 WAL_DIR = "wal"
@@ -67,10 +72,15 @@ class DelayStore:
         self.bucket_ms = config.bucket_length_ms
         self.horizon_ms = config.horizon_days * DAY_MS
         self.dir = Path(config.data_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        fileio.from_environment()  # a fault plan or an I/O trace (fileio.py), when the process has one
+        fileio.make_dirs(self.dir)
         self._lock = DataDirLock(self.dir, "delay server")
         self.sync_policy = config.flush == "sync"
         self.wal = MessageLog(self.dir / WAL_DIR, config.wal_segment_bytes)
+        # why the schedule logs can no longer be trusted (a failed fsync or write); None while they can
+        self.failed: str | None = None
+        # told when they cannot: the server stops taking sends until a restart
+        self.on_disk_error: Callable[[BaseException], None] | None = None
         self._subjects: dict[bytes, bool] = {}
         # subjects seen for the first time (since the cache was last cleared): the server looks
         # up their routes before their messages come due; it empties the list
@@ -80,6 +90,15 @@ class DelayStore:
     def _install(self, parts: DelayParts) -> None:
         self.schedule = parts.schedule
         self.wal_messages = parts.wal_messages
+        parts.schedule.on_failure = self._schedule_failed
+
+    def _schedule_failed(self, exc: BaseException) -> None:
+        """A schedule log failed to write or fsync (may run on the checkpoint's thread)."""
+        if self.failed is None:
+            self.failed = str(exc)
+            log.critical("the delay server's schedule logs failed (%s); a restart rebuilds them", exc)
+        if self.on_disk_error is not None:
+            self.on_disk_error(exc)
 
     def open(self) -> dict[str, Any]:
         """Recover whatever state the last stop left (recovery.py); returns a report."""
@@ -167,7 +186,10 @@ class DelayStore:
         dues = np.fromiter([sm.deliver_at_ms for sm in accepted], dtype=np.int64, count=n)
         sizes = np.fromiter([sm.length for sm in accepted], dtype=np.int64, count=n) + RECORD_HEADER_BYTES
         rows = self.replay(out, dues, sizes, now, base)
-        self.schedule.after_replay()
+        # a schedule-log write failing here loses nothing: the write-ahead log holds the messages and
+        # a later flush writes them (schedule.py); the send is stored and answered as such
+        with contextlib.suppress(StoreError):
+            self.schedule.after_replay()
         return AppendResult(errors, n, total, rows)
 
     def beyond_horizon(self, deliver_at_ms: int, now_ms: int) -> str:
@@ -188,7 +210,14 @@ class DelayStore:
     # -- checkpoints -------------------------------------------------------------------
 
     def checkpoint_job(self) -> CheckpointJob:
-        """Write every buffer and capture the checkpoint; the job's ``run`` makes it durable."""
+        """Write every buffer and capture the checkpoint; the job's ``run`` makes it durable.
+
+        StoreError once a schedule log failed: a checkpoint names sizes it vouches are durable."""
+        if self.failed is not None:
+            raise StoreError(
+                f"the delay server's schedule logs failed ({self.failed}); it writes no checkpoint: restart it, "
+                "and recovery rebuilds them from the write-ahead log"
+            )
         schedule = self.schedule
         schedule.flush_buffers()
         paths = schedule.take_written_paths()
@@ -199,7 +228,7 @@ class DelayStore:
             self.bucket_ms,
             [BucketMark.of(b) for b in schedule.iter_buckets()],
         )
-        return CheckpointJob(self.dir, paths, checkpoint)
+        return CheckpointJob(self.dir, paths, checkpoint, self._schedule_failed)
 
     def after_checkpoint(self, job: CheckpointJob) -> int:
         """The checkpoint is durable: delete write-ahead log segments it covers; returns how many."""
@@ -278,4 +307,3 @@ def _iso(epoch_ms: int) -> str:
         return datetime.fromtimestamp(epoch_ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
     except (OverflowError, ValueError, OSError):
         return f"{epoch_ms} ms after the epoch"
-

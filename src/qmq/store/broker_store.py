@@ -41,6 +41,7 @@ from qmq.common.config import BrokerConfig
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.protocol.message import ScannedMessage
 from qmq.protocol.record import pack_record_into
+from qmq.store import fileio
 from qmq.store.action_log import ActionLog
 from qmq.store.checkpoint import FORMAT_VERSION as CHECKPOINT_VERSION
 from qmq.store.checkpoint import history as checkpoint_history
@@ -75,10 +76,11 @@ class BrokerStore:
         self.clock = clock
         self.limits = limits
         self.dir = Path(config.data_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        fileio.from_environment()  # a fault plan or an I/O trace (fileio.py), when the process has one
+        fileio.make_dirs(self.dir)
         self._lock = DataDirLock(self.dir, "broker")
         # held for the life of the store: a checkpoint's syncfs goes through it (FlushTicket)
-        self._dir_fd = os.open(self.dir, os.O_RDONLY)
+        self._dir_fd = fileio.open(self.dir, os.O_RDONLY)
         self.sync_policy = config.flush == "sync"
         # called after anything is written to the message log or the action log (slaves wait on it)
         self.on_grow: Callable[[], None] | None = None
@@ -435,6 +437,6 @@ class BrokerStore:
     def close(self) -> None:
         self.close_files()
         if self._dir_fd >= 0:
-            os.close(self._dir_fd)
+            fileio.close(self._dir_fd)
             self._dir_fd = -1
         self._lock.release()

@@ -24,9 +24,8 @@ from typing import Any
 import crc32c
 import msgpack
 
+from qmq.store import fileio
 from qmq.store.datadir import StoreError
-from qmq.store.file_header import write_all
-from qmq.store.segments import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +50,29 @@ def write_checkpoint(
     if history_key and history_max > 0:
         _write_replacing(directory, f"{NAME}." + ".".join(f"{k:020d}" for k in history_key), data)
         for old in history(directory)[:-history_max]:
-            old.unlink(missing_ok=True)
+            fileio.unlink(old, missing_ok=True)
     _write_replacing(directory, NAME, data)
-    fsync_dir(directory)
+    fileio.fsync_dir(directory)
 
 
 def _write_replacing(directory: Path, name: str, data: bytes) -> None:
     tmp = directory / (name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        write_all(fd, data)
-        os.fsync(fd)
+        fileio.write_all(fd, data)
+        fileio.fsync(fd)
     finally:
-        os.close(fd)
-    os.replace(tmp, directory / name)
+        fileio.close(fd)
+    fileio.replace(tmp, directory / name)
 
 
 def history(directory: Path) -> list[Path]:
     """The kept checkpoints, oldest first (by key; keys of one number were written by older versions)."""
+    prefix = f"{NAME}."
     return sorted(
-        p
-        for p in directory.glob(f"{NAME}.*")
-        if p.suffix != ".tmp" and p.name[len(NAME) + 1 :].replace(".", "").isdigit()
+        directory / name
+        for name in fileio.listdir(directory)
+        if name.startswith(prefix) and not name.endswith(".tmp") and name[len(prefix) :].replace(".", "").isdigit()
     )
 
 
@@ -85,7 +85,7 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     """The checkpoint at ``path``; None when there is none. DamagedCheckpoint when it does not
     check out; StoreError when it does but is of a later format version or does not decode."""
     try:
-        raw = path.read_bytes()
+        raw = fileio.read_file(path)
     except FileNotFoundError:
         return None
     if len(raw) < _HEAD.size:

@@ -37,7 +37,8 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from qmq.store.file_header import FileKind, write_all
+from qmq.store import fileio
+from qmq.store.file_header import FileKind
 from qmq.store.open_files import OpenFiles
 from qmq.store.segments import SegmentedLog
 
@@ -97,22 +98,22 @@ class ConsumeLog:
         self.subject = subject
         # a new subject costs a few file-system calls, each tens of microseconds: no more than needed
         try:
-            os.mkdir(directory)
+            fileio.mkdir(directory)
             new = True
         except FileExistsError:
             new = False
         except FileNotFoundError:
-            directory.mkdir(parents=True)
+            fileio.make_dirs(directory)
             new = True
         name_file = f"{directory}/{SUBJECT_FILE}"
         if new or not os.path.exists(name_file):
             tmp = name_file + ".tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                write_all(fd, subject.encode("utf-8"))
+                fileio.write_all(fd, subject.encode("utf-8"))
             finally:
-                os.close(fd)
-            os.replace(tmp, name_file)
+                fileio.close(fd)
+            fileio.replace(tmp, name_file)
         self.segments = SegmentedLog(
             directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, empty=new
         )
@@ -126,7 +127,7 @@ class ConsumeLog:
     @staticmethod
     def subject_in(directory: Path) -> str | None:
         try:
-            return (directory / SUBJECT_FILE).read_text(encoding="utf-8")
+            return fileio.read_text(directory / SUBJECT_FILE)
         except FileNotFoundError:
             return None
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from qmq.common.errors import QmqError
+from qmq.store import fileio
 
 LOCK_FILE = "LOCK"
 
@@ -39,20 +40,20 @@ class DataDirLock:
 
     def __init__(self, directory: Path, owner: str) -> None:
         """Take the lock; ``StoreError`` naming ``owner`` (e.g. "broker") when another process holds it."""
-        self.fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = fileio.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self.fd)
+            fileio.close(self.fd)
             raise StoreError(
                 f"data directory {str(directory)!r} is in use by another {owner}; stop it or choose another --data-dir"
             ) from None
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
+        fileio.ftruncate(self.fd, 0)
+        fileio.write_all(self.fd, f"{os.getpid()}\n".encode())
 
     def release(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            fileio.close(self.fd)
             self.fd = -1
 
 

@@ -31,7 +31,8 @@ from typing import Any
 from qmq.common.naming import subject_file_name
 from qmq.protocol.message import decode_message, decode_properties
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into, read_record_header, record_crc_ok
-from qmq.store.file_header import HEAD_BYTES, FileKind, head_bytes, header, read_head, write_all
+from qmq.store import fileio
+from qmq.store.file_header import HEAD_BYTES, FileKind, head_bytes, header, read_head
 from qmq.store.segments import cut_back
 
 FORMAT_VERSION = 1
@@ -101,54 +102,55 @@ Mark = tuple[int, int, int]  # a box's size, count and last number, to cut back 
 class DeadLetters:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        fileio.make_dirs(directory)
         self.boxes: dict[str, DeadBox] = {}
         self._written: set[DeadBox] = set()  # boxes holding files the next flush fsyncs
         self._new_files: list[int] = []  # new subject files and the directories that name them
-        for sub in sorted(directory.iterdir()):
+        for entry in sorted(fileio.listdir(directory)):
+            sub = directory / entry
             name_file = sub / SUBJECT_FILE
             if name_file.exists():
-                self._open(name_file.read_text(encoding="utf-8"), sub)
+                self._open(fileio.read_text(name_file), sub)
 
     def _open(self, subject: str, sub: Path) -> DeadBox:
         if not sub.exists():
-            sub.mkdir(parents=True)
-            self._new_files.append(os.open(self.directory, os.O_RDONLY))
-            self._new_files.append(os.open(sub, os.O_RDONLY))
+            fileio.mkdir(sub)
+            self._new_files.append(fileio.open(self.directory, os.O_RDONLY))
+            self._new_files.append(fileio.open(sub, os.O_RDONLY))
         name_file = sub / SUBJECT_FILE
         if not name_file.exists():
-            fd = os.open(name_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = fileio.open(name_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             self._new_files.append(fd)
-            write_all(fd, subject.encode("utf-8"))
+            fileio.write_all(fd, subject.encode("utf-8"))
         box = DeadBox(subject, sub, 0, HEAD_BYTES, 0)
         path = sub / LETTERS_FILE
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = fileio.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         written = False
         try:
             head = read_head(fd, path, LETTERS_KIND)
             if head is None:  # new, or cut inside its header: it holds no letters
-                os.ftruncate(fd, 0)
-                write_all(fd, header(LETTERS_KIND))
+                fileio.ftruncate(fd, 0)
+                fileio.write_all(fd, header(LETTERS_KIND))
                 head, written = HEAD_BYTES, True
             box.head = head
-            box.size = os.fstat(fd).st_size - head
+            box.size = fileio.size(fd) - head
             end = [0]
             for letter in self._scan(fd, box, end):
                 box.count += 1
                 box.last_number = letter.number
             if end[0] < box.size:  # a torn last letter: cut it
-                os.ftruncate(fd, head + end[0])
+                fileio.ftruncate(fd, head + end[0])
                 box.size, written = end[0], True
         except BaseException:
-            os.close(fd)
+            fileio.close(fd)
             raise
         if written:
             box.letters_fd = fd
             self._written.add(box)
         else:
-            os.close(fd)
+            fileio.close(fd)
         try:
-            raw = (sub / REMOVED_FILE).read_bytes()
+            raw = fileio.read_file(sub / REMOVED_FILE)
         except FileNotFoundError:
             raw = b""
         box.removed = removed_numbers(file_data(sub / REMOVED_FILE, raw, REMOVED_KIND))
@@ -161,7 +163,7 @@ class DeadLetters:
     def _letters_fd(self, box: DeadBox) -> int:
         """The letters file open for writing, held for the next flush."""
         if box.letters_fd < 0:
-            box.letters_fd = os.open(box.directory / LETTERS_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            box.letters_fd = fileio.open(box.directory / LETTERS_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT)
             self._written.add(box)
         return box.letters_fd
 
@@ -169,13 +171,13 @@ class DeadLetters:
         """The removed file open for writing (its header written if new), held for the next flush."""
         if box.removed_fd < 0:
             path = box.directory / REMOVED_FILE
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = fileio.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
             try:
                 if read_head(fd, path, REMOVED_KIND) is None:
-                    os.ftruncate(fd, 0)
-                    write_all(fd, header(REMOVED_KIND))
+                    fileio.ftruncate(fd, 0)
+                    fileio.write_all(fd, header(REMOVED_KIND))
             except BaseException:
-                os.close(fd)
+                fileio.close(fd)
                 raise
             box.removed_fd = fd
             self._written.add(box)
@@ -188,7 +190,7 @@ class DeadLetters:
         pos = 0
         head = box.head
         while pos < box.size:
-            data = os.pread(fd, min(_READ_BYTES, box.size - pos), head + pos)
+            data = fileio.pread(fd, min(_READ_BYTES, box.size - pos), head + pos)
             p = 0
             while True:
                 h = read_record_header(data, p)
@@ -204,7 +206,7 @@ class DeadLetters:
                 if len(data) >= _READ_BYTES:  # a letter larger than a read: read it whole
                     h = read_record_header(data, 0)
                     if h is not None and RECORD_HEADER_BYTES + h.length <= box.size - pos:
-                        data = os.pread(fd, RECORD_HEADER_BYTES + h.length, head + pos)
+                        data = fileio.pread(fd, RECORD_HEADER_BYTES + h.length, head + pos)
                         if record_crc_ok(data, 0, h):
                             yield Letter(h.sequence, h.stored_ms, data[RECORD_HEADER_BYTES:])
                             pos += len(data)
@@ -226,7 +228,7 @@ class DeadLetters:
             pos = pack_record_into(out, pos, message, number, now_ms)
         fd = self._letters_fd(box)
         try:
-            write_all(fd, out)
+            fileio.write_all(fd, out)
         except OSError as exc:
             cut_back(fd, box.head + box.size, exc)
             raise
@@ -246,7 +248,7 @@ class DeadLetters:
             return
         size, count, last = mark or (0, 0, -1)
         if box.size != size:
-            os.ftruncate(self._letters_fd(box), box.head + size)
+            fileio.ftruncate(self._letters_fd(box), box.head + size)
         box.size, box.count, box.last_number = size, count, last
 
     def take_sync_fds(self) -> list[int]:
@@ -266,7 +268,7 @@ class DeadLetters:
         if box is None:
             return []
         out: list[Letter] = []
-        fd = os.open(box.directory / LETTERS_FILE, os.O_RDONLY)
+        fd = fileio.open(box.directory / LETTERS_FILE, os.O_RDONLY)
         try:
             for letter in self._scan(fd, box, [0]):
                 if letter.number <= after or letter.number in box.removed:
@@ -277,7 +279,7 @@ class DeadLetters:
                 if len(out) >= limit:
                     break
         finally:
-            os.close(fd)
+            fileio.close(fd)
         return out
 
     def cut_from(self, number: int) -> None:
@@ -295,7 +297,7 @@ class DeadLetters:
                 keep += RECORD_HEADER_BYTES + len(letter.message)
                 count += 1
                 last = letter.number
-            os.ftruncate(fd, box.head + keep)
+            fileio.ftruncate(fd, box.head + keep)
             box.size, box.count, box.last_number = keep, count, last
             box.removed = {n for n in box.removed if n < number}
 
@@ -309,9 +311,9 @@ class DeadLetters:
         # removed at once: the action log, written first, says so and its replay removes them again
         box.removed.update(fresh)
         fd = self._removed_fd(box)
-        size = os.fstat(fd).st_size
+        size = fileio.size(fd)
         try:
-            write_all(fd, b"".join(REMOVED.pack(n) for n in fresh))
+            fileio.write_all(fd, b"".join(REMOVED.pack(n) for n in fresh))
         except OSError as exc:
             cut_back(fd, size, exc)
             raise
@@ -322,5 +324,5 @@ class DeadLetters:
 
     def close(self) -> None:
         for fd in self.take_sync_fds():
-            os.close(fd)
+            fileio.close(fd)
         self.boxes.clear()

@@ -24,11 +24,11 @@ Offsets in a log never count the header: a segment's data begins after it.
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import NamedTuple
 
+from qmq.store import fileio
 from qmq.store.datadir import StoreError
 
 MAGIC = b"QMQFILE\xff"
@@ -79,14 +79,4 @@ def head_bytes(path: Path, first: bytes, kind: FileKind) -> int | None:
 
 def read_head(fd: int, path: Path, kind: FileKind) -> int | None:
     """``head_bytes`` of the open file ``fd``."""
-    return head_bytes(path, os.pread(fd, HEAD_BYTES, 0), kind)
-
-
-def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """Write all of ``data`` (``os.write`` may write less than asked, e.g. near a full disk)."""
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        if n <= 0:
-            raise OSError(f"write returned {n} with {len(view)} bytes left")
-        view = view[n:]
+    return head_bytes(path, fileio.pread(fd, HEAD_BYTES, 0), kind)

@@ -19,6 +19,8 @@ import resource
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from qmq.store import fileio
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -57,7 +59,7 @@ class OpenFiles:
         if fd >= 0:
             self._open.move_to_end(seg)
             return fd
-        return self.opened(seg, lambda: os.open(seg.path, os.O_RDWR | os.O_APPEND))
+        return self.opened(seg, lambda: fileio.open(seg.path, os.O_RDWR | os.O_APPEND))
 
     def opened(self, seg: Segment, opener: Callable[[], int]) -> int:
         """Open ``seg``'s file with ``opener`` (closing others first to stay within the bound)
@@ -80,10 +82,10 @@ class OpenFiles:
         if seg.fd >= 0:
             self._open.pop(seg, None)
             fd, seg.fd = seg.fd, -1
-            os.close(fd)
+            fileio.close(fd)
 
     def _close_oldest(self) -> None:
         seg, _ = self._open.popitem(last=False)
         fd, seg.fd = seg.fd, -1
         self.closed += 1
-        os.close(fd)
+        fileio.close(fd)

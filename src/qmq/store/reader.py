@@ -36,7 +36,7 @@ from qmq.common.errors import QmqError
 from qmq.common.naming import subject_file_name
 from qmq.protocol.record import RECORD_HEADER_BYTES, RECORD_MAGIC, read_record_header, record_crc_ok
 from qmq.store import action_log as act
-from qmq.store import consume_log, message_log
+from qmq.store import consume_log, fileio, message_log
 from qmq.store import dead_letters as dl
 from qmq.store.checkpoint import newest_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE, SUBJECT_FILE, first_seq_reaching
@@ -75,11 +75,11 @@ def _reader_of(data: bytes) -> Callable[[int, int], bytes]:
 
 
 def _pread(path: Path, size: int, offset: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
+    fd = fileio.open(path, os.O_RDONLY)
     try:
-        return os.pread(fd, size, offset)
+        return fileio.pread(fd, size, offset)
     finally:
-        os.close(fd)
+        fileio.close(fd)
 
 
 class RecordRun(NamedTuple):
@@ -126,7 +126,7 @@ class StoreReader:
     def _segments(self, directory: Path, suffix: str, kind: FileKind) -> list[_Seg]:
         out: list[_Seg] = []
         try:
-            paths = sorted(directory.glob(f"*{suffix}"))
+            paths = sorted(directory / name for name in fileio.listdir(directory) if name.endswith(suffix))
         except OSError:
             return out
         for path in paths:
@@ -156,9 +156,10 @@ class StoreReader:
     def subjects(self) -> dict[str, Path]:
         """Every subject with a consume log, and the directory of that log."""
         out: dict[str, Path] = {}
-        for sub in sorted((self.dir / "consume").iterdir()):
+        consume = self.dir / "consume"
+        for sub in sorted(consume / name for name in fileio.listdir(consume)):
             try:
-                name = (sub / SUBJECT_FILE).read_text(encoding="utf-8")
+                name = fileio.read_text(sub / SUBJECT_FILE)
             except (FileNotFoundError, NotADirectoryError):
                 continue
             out[name] = sub
@@ -168,7 +169,7 @@ class StoreReader:
         """The consume-log directory of ``subject``, or None if it has none."""
         guess = self.dir / "consume" / subject_file_name(subject)
         try:
-            if (guess / SUBJECT_FILE).read_text(encoding="utf-8") == subject:
+            if fileio.read_text(guess / SUBJECT_FILE) == subject:
                 return guess
         except (FileNotFoundError, NotADirectoryError):
             pass
@@ -437,11 +438,11 @@ class StoreReader:
             a = item.action
             if a[0] == act.DEAD_REMOVE and len(a) == 3 and isinstance(a[2], list):
                 removed_by_action.setdefault(str(a[1]), set()).update(int(n) for n in a[2])
-        for box in sorted(dead.iterdir()):
+        for box in sorted(dead / name for name in fileio.listdir(dead)):
             try:
-                name = (box / dl.SUBJECT_FILE).read_text(encoding="utf-8")
-                raw_removed = (box / dl.REMOVED_FILE).read_bytes() if (box / dl.REMOVED_FILE).exists() else b""
-                letters = dl.file_data(box / dl.LETTERS_FILE, (box / dl.LETTERS_FILE).read_bytes(), dl.LETTERS_KIND)
+                name = fileio.read_text(box / dl.SUBJECT_FILE)
+                raw_removed = fileio.read_file(box / dl.REMOVED_FILE) if (box / dl.REMOVED_FILE).exists() else b""
+                letters = dl.file_data(box / dl.LETTERS_FILE, fileio.read_file(box / dl.LETTERS_FILE), dl.LETTERS_KIND)
                 raw_removed = dl.file_data(box / dl.REMOVED_FILE, raw_removed, dl.REMOVED_KIND)
             except (FileNotFoundError, NotADirectoryError):
                 continue
@@ -463,4 +464,3 @@ class StoreReader:
                     name, h.sequence, h.stored_ms, h.sequence in removed, letters[pos + RECORD_HEADER_BYTES : end]
                 )
                 pos = end
-

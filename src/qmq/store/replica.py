@@ -11,14 +11,12 @@ duplicate window, dead letters, consumer progress), so on promotion it serves at
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
-from qmq.store import action_log, message_log
+from qmq.store import action_log, fileio, message_log
 from qmq.store.checkpoint import NAME as CHECKPOINT_NAME
 from qmq.store.checkpoint import history, read_checkpoint
 from qmq.store.segments import SegmentedLog
@@ -185,14 +183,14 @@ def rewind(store: Replicated, message_offset: int, action_offset: int) -> Recove
         if state is not None and state["message_offset"] <= message_offset and state["action_offset"] <= action_offset:
             chosen = path
             break
-        path.unlink(missing_ok=True)
+        fileio.unlink(path, missing_ok=True)
     current = store.dir / CHECKPOINT_NAME
     if chosen is not None:
-        shutil.copyfile(chosen, current)
+        fileio.copy_file(chosen, current)
     else:
-        current.unlink(missing_ok=True)
+        fileio.unlink(current, missing_ok=True)
     log.warning("cut %d bytes of the message log; recovering from %s", cut_bytes, chosen or "the start of the logs")
     report = store.reopen()
     store.dead.cut_from(message_offset)
-    os.sync()
+    fileio.sync()
     return report

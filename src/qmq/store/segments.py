@@ -16,16 +16,18 @@ and close them within its bound (consume logs: many files, made durable by a che
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qmq.store.file_header import FileKind, header, read_head, write_all
+from qmq.store import fileio
+from qmq.store.file_header import FileKind, header, read_head
+from qmq.store.fileio import fsync_dir, syncfs
 from qmq.store.open_files import OpenFiles
+
+__all__ = ["FlushTicket", "Segment", "SegmentedLog", "cut_back", "fsync_dir", "syncfs"]
 
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
@@ -47,50 +49,16 @@ def cut_back(fd: int, size: int, exc: OSError) -> None:
     """Cut the file ``fd`` back to ``size`` after a write failed with ``exc``; when even that
     fails, an EIO error saying so: what the file holds is then unknown."""
     try:
-        os.ftruncate(fd, size)
+        fileio.ftruncate(fd, size)
     except OSError as undo:
         raise OSError(errno.EIO, f"{exc}; and what was written could not be cut back: {undo}") from exc
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _libc_syncfs() -> Callable[[int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):  # not Linux
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_syncfs = _libc_syncfs()
-
-
-def syncfs(fd: int) -> None:
-    """Make every file of the file system holding ``fd`` durable, closed ones included.
-
-    Linux reports (since 5.8) a writeback error of any file of that file system since the
-    last syncfs through the same open descriptor; elsewhere this is ``sync()``, which reports none.
-    """
-    if _syncfs is None:
-        os.sync()
-    elif _syncfs(fd) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"syncfs: {os.strerror(err)}")
 
 
 def _dup_or_sync(fd: int, sync: Callable[[int], None]) -> int | None:
     """A duplicate of ``fd`` for a flush to sync and close; with no descriptor free, ``fd`` is
     synced here and now (blocking, but a flush never fails for want of a descriptor)."""
     try:
-        return os.dup(fd)
+        return fileio.dup(fd)
     except OSError as exc:
         if exc.errno not in _OUT_OF_FILES:
             raise
@@ -120,12 +88,12 @@ class SegmentedLog:
         names: list[str] = []
         if not empty:
             try:
-                names = sorted(os.listdir(directory))
+                names = sorted(fileio.listdir(directory))
             except FileNotFoundError:
-                directory.mkdir(parents=True)
+                fileio.make_dirs(directory)
         self.segments: list[Segment] = []
         # the directory, held open so that a flush can always fsync it
-        self._dir_fd = -1 if files is not None else os.open(directory, os.O_RDONLY)
+        self._dir_fd = -1 if files is not None else fileio.open(directory, os.O_RDONLY)
         # fds of segments rolled or deleted while a flush may still need them: closed by the flusher
         self.retired_fds: list[int] = []
         # a segment was created since the last flush: its directory entry is fsynced by the next one
@@ -161,17 +129,17 @@ class SegmentedLog:
     def _open_segment(self, base: int, path: Path) -> Segment:
         seg = Segment(base, path, -1, 0, 0)
         if self.files is None:
-            seg.fd = os.open(path, os.O_RDWR | os.O_APPEND)
+            seg.fd = fileio.open(path, os.O_RDWR | os.O_APPEND)
         else:
             self.files.fd(seg)
         try:
             head = read_head(seg.fd, path, self.kind)
             if head is None:  # created, but cut inside its header: it holds nothing yet
-                os.ftruncate(seg.fd, 0)
-                write_all(seg.fd, header(self.kind))
+                fileio.ftruncate(seg.fd, 0)
+                fileio.write_all(seg.fd, header(self.kind))
                 head = len(header(self.kind))
             seg.head = head
-            seg.size = os.fstat(seg.fd).st_size - head
+            seg.size = fileio.size(seg.fd) - head
             return seg
         except BaseException:
             self._close(seg)
@@ -182,14 +150,14 @@ class SegmentedLog:
         seg = Segment(base, path, -1, 0, len(header(self.kind)))
 
         def create() -> int:
-            return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+            return fileio.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC)
 
         if self.files is None:
             seg.fd = create()
         else:
             self.files.opened(seg, create)
         try:
-            write_all(seg.fd, header(self.kind))
+            fileio.write_all(seg.fd, header(self.kind))
         except BaseException:
             self._close(seg)
             raise
@@ -206,7 +174,7 @@ class SegmentedLog:
         if self.files is not None:
             self.files.close(seg)
         elif seg.fd >= 0:
-            os.close(seg.fd)
+            fileio.close(seg.fd)
             seg.fd = -1
 
     def _retire(self, seg: Segment) -> None:
@@ -215,7 +183,7 @@ class SegmentedLog:
         if self.files is not None:
             self.files.close(seg)
         else:
-            self.retired_fds.append(os.dup(seg.fd))
+            self.retired_fds.append(fileio.dup(seg.fd))
 
     def roll_if_needed(self, incoming_bytes: int) -> None:
         """Begin a new segment when ``incoming_bytes`` would not fit the active one."""
@@ -243,13 +211,11 @@ class SegmentedLog:
         offset = seg.end
         fd = seg.fd if self.files is None else self.files.fd(seg)
         try:
-            written = os.write(fd, data)
-            if written != len(data):
-                raise OSError(errno.ENOSPC, f"short write: {written} of {len(data)} bytes")
+            fileio.write_all(fd, data)
         except OSError as exc:
             cut_back(fd, seg.head + seg.size, exc)
             raise
-        seg.size += written
+        seg.size += len(data)
         if self.files is not None:
             self.files.unsynced = True
         return offset
@@ -260,7 +226,13 @@ class SegmentedLog:
         if seg is None:
             return b""
         pos = offset - seg.base
-        return os.pread(self._fd(seg), min(size, seg.size - pos), seg.head + pos)
+        return fileio.pread(self._fd(seg), min(size, seg.size - pos), seg.head + pos)
+
+    def locate(self, offset: int) -> tuple[str, int] | None:
+        """The file holding the byte before ``offset`` and the position just past that byte in
+        it: where the log's first ``offset`` bytes end on disk (for the I/O trace, fileio.py)."""
+        seg = self.segment_for(offset - 1)
+        return None if seg is None else (str(seg.path), offset - seg.base + seg.head)
 
     def segment_for(self, offset: int) -> Segment | None:
         segs = self.segments
@@ -282,12 +254,12 @@ class SegmentedLog:
             seg = self.segments.pop()
             removed += seg.size
             self._close(seg)
-            seg.path.unlink()
+            fileio.unlink(seg.path)
         seg = self.active
         if offset < seg.end:
             keep = max(0, offset - seg.base)
             removed += seg.size - keep
-            os.ftruncate(self._fd(seg), seg.head + keep)
+            fileio.ftruncate(self._fd(seg), seg.head + keep)
             seg.size = keep
             if self.files is not None:
                 self.files.unsynced = True
@@ -302,7 +274,7 @@ class SegmentedLog:
                 self.files.close(seg)
             else:
                 self.retired_fds.append(seg.fd)
-            seg.path.unlink()
+            fileio.unlink(seg.path)
             gone.append(seg)
         return gone
 
@@ -314,10 +286,10 @@ class SegmentedLog:
         fds, self.retired_fds = self.retired_fds, []
         if self._dir_unsynced:
             self._dir_unsynced = False
-            dir_fd = _dup_or_sync(self._dir_fd, os.fsync)
+            dir_fd = _dup_or_sync(self._dir_fd, fileio.fsync)
             if dir_fd is not None:
                 fds.insert(0, dir_fd)
-        active = _dup_or_sync(self.active.fd, os.fdatasync)
+        active = _dup_or_sync(self.active.fd, fileio.fdatasync)
         if active is not None:
             fds.append(active)
         return fds
@@ -326,9 +298,9 @@ class SegmentedLog:
         for seg in self.segments:
             self._close(seg)
         for fd in self.retired_fds:
-            os.close(fd)
+            fileio.close(fd)
         if self._dir_fd >= 0:
-            os.close(self._dir_fd)
+            fileio.close(self._dir_fd)
             self._dir_fd = -1
         self.segments = []
         self.retired_fds = []
@@ -359,10 +331,10 @@ class FlushTicket:
     def run(self) -> None:
         try:
             for fd in self.fds:
-                if stat.S_ISDIR(os.fstat(fd).st_mode):
-                    os.fsync(fd)  # a new entry: fdatasync need not commit it
+                if fileio.is_dir(fd):
+                    fileio.fsync(fd)  # a new entry: fdatasync need not commit it
                 else:
-                    os.fdatasync(fd)
+                    fileio.fdatasync(fd)
             if self.syncfs_fd >= 0:
                 syncfs(self.syncfs_fd)
         except OSError as exc:
@@ -371,4 +343,4 @@ class FlushTicket:
             raise
         finally:
             for fd in self.fds:
-                os.close(fd)
+                fileio.close(fd)

@@ -12,7 +12,6 @@ The consume logs' files are opened when used and closed least recently used firs
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import Limits
 from qmq.common.naming import check_subject, parse_internal_subject, subject_file_name
+from qmq.store import fileio
 from qmq.store.consume_log import ConsumeLog
 from qmq.store.open_files import OpenFiles, files_max_within_limit
 
@@ -39,7 +39,7 @@ class SubjectState:
 class Subjects:
     def __init__(self, consume_dir: Path, entries_per_segment: int, limits: Limits, files_max: int) -> None:
         self.consume_dir = consume_dir
-        consume_dir.mkdir(exist_ok=True)
+        fileio.make_dirs(consume_dir)
         self._entries_per_segment = entries_per_segment
         self._limits = limits
         self.files = OpenFiles(files_max_within_limit(files_max))
@@ -91,7 +91,7 @@ class Subjects:
         """Open the consume log of every subject in the directory; returns the directories
         that name no subject (ignored)."""
         unnamed = []
-        for entry in sorted(os.listdir(self.consume_dir)):  # names, not Paths: 40,000 sort fast
+        for entry in sorted(fileio.listdir(self.consume_dir)):  # names, not Paths: 40,000 sort fast
             directory = self.consume_dir / entry
             name = ConsumeLog.subject_in(directory)
             if name is None:

@@ -8,6 +8,10 @@ subject by sequence outside any group (READ, for data jobs).
 Entries whose records retention removed are skipped (never handed out). A filtered take
 scans at most ``_SCAN_ENTRIES_MAX`` entries per pull, so a subject full of other tags costs
 bounded work; the group's pull offset moves past what was scanned either way.
+
+A pull reads everything it hands out before it records the pull in the action log, so a read
+that fails (a failing disk) changes nothing: that pull is answered with ``PullReadError`` and
+the consumer pulls the same messages again; the store goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from qmq.store.action_log import ProgressLog
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE
+from qmq.store.datadir import StoreError
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.subjects import SubjectState
@@ -34,6 +39,10 @@ class PullResult(NamedTuple):
     nbytes: int
 
 
+class PullReadError(StoreError):
+    """Reading what a pull would hand out failed; nothing of the pull was recorded."""
+
+
 class Pulls:
     """Reads for pulls: records from the message log by a subject's consume-log entries, each
     pull logged and applied through ``progress``; at most ``bytes_max`` bytes of records a pull."""
@@ -42,6 +51,7 @@ class Pulls:
         self.mlog = mlog
         self.progress = progress
         self.bytes_max = bytes_max
+        self._recorded = False  # the pull being made wrote the action log (see ``pull``)
 
     def pull(
         self,
@@ -55,11 +65,27 @@ class Pulls:
         """Hand ``cp`` up to ``max_n`` messages of ``st``, the subject ``gp`` consumes (None
         before its first message): first what it pulled before and never acked (when its session
         changed), then the group's next visible messages (those matching ``tag_filter``, if any)."""
+        was = cp.session, cp.cursor
         if cp.session != session:
             cp.session = session
             cp.cursor = cp.ack_offset
         if st is None:
             return None
+        self._recorded = False
+        try:
+            return self._take(st, gp, cp, max_n, tag_filter)
+        except OSError as exc:
+            if self._recorded:
+                raise  # writing the action log failed: the store's to judge
+            cp.session, cp.cursor = was
+            raise PullReadError(
+                f"reading the messages of {gp.subject!r} for a pull failed ({exc}); nothing was handed out, "
+                "so pull again; if it goes on failing, the broker's disk is failing: see its log"
+            ) from exc
+
+    def _take(
+        self, st: SubjectState, gp: GroupProgress, cp: ConsumerProgress, max_n: int, tag_filter: TagFilter | None
+    ) -> PullResult | None:
         out = PullResult([], [], 0, 0)
         for poff, seq, k in Progress.take_redelivery(cp, max_n):
             got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
@@ -97,13 +123,23 @@ class Pulls:
         first = start + skip
         if not k:
             if skip:
-                self.progress.record_pull(gp, cp, [], first)
+                self._record_pull(gp, cp, [], first)
             return out
-        poff = self.progress.record_pull(gp, cp, [[first, k]], first + k)
-        got, size = self._read_records(
-            entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], out.chunks, cp, poff, out.runs
-        )
+        chunks: list[bytes] = []
+        runs: list[list[int]] = []
+        got, size = self._read_records(entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, 0, runs)
+        poff = self._record_pull(gp, cp, [[first, k]], first + k)  # after the reads: see the module docstring
+        for run in runs:
+            run[0] += poff
+        if out.runs and runs and out.runs[-1][0] + out.runs[-1][1] == runs[0][0]:
+            out.runs[-1][1] += runs.pop(0)[1]
+        out.runs.extend(runs)
+        out.chunks.extend(chunks)
         return out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
+
+    def _record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
+        self._recorded = True
+        return self.progress.record_pull(gp, cp, runs, new_offset)
 
     def _take_matching(
         self,
@@ -148,7 +184,7 @@ class Pulls:
                 runs[-1][1] += 1
             else:
                 runs.append([s, 1])
-        poff = self.progress.record_pull(gp, cp, runs, seq)
+        poff = self._record_pull(gp, cp, runs, seq)
         if matched:
             out.runs.append([poff, len(matched)])
             out.chunks.extend(record for _s, record in matched)

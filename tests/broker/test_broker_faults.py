@@ -1,0 +1,174 @@
+"""A failing disk under a real broker process, through the store's fault seam (QMQ_FAULT_PLAN,
+store/fileio.py): a failed fsync stops writes until a restart and loses nothing acknowledged;
+a full disk met by a write is refused DISK_FULL and passes by itself; a failed read fails
+that pull only. And the I/O trace (QMQ_IO_TRACE) of a broker under load shows no send
+answered before the fsync that covers it."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rawclient import RawClient, message, split_records
+
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.message import decode_message
+from qmq.serving.runner import EXIT_STOP_FAILED
+from qmq.store.trace_check import check_file
+from qmq.testing import ReadyProcess, health, running_role
+
+pytestmark = pytest.mark.integration
+
+
+@contextmanager
+def _broker(data: Path, env: Mapping[str, str] | None = None) -> Iterator[tuple[ReadyProcess, RawClient]]:
+    args = ["broker", "--data-dir", str(data), "--port", "0", "--http-port", "0"]
+    with running_role(args, env=env) as proc:
+        client = RawClient(proc.ready["address"])
+        try:
+            yield proc, client
+        finally:
+            client.close()
+
+
+def _plan(path: Path, *rules: Mapping[str, Any]) -> dict[str, str]:
+    """Write a fault plan, atomically (a running server may be reading it); its environment."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rules": list(rules)}))
+    os.replace(tmp, path)
+    return {"QMQ_FAULT_PLAN": str(path)}
+
+
+def _ids(client: RawClient, subject: str) -> list[str]:
+    """Every message id of ``subject``, read from the start by a new group."""
+    out: list[str] = []
+    while True:
+        got = client.pull(subject, "reader", max_n=1000)
+        assert got.status == Status.OK, got.header
+        records = split_records(got.body)
+        if not records:
+            return out
+        out += [decode_message(m).message_id for _seq, m in records]
+        runs = got.header["runs"]
+        client.pull(subject, "reader", max_n=1, ack=[[r[0], r[0] + r[1]] for r in runs])
+
+
+def test_a_failed_fsync_stops_writes_until_a_restart_and_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = _plan(tmp_path / "plan.json", {"op": "fsync", "path": "log/*.log", "after": 5, "errno": "EIO"})
+    acked: list[str] = []
+    with _broker(data, env) as (proc, client):
+        answers = [client.send(message("s", f"m{n}")) for n in range(10)]
+        for n, answer in enumerate(answers):
+            if answer.status == Status.OK:
+                acked.append(f"m{n}")
+        first_failed = len(acked)
+        assert 1 <= first_failed < 10
+        assert all(a.status == Status.INTERNAL_ERROR for a in answers[first_failed:])  # none after the first
+        assert answers[first_failed].header["outcome"] == "unknown"  # written; whether it is kept is unknown
+        assert "until it is restarted" in str(answers[-1].header["error"])
+        status, body = health(proc.ready["http"])
+        assert (status, body["write_state"]) == (503, "failed")
+        assert "restart the broker" in str(body["error"])
+        assert proc.stop() == EXIT_STOP_FAILED  # no final checkpoint from a store that failed
+    with _broker(data) as (_proc, client):  # no plan: the disk is well again
+        ids = _ids(client, "s")
+        assert client.send(message("s", "after")).status == Status.OK
+    assert ids[: len(acked)] == acked
+    assert len(ids) <= len(acked) + 1  # at most the one whose fsync failed besides
+
+
+def test_a_full_disk_met_by_a_write_is_refused_and_passes_without_a_restart(tmp_path: Path) -> None:
+    env = _plan(tmp_path / "plan.json", {"op": "write", "path": "log/*.log", "after": 4, "times": 1, "errno": "ENOSPC"})
+    with _broker(tmp_path / "data", env) as (proc, client):
+        acked = []
+        refused = None
+        for n in range(10):
+            answer = client.send(message("s", f"m{n}"))
+            if answer.status == Status.DISK_FULL:
+                refused = f"m{n}"
+                break
+            assert answer.status == Status.OK, answer.header
+            acked.append(f"m{n}")
+        assert refused is not None
+        status, body = health(proc.ready["http"])
+        assert (status, body["write_state"]) == (200, "disk-full")
+        deadline = time.monotonic() + 10
+        while (answer := client.send(message("s", refused))).status == Status.DISK_FULL:
+            assert time.monotonic() < deadline, answer.header
+            time.sleep(0.1)  # refused at once for up to a second after a write met a full disk
+        assert answer.status == Status.OK, answer.header
+        status, body = health(proc.ready["http"])
+        assert (status, body["write_state"]) == (200, "ok")
+        assert _ids(client, "s") == [*acked, refused]  # the refused write left nothing behind
+
+
+def test_a_failed_read_fails_that_pull_only(tmp_path: Path) -> None:
+    env = _plan(tmp_path / "plan.json", {"op": "read", "path": "log/*.log", "times": 1, "errno": "EIO"})
+    with _broker(tmp_path / "data", env) as (proc, client):
+        assert client.send(message("a", "a1"), message("b", "b1")).status == Status.OK
+        failed = client.pull("a", "g")
+        assert failed.status == Status.INTERNAL_ERROR
+        assert "pull again" in str(failed.header["error"])
+        again = client.pull("a", "g")  # nothing was handed out: the same message comes
+        assert [decode_message(m).message_id for _s, m in split_records(again.body)] == ["a1"]
+        assert [decode_message(m).message_id for _s, m in split_records(client.pull("b", "g").body)] == ["b1"]
+        assert client.send(message("a", "a2")).status == Status.OK
+        assert health(proc.ready["http"])[1]["write_state"] == "ok"
+
+
+def test_a_failed_read_waking_a_long_poll_fails_that_pull_and_the_send_is_answered(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    env = _plan(plan)
+    with _broker(tmp_path / "data", env) as (proc, client):
+        poller = RawClient(proc.ready["address"])
+        try:
+            header = {"subject": "s", "group": "g", "consumer_id": "c", "session": "1", "max": 10}
+            poller.send_frame(RequestCode.PULL, {**header, "timeout_ms": 20_000})
+            assert client.send(message("other", "o1")).status == Status.OK  # the pull is parked by now
+            _plan(plan, {"op": "read", "path": "log/*.log", "times": 1, "errno": "EIO"})
+            time.sleep(0.15)  # the broker looks at the plan's file at most every 100 ms
+            sent = client.send(message("s", "m1"))  # wakes the parked pull, whose read fails
+            assert sent.status == Status.OK, sent.header
+            woken = poller.read_frame()
+            assert woken.status == Status.INTERNAL_ERROR
+            assert "pull again" in str(woken.header["error"])
+            assert client.send(message("s", "m2")).status == Status.OK
+        finally:
+            poller.close()
+
+
+def test_no_send_is_answered_before_the_fsync_covering_it(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    frames, senders = 40, 4
+    with _broker(tmp_path / "data", {"QMQ_IO_TRACE": str(trace)}) as (proc, _client):
+        oks: list[int] = []
+
+        def load(k: int) -> None:
+            c = RawClient(proc.ready["address"])
+            try:
+                for n in range(frames):  # every frame in flight at once: they share fsyncs
+                    body = b"".join(message(f"s{k}", f"{k}-{n}-{i}") for i in range(10))
+                    c.send_frame(RequestCode.SEND_MESSAGES, {}, body)
+                oks.append(sum(c.read_frame().status == Status.OK for _ in range(frames)))
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=load, args=(k,)) for k in range(senders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert proc.stop() == 0
+    assert oks == [frames] * senders
+    report = check_file(trace)
+    assert report.violations == [], report.summary()
+    assert report.answers == frames * senders
+    assert report.syncs < report.answers  # group commit: fsyncs shared by answers
