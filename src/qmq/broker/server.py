@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -28,11 +27,12 @@ from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
+from qmq.store import fileio
 from qmq.store.broker_store import BrokerStore
 from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.replica import rewind
 from qmq.store.retention import run_retention
-from qmq.store.segments import FlushTicket, fsync_dir
+from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
 
@@ -288,17 +288,16 @@ class BrokerServer(FrameServer):
 
 def _read_epoch(directory: Path) -> int:
     try:
-        value = json.loads((directory / _EPOCH_FILE).read_text())
+        value = json.loads(fileio.read_text(directory / _EPOCH_FILE))
     except (FileNotFoundError, ValueError):
         return 0
     return int(value.get("epoch", 0)) if isinstance(value, dict) else 0
 
 
 def _write_epoch(directory: Path, epoch: int) -> None:
-    tmp = directory / (_EPOCH_FILE + ".tmp")
-    tmp.write_text(json.dumps({"epoch": epoch}))
-    os.replace(tmp, directory / _EPOCH_FILE)
-    fsync_dir(directory)
+    # fsynced before the rename: a power loss must not leave an empty epoch file, which reads
+    # as epoch 0 and would let an old master believe it may write
+    fileio.replace_file(directory / _EPOCH_FILE, json.dumps({"epoch": epoch}).encode())
 
 
 def run_broker(config: BrokerConfig) -> int:

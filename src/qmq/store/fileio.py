@@ -342,6 +342,21 @@ def replace(src: StrPath, dst: StrPath) -> None:
     os.replace(src, dst)
 
 
+def replace_file(path: StrPath, data: bytes) -> None:
+    """Make ``path`` hold ``data`` atomically and durably: a temp file written whole and fsynced,
+    renamed over ``path``, and the rename fsynced into the directory. A crash leaves the old
+    contents or the new, never a torn or empty file."""
+    tmp = f"{os.fspath(path)}.tmp"
+    fd = open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        write_all(fd, data)
+        fsync(fd)
+    finally:
+        close(fd)
+    replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+
 def unlink(path: StrPath, missing_ok: bool = False) -> None:
     if _hooked:
         faultplan.act("unlink", _path(path))
