@@ -1,12 +1,14 @@
 """qmq: a message queue in the shape of Qunar's QMQ.
 
-The blocking SDK lives here (``from qmq import Producer, Consumer``); the asyncio
-SDK is ``qmq.aio``. Errors a user can meet are importable from this package.
+The blocking SDK lives here (``from qmq import Producer, Consumer``); the asyncio SDK is
+``qmq.aio``, with the same names. Every error qmq raises to a user is importable from both,
+``QmqError`` the base of them all.
 """
 
 from typing import TYPE_CHECKING
 
 from qmq.common.errors import (
+    AlreadyProcessedError,
     BrokerError,
     BufferFullError,
     ConfigError,
@@ -18,38 +20,56 @@ from qmq.common.errors import (
     NeedRetry,
     NoBrokerError,
     QmqError,
+    QmqTimeoutError,
     SendError,
 )
 
 if TYPE_CHECKING:  # type checkers see the blocking SDK; at run time it is imported on first use
+    from qmq.client.sync import Batch as Batch
     from qmq.client.sync import Consumer as Consumer
     from qmq.client.sync import Message as Message
     from qmq.client.sync import Producer as Producer
+    from qmq.client.sync import PullConsumer as PullConsumer
+    from qmq.client.sync import ReceivedMessage as ReceivedMessage
 
 # The one place the version is written: pyproject.toml reads it from here (setuptools dynamic).
 __version__ = "0.1.0"
 
+# the blocking SDK's names, imported on first use: it pulls in threads and the asyncio SDK
+_SYNC_NAMES = ("Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage")
+
 __all__ = [
+    "AlreadyProcessedError",
+    "Batch",
     "BrokerError",
     "BufferFullError",
     "ConfigError",
     "ConnectionLostError",
+    "Consumer",
     "InvalidMessageError",
     "InvalidSubjectError",
+    "Message",
     "MessageTooLargeError",
     "MetaServerError",
     "NeedRetry",
     "NoBrokerError",
+    "Producer",
+    "PullConsumer",
     "QmqError",
+    "QmqTimeoutError",
+    "ReceivedMessage",
     "SendError",
     "__version__",
 ]
 
 
 def __getattr__(name: str) -> object:
-    # The blocking SDK pulls in threads and the asyncio SDK; import it only when asked.
-    if name in ("Producer", "Consumer", "Message"):
+    if name in _SYNC_NAMES:
         from qmq.client import sync
 
         return getattr(sync, name)
     raise AttributeError(f"module 'qmq' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SYNC_NAMES))

@@ -111,6 +111,14 @@ class NeedRetry(QmqError):
         super().__init__(reason or f"retry requested after {self.after_ms} ms")
 
 
+class QmqTimeoutError(QmqError, TimeoutError):
+    """A blocking call of the SDK did not finish within its bound (the SDK's I/O thread was held
+    up, by a callback that blocks, say). Also a ``TimeoutError``, so code that catches the
+    builtin catches it too; repeating the call may succeed."""
+
+    retriable = True
+
+
 class AlreadyProcessedError(QmqError):
     """Raised by a handler (or an idempotent checker inside it) for a message whose work is
     done already: the listener acknowledges it instead of retrying."""
