@@ -141,7 +141,7 @@ def test_a_listener_keyword_that_does_not_exist_is_named_at_run_time_too(meta_se
     async def handle(m: qmq.aio.ReceivedMessage) -> None:
         await m.ack()
 
-    with pytest.raises(qmq.ConfigError, match="unknown keyword.s. tag_typ; known: .*tag_type"):
+    with pytest.raises(qmq.ConfigError, match=r"unknown keyword\(s\) tag_typ; known: .*tag_type"):
         qmq.aio.Consumer(app_code="billing", meta_server=meta_server).add_listener(
             subject,
             "g",
@@ -149,7 +149,7 @@ def test_a_listener_keyword_that_does_not_exist_is_named_at_run_time_too(meta_se
             tag_typ="and",  # type: ignore[call-arg]
         )
     with qmq.Consumer(app_code="billing", meta_server=meta_server) as consumer:
-        with pytest.raises(qmq.ConfigError, match="unknown keyword.s. tag_typ; known: .*tag_type"):
+        with pytest.raises(qmq.ConfigError, match=r"unknown keyword\(s\) tag_typ; known: .*tag_type"):
             consumer.add_listener(subject, "g", print, tag_typ="and")  # type: ignore[call-arg]
         with pytest.raises(qmq.ConfigError, match="tag_type='xor' is not allowed"):
             consumer.add_listener(subject, "g", print, tag_type="xor")  # type: ignore[arg-type]
