@@ -7,22 +7,8 @@ The blocking SDK lives here (``from qmq import Producer, Consumer``); the asynci
 
 from typing import TYPE_CHECKING
 
-from qmq.common.errors import (
-    AlreadyProcessedError,
-    BrokerError,
-    BufferFullError,
-    ConfigError,
-    ConnectionLostError,
-    InvalidMessageError,
-    InvalidSubjectError,
-    MessageTooLargeError,
-    MetaServerError,
-    NeedRetry,
-    NoBrokerError,
-    QmqError,
-    QmqTimeoutError,
-    SendError,
-)
+from qmq.common import errors as _errors
+from qmq.common.errors import *  # noqa: F403 (every error class: errors.__all__)
 
 if TYPE_CHECKING:  # type checkers see the blocking SDK; at run time it is imported on first use
     from qmq.client.sync import Batch as Batch
@@ -38,29 +24,8 @@ __version__ = "0.1.0"
 # the blocking SDK's names, imported on first use: it pulls in threads and the asyncio SDK
 _SYNC_NAMES = ("Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage")
 
-__all__ = [
-    "AlreadyProcessedError",
-    "Batch",
-    "BrokerError",
-    "BufferFullError",
-    "ConfigError",
-    "ConnectionLostError",
-    "Consumer",
-    "InvalidMessageError",
-    "InvalidSubjectError",
-    "Message",
-    "MessageTooLargeError",
-    "MetaServerError",
-    "NeedRetry",
-    "NoBrokerError",
-    "Producer",
-    "PullConsumer",
-    "QmqError",
-    "QmqTimeoutError",
-    "ReceivedMessage",
-    "SendError",
-    "__version__",
-]
+__all__ = ["Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage", "__version__"]
+__all__ += _errors.__all__
 
 
 def __getattr__(name: str) -> object:

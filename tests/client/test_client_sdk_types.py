@@ -89,6 +89,7 @@ def test_both_sdks_export_the_messages_consumers_and_every_error() -> None:
         if isinstance(cls, type) and issubclass(cls, errors.QmqError) and cls.__module__ == errors.__name__
     }
     assert {"QmqTimeoutError", "AlreadyProcessedError", "SendError"} <= set(error_classes)
+    assert sorted(errors.__all__) == sorted(error_classes)
     for module in (qmq, qmq.aio):
         for name, cls in error_classes.items():
             assert getattr(module, name) is cls, (module.__name__, name)

@@ -10,43 +10,8 @@ from qmq.client.message import Message
 from qmq.client.producer import Producer
 from qmq.client.received import Batch, ReceivedMessage
 from qmq.client.sender import ProducerStats
-from qmq.common.errors import (
-    AlreadyProcessedError,
-    BrokerError,
-    BufferFullError,
-    ConfigError,
-    ConnectionLostError,
-    InvalidMessageError,
-    InvalidSubjectError,
-    MessageTooLargeError,
-    MetaServerError,
-    NeedRetry,
-    NoBrokerError,
-    QmqError,
-    QmqTimeoutError,
-    SendError,
-)
+from qmq.common import errors as _errors
+from qmq.common.errors import *  # noqa: F403 (every error class: errors.__all__)
 
-__all__ = [
-    "AlreadyProcessedError",
-    "Batch",
-    "BrokerError",
-    "BufferFullError",
-    "ConfigError",
-    "ConnectionLostError",
-    "Consumer",
-    "InvalidMessageError",
-    "InvalidSubjectError",
-    "Message",
-    "MessageTooLargeError",
-    "MetaServerError",
-    "NeedRetry",
-    "NoBrokerError",
-    "Producer",
-    "ProducerStats",
-    "PullConsumer",
-    "QmqError",
-    "QmqTimeoutError",
-    "ReceivedMessage",
-    "SendError",
-]
+__all__ = ["Batch", "Consumer", "Message", "Producer", "ProducerStats", "PullConsumer", "ReceivedMessage"]
+__all__ += _errors.__all__

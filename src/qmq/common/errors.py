@@ -1,10 +1,28 @@
-"""Every error qmq raises to a user, in one place.
+"""Every error qmq raises to a user, in one place (``__all__`` lists them).
 
 Each class says whether repeating the same request may succeed (``retriable``): the
 producer retries those on its own, the rest go straight back to the caller.
 """
 
 from __future__ import annotations
+
+# Every error class, which ``qmq`` and ``qmq.aio`` export (the helpers below are qmq's own).
+__all__ = [
+    "AlreadyProcessedError",
+    "BrokerError",
+    "BufferFullError",
+    "ConfigError",
+    "ConnectionLostError",
+    "InvalidMessageError",
+    "InvalidSubjectError",
+    "MessageTooLargeError",
+    "MetaServerError",
+    "NeedRetry",
+    "NoBrokerError",
+    "QmqError",
+    "QmqTimeoutError",
+    "SendError",
+]
 
 
 class QmqError(Exception):
