@@ -197,6 +197,34 @@ def test_lag_pages_consumers_by_id_and_limit_0_gives_the_figures_alone(context: 
     assert (figures["messages"], figures["backlog"], figures["unacked"]) == (0, 0, 0)
 
 
+def test_lag_says_when_each_consumer_was_seen_and_which_are_offline(context: Context) -> None:
+    gp = context.store.group("s.seen", "g", "earliest")
+    now_ms = context.clock.now_ms()
+    gp.consumer("fresh").last_seen_ms = now_ms - context.config.consumer_offline_ms + 1
+    gp.consumer("silent").last_seen_ms = now_ms - context.config.consumer_offline_ms
+    [page] = follow(Handlers(context), RequestCode.LAG, {"subject": "s.seen", "group": "g"})
+    assert {c["consumer_id"]: (c["last_seen_ms"], c["offline"]) for c in page["consumers"]} == {
+        "fresh": (now_ms - context.config.consumer_offline_ms + 1, False),
+        "silent": (now_ms - context.config.consumer_offline_ms, True),
+    }
+    assert (page["time_ms"], page["consumers_offline"]) == (now_ms, 1)
+    assert page["consumer_offline_ms"] == context.config.consumer_offline_ms
+
+
+def test_lag_tells_an_unknown_subject_from_a_group_that_never_pulled(context: Context) -> None:
+    context.store.group("s.known", "g", "earliest")
+    for subject, group, error in [
+        ("s.unknown", "g", "subject 's.unknown' is unknown here"),
+        ("s.known", "other", "consumer group 'other' has never pulled 's.known'"),
+    ]:
+        conn = RecordingResponder()
+        Handlers(context).dispatch(conn, Frame(RequestCode.LAG, 1, {"subject": subject, "group": group}))
+        [(_code, _id, answer, status)] = conn.answers
+        assert status == Status.BAD_REQUEST
+        assert answer is not None
+        assert error in answer["error"]
+
+
 def test_dead_letters_are_paged_by_limit_and_by_bytes(context: Context) -> None:
     dead = "%DEAD_RETRY%s.d%g"
     error = "处理失败" * 1000  # 12 KB of UTF-8 a letter

@@ -46,7 +46,7 @@ def test_a_meta_server_restart_loses_no_route_group_or_epoch(tmp_path: Path) -> 
                 time.sleep(0.05)  # polling for the kill to take effect, bounded by the deadline
             # No meta server: the status says so, and lists the processes started here.
             status = run_qmq("cluster", "status", "--data-dir", str(data_dir))
-            assert status.returncode == 2
+            assert status.returncode == 1
             assert "cannot reach the meta server" in status.stderr
             assert "processes of" in status.stdout
             assert "b2-m" in status.stdout

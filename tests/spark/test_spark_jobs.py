@@ -152,3 +152,17 @@ def test_the_commands_print_summaries_and_json(
     result = runner.invoke(cli, ["query", "--archive", str(archive)])
     assert result.exit_code != 0
     assert "--message-id or --subject" in result.output
+    # --json: one document from archive, trace and report (a re-run of the archive adds only what is new)
+    result = runner.invoke(cli, ["archive", "--data-dir", data_dir, "--to", str(archive), "--json"])
+    assert result.exit_code == 0, result.output
+    done = json.loads(result.stdout)
+    assert done["archive"] == str(archive)
+    assert done["messages"] == sum(done["per_subject"].values())
+    result = runner.invoke(cli, ["trace", story.failed_id, "--data-dir", data_dir, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["message_id"] == story.failed_id
+    result = runner.invoke(cli, ["report", "--archive", str(archive), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["written_to"] == str(archive / "_report")
+    assert sum(r["messages"] for r in report["rows"] if r["subject"] == story.subject) == 15

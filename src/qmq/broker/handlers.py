@@ -371,7 +371,9 @@ class Handlers(RoleHandlers):
         conn.respond(frame.code, frame.request_id, None, (subjects_page(self.store, frame.header),))
 
     def lag(self, conn: Responder, frame: Frame) -> None:
-        conn.respond(frame.code, frame.request_id, None, (lag_page(self.store, frame.header),))
+        now_ms = self.broker.clock.now_ms()
+        page = lag_page(self.store, frame.header, now_ms, self.broker.config.consumer_offline_ms)
+        conn.respond(frame.code, frame.request_id, None, (page,))
 
     # -- group administration ----------------------------------------------------------
 

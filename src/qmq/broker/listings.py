@@ -62,8 +62,13 @@ def subjects_page(store: BrokerStore, header: dict[str, Any]) -> bytes:
     return encode_answer(fields, {"subjects": page.items})
 
 
-def lag_page(store: BrokerStore, header: dict[str, Any]) -> bytes:
-    """How far a group is behind, and one page of its consumers by id (``limit`` 0: none)."""
+def lag_page(store: BrokerStore, header: dict[str, Any], now_ms: int, consumer_offline_ms: int) -> bytes:
+    """How far a group is behind, and one page of its consumers by id (``limit`` 0: none).
+
+    Each consumer has the time it was last seen (its last pull or ack, broker's clock) and
+    ``offline``: silent for ``consumer_offline_ms`` or longer, so its unacknowledged messages
+    go to retry. The answer carries the broker's ``time_ms``, so a reader can say how long
+    ago without trusting its own clock."""
     subject = get_subject(header)
     group = get_group(header)
     after = header.get("after")
@@ -74,6 +79,8 @@ def lag_page(store: BrokerStore, header: dict[str, Any]) -> bytes:
     messages = st.visible_seq if st else 0
     gp = store.progress.get(subject, group)
     if gp is None:
+        if st is None and not store.progress.groups_of(subject):
+            raise BadRequest(f"subject {subject!r} is unknown here: it has no messages and no consumer groups")
         raise BadRequest(f"consumer group {group!r} has never pulled {subject!r}")
     page = Page(limit)
     last: str | None = None
@@ -87,6 +94,7 @@ def lag_page(store: BrokerStore, header: dict[str, Any]) -> bytes:
                 "ack_offset": cp.ack_offset,
                 "unacked": cp.unacked,
                 "last_seen_ms": cp.last_seen_ms,
+                "offline": now_ms - cp.last_seen_ms >= consumer_offline_ms,
             }
             if not page.add(row):
                 break
@@ -99,6 +107,9 @@ def lag_page(store: BrokerStore, header: dict[str, Any]) -> bytes:
         "backlog": max(0, messages - gp.pull_offset),
         "unacked": sum(cp.unacked for cp in gp.consumers.values()),
         "consumers_total": len(gp.consumers),
+        "consumers_offline": sum(now_ms - cp.last_seen_ms >= consumer_offline_ms for cp in gp.consumers.values()),
+        "consumer_offline_ms": consumer_offline_ms,
+        "time_ms": now_ms,
     }
     if page.full:
         fields["next"] = last

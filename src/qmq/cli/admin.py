@@ -10,10 +10,14 @@ from typing import Any
 
 from qmq.client.connection import Connection
 from qmq.client.meta import MetaClient
-from qmq.common.errors import NoBrokerError, QmqError
+from qmq.common.errors import BrokerError, NoBrokerError, QmqError
 from qmq.protocol.answers import answer_of
 
 _TIMEOUT_MS = 10_000
+# what a broker answers LAG for a group that has never pulled a subject there, and for a
+# subject it does not know at all (qmq.broker.listings)
+_NEVER_PULLED = "has never pulled"
+_UNKNOWN_SUBJECT = "is unknown here"
 
 
 @asynccontextmanager
@@ -58,3 +62,14 @@ async def ask_each(
             except QmqError as exc:
                 out[name] = exc
     return out
+
+
+def is_never_pulled(error: QmqError) -> bool:
+    """A broker's LAG refusal for a group that has never pulled the subject there, or for a
+    subject it does not know."""
+    return isinstance(error, BrokerError) and (_NEVER_PULLED in str(error) or _UNKNOWN_SUBJECT in str(error))
+
+
+def is_unknown_subject(error: QmqError) -> bool:
+    """A broker's LAG refusal for a subject it holds no message and no consumer group of."""
+    return isinstance(error, BrokerError) and _UNKNOWN_SUBJECT in str(error)

@@ -1,33 +1,50 @@
-"""Commands for people: ``qmq send`` (``--delay``/``--at`` for delay messages), ``qmq consume``,
-``qmq subjects``, ``qmq lag``."""
+"""Commands for people: ``qmq send`` (``--delay``/``--at`` for delay messages) and ``qmq consume``,
+and the ``--meta-server`` option every command that talks to a cluster takes."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import re
 import sys
 import time
-from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from qmq.cli.main import cli
-from qmq.common.errors import BrokerError, InvalidMessageError, QmqError
+from qmq.cli.output import echo_json, json_option
+from qmq.client.options import check_start_from, check_url
+from qmq.common.errors import ConfigError, InvalidMessageError, QmqError
 from qmq.protocol.codes import RequestCode
 
+if TYPE_CHECKING:
+    from qmq.client.sync import ReceivedMessage
+
+
+def meta_server_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A ``--meta-server`` value as the SDK takes it (a base URL gets its ``/meta/address``); a
+    usage error naming the URL to use otherwise."""
+    if value is None:
+        return None
+    try:
+        return check_url("--meta-server", value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+META_SERVER_HELP = (
+    "the meta_server URL printed by `qmq ready`, or its base URL http://HOST:PORT (or set QMQ_META_SERVER)"
+)
 meta_server_option = click.option(
     "--meta-server",
     envvar="QMQ_META_SERVER",
     required=True,
     metavar="URL",
-    help="the meta_server URL printed by `qmq ready` (or set QMQ_META_SERVER)",
+    callback=meta_server_url,
+    help=META_SERVER_HELP,
 )
 
 
@@ -160,11 +177,22 @@ def _iso(value: datetime | None) -> str | None:
     type=click.Choice(["earliest", "latest"]),
     default="latest",
     show_default=True,
-    help="where a group that does not exist yet starts",
+    help="where a group that has never pulled SUBJECT starts: latest (only messages sent from now on) "
+    "or earliest (everything SUBJECT holds)",
 )
-@click.option("--count", type=click.IntRange(min=1), help="stop after this many messages [default: run until Ctrl-C]")
-@click.option("--idle-exit-ms", type=click.IntRange(min=1), help="stop when no message came for this long")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
+@click.option(
+    "--count",
+    type=click.IntRange(min=1),
+    help="stop after this many messages [default: run until Ctrl-C]; with fewer there, add --idle-exit-ms",
+)
+@click.option(
+    "--idle-exit-ms",
+    type=click.IntRange(min=1),
+    metavar="MS",
+    help="stop once no message came for this long, e.g. 3000 to read what is there and exit "
+    "[default: wait for messages]",
+)
+@json_option("lines", "each message: {subject, message_id, times, tags, properties, created_at, stored_at, body}")
 @click.option("--consumer-id", help="stable consumer id (a restarted consumer gets its unacked messages back)")
 def consume(
     subject: str,
@@ -176,14 +204,25 @@ def consume(
     as_json: bool,
     consumer_id: str | None,
 ) -> None:
-    """Consume SUBJECT as a member of GROUP, printing and acknowledging each message."""
+    """Consume SUBJECT as a member of GROUP, printing and acknowledging each message.
+
+    A group that has never pulled SUBJECT starts at the latest message (--from latest):
+    it receives only what is sent after it starts, and stderr says so. Without --count
+    or --idle-exit-ms it waits for messages until Ctrl-C.
+    """
     from qmq.client.sync import Consumer
 
-    options: dict[str, Any] = {"consumer_id": consumer_id} if consumer_id else {}
+    if start_from == "latest" and asyncio.run(_group_is_new(meta_server, subject, group)):
+        click.echo(
+            f"qmq consume: consumer group {group!r} has never pulled {subject!r}, so it starts at the latest "
+            f"message: only messages sent from now on arrive (--from earliest reads what {subject!r} holds). "
+            "Waiting for messages" + ("" if count or idle_exit_ms else "; Ctrl-C stops (or --idle-exit-ms MS)"),
+            err=True,
+        )
     seen = 0
     idle_since = time.monotonic()
-    with Consumer(app_code="qmq-cli", meta_server=meta_server, **options) as consumer:
-        pull = consumer.pull_consumer(subject, group=group, start_from=start_from)  # type: ignore[arg-type]
+    with Consumer(app_code="qmq-cli", meta_server=meta_server, consumer_id=consumer_id or None) as consumer:
+        pull = consumer.pull_consumer(subject, group=group, start_from=check_start_from(start_from))
         try:
             while count is None or seen < count:
                 want = min(100, count - seen) if count else 100
@@ -204,116 +243,41 @@ def consume(
                         )
                         m.nack(InvalidMessageError(f"unreadable message: {problem}"))
                         continue
-                    if as_json:
-                        doc: dict[str, Any] = {
-                            "subject": m.subject,
-                            "message_id": m.message_id,
-                            "times": m.times,
-                            "tags": list(m.tags),
-                            "properties": {k: _jsonable(v) for k, v in m.properties.items()},
-                            "created_at": _iso(m.created_at),
-                            "stored_at": _iso(m.stored_at),
-                            **_body_fields(bytes(m.body)),
-                        }
-                        click.echo(json.dumps(doc, ensure_ascii=False))
-                    else:
-                        fields = _body_fields(bytes(m.body))
-                        shown = fields.get("body", fields.get("body_base64", ""))
-                        props = " ".join(f"{k}={v!r}" for k, v in m.properties.items())
-                        click.echo(f"{m.subject} {m.message_id} times={m.times} {props} body={shown!r}")
+                    _echo_message(m, as_json)
                     m.ack()
                     seen += 1
         except KeyboardInterrupt:
             pass
 
 
-@cli.command()
-@meta_server_option
-def subjects(meta_server: str) -> None:
-    """List the subjects every broker group holds, with message counts and consumer groups: one
-    subject a line (tab-separated), printed as the brokers' pages come."""
-    asyncio.run(_print_subjects(meta_server))
+async def _group_is_new(meta_server: str, subject: str, group: str) -> bool:
+    """Whether ``group`` has never pulled ``subject`` on any broker group (False when a broker
+    cannot tell: the consumer then says what it meets)."""
+    from qmq.cli.admin import ask_every_broker, is_never_pulled
+
+    try:
+        answers = await ask_every_broker(meta_server, RequestCode.LAG, {"subject": subject, "group": group, "limit": 0})
+    except QmqError:
+        return False
+    return bool(answers) and all(isinstance(a, QmqError) and is_never_pulled(a) for a in answers.values())
 
 
-async def _print_subjects(meta_server: str) -> None:
-    from qmq.cli.admin import broker_connections
-    from qmq.client.pages import subjects as subjects_of
-
-    async with broker_connections(meta_server) as conns:
-        click.echo("subject\tmessages\tconsumer groups")
-        async for name, items in _by_subject([subjects_of(c) for c in conns.values()]):
-            groups = sorted({g for item in items for g in item.get("groups", [])})
-            click.echo(f"{name}\t{sum(int(item.get('messages', 0)) for item in items):,}\t{', '.join(groups)}")
-
-
-async def _by_subject(
-    streams: list[AsyncIterator[dict[str, Any]]],
-) -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
-    """Merge each broker group's subjects, listed by name, into one listing by name: each name
-    with its items from every group that holds it."""
-    heads: dict[int, dict[str, Any]] = {}
-    for i, stream in enumerate(streams):
-        item = await anext(stream, None)
-        if item is not None:
-            heads[i] = item
-    while heads:
-        name = min(str(h["subject"]) for h in heads.values())
-        holding = [i for i, h in heads.items() if h["subject"] == name]
-        yield name, [heads[i] for i in holding]
-        for i in holding:
-            item = await anext(streams[i], None)
-            if item is None:
-                del heads[i]
-            else:
-                heads[i] = item
-
-
-@cli.command()
-@click.argument("subject")
-@click.option("--group", required=True, help="consumer group")
-@meta_server_option
-def lag(subject: str, group: str, meta_server: str) -> None:
-    """How far GROUP is behind on SUBJECT, per broker group, then each consumer one a line."""
-    asyncio.run(_print_lag(meta_server, subject, group))
-
-
-async def _print_lag(meta_server: str, subject: str, group: str) -> None:
-    from qmq.cli.admin import ask_each, broker_connections
-    from qmq.client.pages import pages
-
-    header = {"subject": subject, "group": group}
-    async with broker_connections(meta_server) as conns:
-        answers: dict[str, dict[str, Any]] = {}
-        for name, answer in (await ask_each(conns, RequestCode.LAG, header)).items():
-            if isinstance(answer, QmqError):
-                if isinstance(answer, BrokerError) and "has never pulled" in str(answer):
-                    continue
-                raise answer
-            answers[name] = answer
-        if not answers:
-            raise click.ClickException(f"consumer group {group!r} has never pulled {subject!r} on any broker group")
-        table = Table("broker group", "messages", "group pulled up to", "backlog", "unacked", "consumers")
-        for name, h in answers.items():
-            table.add_row(
-                name,
-                f"{h['messages']:,}",
-                f"{h['pull_offset']:,}",
-                f"{h['backlog']:,}",
-                f"{h['unacked']:,}",
-                f"{h.get('consumers_total', len(h['consumers'])):,}",
-            )
-        Console().print(table)
-        click.echo("consumer\tbroker group\tpulled\tack offset\tunacked\tlast seen (UTC)")
-        for name, first in answers.items():
-            _echo_consumers(name, first)
-            if first.get("next") is not None:
-                async for doc in pages(conns[name], RequestCode.LAG, {**header, "after": first["next"]}):
-                    _echo_consumers(name, doc)
-
-
-def _echo_consumers(broker_group: str, page: dict[str, Any]) -> None:
-    for c in page.get("consumers", []):
-        seen = datetime.fromtimestamp(c["last_seen_ms"] / 1000, tz=UTC).isoformat(timespec="seconds")
-        click.echo(
-            f"{c['consumer_id']}\t{broker_group}\t{c['pulled']:,}\t{c['ack_offset']:,}\t{c['unacked']:,}\t{seen}"
+def _echo_message(m: ReceivedMessage, as_json: bool) -> None:
+    if as_json:
+        echo_json(
+            {
+                "subject": m.subject,
+                "message_id": m.message_id,
+                "times": m.times,
+                "tags": list(m.tags),
+                "properties": {k: _jsonable(v) for k, v in m.properties.items()},
+                "created_at": _iso(m.created_at),
+                "stored_at": _iso(m.stored_at),
+                **_body_fields(bytes(m.body)),
+            }
         )
+        return
+    fields = _body_fields(bytes(m.body))
+    shown = fields.get("body", fields.get("body_base64", ""))
+    props = " ".join(f"{k}={v!r}" for k, v in m.properties.items())
+    click.echo(f"{m.subject} {m.message_id} times={m.times} {props} body={shown!r}")

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import click
-from rich.console import Console
 
-from qmq.cli.client_commands import meta_server_option
+from qmq.cli.client_commands import meta_server_option, meta_server_url
 from qmq.cli.cluster_launch import (
     CLUSTER_FILE,
     Cluster,
@@ -35,6 +34,7 @@ from qmq.cli.cluster_launch import (
 )
 from qmq.cli.cluster_view import render, render_processes
 from qmq.cli.main import cli
+from qmq.cli.output import echo_json, json_option, stdout_console
 from qmq.common.config import meta_base_url
 
 # Bounds of a local cluster: each process is a Python interpreter of its own.
@@ -45,7 +45,6 @@ EXIT_STARTUP_FAILED: Final = 3
 EXIT_INTERRUPTED: Final = 130  # as a shell reports a command ended by SIGINT
 _HTTP_TIMEOUT_S: Final = 10.0
 _ERROR_CHARS_MAX: Final = 500
-_PIPED_WIDTH: Final = 200
 
 
 @cli.group()
@@ -202,34 +201,32 @@ def down(data_dir: Path, timeout_ms: int) -> None:
     "--meta-server",
     envvar="QMQ_META_SERVER",
     default=None,
-    help="the meta_server URL printed by `qmq ready` (or QMQ_META_SERVER); else --data-dir's",
+    metavar="URL",
+    callback=meta_server_url,
+    help="the meta_server URL printed by `qmq ready`, or its base URL http://HOST:PORT (or QMQ_META_SERVER); "
+    "else --data-dir's",
 )
 @click.option("--routes", "routes_max", type=click.IntRange(0, 10_000), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="the meta server's answer (GET /meta/cluster) as it came")
+@json_option("document", "the meta server's answer (GET /meta/cluster) as it came")
 def status(data_dir: Path | None, meta_server: str | None, routes_max: int, as_json: bool) -> None:
     """Every group and server (role, epoch, pid, state, lag, write state), the routes, and the
     leading meta server, as the meta server of the cluster knows them."""
     local = Cluster.load(data_dir) if data_dir is not None else None
     url = meta_server or (local.meta_server if local else None)
     if not url:
-        raise ClusterError("say which cluster: --data-dir DIR (of `qmq cluster up`) or --meta-server URL")
+        raise click.UsageError("say which cluster: --data-dir DIR (of `qmq cluster up`) or --meta-server URL")
     try:
         code, view = _http(f"{meta_base_url(url)}/meta/cluster?routes_max={routes_max}")
     except ClusterError:
         if local is not None and not as_json:
-            render_processes(_console(), local)  # what runs here, at least
+            render_processes(stdout_console(), local)  # what runs here, at least
         raise
     if code != 200:
         raise ClusterError(f"the meta server at {url} answered HTTP {code}: {_error_text(view)}")
     if as_json:
-        click.echo(json.dumps(view, sort_keys=True))
+        echo_json(view)
         return
-    render(_console(), view, local)
-
-
-def _console() -> Console:
-    # Piped into a file or a test, rich would squeeze the tables into 80 columns.
-    return Console() if sys.stdout.isatty() else Console(width=_PIPED_WIDTH)
+    render(stdout_console(), view, local)
 
 
 @cli.group()

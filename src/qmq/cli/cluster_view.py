@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qmq.cli.cluster_launch import Cluster, Member, is_running
+from qmq.cli.output import print_table
 
 _NONE = "–"
 
@@ -52,7 +53,7 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
             _writes(g["write_state"]),
             str(g["slaves"]),
         )
-    console.print(groups)
+    print_table(console, groups)
 
     by_pid: dict[int, Member] = {m.pid: m for m in local.members} if local else {}
     servers = Table(
@@ -108,14 +109,14 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
                 _NONE,
                 _NONE,
             )
-    console.print(servers)
+    print_table(console, servers)
 
     routes = Table("subject", "broker groups", title="routes")
     for subject, names in view["routes"].items():
         routes.add_row(subject, ", ".join(names))
     shown, total = len(view["routes"]), int(view["subjects_total"])
     routes.caption = f"{shown:,} of {total:,} subject(s)" + ("; more with --routes N" if total > shown else "")
-    console.print(routes)
+    print_table(console, routes)
 
 
 def _process(member: Member | None) -> str:
@@ -139,4 +140,4 @@ def render_processes(console: Console, local: Cluster) -> None:
             "yes" if is_running(m) else "[red]no[/red]",
             m.log,
         )
-    console.print(table)
+    print_table(console, table)

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from datetime import UTC, datetime
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from qmq.cli.admin import ask_each
 from qmq.cli.client_commands import meta_server_option
-from qmq.cli.main import cli
+from qmq.cli.main import CommandError, cli
+from qmq.cli.output import echo_json, json_option, print_table, stdout_console
 from qmq.common.errors import NoBrokerError, QmqError
 from qmq.protocol.codes import RequestCode
 
@@ -57,7 +56,7 @@ def _time(ms: object) -> str:
 @click.option(
     "--buckets", type=click.IntRange(0, _BUCKETS_MAX), default=24, show_default=True, help="time buckets to list"
 )
-@click.option("--json", "as_json", is_flag=True, help="the answers as one JSON object, by delay group")
+@json_option("document", "{groups: {DELAY GROUP: its answer}, errors: {DELAY GROUP: why it did not answer}}")
 def delay_stats(meta_server: str, buckets: int, as_json: bool) -> None:
     """What every delay group holds: pending messages per time bucket (soonest first), the next
     due time, and how many messages it handed to brokers in the last minute."""
@@ -65,9 +64,11 @@ def delay_stats(meta_server: str, buckets: int, as_json: bool) -> None:
     failed = {name: str(a) for name, a in answers.items() if isinstance(a, QmqError)}
     ok = {name: a for name, a in answers.items() if not isinstance(a, QmqError)}
     if as_json:
-        click.echo(json.dumps({"groups": ok, "errors": failed}, sort_keys=True))
+        echo_json({"groups": ok, "errors": failed})
+        if failed and not ok:
+            raise CommandError("no delay group answered")
         return
-    console = Console()
+    console = stdout_console()
     for name, h in sorted(ok.items()):
         table = Table("bucket start (UTC)", "messages", "dispatched", "pending", "next due (UTC)", "loaded")
         for b in h["buckets"]:
@@ -88,8 +89,8 @@ def delay_stats(meta_server: str, buckets: int, as_json: bool) -> None:
             f"{h['dispatched_last_minute']:,} dispatched in the last minute, {h['handover_in_flight']:,} in flight",
             soft_wrap=True,
         )
-        console.print(table)
+        print_table(console, table)
     for name, text in sorted(failed.items()):
         click.echo(f"delay group {name}: error: {text}", err=True)
     if failed and not ok:
-        raise click.ClickException("no delay group answered")
+        raise CommandError("no delay group answered")

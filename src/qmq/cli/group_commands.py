@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import aclosing
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +14,7 @@ import click
 from qmq.cli.admin import ask_every_broker, broker_connections
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.main import cli
+from qmq.cli.output import echo_json, json_option
 from qmq.common.errors import QmqError
 from qmq.protocol.codes import RequestCode
 
@@ -75,19 +77,37 @@ def _when(ms: int) -> str:
     "--limit", type=click.IntRange(1, 1000), default=100, show_default=True, help="most letters per broker group"
 )
 @meta_server_option
-def dead_letters(subject: str, group: str, limit: int, meta_server: str) -> None:
+@json_option(
+    "document",
+    "{subject, group, total, letters: [{broker_group, message_id, attempts, dead_at_ms, dead_at, error, bytes}]}",
+)
+def dead_letters(subject: str, group: str, limit: int, meta_server: str, as_json: bool) -> None:
     """List GROUP's dead letters of SUBJECT, oldest first, one a line (tab-separated): broker
-    group, id, attempts, time, last error."""
-    total = asyncio.run(_print_dead_letters(meta_server, subject, group, limit))
+    group, id (whole: paste it into `qmq resend-dead --message-id`), attempts, time, last error;
+    then how many the broker groups hold."""
+    if as_json:
+        letters: list[dict[str, Any]] = []
+        total = asyncio.run(_dead_letters(meta_server, subject, group, limit, letters.append))
+        echo_json({"subject": subject, "group": group, "total": total, "letters": letters})
+        return
+    click.echo("broker group\tmessage id\tattempts\tdead since (UTC)\tlast error")
+    total = asyncio.run(_dead_letters(meta_server, subject, group, limit, _echo_letter))
     click.echo(f"{total} dead letter(s) of {subject} / {group}")
 
 
-async def _print_dead_letters(meta_server: str, subject: str, group: str, limit: int) -> int:
-    """Print up to ``limit`` letters of each broker group; returns how many the groups hold."""
+def _echo_letter(letter: dict[str, Any]) -> None:
+    error = " ".join(str(letter["error"]).split())
+    click.echo(f"{letter['broker_group']}\t{letter['message_id']}\t{letter['attempts']}\t{letter['dead_at']}\t{error}")
+
+
+async def _dead_letters(
+    meta_server: str, subject: str, group: str, limit: int, each: Callable[[dict[str, Any]], None]
+) -> int:
+    """Hand up to ``limit`` letters of each broker group to ``each`` as they come; returns how
+    many the groups hold."""
     from qmq.client.pages import pages
 
     total = 0
-    click.echo("broker group\tmessage id\tattempts\tdead since (UTC)\tlast error")
     async with broker_connections(meta_server) as conns:
         for name, conn in conns.items():
             shown = held = 0
@@ -96,9 +116,7 @@ async def _print_dead_letters(meta_server: str, subject: str, group: str, limit:
                 async for page in listing:
                     held = int(page["total"])
                     for letter in page["letters"][: limit - shown]:
-                        error = " ".join(str(letter["error"]).split())
-                        when = _when(letter["dead_at_ms"])
-                        click.echo(f"{name}\t{letter['message_id']}\t{letter['attempts']}\t{when}\t{error}")
+                        each({**letter, "broker_group": name, "dead_at": _when(letter["dead_at_ms"])})
                     shown += len(page["letters"])
                     if shown >= limit:
                         break

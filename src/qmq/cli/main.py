@@ -1,9 +1,11 @@
 """Entry point of the ``qmq`` command: one sub-command per role or task.
 
-Errors a user can cause (a bad option, a server that cannot start, a broker that refuses)
-print one line naming the problem and exit non-zero, without a traceback. So does a command
-whose extra is not installed (``pip install qmq`` is the client SDK alone): it names the
-extra to install and exits 1.
+Exit status, the same for every command: 0 success; 1 a failure the command reports (a server
+down or refusing, an unknown subject or group, a command whose extra is not installed); 2 a
+usage error (an unknown option, a bad value); 3 a server that could not start (``qmq
+standalone``, ``qmq cluster up``). A failure prints one line on stderr naming what went wrong,
+never a traceback. ``pip install qmq`` is the client SDK alone: a command whose extra is
+missing names the extra to install.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import sys
 import click
 
 from qmq import __version__
-from qmq.common.errors import QmqError
+from qmq.common.errors import ConfigError, InvalidMessageError, QmqError
 from qmq.common.limits import MiB
 
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
-EXIT_MISSING_EXTRA = 1
+EXIT_MISSING_EXTRA = EXIT_FAILURE
 # A server's log file is bounded on disk: rotated at this size, this many old files kept.
 LOG_FILE_BYTES_MAX = 64 * MiB
 LOG_FILES_KEPT = 3
@@ -52,6 +55,10 @@ COMMAND_EXTRAS: dict[str, str] = {
 _HELP_OPTIONS = ("-h", "--help")
 
 
+class CommandError(QmqError):
+    """A failure a command reports in its own words: one line on stderr, exit status 1."""
+
+
 class MissingExtraError(QmqError):
     """A command needs modules of an extra that is not installed."""
 
@@ -71,6 +78,11 @@ def missing_extra(command: str) -> MissingExtraError | None:
         if importlib.util.find_spec(module) is None:
             return MissingExtraError(command, extra, module)
     return None
+
+
+def exit_status(exc: QmqError) -> int:
+    """2 for a value the user gave that qmq refuses (a subject, a setting: usage), 1 for the rest."""
+    return EXIT_USAGE if isinstance(exc, ConfigError | InvalidMessageError) else EXIT_FAILURE
 
 
 def _extra_of(module: str, command: str) -> str | None:
@@ -112,7 +124,7 @@ class QmqGroup(click.Group):
             ctx.exit(EXIT_MISSING_EXTRA)
         except QmqError as exc:
             click.echo(f"qmq: error: {exc}", err=True)
-            ctx.exit(EXIT_USAGE)
+            ctx.exit(exit_status(exc))
         except ModuleNotFoundError as exc:
             # a module imported on first use by a command the table does not name
             command = _command_path(ctx, ctx.invoked_subcommand or "")
@@ -170,6 +182,7 @@ def register_commands() -> None:
         cluster_commands,
         delay_commands,
         group_commands,
+        listing_commands,
         roles,
         spark_commands,
         tx_commands,

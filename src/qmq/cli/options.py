@@ -62,10 +62,12 @@ def load(cls: type[T], config_file: Path | None, section: str, values: dict[str,
     return build_config(cls, merged(config_file, section, {k: v for k, v in values.items() if k in names}), source)
 
 
-config_file_option = click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="TOML file with [meta], [broker] and [standalone] tables; command-line options win.",
-)
+def config_file_option(help_text: str) -> Callable[[F], F]:
+    """``--config FILE``: a TOML file; ``help_text`` says which of its tables the command reads."""
+    return click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help=f"TOML file: {help_text}; command-line options win.",
+    )

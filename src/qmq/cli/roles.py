@@ -14,7 +14,7 @@ from qmq.common.config import BrokerConfig, DelayConfig, MetaConfig, StandaloneC
 
 
 @cli.command()
-@config_file_option
+@config_file_option("its [meta] table")
 @config_options(MetaConfig)
 def meta(config_file: Path | None, **values: Any) -> None:
     """Run a meta server: registry of broker groups, subject routes, client discovery."""
@@ -24,7 +24,7 @@ def meta(config_file: Path | None, **values: Any) -> None:
 
 
 @cli.command()
-@config_file_option
+@config_file_option("its [broker] table")
 @config_options(BrokerConfig)
 def broker(config_file: Path | None, **values: Any) -> None:
     """Run a realtime broker (a master or a slave of a broker group)."""
@@ -38,7 +38,7 @@ _DELAY_OPTIONS = [f for f in DelayConfig.__dataclass_fields__ if f != "bucket_ms
 
 
 @cli.command()
-@config_file_option
+@config_file_option("its [delay] table")
 @config_options(DelayConfig, only=_DELAY_OPTIONS)
 def delay(config_file: Path | None, **values: Any) -> None:
     """Run a delay server: holds delay messages until they are due, then hands them to brokers."""
@@ -48,7 +48,10 @@ def delay(config_file: Path | None, **values: Any) -> None:
 
 
 @cli.command()
-@config_file_option
+@config_file_option(
+    "[standalone] for this command (the options below), and [meta], [broker] and [delay] for the roles "
+    "it starts, each reading its own table (their data_dir, host and port come from here)"
+)
 @config_options(StandaloneConfig)
 @click.option("--demo", is_flag=True, help="once ready, send a message and consume it, printing both")
 def standalone(config_file: Path | None, demo: bool, **values: Any) -> None:

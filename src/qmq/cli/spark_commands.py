@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from qmq.cli.main import cli
+from qmq.cli.output import echo_json, json_option, print_table, stdout_console
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -57,8 +60,12 @@ def _progress(spark: SparkSession, text: str) -> Any:
     return SparkProgress(spark, text)
 
 
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str) if value is not None else ""
+
+
 def _short(value: object) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str) if value is not None else ""
+    text = _text(value)
     return text if len(text) <= _TEXT_CHARS_MAX else text[: _TEXT_CHARS_MAX - 1] + "…"
 
 
@@ -72,8 +79,17 @@ def _short(value: object) -> str:
 @click.option("--broker-group", default=None, metavar="NAME", help="broker group named in rows read from --data-dir")
 @click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="archive directory")
 @spark_master_option
+@json_option(
+    "document",
+    "what was archived: {archive, messages, subjects, per_subject, dead_letters, groups, skipped, seconds}",
+)
 def archive(
-    meta_server: str | None, data_dir: Path | None, broker_group: str | None, to: Path, spark_master: str
+    meta_server: str | None,
+    data_dir: Path | None,
+    broker_group: str | None,
+    to: Path,
+    spark_master: str,
+    as_json: bool,
 ) -> None:
     """Export stored messages to Parquet, partitioned by subject and date; a re-run adds only what is new.
 
@@ -84,14 +100,28 @@ def archive(
     source = source_options(meta_server, str(data_dir) if data_dir else None, broker_group)
     with _session(spark_master, "archive") as spark, _progress(spark, f"archiving into {to}") as bar:
         result = run_archive(spark, source, to, on_plan=lambda n: bar.describe(f"archiving {n:,} messages"))
+    if as_json:
+        echo_json(
+            {
+                "archive": str(to),
+                "messages": result.messages,
+                "subjects": result.subjects,
+                "per_subject": dict(sorted(result.per_subject.items())),
+                "dead_letters": result.dead_letters,
+                "groups": result.groups,
+                "skipped": result.skipped,
+                "seconds": round(result.seconds, 3),
+            }
+        )
+        return
     table = Table(title=f"archived into {to}")
     table.add_column("subject")
     table.add_column("messages", justify="right")
     for subject, n in sorted(result.per_subject.items()):
-        table.add_row(subject, f"{n:,}")
-    console = Console()
+        table.add_row(Text(subject), f"{n:,}")
+    console = stdout_console()
     if result.per_subject:
-        console.print(table)
+        print_table(console, table)
     rate = result.messages / result.seconds if result.seconds else 0.0
     console.print(
         f"{result.messages:,} messages of {result.subjects} subjects in {result.seconds:.1f} s ({rate:,.0f}/s); "
@@ -126,7 +156,7 @@ _QUERY_COLUMNS = ("subject", "sequence", "message_id", "created_at", "stored_at"
 @click.option("--until", metavar="TIME", help="created before this ISO 8601 time")
 @click.option("--property", "props", multiple=True, metavar="K=V", help="property K has value V (repeatable)")
 @click.option("--limit", default=100, show_default=True, help="most messages to show (with --subject)")
-@click.option("--json", "as_json", is_flag=True, help="print JSON lines instead of a table")
+@json_option("lines", "each message found: {" + ", ".join(_QUERY_COLUMNS) + "}")
 @spark_master_option
 def query(
     archive_dir: Path,
@@ -160,13 +190,15 @@ def query(
         for row in json_ready(rows):
             click.echo(json.dumps(row, ensure_ascii=False))
         return
+    console = stdout_console()
+    # on a terminal long values are cut to fit; piped, every value is whole
+    shown = _short if console.is_terminal else _text
     table = Table()
     for col in _QUERY_COLUMNS:
         table.add_column(col, overflow="fold")
     for row in rows:
-        table.add_row(*(_short(body_text(row[c]) if c == "body" else row.get(c)) for c in _QUERY_COLUMNS))
-    console = Console()
-    console.print(table)
+        table.add_row(*(Text(shown(body_text(row[c]) if c == "body" else row.get(c))) for c in _QUERY_COLUMNS))
+    print_table(console, table)
     console.print(f"{len(rows)} message(s) in {seconds:.2f} s")
 
 
@@ -185,7 +217,7 @@ def query(
 )
 @click.option("--meta-server", metavar="URL", help="without --data-dir: where it is stored (no consumer history)")
 @click.option("--broker-group", default="broker-1", show_default=True, help="the broker group of --data-dir")
-@click.option("--json", "as_json", is_flag=True, help="print the trace as one JSON object")
+@json_option("document", "the trace: {message_id, stored, deliveries, dead, notes}")
 @spark_master_option
 def trace(
     message_id: str,
@@ -216,28 +248,33 @@ def trace(
     if as_json:
         click.echo(result.to_json())
         return
-    console = Console()
-    console.print(f"[bold]message {message_id}[/bold]")
+    console = stdout_console()
+    shown = _short if console.is_terminal else _text
+    console.print(f"[bold]message {escape(message_id)}[/bold]")
     for s in result.stored:
         attempt = "" if s.attempt is None else f" attempt {s.attempt}"
-        error = f" error: {_short(s.error)}" if s.error else ""
+        error = f" error: {shown(s.error)}" if s.error else ""
         console.print(
-            f"  stored    {s.stored_at}  {s.subject} #{s.sequence} ({s.broker_group}, {s.found_in}){attempt}{error}"
+            f"  stored    {s.stored_at}  {s.subject} #{s.sequence} ({s.broker_group}, {s.found_in}){attempt}{error}",
+            markup=False,
         )
         for d in result.deliveries:
             if d.subject == s.subject:
                 who = f"consumer {d.consumer_id}" if d.consumer_id else "a consumer"
                 state = "acked" if d.acked else "not acked"
                 at = f" at pull-log offset {d.pull_log_offset}" if d.pull_log_offset is not None else ""
-                console.print(f"    pulled by {who} of group {d.consumer_group}{at}: {state} ({d.known_from})")
+                console.print(
+                    f"    pulled by {who} of group {d.consumer_group}{at}: {state} ({d.known_from})", markup=False
+                )
     for letter in result.dead:
         state = " (since resent or purged)" if letter.removed else ""
         console.print(
             f"  dead      {letter.dead_at}  group {letter.consumer_group} after {letter.attempts} attempts"
-            f"{': ' + _short(letter.error) if letter.error else ''}{state}"
+            f"{': ' + shown(letter.error) if letter.error else ''}{state}",
+            markup=False,
         )
     for note in result.notes:
-        console.print(f"  note: {note}")
+        console.print(f"  note: {note}", markup=False)
 
 
 @cli.command()
@@ -246,12 +283,16 @@ def trace(
     "--out", type=click.Path(file_okay=False, path_type=Path), help="where to write [default: ARCHIVE/_report]"
 )
 @spark_master_option
-def report(archive_dir: Path, out: Path | None, spark_master: str) -> None:
+@json_option("document", "{written_to, rows: [{subject, date, messages, bytes, retries, retry_rate, ...}]}")
+def report(archive_dir: Path, out: Path | None, spark_master: str, as_json: bool) -> None:
     """Per subject and day: messages, bytes, retry and dead-letter rates, consumer lag (Parquet and a table)."""
     from qmq.spark.report import COLUMNS, run_report
 
     with _session(spark_master, "report") as spark, _progress(spark, "building the report"):
         target, rows = run_report(spark, archive_dir, out)
+    if as_json:
+        echo_json({"written_to": str(target), "rows": rows})
+        return
     table = Table(title=f"qmq report of {archive_dir}")
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("subject", "date") else "right", overflow="fold")
@@ -267,7 +308,7 @@ def report(archive_dir: Path, out: Path | None, spark_master: str) -> None:
                 cells.append(f"{value:,}")
             else:
                 cells.append(str(value))
-        table.add_row(*cells)
-    console = Console()
-    console.print(table)
-    console.print(f"{len(rows)} row(s) written to {target}")
+        table.add_row(*(Text(cell) for cell in cells))
+    console = stdout_console()
+    print_table(console, table)
+    console.print(f"{len(rows)} row(s) written to {escape(str(target))}")

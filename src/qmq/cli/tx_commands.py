@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from qmq.cli.client_commands import meta_server_url
 from qmq.cli.main import cli
 from qmq.common.errors import ConfigError
 
@@ -126,7 +127,9 @@ def unblock_command(db_urls: tuple[str, ...], table: str, ids: tuple[int, ...]) 
     "--meta-server",
     envvar="QMQ_META_SERVER",
     metavar="URL",
-    help="the meta_server URL printed by `qmq ready` (or set QMQ_META_SERVER); not needed with --list-blocked",
+    callback=meta_server_url,
+    help="the meta_server URL printed by `qmq ready`, or its base URL http://HOST:PORT (or set QMQ_META_SERVER); "
+    "not needed with --list-blocked",
 )
 @_table_option
 @_lease_table_option
@@ -224,28 +227,34 @@ def _run_watchdog(meta_server: str, once: bool, databases: int, make: Callable[[
 
 
 def _print_blocked(engines: list[sa.Engine], table: str) -> None:
-    from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
+    from qmq.cli.output import print_table, stdout_console
     from qmq.tx.watchdog import list_blocked
 
     rows = list_blocked(engines, table)
-    console = Console()
+    console = stdout_console()
     if not rows:
-        console.print(f"no blocked rows in {table}")
+        click.echo(f"no blocked rows in {table}")
         return
     out = Table(title=f"blocked rows of {table}")
     for name in ("database", "id", "message id", "subject", "attempts", "created (UTC)", "last error"):
         out.add_column(name, overflow="fold")
     for database, row in rows:
         out.add_row(
-            database,
-            str(row.id),
-            row.message_id,
-            row.subject,
-            str(row.attempts),
-            row.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-            row.last_error or "",
+            *(
+                Text(value)
+                for value in (
+                    database,
+                    str(row.id),
+                    row.message_id,
+                    row.subject,
+                    str(row.attempts),
+                    row.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                    row.last_error or "",
+                )
+            )
         )
-    console.print(out)
-    console.print(f"{len(rows)} blocked row(s); after fixing the cause: qmq tx unblock --db URL [--id N]")
+    print_table(console, out)
+    click.echo(f"{len(rows)} blocked row(s); after fixing the cause: qmq tx unblock --db URL [--id N]")

@@ -15,9 +15,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
 
 from qmq.client.connection import ConnectionPool
+from qmq.client.keywords import ASYNC_LISTENER_KEYS, AsyncListenerKeywords, ListenerKeywords, check_keywords
 from qmq.client.listener import Listener
 from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.message import subject_bytes
@@ -28,6 +29,7 @@ from qmq.client.options import (
     ConnectOptions,
     ConsumerOptions,
     StartFrom,
+    TagType,
     check_identifier,
     check_int,
     check_start_from,
@@ -54,10 +56,14 @@ from qmq.protocol.message import (
     with_times,
 )
 
+if TYPE_CHECKING:  # the checkers live above the SDK (qmq.idempotency); only their shape is needed here
+    from qmq.idempotency.base import AsyncIdempotentChecker
+
 log = logging.getLogger(__name__)
 
 _State = Literal["new", "open", "closing", "closed"]
 _PREFETCH_DEFAULT_MIN = 256
+LISTENER_CONCURRENCY_DEFAULT = 32
 # an unreadable id made readable: each bad byte becomes 4 characters, 63 of them fit in 255 bytes
 _READABLE_ID_CHARS_MAX = 63
 ERROR_PROPERTY = "qmq.error"  # the failing handler's exception, on retried and dead messages
@@ -241,7 +247,7 @@ class Consumer:
         start_from: StartFrom = "latest",
         *,
         tags: Sequence[str] | None = None,
-        tag_type: str = "or",
+        tag_type: TagType = "or",
         broadcast: bool = False,
         max_retries: int | None = None,
         retry_backoff: Sequence[float] | None = None,
@@ -315,16 +321,16 @@ class Consumer:
         group: str,
         *,
         start_from: StartFrom = "latest",
-        concurrency: int = 32,
+        concurrency: int = LISTENER_CONCURRENCY_DEFAULT,
         prefetch: int | None = None,
         tags: Sequence[str] | None = None,
-        tag_type: str = "or",
+        tag_type: TagType = "or",
         broadcast: bool = False,
         consume_most_once: bool = False,
         max_retries: int | None = None,
         retry_backoff: Sequence[float] | None = None,
         auto_ack: bool = True,
-        idempotent_checker: Any = None,
+        idempotent_checker: AsyncIdempotentChecker | None = None,
         filters: Sequence[Any] = (),
     ) -> Callable[[F], F]:
         """Decorate an ``async def handler(message)`` called for every message of ``subject``.
@@ -375,15 +381,20 @@ class Consumer:
         subject: str,
         group: str,
         handler: Callable[..., Awaitable[object]],
-        *,
-        start_from: StartFrom = "latest",
-        concurrency: int = 32,
-        prefetch: int | None = None,
-        **behaviour: Any,
+        **options: Unpack[AsyncListenerKeywords],
     ) -> Listener[ReceivedMessage]:
-        """The same as ``@listener(...)`` without the decorator; starts at once on an open consumer."""
+        """The same as ``@listener(...)`` without the decorator, with the same keywords; starts at once
+        on an open consumer."""
+        check_keywords("add_listener", options, ASYNC_LISTENER_KEYS)
         return self._add_listener(
-            subject, group, handler, ReceivedMessage, Batch, start_from, concurrency, prefetch, **behaviour
+            subject,
+            group,
+            handler,
+            ReceivedMessage,
+            Batch,
+            options.get("concurrency", LISTENER_CONCURRENCY_DEFAULT),
+            options.get("idempotent_checker"),
+            options,
         )
 
     def _add_listener(
@@ -393,31 +404,36 @@ class Consumer:
         handler: Callable[[M], Awaitable[object]],
         make: type[M],
         batch_cls: type[BatchBase[M]],
-        start_from: StartFrom,
         concurrency: int,
-        prefetch: int | None,
-        *,
-        tags: Sequence[str] | None = None,
-        tag_type: str = "or",
-        broadcast: bool = False,
-        consume_most_once: bool = False,
-        max_retries: int | None = None,
-        retry_backoff: Sequence[float] | None = None,
-        auto_ack: bool = True,
-        idempotent_checker: Any = None,
-        filters: Sequence[Any] = (),
+        idempotent_checker: object,
+        options: ListenerKeywords,
     ) -> Listener[M]:
+        """A listener of either SDK: ``options`` are the keywords both take alike (the defaults
+        of ``listener``); the blocking SDK's checker is inside its ``handler`` already."""
         subject_bytes(subject)
         check_identifier("consumer group", group)
-        start_from = check_start_from(start_from)
+        start_from = check_start_from(options.get("start_from", "latest"))
         check_int("concurrency", concurrency, 1, 10_000)
+        prefetch = options.get("prefetch")
         if prefetch is None:
             prefetch = min(max(_PREFETCH_DEFAULT_MIN, 2 * concurrency), DEFAULT_LIMITS.pull_messages_max)
         check_int("prefetch", prefetch, 1, DEFAULT_LIMITS.pull_messages_max)
+        max_retries = options.get("max_retries")
+        broadcast = options.get("broadcast", False)
         sub = make_subscription(
-            tags, tag_type, broadcast, self.options.max_retries if max_retries is None else max_retries, retry_backoff
+            options.get("tags"),
+            options.get("tag_type", "or"),
+            broadcast,
+            self.options.max_retries if max_retries is None else max_retries,
+            options.get("retry_backoff"),
         )
-        behaviour = ListenerBehaviour.make(consume_most_once, auto_ack, idempotent_checker, filters, broadcast)
+        behaviour = ListenerBehaviour.make(
+            options.get("consume_most_once", False),
+            options.get("auto_ack", True),
+            idempotent_checker,
+            options.get("filters", ()),
+            broadcast,
+        )
         if self._state in ("closing", "closed"):
             raise QmqError("this consumer is closed; make a new one")
         main, retry = self._pullers(subject, group, start_from, make, batch_cls, sub)

@@ -1,8 +1,9 @@
 """Discovery through the meta server: which broker groups are available, where they listen,
 and which broker groups each subject is routed to.
 
-The meta server URL is used exactly as given (``qmq ready`` prints it), with one
-``?subject=`` parameter per subject whose route is wanted. The answer is refreshed in the
+The meta server URL is the one ``qmq ready`` prints (a base URL ``http://host:port`` gets
+its ``/meta/address``: ``qmq.client.options.check_url``), with one ``?subject=`` parameter
+per subject whose route is wanted. The answer is refreshed in the
 background every ``refresh_ms`` the meta server asks for; a failed refresh keeps the last
 answer, so a meta server outage never stops sends or pulls to known brokers.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from qmq.client.options import check_url
 from qmq.common.errors import MetaServerError
 from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
 
@@ -131,7 +133,7 @@ class MetaClient:
     """The last known answer of the meta server, kept fresh by a background task."""
 
     def __init__(self, url: str, *, timeout_ms: int) -> None:
-        self.url = url
+        self.url = check_url("meta_server", url)
         self._timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
         self._session: aiohttp.ClientSession | None = None
         self.groups: dict[str, BrokerGroup] = {}

@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from qmq.common.errors import ConfigError, InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, MiB
@@ -16,6 +17,10 @@ from qmq.common.naming import check_name
 
 StartFrom = Literal["latest", "earliest"]
 START_FROM: tuple[str, ...] = ("latest", "earliest")
+# how a subscription's tags match a message's: any of them ("or") or all ("and")
+TagType = Literal["or", "and"]
+# the path of the meta server's discovery answer (GET), below its base URL
+META_ADDRESS_PATH = "/meta/address"
 
 _HOSTNAME_CHARS_MAX = 60
 _TIMEOUT_MS_MAX = 3_600_000
@@ -53,12 +58,27 @@ def check_identifier(kind: str, value: object) -> str:
 
 
 def check_url(name: str, value: object) -> str:
-    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+    """The meta server's discovery URL, as ``qmq ready`` prints it (``http://host:port/meta/address``).
+
+    The server's base URL (``http://host:port``, with or without a ``/``) means the same and
+    becomes that URL; anything else is a ConfigError naming the URL to use. The SDK, the
+    ``qmq`` command and the Spark source all take their ``meta_server`` through here.
+    """
+    parts = urlsplit(value.strip()) if isinstance(value, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(
             f"{name}={value!r} must be the meta server's http:// URL as printed by `qmq ready` "
-            "(meta_server=http://host:port/meta/address)"
+            f"(meta_server=http://host:port{META_ADDRESS_PATH}), or its base URL http://host:port"
         )
-    return value
+    if parts.path in ("", "/"):
+        return urlunsplit((parts.scheme, parts.netloc, META_ADDRESS_PATH, parts.query, ""))
+    if not parts.path.endswith(META_ADDRESS_PATH):
+        raise ConfigError(
+            f"{name}={value!r} is not the meta server's discovery URL: use "
+            f"{urlunsplit((parts.scheme, parts.netloc, META_ADDRESS_PATH, '', ''))} as printed by `qmq ready` "
+            f"(or the base URL {parts.scheme}://{parts.netloc})"
+        )
+    return urlunsplit(parts)
 
 
 def default_consumer_id() -> str:
@@ -145,10 +165,6 @@ class ConsumerOptions:
         check_int("request_timeout_ms", self.request_timeout_ms, 1, _TIMEOUT_MS_MAX)
         check_int("retry_pull_interval_ms", self.retry_pull_interval_ms, 1, _TIMEOUT_MS_MAX)
         check_bool("check_crc", self.check_crc)
-
-
-def option_names(*classes: type[Any]) -> list[str]:
-    return [f.name for cls in classes for f in fields(cls)]
 
 
 DEFAULT_CONNECT = ConnectOptions()

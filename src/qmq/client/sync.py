@@ -18,24 +18,25 @@ import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from qmq.client.consumer import Consumer as AsyncConsumer
 from qmq.client.consumer import PullConsumerBase, check_pull_args
+from qmq.client.keywords import BLOCKING_LISTENER_KEYS, BlockingListenerKeywords, check_keywords
 from qmq.client.message import Message
 from qmq.client.options import (
-    ConnectOptions,
-    ConsumerOptions,
-    ProducerOptions,
+    DEFAULT_CONNECT,
+    DEFAULT_CONSUMER,
+    DEFAULT_PRODUCER,
     StartFrom,
+    TagType,
     check_int,
-    option_names,
 )
 from qmq.client.producer import Producer as AsyncProducer
 from qmq.client.received import BatchBase, ReceivedBase
 from qmq.client.sender import ProducerStats
 from qmq.client.subscription import make_subscription
-from qmq.common.errors import ConfigError, QmqError, SendError
+from qmq.common.errors import ConfigError, QmqError, QmqTimeoutError, SendError
 
 __all__ = ["Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage"]
 
@@ -49,6 +50,7 @@ _MARGIN_S = 5.0
 _JOIN_TIMEOUT_S = 10.0
 _NACK_TIMEOUT_S = 60.0
 _INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
+LISTENER_THREADS_DEFAULT = 16
 
 _new_event_loop: Callable[[], asyncio.AbstractEventLoop]
 try:
@@ -87,12 +89,16 @@ class _IoThread:
                 "a blocking qmq call was made from a qmq callback (on the SDK's I/O thread), where it "
                 "would wait forever; hand the work to another thread"
             )
+        what = getattr(coro, "__qualname__", "the qmq call")
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout_s)
         except TimeoutError:
             fut.cancel()
-            raise TimeoutError(f"the qmq call did not finish within {timeout_s:g} s") from None
+            raise QmqTimeoutError(
+                f"{what} did not finish within {timeout_s:g} s: the SDK's I/O thread is held up (by a "
+                "callback that blocks, say: keep send_async callbacks short)"
+            ) from None
 
     def stop(self) -> None:
         if self.loop.is_closed():
@@ -103,22 +109,47 @@ class _IoThread:
             self._thread.join(_JOIN_TIMEOUT_S)
 
 
-def _check_options(where: str, options: dict[str, Any], *classes: type[Any]) -> None:
-    known = option_names(*classes)
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; known options: {', '.join(known)}")
-
-
 class Producer:
     """Sends messages (blocking). ``send`` waits until stored; ``send_async`` returns a future.
 
-    Options are those of ``qmq.aio.Producer``. Use as a context manager or call ``close()``.
+    The options are those of ``qmq.aio.Producer``, with the same defaults. Use as a context
+    manager or call ``close()``.
     """
 
-    def __init__(self, *, app_code: str, meta_server: str, **options: Any) -> None:
-        _check_options("Producer", options, ProducerOptions, ConnectOptions)
-        self._async = AsyncProducer(app_code=app_code, meta_server=meta_server, **options)
+    def __init__(
+        self,
+        *,
+        app_code: str,
+        meta_server: str,
+        buffer_messages_max: int = DEFAULT_PRODUCER.buffer_messages_max,
+        buffer_bytes_max: int = DEFAULT_PRODUCER.buffer_bytes_max,
+        batch_messages_max: int = DEFAULT_PRODUCER.batch_messages_max,
+        batch_bytes_max: int = DEFAULT_PRODUCER.batch_bytes_max,
+        max_in_flight: int = DEFAULT_PRODUCER.max_in_flight,
+        linger_ms: int = DEFAULT_PRODUCER.linger_ms,
+        send_timeout_ms: int = DEFAULT_PRODUCER.send_timeout_ms,
+        retry_backoff_ms: int = DEFAULT_PRODUCER.retry_backoff_ms,
+        retry_backoff_ms_max: int = DEFAULT_PRODUCER.retry_backoff_ms_max,
+        connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
+        meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
+        close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+    ) -> None:
+        self._async = AsyncProducer(
+            app_code=app_code,
+            meta_server=meta_server,
+            buffer_messages_max=buffer_messages_max,
+            buffer_bytes_max=buffer_bytes_max,
+            batch_messages_max=batch_messages_max,
+            batch_bytes_max=batch_bytes_max,
+            max_in_flight=max_in_flight,
+            linger_ms=linger_ms,
+            send_timeout_ms=send_timeout_ms,
+            retry_backoff_ms=retry_backoff_ms,
+            retry_backoff_ms_max=retry_backoff_ms_max,
+            connect_timeout_ms=connect_timeout_ms,
+            meta_timeout_ms=meta_timeout_ms,
+            close_timeout_ms=close_timeout_ms,
+        )
         opts = self._async.options
         self._send_wait_s = 2 * opts.send_timeout_ms / 1000 + _MARGIN_S
         self._close_wait_s = 2 * self._async.connect_options.close_timeout_ms / 1000 + _MARGIN_S
@@ -257,7 +288,13 @@ class ReceivedMessage(ReceivedBase):
                 raise RuntimeError("nack() of the blocking SDK was called on the SDK's I/O thread")
         self._settled = True
         fut = asyncio.run_coroutine_threadsafe(tracker.on_nack(self, exc), tracker.loop)
-        fut.result(_NACK_TIMEOUT_S)
+        try:
+            fut.result(_NACK_TIMEOUT_S)
+        except TimeoutError:
+            fut.cancel()
+            raise QmqTimeoutError(
+                f"nack of message {self.message_id} was not stored on its retry subject within {_NACK_TIMEOUT_S:g} s"
+            ) from None
 
 
 class Batch(BatchBase[ReceivedMessage]):
@@ -290,8 +327,8 @@ class PullConsumer:
 class Consumer:
     """Consumes messages (blocking) as one consumer id.
 
-    Options are those of ``qmq.aio.Consumer``, plus ``listener_threads``: the size of the
-    thread pool listener handlers run in.
+    The options are those of ``qmq.aio.Consumer``, with the same defaults, plus
+    ``listener_threads``: the size of the thread pool listener handlers run in.
     """
 
     def __init__(
@@ -300,12 +337,30 @@ class Consumer:
         app_code: str,
         meta_server: str,
         consumer_id: str | None = None,
-        listener_threads: int = 16,
-        **options: Any,
+        ack_flush_ms: int = DEFAULT_CONSUMER.ack_flush_ms,
+        max_retries: int = DEFAULT_CONSUMER.max_retries,
+        request_timeout_ms: int = DEFAULT_CONSUMER.request_timeout_ms,
+        retry_pull_interval_ms: int = DEFAULT_CONSUMER.retry_pull_interval_ms,
+        check_crc: bool = DEFAULT_CONSUMER.check_crc,
+        connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
+        meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
+        close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        listener_threads: int = LISTENER_THREADS_DEFAULT,
     ) -> None:
-        _check_options("Consumer", options, ConsumerOptions, ConnectOptions)
         self.listener_threads = check_int("listener_threads", listener_threads, 1, 1024)
-        self._async = AsyncConsumer(app_code=app_code, meta_server=meta_server, consumer_id=consumer_id, **options)
+        self._async = AsyncConsumer(
+            app_code=app_code,
+            meta_server=meta_server,
+            consumer_id=consumer_id,
+            ack_flush_ms=ack_flush_ms,
+            max_retries=max_retries,
+            request_timeout_ms=request_timeout_ms,
+            retry_pull_interval_ms=retry_pull_interval_ms,
+            check_crc=check_crc,
+            connect_timeout_ms=connect_timeout_ms,
+            meta_timeout_ms=meta_timeout_ms,
+            close_timeout_ms=close_timeout_ms,
+        )
         self.consumer_id = self._async.consumer_id
         self._pool = concurrent.futures.ThreadPoolExecutor(listener_threads, thread_name_prefix="qmq-listener")
         self._close_wait_s = 2 * self._async.connect_options.close_timeout_ms / 1000 + _MARGIN_S
@@ -325,7 +380,7 @@ class Consumer:
         start_from: StartFrom = "latest",
         *,
         tags: Sequence[str] | None = None,
-        tag_type: str = "or",
+        tag_type: TagType = "or",
         broadcast: bool = False,
         max_retries: int | None = None,
         retry_backoff: Sequence[float] | None = None,
@@ -341,33 +396,22 @@ class Consumer:
         inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumerBase, sub)
         return PullConsumer(inner, self._io, self._async.options.request_timeout_ms)
 
-    def listener(
-        self,
-        subject: str,
-        group: str,
-        *,
-        start_from: StartFrom = "latest",
-        concurrency: int | None = None,
-        prefetch: int | None = None,
-        **behaviour: Any,
-    ) -> Callable[[F], F]:
+    def listener(self, subject: str, group: str, **options: Unpack[BlockingListenerKeywords]) -> Callable[[F], F]:
         """Decorate a plain ``handler(message)`` called for every message of ``subject``.
 
         Handlers run in the consumer's thread pool (``listener_threads``), at most
         ``concurrency`` at once (default: all the pool's threads). Returning acknowledges the
         message; raising fails it (it comes back after the back-off, with ``times + 1``).
-        The keywords of ``qmq.aio.Consumer.listener`` apply: ``tags``, ``tag_type``,
-        ``broadcast``, ``consume_most_once``, ``max_retries``, ``retry_backoff``,
-        ``auto_ack``, ``idempotent_checker`` (its blocking ``run``, in the handler's thread)
-        and ``filters``.
+        The keywords of ``qmq.aio.Consumer.listener`` apply: ``start_from``, ``prefetch``,
+        ``tags``, ``tag_type``, ``broadcast``, ``consume_most_once``, ``max_retries``,
+        ``retry_backoff``, ``auto_ack``, ``idempotent_checker`` (its blocking ``run``, in the
+        handler's thread) and ``filters``.
         """
 
         def register(handler: F) -> F:
             if not callable(handler):
                 raise ConfigError(f"listener handler {handler!r} is not callable")
-            self.add_listener(
-                subject, group, handler, start_from=start_from, concurrency=concurrency, prefetch=prefetch, **behaviour
-            )
+            self.add_listener(subject, group, handler, **options)
             return handler
 
         return register
@@ -377,21 +421,19 @@ class Consumer:
         subject: str,
         group: str,
         handler: Callable[[ReceivedMessage], object],
-        *,
-        start_from: StartFrom = "latest",
-        concurrency: int | None = None,
-        prefetch: int | None = None,
-        **behaviour: Any,
+        **options: Unpack[BlockingListenerKeywords],
     ) -> None:
-        """The same as ``@listener(...)`` without the decorator."""
+        """The same as ``@listener(...)`` without the decorator, with the same keywords."""
+        check_keywords("add_listener", options, BLOCKING_LISTENER_KEYS)
         loop = self._io.loop
         pool = self._pool
-        checker = behaviour.pop("idempotent_checker", None)
+        checker = options.get("idempotent_checker")
         if checker is not None and not callable(getattr(checker, "run", None)):
             raise ConfigError(f"idempotent_checker={checker!r} has no run(message, handler); use qmq.idempotency's")
         call: Callable[[ReceivedMessage], object] = (
             handler if checker is None else functools.partial(checker.run, handler=handler)
         )
+        concurrency = options.get("concurrency")
 
         async def run(m: ReceivedMessage) -> None:
             await loop.run_in_executor(pool, call, m)
@@ -403,10 +445,9 @@ class Consumer:
                 run,
                 ReceivedMessage,
                 Batch,
-                start_from,
                 self.listener_threads if concurrency is None else concurrency,
-                prefetch,
-                **behaviour,
+                None,  # the checker runs inside the handler, in the handler's thread
+                options,
             )
 
         self._io.call(add(), _MARGIN_S)

@@ -1,10 +1,28 @@
-"""Every error qmq raises to a user, in one place.
+"""Every error qmq raises to a user, in one place (``__all__`` lists them).
 
 Each class says whether repeating the same request may succeed (``retriable``): the
 producer retries those on its own, the rest go straight back to the caller.
 """
 
 from __future__ import annotations
+
+# Every error class, which ``qmq`` and ``qmq.aio`` export (the helpers below are qmq's own).
+__all__ = [
+    "AlreadyProcessedError",
+    "BrokerError",
+    "BufferFullError",
+    "ConfigError",
+    "ConnectionLostError",
+    "InvalidMessageError",
+    "InvalidSubjectError",
+    "MessageTooLargeError",
+    "MetaServerError",
+    "NeedRetry",
+    "NoBrokerError",
+    "QmqError",
+    "QmqTimeoutError",
+    "SendError",
+]
 
 
 class QmqError(Exception):
@@ -109,6 +127,14 @@ class NeedRetry(QmqError):
             raise ConfigError(f"NeedRetry(after={after!r}): use a timedelta or a number of seconds >= 0")
         self.reason = reason
         super().__init__(reason or f"retry requested after {self.after_ms} ms")
+
+
+class QmqTimeoutError(QmqError, TimeoutError):
+    """A blocking call of the SDK did not finish within its bound (the SDK's I/O thread was held
+    up, by a callback that blocks, say). Also a ``TimeoutError``, so code that catches the
+    builtin catches it too; repeating the call may succeed."""
+
+    retriable = True
 
 
 class AlreadyProcessedError(QmqError):
