@@ -1,0 +1,179 @@
+"""HTTP push subscriptions in the meta store, and the leases that let exactly one gateway run each.
+
+A subscription is one row of ``qmq_meta_push`` (drawn in ``qmq.meta.schema``), so it survives a
+restart of the meta server and is shared by meta servers using one database. Its lease lives
+in the same row: ``owner`` and ``lease_expires_ms``. A gateway calls ``lease`` every third of
+the lease time; one call renews the rows it holds (``owner = me``) and takes free ones with
+the conditional UPDATE ``... WHERE key AND (owner = '' OR lease_expires_ms < now)``, so of two
+gateways racing for a row exactly one matches. ``lease_generation`` rises each time a row
+changes hands, so a gateway can tell "renewed" from "lost and taken back".
+
+A lease is measured by clocks, so it cannot stop a gateway that froze past its expiry from
+delivering once more; the gateway stops its runners when its own copy of the lease runs out
+(measured from before it asked), and what two gateways could both deliver in that instant is
+what any at-least-once consumer may see twice: receivers deduplicate on X-Qmq-Message-Id.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from qmq.meta.schema import OWNER_CHARS, URL_CHARS, push_table
+from qmq.meta.store import MetaStore, MetaStoreError
+from qmq.protocol.push import PushSubscription
+
+# Subscriptions the meta server keeps; an add past this is refused (each one is a consumer
+# and a connection pool in some gateway).
+PUSH_SUBSCRIPTIONS_MAX: Final = 10_000
+
+
+class PushExistsError(MetaStoreError):
+    """A subscription of that subject and group exists already."""
+
+    retriable = False
+
+
+class PushFullError(MetaStoreError):
+    """PUSH_SUBSCRIPTIONS_MAX subscriptions exist already."""
+
+    retriable = False
+
+
+@dataclass(frozen=True, slots=True)
+class PushRow:
+    """A stored subscription with its lease as last written."""
+
+    subscription: PushSubscription
+    owner: str
+    owner_url: str
+    lease_expires_ms: int
+    lease_generation: int
+
+
+class PushStore:
+    """Push subscriptions and their leases in ``store``'s database; each method one short transaction."""
+
+    def __init__(self, store: MetaStore) -> None:
+        self._store = store
+
+    def add(self, sub: PushSubscription) -> PushSubscription:
+        """Store ``sub`` (created_at_ms as given); PushExistsError when its (subject, group) is taken."""
+        t = push_table
+        try:
+            with self._store.transaction("add a push subscription") as conn:
+                count = int(conn.scalar(sa.select(sa.func.count()).select_from(t)) or 0)
+                if count >= PUSH_SUBSCRIPTIONS_MAX:
+                    raise PushFullError(
+                        f"the meta server keeps at most {PUSH_SUBSCRIPTIONS_MAX} push subscriptions and has "
+                        f"{count}; remove one first (qmq push remove)"
+                    )
+                conn.execute(sa.insert(t).values(_values(sub)))
+        except sa_exc.IntegrityError:
+            raise PushExistsError(
+                f"a push subscription of subject {sub.subject!r} for group {sub.group!r} exists already; "
+                "remove it first (qmq push remove) to change it"
+            ) from None
+        return sub
+
+    def remove(self, subject: str, group: str) -> bool:
+        """Delete the subscription; whether there was one. Its gateway stops it at its next renewal."""
+        t = push_table
+        with self._store.transaction("remove a push subscription") as conn:
+            return int(conn.execute(sa.delete(t).where(t.c.subject == subject, t.c.group_name == group)).rowcount) > 0
+
+    def rows(self) -> list[PushRow]:
+        """Every subscription with its lease, by subject and group."""
+        t = push_table
+        with self._store.transaction("read the push subscriptions") as conn:
+            rows = conn.execute(sa.select(t).order_by(t.c.subject, t.c.group_name).limit(PUSH_SUBSCRIPTIONS_MAX)).all()
+        return [_row(r) for r in rows]
+
+    def lease(self, owner: str, owner_url: str, now_ms: int, lease_ms: int, held_max: int) -> list[PushRow]:
+        """Renew ``owner``'s leases and take free or expired ones, up to ``held_max`` held in all,
+        until ``now_ms + lease_ms``; the rows ``owner`` holds now."""
+        t = push_table
+        owner, owner_url = owner[:OWNER_CHARS], owner_url[:URL_CHARS]
+        until = now_ms + lease_ms
+        mine = t.c.owner == owner
+        with self._store.transaction("renew push leases") as conn:
+            conn.execute(sa.update(t).where(mine).values(lease_expires_ms=until, owner_url=owner_url))
+            held = int(conn.scalar(sa.select(sa.func.count()).select_from(t).where(mine)) or 0)
+            free = (t.c.owner == "") | (t.c.lease_expires_ms < now_ms)
+            candidates = (
+                conn.execute(
+                    sa.select(t.c.subject, t.c.group_name)
+                    .where(free, ~mine)
+                    .order_by(t.c.lease_expires_ms, t.c.subject, t.c.group_name)
+                    .limit(max(0, held_max - held))
+                ).all()
+                if held < held_max
+                else []
+            )
+        for subject, group in candidates:
+            # One transaction per row: a row another gateway took meanwhile no longer matches.
+            with self._store.transaction("take a push lease") as conn:
+                conn.execute(
+                    sa.update(t)
+                    .where(t.c.subject == subject, t.c.group_name == group, free)
+                    .values(
+                        owner=owner,
+                        owner_url=owner_url,
+                        lease_expires_ms=until,
+                        lease_generation=t.c.lease_generation + 1,
+                    )
+                )
+        with self._store.transaction("read push leases") as conn:
+            rows = conn.execute(sa.select(t).where(mine).order_by(t.c.subject, t.c.group_name)).all()
+        return [_row(r) for r in rows]
+
+    def release(self, owner: str) -> int:
+        """End every lease of ``owner`` now, so another gateway takes over at once; how many."""
+        t = push_table
+        with self._store.transaction("give up push leases") as conn:
+            return int(
+                conn.execute(
+                    sa.update(t).where(t.c.owner == owner[:OWNER_CHARS]).values(owner="", lease_expires_ms=0)
+                ).rowcount
+            )
+
+
+def _values(sub: PushSubscription) -> dict[str, object]:
+    return {
+        "subject": sub.subject,
+        "group_name": sub.group,
+        "url": sub.url,
+        "concurrency": sub.concurrency,
+        "rate_per_s": sub.rate_per_s,
+        "timeout_ms": sub.timeout_ms,
+        "secret": sub.secret,
+        "tags": json.dumps(list(sub.tags)),
+        "tag_type": sub.tag_type,
+        "start_from": sub.start_from,
+        "max_retries": sub.max_retries,
+        "retry_backoff_ms": json.dumps(list(sub.retry_backoff_ms)),
+        "created_at_ms": sub.created_at_ms,
+    }
+
+
+def _row(r: sa.Row[Any]) -> PushRow:
+    sub = PushSubscription(
+        subject=r.subject,
+        group=r.group_name,
+        url=r.url,
+        concurrency=int(r.concurrency),
+        rate_per_s=int(r.rate_per_s),
+        timeout_ms=int(r.timeout_ms),
+        secret=r.secret,
+        tags=tuple(json.loads(r.tags)),
+        tag_type=r.tag_type,
+        start_from=r.start_from,
+        max_retries=int(r.max_retries),
+        retry_backoff_ms=tuple(int(ms) for ms in json.loads(r.retry_backoff_ms)),
+        created_at_ms=int(r.created_at_ms),
+    )
+    return PushRow(sub, r.owner, r.owner_url, int(r.lease_expires_ms), int(r.lease_generation))
