@@ -126,3 +126,19 @@ def remove_every_subscription(meta_server: str) -> None:
     for s in json.loads(listed.stdout)["subscriptions"]:
         done = qmq_push("remove", s["subject"], "--group", s["group"], meta_server=meta_server)
         assert done.returncode == 0, done.stderr
+
+
+async def group_settled(meta_server: str, subject: str, group: str) -> bool:
+    """Whether ``group`` has nothing left to pull and nothing unacknowledged on every broker group."""
+    from qmq.cli.admin import ask_every_broker
+    from qmq.protocol.codes import RequestCode
+
+    answers = await ask_every_broker(meta_server, RequestCode.LAG, {"subject": subject, "group": group})
+    return all(isinstance(h, dict) and h["backlog"] == 0 and h["unacked"] == 0 for h in answers.values())
+
+
+async def wait_settled(meta_server: str, subject: str, group: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await group_settled(meta_server, subject, group):
+        assert time.monotonic() < deadline, f"group {group} of {subject} still has messages after {timeout_s} s"
+        await asyncio.sleep(0.1)  # polling the brokers' LAG, bounded by the deadline

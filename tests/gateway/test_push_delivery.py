@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime
 
 import pytest
-from pushhelpers import Delivery, push_add, qmq_push, remove_every_subscription, running_receiver
+from pushhelpers import Delivery, push_add, qmq_push, remove_every_subscription, running_receiver, wait_settled
 
 from qmq.aio import Producer
 from qmq.cli.admin import ask_every_broker
@@ -117,6 +117,22 @@ async def test_delivers_with_every_header_and_a_signature_the_receiver_verifies(
     }
     assert by_id[binary.message_id].doc["body_base64"] == base64.b64encode(b"\xff\xfe\x00").decode()
     assert "body" not in by_id[binary.message_id].doc
+
+
+async def test_latest_starts_when_push_add_returns_and_earliest_takes_the_backlog(
+    meta_server: str, subject: str
+) -> None:
+    latest, earliest = _group(), _group()
+    before = await _send(meta_server, subject, 3, "before")
+    async with running_receiver() as rx_latest, running_receiver() as rx_earliest:
+        push_add(subject, latest, rx_latest.url, meta_server=meta_server)
+        push_add(subject, earliest, rx_earliest.url, "--from", "earliest", meta_server=meta_server)
+        after = await _send(meta_server, subject, 2, "after")
+        async with running_push(meta_server):
+            await rx_earliest.wait_until("five deliveries", lambda: len(rx_earliest.ok()) == 5)
+            await wait_settled(meta_server, subject, latest)
+    assert sorted(d.message_id for d in rx_latest.ok()) == sorted(after)
+    assert sorted(d.message_id for d in rx_earliest.ok()) == sorted(before + after)
 
 
 async def test_a_500_is_retried_with_the_back_off_then_acknowledged(meta_server: str, subject: str) -> None:
