@@ -77,6 +77,8 @@ class PushService:
         self._task: asyncio.Task[None] | None = None
         self._valid_until = 0.0
         self._failures = 0
+        # one renewal at a time: two would start a runner of the same subscription twice
+        self._renewing = asyncio.Lock()
 
     def _runner(self, sub: PushSubscription, generation: int) -> PushRunner:
         return PushRunner(sub, generation, self._meta_server, self._app_code)
@@ -120,6 +122,10 @@ class PushService:
 
     async def renew(self) -> None:
         """Ask for leases once and start or stop runners to match what is held."""
+        async with self._renewing:
+            await self._renew()
+
+    async def _renew(self) -> None:
         http = self._http
         if http is None:
             raise QmqError("the push service is not started")
