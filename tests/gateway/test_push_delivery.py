@@ -1,4 +1,4 @@
-"""HTTP push through real servers: `qmq push add` (the command), the push service of a gateway
+"""HTTP push through real servers: `qmq push add` (the command), the gateway of a standalone
 holding the leases, and a real aiohttp receiver. Delivery with every header and a signature the
 receiver verifies, retry after a 500, dead letters after the retries, bounded concurrency and
 rate, a slow endpoint that does not stall another subscription, and `qmq push list`/`remove`."""
@@ -12,8 +12,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
@@ -30,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 @pytest.fixture(scope="module")
 def push_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReadyProcess]:
-    """A standalone of these tests alone: a push service takes every subscription of its meta server."""
+    """A standalone of these tests alone: its gateway takes every push subscription of its meta server."""
     with running_standalone(tmp_path_factory.mktemp("push") / "qmq-data") as proc:
         yield proc
 
@@ -43,17 +42,6 @@ def meta_server(push_standalone: ReadyProcess) -> Iterator[str]:
 
 def _group() -> str:
     return f"push-{uuid.uuid4().hex[:8]}"
-
-
-@asynccontextmanager
-async def running_push(meta_server: str) -> AsyncIterator[PushService]:
-    """A gateway's push service in this process (the lease loop, runners, HTTP deliveries)."""
-    service = PushService(meta_server, lease_ms=3_000)
-    await service.start()
-    try:
-        yield service
-    finally:
-        await service.stop()
 
 
 async def _send(meta_server: str, subject: str, n: int, body: bytes | str = "hello") -> list[str]:
@@ -87,8 +75,7 @@ async def test_delivers_with_every_header_and_a_signature_the_receiver_verifies(
             binary = producer.generate_message(subject)
             binary.body = b"\xff\xfe\x00"
             await producer.send(binary)
-        async with running_push(meta_server):
-            await rx.wait_until("two deliveries", lambda: len(rx.ok()) == 2)
+        await rx.wait_until("two deliveries", lambda: len(rx.ok()) == 2)
     by_id = {d.message_id: d for d in rx.ok()}
     assert set(by_id) == {m.message_id, binary.message_id}
     d = by_id[m.message_id]
@@ -128,9 +115,8 @@ async def test_latest_starts_when_push_add_returns_and_earliest_takes_the_backlo
         push_add(subject, latest, rx_latest.url, meta_server=meta_server)
         push_add(subject, earliest, rx_earliest.url, "--from", "earliest", meta_server=meta_server)
         after = await _send(meta_server, subject, 2, "after")
-        async with running_push(meta_server):
-            await rx_earliest.wait_until("five deliveries", lambda: len(rx_earliest.ok()) == 5)
-            await wait_settled(meta_server, subject, latest)
+        await rx_earliest.wait_until("five deliveries", lambda: len(rx_earliest.ok()) == 5)
+        await wait_settled(meta_server, subject, latest)
     assert sorted(d.message_id for d in rx_latest.ok()) == sorted(after)
     assert sorted(d.message_id for d in rx_earliest.ok()) == sorted(before + after)
 
@@ -144,8 +130,7 @@ async def test_a_500_is_retried_with_the_back_off_then_acknowledged(meta_server:
     async with running_receiver(fail_first) as rx:
         push_add(subject, group, rx.url, "--retry-backoff", "0.5", meta_server=meta_server)
         (message_id,) = await _send(meta_server, subject, 1)
-        async with running_push(meta_server):
-            await rx.wait_until("a delivery answered 204", lambda: len(rx.ok()) == 1)
+        await rx.wait_until("a delivery answered 204", lambda: len(rx.ok()) == 1)
     assert [(d.message_id, d.headers["x-qmq-attempt"], d.status) for d in rx.deliveries] == [
         (message_id, "1", 500),
         (message_id, "2", 204),
@@ -162,12 +147,11 @@ async def test_a_delivery_always_refused_ends_in_the_dead_letters(meta_server: s
     async with running_receiver(refuse) as rx:
         push_add(subject, group, rx.url, "--max-retries", "2", "--retry-backoff", "0.2", meta_server=meta_server)
         (message_id,) = await _send(meta_server, subject, 1)
-        async with running_push(meta_server):
-            await rx.wait_until("three attempts", lambda: len(rx.deliveries) == 3)
-            deadline = time.monotonic() + 30
-            while await _dead_letters(meta_server, subject, group) != 1:
-                assert time.monotonic() < deadline, "the message never reached the dead letters"
-                await asyncio.sleep(0.1)  # polling the broker's dead letters, bounded by the deadline
+        await rx.wait_until("three attempts", lambda: len(rx.deliveries) == 3)
+        deadline = time.monotonic() + 30
+        while await _dead_letters(meta_server, subject, group) != 1:
+            assert time.monotonic() < deadline, "the message never reached the dead letters"
+            await asyncio.sleep(0.1)  # polling the broker's dead letters, bounded by the deadline
     assert [d.headers["x-qmq-attempt"] for d in rx.deliveries] == ["1", "2", "3"]
     assert {d.message_id for d in rx.deliveries} == {message_id}
     answers = await ask_every_broker(meta_server, RequestCode.DEAD_LETTERS, {"subject": subject, "group": group})
@@ -183,11 +167,10 @@ async def test_unreachable_url_is_a_failure_too(meta_server: str, subject: str) 
     # nothing listens at url now: a refused connection
     push_add(subject, group, url, "--max-retries", "0", meta_server=meta_server)
     (message_id,) = await _send(meta_server, subject, 1)
-    async with running_push(meta_server):
-        deadline = time.monotonic() + 30
-        while await _dead_letters(meta_server, subject, group) != 1:
-            assert time.monotonic() < deadline, "the message never reached the dead letters"
-            await asyncio.sleep(0.1)  # polling the broker's dead letters, bounded by the deadline
+    deadline = time.monotonic() + 30
+    while await _dead_letters(meta_server, subject, group) != 1:
+        assert time.monotonic() < deadline, "the message never reached the dead letters"
+        await asyncio.sleep(0.1)  # polling the broker's dead letters, bounded by the deadline
     answers = await ask_every_broker(meta_server, RequestCode.DEAD_LETTERS, {"subject": subject, "group": group})
     letters = [letter for h in answers.values() if isinstance(h, dict) for letter in h["letters"]]
     assert [letter["message_id"] for letter in letters] == [message_id]
@@ -205,12 +188,11 @@ async def test_concurrency_is_bounded_per_subscription(meta_server: str, subject
     async with running_receiver(hold) as rx:
         push_add(subject, group, rx.url, "--concurrency", "3", meta_server=meta_server)
         ids = await _send(meta_server, subject, 12)
-        async with running_push(meta_server):
-            await rx.wait_until("three deliveries held", lambda: rx.in_flight == 3)
-            # the three held, nine others waiting: a fourth never starts while they are held
-            assert rx.deliveries == []
-            release.set()
-            await rx.wait_until("all twelve delivered", lambda: len(rx.ok()) == 12)
+        await rx.wait_until("three deliveries held", lambda: rx.in_flight == 3)
+        # the three held, nine others waiting: a fourth never starts while they are held
+        assert rx.deliveries == []
+        release.set()
+        await rx.wait_until("all twelve delivered", lambda: len(rx.ok()) == 12)
     assert rx.max_in_flight == 3
     assert sorted(d.message_id for d in rx.ok()) == sorted(ids)
 
@@ -226,8 +208,7 @@ async def test_rate_bounds_how_fast_deliveries_start(meta_server: str, subject: 
     async with running_receiver(note) as rx:
         push_add(subject, group, rx.url, "--rate", "5", "--concurrency", "10", meta_server=meta_server)
         await _send(meta_server, subject, 6)
-        async with running_push(meta_server):
-            await rx.wait_until("six deliveries", lambda: len(rx.ok()) == 6)
+        await rx.wait_until("six deliveries", lambda: len(rx.ok()) == 6)
     # five gaps of at least 1/5 s each (a loaded machine only makes them longer)
     assert started[-1] - started[0] >= 5 * 0.2 - 0.05
 
@@ -244,40 +225,62 @@ async def test_a_slow_endpoint_does_not_stall_another_subscription(meta_server: 
         push_add(subject, slow_group, slow.url, "--concurrency", "2", "--timeout-ms", "120000", meta_server=meta_server)
         push_add(subject, fast_group, fast.url, "--concurrency", "2", meta_server=meta_server)
         ids = await _send(meta_server, subject, 20)
-        async with running_push(meta_server):
-            await slow.wait_until("the slow endpoint holding two", lambda: slow.in_flight == 2)
-            await fast.wait_until("all twenty at the fast endpoint", lambda: len(fast.ok()) == 20)
-            assert slow.ok() == []  # still hanging: the fast one did not wait for it
-            release.set()
-            await slow.wait_until("all twenty at the slow endpoint", lambda: len(slow.ok()) == 20)
+        await slow.wait_until("the slow endpoint holding two", lambda: slow.in_flight == 2)
+        await fast.wait_until("all twenty at the fast endpoint", lambda: len(fast.ok()) == 20)
+        assert slow.ok() == []  # still hanging: the fast one did not wait for it
+        release.set()
+        await slow.wait_until("all twenty at the slow endpoint", lambda: len(slow.ok()) == 20)
     assert sorted(d.message_id for d in fast.ok()) == sorted(ids)
 
 
-async def test_push_list_and_remove(meta_server: str, subject: str) -> None:
+async def test_push_list_and_remove(push_standalone: ReadyProcess, meta_server: str, subject: str) -> None:
     group = _group()
     async with running_receiver() as rx:
         push_add(subject, group, rx.url, "--secret", "hidden", "--tags", "a", "--tags", "b", meta_server=meta_server)
         again = qmq_push("add", subject, "--group", group, "--url", rx.url, meta_server=meta_server)
         assert again.returncode == 1
         assert "exists already" in again.stderr
-        async with running_push(meta_server) as service:
-            assert (subject, group) in service.runners
+        deadline = time.monotonic() + 30
+        while True:
             listed = json.loads(qmq_push("list", "--json", meta_server=meta_server).stdout)
             mine = [s for s in listed["subscriptions"] if s["subject"] == subject]
-            assert [(s["group"], s["url"], s["secret"], s["tags"], s["leased"]) for s in mine] == [
-                (group, rx.url, "***", ["a", "b"], True)
-            ]
-            assert mine[0]["owner"] == service.owner
-            table = qmq_push("list", meta_server=meta_server).stdout
-            assert subject in table
-            assert "hidden" not in table
+            if mine and mine[0]["leased"]:
+                break
+            assert time.monotonic() < deadline, f"the standalone's gateway never took the lease: {mine}"
+            await asyncio.sleep(0.2)  # polling the meta server, bounded by the deadline
+        assert [(s["group"], s["url"], s["secret"], s["tags"]) for s in mine] == [(group, rx.url, "***", ["a", "b"])]
+        assert f"-gateway-{push_standalone.ready['gateway_pid']}-" in mine[0]["owner"]
+        table = qmq_push("list", meta_server=meta_server).stdout
+        assert subject in table
+        assert "hidden" not in table
+        removed = qmq_push("remove", subject, "--group", group, meta_server=meta_server)
+        assert removed.returncode == 0, removed.stderr
+        listed = json.loads(qmq_push("list", "--json", meta_server=meta_server).stdout)
+        assert [s for s in listed["subscriptions"] if s["subject"] == subject] == []
+    gone = qmq_push("remove", subject, "--group", group, meta_server=meta_server)
+    assert gone.returncode == 1
+    assert "no push subscription" in gone.stderr
+
+
+async def test_a_gateway_stops_a_subscription_removed_or_taken(meta_server: str, subject: str) -> None:
+    """A push service in this process beside the standalone's gateway: it runs only what it holds."""
+    group = _group()
+    async with running_receiver() as rx:
+        push_add(subject, group, rx.url, meta_server=meta_server)
+        service = PushService(meta_server, lease_ms=3_000)
+        await service.start()
+        try:
+            for _ in range(3):  # the standalone's gateway holds it, or this one does: never both
+                await service.renew()
+                listed = json.loads(qmq_push("list", "--json", meta_server=meta_server).stdout)
+                (mine,) = [s for s in listed["subscriptions"] if s["subject"] == subject]
+                assert ((subject, group) in service.runners) == (mine["owner"] == service.owner)
             removed = qmq_push("remove", subject, "--group", group, meta_server=meta_server)
             assert removed.returncode == 0, removed.stderr
             await service.renew()
             assert (subject, group) not in service.runners
-    gone = qmq_push("remove", subject, "--group", group, meta_server=meta_server)
-    assert gone.returncode == 1
-    assert "no push subscription" in gone.stderr
+        finally:
+            await service.stop()
 
 
 def test_bad_options_are_usage_errors(meta_server: str) -> None:

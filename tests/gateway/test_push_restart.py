@@ -1,6 +1,6 @@
 """HTTP push across a restart of the meta server: `kill -9` of the meta server of a real standalone
-(its supervisor starts it again on the same port); the subscription is still there, its gateway
-holds or takes back its lease, and every message sent before, during and after is delivered."""
+(its supervisor starts it again on the same port); the subscription is still there, the
+standalone's gateway holds or takes back its lease, and every message sent before, during and after is delivered."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import pytest
 from pushhelpers import push_add, qmq_push, running_receiver
 
 from qmq.aio import Producer
-from qmq.gateway.push import PushService
 from qmq.testing import running_standalone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -71,27 +70,21 @@ async def test_push_goes_on_across_a_meta_server_restart(tmp_path: Path) -> None
         assert base == f"http://127.0.0.1:{port}"
         async with running_receiver() as rx:
             push_add(subject, group, rx.url, meta_server=meta_server)
-            service = PushService(meta_server, lease_ms=3_000)
-            await service.start()
-            try:
-                async with Producer(app_code="shop", meta_server=meta_server) as producer:
+            async with Producer(app_code="shop", meta_server=meta_server) as producer:
 
-                    async def send(n: int) -> list[str]:
-                        messages = [producer.generate_message(subject) for _ in range(n)]
-                        await asyncio.gather(*(producer.send(m) for m in messages))
-                        return [m.message_id for m in messages]
+                async def send(n: int) -> list[str]:
+                    messages = [producer.generate_message(subject) for _ in range(n)]
+                    await asyncio.gather(*(producer.send(m) for m in messages))
+                    return [m.message_id for m in messages]
 
-                    sent = await send(5)
-                    await rx.wait_until("the first five", lambda: len(rx.ok()) == 5)
-                    meta_pid = proc.pid_of("meta")
-                    os.kill(meta_pid, signal.SIGKILL)
-                    sent += await send(5)  # the producer knows its broker: sends go on without the meta server
-                    await asyncio.to_thread(_wait_meta_back, base, proc.pid, meta_pid)
-                    sent += await send(5)
-                    await rx.wait_until("all fifteen", lambda: {d.message_id for d in rx.ok()} >= set(sent))
-                await service.renew()
-                assert (subject, group) in service.runners
-            finally:
-                await service.stop()
+                sent = await send(5)
+                await rx.wait_until("the first five", lambda: len(rx.ok()) == 5)
+                meta_pid = proc.pid_of("meta")
+                os.kill(meta_pid, signal.SIGKILL)
+                sent += await send(5)  # the producer knows its broker: sends go on without the meta server
+                await asyncio.to_thread(_wait_meta_back, base, proc.pid, meta_pid)
+                sent += await send(5)
+                await rx.wait_until("all fifteen", lambda: {d.message_id for d in rx.ok()} >= set(sent))
         listed = json.loads(qmq_push("list", "--json", meta_server=meta_server).stdout)["subscriptions"]
         assert [(s["subject"], s["group"], s["url"]) for s in listed] == [(subject, group, rx.url)]
+        assert f"-gateway-{proc.ready['gateway_pid']}-" in listed[0]["owner"]
