@@ -15,6 +15,7 @@ over at its next ask rather than after the expiry.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -73,6 +74,10 @@ class PushService:
         self.held_max = held_max
         self._make_runner: RunnerFactory = make_runner or self._runner
         self.runners: dict[tuple[str, str], PushRunner] = {}
+        # Runners being stopped, in the background: a stop waits for deliveries in flight (up to
+        # the consumer's close timeout), longer than a renewal may wait. A subscription is not
+        # started again here while its previous runner is still stopping.
+        self._stopping: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._http: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._valid_until = 0.0
@@ -98,7 +103,8 @@ class PushService:
             task, self._task = self._task, None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await self._stop_runners(list(self.runners))
+        self._stop_runners(list(self.runners))
+        await asyncio.gather(*self._stopping.values(), return_exceptions=True)
         http, self._http = self._http, None
         if http is None:
             return
@@ -144,7 +150,7 @@ class PushService:
                     "push leases ran out unrenewed; stopping %d subscription(s) (another gateway may hold them)",
                     len(self.runners),
                 )
-                await self._stop_runners(list(self.runners))
+                self._stop_runners(list(self.runners))
             return
         self._failures = 0
         self._valid_until = asked_at + self.lease_ms / 1000
@@ -169,13 +175,23 @@ class PushService:
         return held
 
     async def _match(self, held: dict[tuple[str, str], tuple[PushSubscription, int]]) -> None:
+        """Stop the runners of what is no longer held as it was (removed, changed, lost and taken
+        back) or whose listener gave up; start runners for what is held and runs nowhere here."""
         gone = [
             key
             for key, runner in self.runners.items()
-            if key not in held or held[key] != (runner.sub, runner.generation)
+            if key not in held or held[key] != (runner.sub, runner.generation) or runner.errors
         ]
-        await self._stop_runners(gone)
-        starts = [(sub, generation) for key, (sub, generation) in held.items() if key not in self.runners]
+        for key in gone:
+            errors = self.runners[key].errors
+            if errors:
+                log.error("push subscription %s / %s stopped delivering (%s); starting it again", *key, errors[0])
+        self._stop_runners(gone)
+        starts = [
+            (sub, generation)
+            for key, (sub, generation) in held.items()
+            if key not in self.runners and key not in self._stopping
+        ]
         await asyncio.gather(*(self._start_runner(sub, generation) for sub, generation in starts))
 
     async def _start_runner(self, sub: PushSubscription, generation: int) -> None:
@@ -195,11 +211,25 @@ class PushService:
         self.runners[sub.key] = runner
         log.info("push subscription %s / %s -> %s runs here (lease %d)", sub.subject, sub.group, sub.url, generation)
 
-    async def _stop_runners(self, keys: list[tuple[str, str]]) -> None:
-        runners = [self.runners.pop(key) for key in keys if key in self.runners]
-        results = await asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
-        for runner, result in zip(runners, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("stopping push subscription %s / %s: %s", runner.sub.subject, runner.sub.group, result)
-            else:
-                log.info("push subscription %s / %s stopped here", runner.sub.subject, runner.sub.group)
+    def _stop_runners(self, keys: list[tuple[str, str]]) -> None:
+        """Take the runners of ``keys`` out of service now and stop them in the background."""
+        for key in keys:
+            runner = self.runners.pop(key, None)
+            if runner is None:
+                continue
+            task = asyncio.get_running_loop().create_task(self._stop_runner(runner))
+            self._stopping[key] = task
+            task.add_done_callback(functools.partial(self._stopped, key))
+
+    def _stopped(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        if self._stopping.get(key) is task:
+            del self._stopping[key]
+
+    async def _stop_runner(self, runner: PushRunner) -> None:
+        sub = runner.sub
+        try:
+            await runner.stop()
+        except Exception as exc:  # one runner failing to stop must not stop the others
+            log.warning("stopping push subscription %s / %s: %s", sub.subject, sub.group, exc)
+        else:
+            log.info("push subscription %s / %s stopped here", sub.subject, sub.group)
