@@ -107,26 +107,29 @@ async def test_bad_subscription_is_refused_naming_the_field(
     assert words in body["error"]
 
 
-async def test_one_gateway_holds_a_lease_until_it_expires(
+async def test_one_gateway_holds_each_lease_and_the_gateways_share_them(
     server: MetaServer, http: aiohttp.ClientSession, clock: ManualClock
 ) -> None:
     assert (await _post(http, server.url + "/meta/push", _sub()))[0] == 201
     assert (await _post(http, server.url + "/meta/push", _sub(group="audit")))[0] == 201
 
+    def groups(held: list[dict[str, Any]]) -> list[tuple[str, int]]:
+        return [(s["subscription"]["group"], s["generation"]) for s in held]
+
     a = await _lease(http, server, "gw-a")
-    assert sorted(s["subscription"]["group"] for s in a) == ["audit", "billing"]
+    assert groups(a) == [("audit", 1), ("billing", 1)]  # the only gateway: both
     assert a[0]["subscription"]["secret"] == "s3cret"  # the holder needs it to sign
-    assert await _lease(http, server, "gw-b") == []
+    assert await _lease(http, server, "gw-b") == []  # both held by A
 
     clock.advance(4)
-    assert len(await _lease(http, server, "gw-a")) == 2  # renewed until 9 000
+    assert groups(await _lease(http, server, "gw-a")) == [("audit", 1)]  # its share among two: one
+    assert groups(await _lease(http, server, "gw-b")) == [("billing", 2)]
     clock.advance(4)
-    assert await _lease(http, server, "gw-b") == []  # still A's
+    assert groups(await _lease(http, server, "gw-b")) == [("billing", 2)]  # A's audit runs until 9 000
 
-    clock.advance(2)  # A stopped renewing: its lease ran out at 9 000
-    b = await _lease(http, server, "gw-b")
-    assert [s["generation"] for s in b] == [g + 1 for g in (s["generation"] for s in a)]
-    assert await _lease(http, server, "gw-a") == []  # A learns it lost them
+    clock.advance(2)  # A stopped asking: its lease ran out at 9 000
+    assert groups(await _lease(http, server, "gw-b")) == [("audit", 2), ("billing", 2)]
+    assert await _lease(http, server, "gw-a") == []  # A learns it lost it
 
     async with http.get(server.url + "/meta/push") as r:
         listed = (await r.json())["subscriptions"]

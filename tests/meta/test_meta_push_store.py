@@ -1,6 +1,7 @@
 """Push subscriptions and their leases in the meta store on SQLite, PostgreSQL and MariaDB: rows
 round-trip, a subscription is held by one owner at a time even when two meta stores on one
-database hand leases out at once, and an expired or released lease is taken over."""
+database hand leases out at once, leases are shared out among the gateways asking, and an
+expired or released lease is taken over."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from meta_databases import fresh_database
 
-from qmq.meta.push_store import PushExistsError, PushStore
+from qmq.meta.push_store import PushExistsError, PushRow, PushStore
 from qmq.meta.store import MetaStore
 from qmq.protocol.push import PushSubscription
 
@@ -60,26 +61,37 @@ def test_a_subscription_round_trips_and_is_unique_per_subject_and_group(db_url: 
         store.close()
 
 
-def test_leases_go_to_one_owner_until_they_expire_or_are_released(db_url: str) -> None:
+def test_leases_go_to_one_owner_at_a_time_shared_out_among_the_gateways(db_url: str) -> None:
     store = MetaStore(db_url)
     try:
         push = PushStore(store)
         for group in ("g1", "g2", "g3"):
             push.add(_sub(group))
+
+        def groups(rows: list[PushRow]) -> list[str]:
+            return [r.subscription.group for r in rows]
+
         a = push.lease("gw-a", "http://a", 1_000, 5_000, 10)
-        assert [r.subscription.group for r in a] == ["g1", "g2", "g3"]
+        assert groups(a) == ["g1", "g2", "g3"]  # the only gateway: all of them
         assert {(r.owner, r.owner_url, r.lease_expires_ms, r.lease_generation) for r in a} == {
             ("gw-a", "http://a", 6_000, 1)
         }
-        assert push.lease("gw-b", "http://b", 2_000, 5_000, 10) == []
-        assert [r.lease_expires_ms for r in push.lease("gw-a", "http://a", 3_000, 5_000, 10)] == [8_000] * 3
-        assert push.lease("gw-b", "http://b", 8_000, 5_000, 10) == []  # expires at 8 000: not yet
+        assert push.lease("gw-b", "http://b", 2_000, 5_000, 10) == []  # all held; its share is 2 now
+        a = push.lease("gw-a", "http://a", 3_000, 5_000, 10)
+        assert groups(a) == ["g1", "g2"]  # gave g3 up: its share of 3 among 2 is 2
+        assert [r.lease_expires_ms for r in a] == [8_000, 8_000]
+        b = push.lease("gw-b", "http://b", 3_500, 5_000, 10)
+        assert [(r.subscription.group, r.lease_generation) for r in b] == [("g3", 2)]
+
+        # A stops asking: once its leases ran out (8 000) and it counts as gone, B takes all
+        assert groups(push.lease("gw-b", "http://b", 8_000, 5_000, 10)) == ["g3"]
         b = push.lease("gw-b", "http://b", 8_001, 5_000, 10)
-        assert [(r.owner, r.lease_generation) for r in b] == [("gw-b", 2)] * 3
-        assert push.lease("gw-a", "http://a", 8_002, 5_000, 10) == []
+        assert [(r.subscription.group, r.lease_generation) for r in b] == [("g1", 2), ("g2", 2), ("g3", 2)]
+        assert push.lease("gw-a", "http://a", 8_002, 5_000, 10) == []  # A learns it lost them
+
         assert push.release("gw-b") == 3
-        assert len(push.lease("gw-a", "http://a", 8_003, 5_000, 2)) == 2  # held_max
-        assert len(push.lease("gw-b", "http://b", 8_004, 5_000, 10)) == 1
+        assert groups(push.lease("gw-a", "http://a", 8_003, 5_000, 10)) == ["g1", "g2", "g3"]
+        assert groups(push.lease("gw-a", "http://a", 8_004, 5_000, 2)) == ["g1", "g2"]  # held_max
     finally:
         store.close()
 
@@ -106,7 +118,12 @@ def test_two_meta_stores_racing_hand_each_subscription_to_one_owner(db_url: str)
         for t in threads:
             t.join(60)
         assert not set(held["gw-a"]) & set(held["gw-b"])
+        # asking in turn shares out what the race left: the one holding more gives the excess up
+        for store, owner in ((first, "gw-a"), (second, "gw-b")) * 2:
+            held[owner] = [r.subscription.group for r in PushStore(store).lease(owner, "", 1_001, 5_000, 100)]
+        assert not set(held["gw-a"]) & set(held["gw-b"])
         assert sorted(held["gw-a"] + held["gw-b"]) == sorted(f"g{g}" for g in range(20))
+        assert len(held["gw-a"]) == len(held["gw-b"]) == 10
         owners = {r.subscription.group: r.owner for r in PushStore(first).rows()}
         assert all(owners[g] == "gw-a" for g in held["gw-a"])
         assert all(owners[g] == "gw-b" for g in held["gw-b"])

@@ -3,12 +3,13 @@
 
 A service of the gateway process (``await start()`` once its HTTP server is up, ``await
 stop()`` before it goes). Every third of ``lease_ms`` it asks ``POST /meta/push/lease``, which
-renews what it holds and takes subscriptions that are free or whose gateway stopped renewing;
-the answer is the whole set it holds, so it starts a runner for each new one and stops the
-runners of those it no longer holds (removed, or taken by another gateway after it failed to
-renew). When it cannot reach the meta server it keeps delivering until its own copy of the
-lease, counted from before the last successful ask, runs out, then stops every runner: by
-then another gateway may hold them. ``stop()`` gives the leases up, so another gateway takes
+renews what it holds and takes subscriptions that are free or whose gateway stopped renewing,
+up to its share among the gateways asking (qmq.meta.push_store); the answer is the whole set it
+holds, so it starts a runner for each new one and stops the runners of those it no longer
+holds (removed, given up to another gateway's share, or taken after it failed to renew).
+When it cannot reach the meta server it keeps delivering until its own copy of the lease,
+counted from before the last successful ask, runs out, then stops every runner: by then
+another gateway may hold them. ``stop()`` gives the leases up, so another gateway takes
 over at its next ask rather than after the expiry.
 """
 

@@ -4,7 +4,7 @@ Routes:
     GET    /meta/push                  every subscription (secrets shown as "***") and who holds it
     POST   /meta/push                  add one: a JSON subscription (qmq.protocol.push); 201, 409 when it exists
     DELETE /meta/push?subject=S&group=G   remove one; 404 when there is none
-    POST   /meta/push/lease            a gateway renews its leases and takes free ones:
+    POST   /meta/push/lease            a gateway renews its leases and takes free ones, up to its share:
                                        {"owner", "url", "lease_ms", "held_max"} -> {"lease_ms", "subscriptions":
                                        [{"subscription": {...with its secret}, "generation": n}]} it holds
     POST   /meta/push/release          {"owner"}: a gateway stopping gives up its leases at once

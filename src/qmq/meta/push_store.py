@@ -8,6 +8,12 @@ the conditional UPDATE ``... WHERE key AND (owner = '' OR lease_expires_ms < now
 gateways racing for a row exactly one matches. ``lease_generation`` rises each time a row
 changes hands, so a gateway can tell "renewed" from "lost and taken back".
 
+Subscriptions are shared out: every gateway that asked within its lease time counts (table
+``qmq_meta_push_gateways``), and none holds more than its share, ``ceil(subscriptions /
+gateways)``. A gateway holding more (another gateway just started) gives the excess up at its
+next ask, and the others take it at theirs; when a gateway dies, its share is taken once its
+leases and its row run out.
+
 A lease is measured by clocks, so it cannot stop a gateway that froze past its expiry from
 delivering once more; the gateway stops its runners when its own copy of the lease runs out
 (measured from before it asked), and what two gateways could both deliver in that instant is
@@ -17,19 +23,22 @@ what any at-least-once consumer may see twice: receivers deduplicate on X-Qmq-Me
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from qmq.meta.schema import OWNER_CHARS, URL_CHARS, push_table
+from qmq.meta.schema import OWNER_CHARS, URL_CHARS, push_gateways_table, push_table
 from qmq.meta.store import MetaStore, MetaStoreError
 from qmq.protocol.push import PushSubscription
 
 # Subscriptions the meta server keeps; an add past this is refused (each one is a consumer
 # and a connection pool in some gateway).
 PUSH_SUBSCRIPTIONS_MAX: Final = 10_000
+# A gateway that has not asked for this many of its leases is forgotten (its row deleted).
+_GATEWAY_FORGET_LEASES: Final = 10
 
 
 class PushExistsError(MetaStoreError):
@@ -94,24 +103,39 @@ class PushStore:
         return [_row(r) for r in rows]
 
     def lease(self, owner: str, owner_url: str, now_ms: int, lease_ms: int, held_max: int) -> list[PushRow]:
-        """Renew ``owner``'s leases and take free or expired ones, up to ``held_max`` held in all,
-        until ``now_ms + lease_ms``; the rows ``owner`` holds now."""
+        """Renew ``owner``'s leases, give up what is past its share, take free or expired ones up to
+        its share (and ``held_max``), each until ``now_ms + lease_ms``; the rows ``owner`` holds now."""
         t = push_table
         owner, owner_url = owner[:OWNER_CHARS], owner_url[:URL_CHARS]
         until = now_ms + lease_ms
         mine = t.c.owner == owner
+        share = min(held_max, self._share(owner, owner_url, now_ms, lease_ms))
         with self._store.transaction("renew push leases") as conn:
             conn.execute(sa.update(t).where(mine).values(lease_expires_ms=until, owner_url=owner_url))
             held = int(conn.scalar(sa.select(sa.func.count()).select_from(t).where(mine)) or 0)
+            if held > share:
+                excess = conn.execute(
+                    sa.select(t.c.subject, t.c.group_name)
+                    .where(mine)
+                    .order_by(t.c.subject.desc(), t.c.group_name.desc())
+                    .limit(held - share)
+                ).all()
+                for subject, group in excess:
+                    conn.execute(
+                        sa.update(t)
+                        .where(t.c.subject == subject, t.c.group_name == group, mine)
+                        .values(owner="", lease_expires_ms=0)
+                    )
+                held = share
             free = (t.c.owner == "") | (t.c.lease_expires_ms < now_ms)
             candidates = (
                 conn.execute(
                     sa.select(t.c.subject, t.c.group_name)
                     .where(free, ~mine)
                     .order_by(t.c.lease_expires_ms, t.c.subject, t.c.group_name)
-                    .limit(max(0, held_max - held))
+                    .limit(share - held)
                 ).all()
-                if held < held_max
+                if held < share
                 else []
             )
         for subject, group in candidates:
@@ -131,10 +155,44 @@ class PushStore:
             rows = conn.execute(sa.select(t).where(mine).order_by(t.c.subject, t.c.group_name)).all()
         return [_row(r) for r in rows]
 
+    def _share(self, owner: str, owner_url: str, now_ms: int, lease_ms: int) -> int:
+        """Note that ``owner`` asked now; ``ceil(subscriptions / gateways asking within lease_ms)``.
+
+        Short transactions, each row by its key: on MariaDB a range DELETE or an UPDATE matching
+        nothing takes gap locks, and INSERTs of other gateways beside them deadlock."""
+        g = push_gateways_table
+        for attempt in range(2):
+            # UPDATE and INSERT in transactions of their own: on MariaDB an UPDATE that matches no
+            # row takes a gap lock, and two such followed by INSERTs in one transaction deadlock.
+            with self._store.transaction("note a push gateway") as conn:
+                if conn.execute(
+                    sa.update(g).where(g.c.owner == owner).values(url=owner_url, last_seen_ms=now_ms)
+                ).rowcount:
+                    break
+            try:
+                with self._store.transaction("note a new push gateway") as conn:
+                    conn.execute(sa.insert(g).values(owner=owner, url=owner_url, last_seen_ms=now_ms))
+                break
+            except sa_exc.IntegrityError:
+                if attempt:  # inserted meanwhile by the same gateway asking through another meta server
+                    raise MetaStoreError(f"cannot note push gateway {owner!r}: its row keeps changing") from None
+        forget_before_ms = now_ms - _GATEWAY_FORGET_LEASES * lease_ms
+        with self._store.transaction("count push gateways") as conn:
+            silent = list(conn.scalars(sa.select(g.c.owner).where(g.c.last_seen_ms < forget_before_ms).limit(100)))
+            gateways = int(
+                conn.scalar(sa.select(sa.func.count()).select_from(g).where(g.c.last_seen_ms >= now_ms - lease_ms)) or 1
+            )
+            total = int(conn.scalar(sa.select(sa.func.count()).select_from(push_table)) or 0)
+        for gone in silent:
+            with self._store.transaction("forget a push gateway") as conn:
+                conn.execute(sa.delete(g).where(g.c.owner == gone, g.c.last_seen_ms < forget_before_ms))
+        return math.ceil(total / gateways)
+
     def release(self, owner: str) -> int:
         """End every lease of ``owner`` now, so another gateway takes over at once; how many."""
-        t = push_table
+        t, g = push_table, push_gateways_table
         with self._store.transaction("give up push leases") as conn:
+            conn.execute(sa.delete(g).where(g.c.owner == owner[:OWNER_CHARS]))
             return int(
                 conn.execute(
                     sa.update(t).where(t.c.owner == owner[:OWNER_CHARS]).values(owner="", lease_expires_ms=0)

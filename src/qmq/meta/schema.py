@@ -53,6 +53,10 @@ behind ``db_url`` may be shared with other applications):
         owner_url         that gateway's base URL, for people
         lease_expires_ms  when the lease ends unless renewed
         lease_generation  raised each time the lease changes hands
+
+    qmq_meta_push_gateways   key owner: the gateways asking for push leases, to share them out
+        url               the gateway's base URL, for people
+        last_seen_ms      when it last asked (a row silent for a few leases is deleted)
 """
 
 from __future__ import annotations
@@ -171,6 +175,14 @@ push_table = sa.Table(
     sa.Column("owner_url", sa.String(URL_CHARS), nullable=False, server_default=""),
     sa.Column("lease_expires_ms", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("lease_generation", sa.BigInteger, nullable=False, server_default="0"),
+)
+
+push_gateways_table = sa.Table(
+    "qmq_meta_push_gateways",
+    metadata,
+    sa.Column("owner", name_type(OWNER_CHARS), primary_key=True),
+    sa.Column("url", sa.String(URL_CHARS), nullable=False),
+    sa.Column("last_seen_ms", sa.BigInteger, nullable=False),
 )
 
 
