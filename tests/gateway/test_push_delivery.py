@@ -160,6 +160,25 @@ async def test_a_delivery_always_refused_ends_in_the_dead_letters(meta_server: s
     assert "answered HTTP 503" in letters[0]["error"]
 
 
+async def test_an_answer_later_than_the_timeout_is_a_failure(meta_server: str, subject: str) -> None:
+    group = _group()
+    first_answered = asyncio.Event()
+
+    async def slow_first(d: Delivery) -> int:
+        if d.headers["x-qmq-attempt"] == "1":
+            await asyncio.sleep(2)  # an endpoint slower than --timeout-ms 300
+            first_answered.set()
+        return 200
+
+    async with running_receiver(slow_first) as rx:
+        push_add(subject, group, rx.url, "--timeout-ms", "300", "--retry-backoff", "0", meta_server=meta_server)
+        (message_id,) = await _send(meta_server, subject, 1)
+        await rx.wait_until("a second attempt", lambda: any(d.headers["x-qmq-attempt"] == "2" for d in rx.ok()))
+        await asyncio.wait_for(first_answered.wait(), 30)
+    assert sorted(d.headers["x-qmq-attempt"] for d in rx.deliveries) == ["1", "2"]
+    assert {d.message_id for d in rx.deliveries} == {message_id}
+
+
 async def test_unreachable_url_is_a_failure_too(meta_server: str, subject: str) -> None:
     group = _group()
     async with running_receiver() as rx:
