@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from meta_databases import fresh_database
 
-from qmq.meta.push_store import PushExistsError, PushRow, PushStore
+from qmq.meta.push_store import PushExistsError, PushRow, PushStore, fair_share
 from qmq.meta.store import MetaStore
 from qmq.protocol.push import PushSubscription
 
@@ -130,3 +130,33 @@ def test_two_meta_stores_racing_hand_each_subscription_to_one_owner(db_url: str)
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.parametrize(
+    ("capacities", "total", "share"),
+    [
+        ([100, 100], 10, 5),
+        ([100, 100, 100], 10, 4),
+        ([1, 100], 10, 9),  # one runs at most 1: the other runs the rest
+        ([0, 100], 10, 10),
+        ([2, 3], 10, 3),  # not enough room: each runs all it may
+        ([100], 0, 0),
+    ],
+)
+def test_fair_share_lets_the_gateways_run_every_subscription_together(
+    capacities: list[int], total: int, share: int
+) -> None:
+    assert fair_share(capacities, total) == share
+
+
+def test_a_gateway_that_runs_few_leaves_the_rest_to_the_others(db_url: str) -> None:
+    store = MetaStore(db_url)
+    try:
+        push = PushStore(store)
+        for group in range(10):
+            push.add(_sub(f"g{group}"))
+        assert len(push.lease("gw-small", "", 1_000, 5_000, 1)) == 1
+        assert len(push.lease("gw-big", "", 1_001, 5_000, 100)) == 9
+        assert len(push.lease("gw-small", "", 1_002, 5_000, 1)) == 1
+    finally:
+        store.close()

@@ -94,6 +94,9 @@ class PushService:
         third of the lease."""
         if self._http is not None:
             raise RuntimeError("PushService.start() was called twice")
+        if self.held_max == 0:
+            log.info("push: this gateway runs no push subscription (push_subscriptions_max = 0)")
+            return
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.lease_ms / _ASKS_PER_LEASE / 1000))
         await self.renew()
         self._task = asyncio.get_running_loop().create_task(self._renew_forever())

@@ -27,4 +27,11 @@ class BackgroundService(Protocol):
 def background_services(gateway: Gateway) -> list[BackgroundService]:
     """The services of ``gateway``, in start order."""
     config = gateway.config
-    return [PushService(config.meta_server, app_code=config.app_code)]
+    return [
+        PushService(
+            config.meta_server,
+            app_code=config.app_code,
+            lease_ms=config.push_lease_ms,
+            held_max=config.push_subscriptions_max,
+        )
+    ]

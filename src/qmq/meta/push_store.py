@@ -9,8 +9,9 @@ gateways racing for a row exactly one matches. ``lease_generation`` rises each t
 changes hands, so a gateway can tell "renewed" from "lost and taken back".
 
 Subscriptions are shared out: every gateway that asked within its lease time counts (table
-``qmq_meta_push_gateways``), and none holds more than its share, ``ceil(subscriptions /
-gateways)``. A gateway holding more (another gateway just started) gives the excess up at its
+``qmq_meta_push_gateways``), and none holds more than its share: ``ceil(subscriptions /
+gateways)``, or more where some gateways run fewer (their ``held_max``) so that together they
+can run them all (``fair_share``). A gateway holding more (another gateway just started) gives the excess up at its
 next ask, and the others take it at theirs; when a gateway dies, its share is taken once its
 leases and its row run out.
 
@@ -39,6 +40,19 @@ from qmq.protocol.push import PushSubscription
 PUSH_SUBSCRIPTIONS_MAX: Final = 10_000
 # A gateway that has not asked for this many of its leases is forgotten (its row deleted).
 _GATEWAY_FORGET_LEASES: Final = 10
+
+
+def fair_share(capacities: list[int], total: int) -> int:
+    """The smallest share ``s`` such that gateways running ``min(capacity, s)`` each run all
+    ``total`` subscriptions; the largest capacity when even that is not enough."""
+    remaining, left = total, len(capacities)
+    for capacity in sorted(capacities):
+        level = math.ceil(remaining / left)
+        if capacity >= level:
+            return level
+        remaining -= capacity
+        left -= 1
+    return max(capacities, default=total)
 
 
 class PushExistsError(MetaStoreError):
@@ -109,7 +123,7 @@ class PushStore:
         owner, owner_url = owner[:OWNER_CHARS], owner_url[:URL_CHARS]
         until = now_ms + lease_ms
         mine = t.c.owner == owner
-        share = min(held_max, self._share(owner, owner_url, now_ms, lease_ms))
+        share = min(held_max, self._share(owner, owner_url, now_ms, lease_ms, held_max))
         with self._store.transaction("renew push leases") as conn:
             conn.execute(sa.update(t).where(mine).values(lease_expires_ms=until, owner_url=owner_url))
             held = int(conn.scalar(sa.select(sa.func.count()).select_from(t).where(mine)) or 0)
@@ -155,8 +169,9 @@ class PushStore:
             rows = conn.execute(sa.select(t).where(mine).order_by(t.c.subject, t.c.group_name)).all()
         return [_row(r) for r in rows]
 
-    def _share(self, owner: str, owner_url: str, now_ms: int, lease_ms: int) -> int:
-        """Note that ``owner`` asked now; ``ceil(subscriptions / gateways asking within lease_ms)``.
+    def _share(self, owner: str, owner_url: str, now_ms: int, lease_ms: int, held_max: int) -> int:
+        """Note that ``owner`` asked now; its share of the subscriptions among the gateways asking
+        within ``lease_ms`` (``fair_share``).
 
         Short transactions, each row by its key: on MariaDB a range DELETE or an UPDATE matching
         nothing takes gap locks, and INSERTs of other gateways beside them deadlock."""
@@ -166,12 +181,14 @@ class PushStore:
             # row takes a gap lock, and two such followed by INSERTs in one transaction deadlock.
             with self._store.transaction("note a push gateway") as conn:
                 if conn.execute(
-                    sa.update(g).where(g.c.owner == owner).values(url=owner_url, last_seen_ms=now_ms)
+                    sa.update(g).where(g.c.owner == owner).values(url=owner_url, last_seen_ms=now_ms, held_max=held_max)
                 ).rowcount:
                     break
             try:
                 with self._store.transaction("note a new push gateway") as conn:
-                    conn.execute(sa.insert(g).values(owner=owner, url=owner_url, last_seen_ms=now_ms))
+                    conn.execute(
+                        sa.insert(g).values(owner=owner, url=owner_url, last_seen_ms=now_ms, held_max=held_max)
+                    )
                 break
             except sa_exc.IntegrityError:
                 if attempt:  # inserted meanwhile by the same gateway asking through another meta server
@@ -179,14 +196,13 @@ class PushStore:
         forget_before_ms = now_ms - _GATEWAY_FORGET_LEASES * lease_ms
         with self._store.transaction("count push gateways") as conn:
             silent = list(conn.scalars(sa.select(g.c.owner).where(g.c.last_seen_ms < forget_before_ms).limit(100)))
-            gateways = int(
-                conn.scalar(sa.select(sa.func.count()).select_from(g).where(g.c.last_seen_ms >= now_ms - lease_ms)) or 1
-            )
+            live = g.c.last_seen_ms >= now_ms - lease_ms
+            capacities = [int(c) for c in conn.scalars(sa.select(g.c.held_max).where(live))]
             total = int(conn.scalar(sa.select(sa.func.count()).select_from(push_table)) or 0)
         for gone in silent:
             with self._store.transaction("forget a push gateway") as conn:
                 conn.execute(sa.delete(g).where(g.c.owner == gone, g.c.last_seen_ms < forget_before_ms))
-        return math.ceil(total / gateways)
+        return fair_share(capacities or [held_max], total)
 
     def release(self, owner: str) -> int:
         """End every lease of ``owner`` now, so another gateway takes over at once; how many."""

@@ -57,6 +57,7 @@ behind ``db_url`` may be shared with other applications):
     qmq_meta_push_gateways   key owner: the gateways asking for push leases, to share them out
         url               the gateway's base URL, for people
         last_seen_ms      when it last asked (a row silent for a few leases is deleted)
+        held_max          most subscriptions it runs
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ push_gateways_table = sa.Table(
     sa.Column("owner", name_type(OWNER_CHARS), primary_key=True),
     sa.Column("url", sa.String(URL_CHARS), nullable=False),
     sa.Column("last_seen_ms", sa.BigInteger, nullable=False),
+    sa.Column("held_max", sa.Integer, nullable=False, server_default="0"),
 )
 
 
