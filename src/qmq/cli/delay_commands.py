@@ -94,3 +94,29 @@ def delay_stats(meta_server: str, buckets: int, as_json: bool) -> None:
         click.echo(f"delay group {name}: error: {text}", err=True)
     if failed and not ok:
         raise CommandError("no delay group answered")
+
+
+@cli.command("cancel-delay")
+@click.argument("message_id")
+@meta_server_option
+@json_option("document", "{message_id, cancelled}")
+def cancel_delay(message_id: str, meta_server: str, as_json: bool) -> None:
+    """Cancel the pending delay message MESSAGE_ID (every copy still pending of a repeating one).
+
+    Says "cancelled" when it was pending and will now never be delivered, "not pending" when it
+    was already handed to a broker or no delay group knows it; both exit 0. Every delay group
+    is asked; exit status 1 when one that did not answer may hold it.
+    """
+    from qmq.aio import Producer
+
+    async def run() -> bool:
+        async with Producer(app_code="qmq-cli", meta_server=meta_server, send_timeout_ms=_TIMEOUT_MS) as producer:
+            return await producer.cancel_delay(message_id)
+
+    cancelled = asyncio.run(run())
+    if as_json:
+        echo_json({"message_id": message_id, "cancelled": cancelled})
+    elif cancelled:
+        click.echo(f"cancelled {message_id}: it will never be delivered")
+    else:
+        click.echo(f"not pending: {message_id} was already handed to a broker, or no delay group knows it")

@@ -40,8 +40,9 @@ from typing import Literal
 
 from qmq.client.accumulator import Accumulator, Waiter
 from qmq.client.connection import ConnectionPool
+from qmq.client.delays import cancel_everywhere
 from qmq.client.message import Message
-from qmq.client.meta import MetaClient
+from qmq.client.meta import DELAY_TARGET_PREFIX, MetaClient
 from qmq.client.options import (
     DEFAULT_CONNECT,
     DEFAULT_PRODUCER,
@@ -220,6 +221,22 @@ class Producer:
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
         entry = (encoded, waiter, message_id, path.loop.time(), self._acc.epoch)
         path.router.enqueue(subject, deliver_at_ms, entry)
+
+    async def cancel_delay(self, message_id: str) -> bool:
+        """Cancel the delay message ``message_id`` (every copy still pending of a repeating one).
+
+        True: it was pending and will now never be delivered (the cancel is durable on the
+        delay server, as a send is). False: it was already handed to a broker (or is being
+        handed over now), or no delay group knows it. Every available delay group is asked
+        (qmq.client.delays); ``qmq.QmqError`` (retriable) when one that did not answer may hold it.
+        """
+        path = self._open
+        if path is None:
+            raise self._not_open()
+        conns = {
+            g.name.removeprefix(DELAY_TARGET_PREFIX): path.pool.get(g.address) for g in path.meta.delay_groups.values()
+        }
+        return await cancel_everywhere(conns, message_id, self.options.send_timeout_ms)
 
     def write_now(self) -> None:
         """Write every buffered message whose route is known now, rather than at the sender loops'

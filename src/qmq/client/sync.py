@@ -225,6 +225,13 @@ class Producer:
                 with contextlib.suppress(*_INVALID_STATE):
                     fut.set_exception(exc)
 
+    def cancel_delay(self, message_id: str) -> bool:
+        """Cancel the delay message ``message_id``: True when it was pending and will now never be
+        delivered, False when it was already handed over or is unknown (``qmq.aio.Producer.cancel_delay``)."""
+        if self._closed:
+            raise SendError("the producer is closed; make a new one")
+        return self._io.call(self._async.cancel_delay(message_id), self._send_wait_s)
+
     def flush(self, timeout_ms: int | None = None) -> None:
         """Wait until every message sent before this call is stored or failed."""
         limit_ms = self._async.options.send_timeout_ms if timeout_ms is None else timeout_ms

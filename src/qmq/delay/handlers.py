@@ -1,5 +1,6 @@
 """What the delay server does for each request code: PING, SEND_MESSAGES (the broker's contract,
-answered once the write-ahead log is durable) and DELAY_STATS. Other commands are a broker's
+answered once the write-ahead log is durable), DELAY_STATS and CANCEL_DELAY (answered, when it
+cancelled something, once the cancel's write-ahead log record is durable). Other commands are a broker's
 and are refused with UNKNOWN_COMMAND saying so."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replies import guarded
-from qmq.serving.requests import BadRequest
+from qmq.serving.requests import BadRequest, get_str
 from qmq.store import fileio
 
 STATS_BUCKETS_DEFAULT = 100
@@ -63,13 +64,17 @@ class Handlers(RoleHandlers):
     def __init__(self, server: DelayContext) -> None:
         super().__init__(server)
         self.server, self.store, self.metrics = server, server.store, server.metrics
-        table: dict[int, Handler] = {RequestCode.SEND_MESSAGES: self.send, RequestCode.DELAY_STATS: self.delay_stats}
+        table: dict[int, Handler] = {
+            RequestCode.SEND_MESSAGES: self.send,
+            RequestCode.DELAY_STATS: self.delay_stats,
+            RequestCode.CANCEL_DELAY: self.cancel_delay,
+        }
         self.serve(table, self.metrics.requests, self._unknown)
 
     def _unknown(self, code: int) -> str:
         return (
             f"command code {code} is not served by a delay server (group "
-            f"{self.server.config.group}); it takes PING, SEND_MESSAGES and DELAY_STATS: "
+            f"{self.server.config.group}); it takes PING, SEND_MESSAGES, DELAY_STATS and CANCEL_DELAY: "
             "pull from a broker"
         )
 
@@ -129,6 +134,33 @@ class Handlers(RoleHandlers):
                 server.release_durable()
 
         server.flusher.after_write(end, guarded(conn, code, request_id, durable))
+
+    def cancel_delay(self, conn: Responder, frame: Frame) -> None:
+        """``{"message_id"}`` → ``{"cancelled": bool, "copies": n}``: whether pending messages
+        with that id were stopped (all of a repeating message's copies still pending)."""
+        refusal = self.refusal()
+        if refusal is not None:
+            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+            return
+        id_max = self.limits.message_id_chars_max
+        message_id = get_str(frame.header, "message_id", max_chars=id_max)
+        server, store = self.server, self.store
+        stopped = self.storing(lambda: store.cancel(message_id, server.scheduler))
+        answer = {"cancelled": stopped > 0, "copies": stopped}
+        code, request_id = frame.code, frame.request_id
+        if not stopped or not store.sync_policy:
+            self.metrics.cancelled.inc(stopped)
+            conn.respond(code, request_id, answer)
+            return
+
+        def durable(error: str | None) -> None:
+            if error is None:
+                self.metrics.cancelled.inc(stopped)
+                conn.respond(code, request_id, answer)
+            else:  # written, fsync failed: it may or may not be kept
+                conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.INTERNAL_ERROR)
+
+        server.flusher.after_write(store.wal.end, guarded(conn, code, request_id, durable))
 
     def delay_stats(self, conn: Responder, frame: Frame) -> None:
         buckets_max = frame.header.get("buckets_max", STATS_BUCKETS_DEFAULT)

@@ -150,6 +150,10 @@ class Schedule:
         self.pending_total -= n
         return n
 
+    def note_cancelled(self, n: int) -> None:
+        """``n`` pending entries were cancelled (written to their dispatch logs)."""
+        self.pending_total -= n
+
     # -- replay ------------------------------------------------------------------------
 
     def replay(

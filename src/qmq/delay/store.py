@@ -38,6 +38,7 @@ from qmq.common.config import DelayConfig
 from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import check_subject
+from qmq.delay import cancel
 from qmq.delay.bucket import Bucket
 from qmq.delay.checkpoint import BucketMark, CheckpointJob, DelayCheckpoint
 from qmq.delay.recovery import DelayParts, empty_parts, recover
@@ -191,6 +192,37 @@ class DelayStore:
         with contextlib.suppress(StoreError):
             self.schedule.after_replay()
         return AppendResult(errors, n, total, rows)
+
+    def cancel(self, message_id: str, live: cancel.Live | None) -> int:
+        """Cancel the pending messages with ``message_id`` (cancel.py); returns how many entries
+        it stopped (0: none pending, nothing written). Once it returns more, the cancel is in the
+        write-ahead log: answer it once that is durable, as for a send."""
+        mid = message_id.encode("utf-8")
+        schedule = self.schedule
+        schedule.flush_deferred()  # messages of far buckets waiting for the flush are searched too
+        try:
+            stops = cancel.pending_entries(list(schedule.iter_buckets()), mid, live)
+        except OSError as exc:
+            raise store_error(exc, self.dir) from exc
+        if not stops:
+            return 0
+        now = self.clock.now_ms()
+        message = cancel.cancel_record(mid, now)
+        record = bytearray(RECORD_HEADER_BYTES + len(message))
+        pack_record_into(record, 0, message, self.wal_messages, now)
+        self.wal.offset_for_append(len(record))
+        try:
+            self.wal.append(record)
+        except OSError as exc:
+            raise store_error(exc, self.dir) from exc
+        self.wal_messages += 1
+        try:
+            return cancel.apply(stops, live, schedule.note_cancelled)
+        except OSError as exc:
+            # the write-ahead log holds the cancel: a restart's recovery applies it again
+            raise StoreError(
+                f"cannot write the dispatch log of a cancelled message: {exc}; restart the delay server"
+            ) from exc
 
     def beyond_horizon(self, deliver_at_ms: int, now_ms: int) -> str:
         when = _iso(deliver_at_ms)

@@ -17,7 +17,10 @@ Layout of one encoded message (little-endian)::
           | properties (msgpack map) | body
 
     ver            u8   1
-    flg            u8   reserved, 0
+    flg            u8   flags: FLAG_REPEAT (0x01) asks a delay server to deliver copies of the
+                        message (properties REPEAT_EVERY_MS and REPEAT_TIMES say how); FLAG_CANCEL
+                        (0x02) marks a cancel in a delay server's write-ahead log, never sent;
+                        other bits 0
     subj_len       u16  bytes of the subject
     id_l           u8   bytes of the message id
     tags           u8   number of tags
@@ -48,6 +51,9 @@ HEADER = struct.Struct("<BBHBBHqqHHII")
 HEADER_BYTES = HEADER.size  # 36
 VERSION = 1
 TIMES_MAX = 0xFFFF
+FLAGS_POS = 1  # of flg in the header
+FLAG_REPEAT = 0x01
+FLAG_CANCEL = 0x02
 
 PropertyValue = str | int | float | bool | bytes
 
@@ -204,16 +210,10 @@ def decode_message(buf: bytes, pos: int = 0, length: int | None = None) -> Messa
     """Decode the message at ``buf[pos:]``; raise RemoteProtocolError if it is malformed."""
     end = len(buf) if length is None else pos + length
     if pos < 0 or end > len(buf):
-        raise RemoteProtocolError(
-            f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer"
-        )
+        raise RemoteProtocolError(f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer")
     if end - pos < HEADER_BYTES:
-        raise RemoteProtocolError(
-            f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header"
-        )
-    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(
-        buf, pos
-    )
+        raise RemoteProtocolError(f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header")
+    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(buf, pos)
     if ver != VERSION:
         raise RemoteProtocolError(f"message version {ver} is not supported")
     p = pos + HEADER_BYTES
@@ -279,9 +279,7 @@ def scan_batch(
             )
         ver, _flags, slen, ilen, tcount, tlen, _created, deliver, times, _res, plen, blen = unpack(body, pos)
         if ver != VERSION:
-            raise RemoteProtocolError(
-                f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}"
-            )
+            raise RemoteProtocolError(f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}")
         p = pos + hb
         length = hb + slen + ilen + tlen + plen + blen
         if pos + length > end:
