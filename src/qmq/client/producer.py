@@ -54,6 +54,7 @@ from qmq.client.options import (
 from qmq.client.routing import Router
 from qmq.client.sender import ProducerStats, Sender
 from qmq.common.errors import BufferFullError, SendError
+from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ class Producer:
         encoded = message.encode()
         fut: asyncio.Future[None] = path.loop.create_future()
         entry = (encoded, fut, message.message_id, path.loop.time(), self._acc.epoch)
-        path.router.enqueue(message.subject, message._deliver_at_ms, entry)
+        (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
+        path.router.enqueue(message.subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
         return fut
 
     async def send(self, message: Message) -> None:
@@ -220,7 +222,7 @@ class Producer:
             raise self._not_open()
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
         entry = (encoded, waiter, message_id, path.loop.time(), self._acc.epoch)
-        path.router.enqueue(subject, deliver_at_ms, entry)
+        path.router.enqueue(subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
 
     async def cancel_delay(self, message_id: str) -> bool:
         """Cancel the delay message ``message_id`` (every copy still pending of a repeating one).

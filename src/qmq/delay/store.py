@@ -38,13 +38,13 @@ from qmq.common.config import DelayConfig
 from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import check_subject
-from qmq.delay import cancel
+from qmq.delay import cancel, repeat
 from qmq.delay.bucket import Bucket
 from qmq.delay.checkpoint import BucketMark, CheckpointJob, DelayCheckpoint
 from qmq.delay.recovery import DelayParts, empty_parts, recover
 from qmq.delay.timer import ROW, Rows
 from qmq.protocol.codes import Status
-from qmq.protocol.message import ScannedMessage
+from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS, ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import fileio
 from qmq.store.datadir import DataDirLock, StoreError, store_error
@@ -139,6 +139,9 @@ class DelayStore:
         known = self._subjects
         errors: list[list[Any]] = []
         accepted: list[ScannedMessage] = []
+        # copies of repeating messages (repeat.py), by the index of the message in ``accepted``
+        copies: dict[int, list[tuple[bytes, int]]] = {}
+        view = memoryview(body)
         total = 0
         for i, sm in enumerate(scanned):
             if refused and i in refused:
@@ -162,6 +165,15 @@ class DelayStore:
             if sm.tags and _tag_count(sm.tags) > limits.tags_max:
                 errors.append([i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"])
                 continue
+            if body[sm.pos + FLAGS_POS] & FLAG_REPEAT:
+                made = repeat.copies(view[sm.pos : sm.pos + length], now, horizon_end, self.config.horizon_days, limits)
+                if isinstance(made, str):
+                    errors.append([i, Status.INVALID_MESSAGE, made])
+                    continue
+                copies[len(accepted)] = made
+                accepted.append(sm)
+                total += sum(RECORD_HEADER_BYTES + len(c) for c, _due in made)
+                continue
             if sm.deliver_at_ms > horizon_end:
                 errors.append([i, Status.INVALID_MESSAGE, self.beyond_horizon(sm.deliver_at_ms, now)])
                 continue
@@ -171,21 +183,32 @@ class DelayStore:
             return AppendResult(errors, 0, 0, np.empty(0, dtype=ROW))
         base = self.wal.offset_for_append(total)
         out = bytearray(total)
-        view = memoryview(body)
         pos = 0
         seq = self.wal_messages
-        for sm in accepted:
-            p = sm.pos
-            pos = pack_record_into(out, pos, view[p : p + sm.length], seq, now)
-            seq += 1
+        due_list: list[int] = []
+        size_list: list[int] = []
+        for k, sm in enumerate(accepted):
+            these = copies.get(k) if copies else None
+            if these is None:
+                p = sm.pos
+                pos = pack_record_into(out, pos, view[p : p + sm.length], seq, now)
+                seq += 1
+                due_list.append(sm.deliver_at_ms)
+                size_list.append(sm.length)
+                continue
+            for copy, due in these:
+                pos = pack_record_into(out, pos, copy, seq, now)
+                seq += 1
+                due_list.append(due)
+                size_list.append(len(copy))
         try:
             self.wal.append(out)
         except OSError as exc:
             raise store_error(exc, self.dir) from exc
+        n = seq - self.wal_messages
         self.wal_messages = seq
-        n = len(accepted)
-        dues = np.fromiter([sm.deliver_at_ms for sm in accepted], dtype=np.int64, count=n)
-        sizes = np.fromiter([sm.length for sm in accepted], dtype=np.int64, count=n) + RECORD_HEADER_BYTES
+        dues = np.fromiter(due_list, dtype=np.int64, count=n)
+        sizes = np.fromiter(size_list, dtype=np.int64, count=n) + RECORD_HEADER_BYTES
         rows = self.replay(out, dues, sizes, now, base)
         # a schedule-log write failing here loses nothing: the write-ahead log holds the messages and
         # a later flush writes them (schedule.py); the send is stored and answered as such
