@@ -28,6 +28,7 @@ class RequestCode(IntEnum):
     # answered by delay servers only (docs/protocol.md); numbered apart from the broker's commands
     # so that codes other branches add next to them never collide
     CANCEL_DELAY = 24
+    DELAY_LIST = 25
 
 
 class Status(IntEnum):
