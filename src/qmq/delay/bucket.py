@@ -165,15 +165,18 @@ class Bucket:
         with contextlib.suppress(FileExistsError):
             fileio.mkdir(self.directory)
 
-    def add(self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int) -> tuple[int, int]:
-        """Buffer one record due at ``due_ms``; returns its entry number and its offset in ``messages``."""
+    def add(
+        self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int, id_hash_: int | None = None
+    ) -> tuple[int, int]:
+        """Buffer one record due at ``due_ms`` (``id_hash_``: of its id, when known); returns its
+        entry number and its offset in ``messages``."""
         entry = self.count
         if entry >= ENTRIES_MAX:
             raise OverflowError(f"time bucket {self.start_ms} holds {entry} messages, the most one can")
         offset = self.nbytes
         size = len(record)
         self.pending_index += INDEX_ENTRY.pack(due_ms, offset, size)
-        self.pending_ids += ID_ENTRY.pack(id_hash(record_message_id(record)))
+        self.pending_ids += ID_ENTRY.pack(id_hash(record_message_id(record)) if id_hash_ is None else id_hash_)
         self.pending_messages += record
         if not entry or due_ms < self.min_due_ms:
             self.min_due_ms = due_ms
@@ -188,8 +191,10 @@ class Bucket:
         dues: npt.NDArray[np.int64],
         sizes: npt.NDArray[np.int64],
         wal_end: int,
+        id_hashes: npt.NDArray[np.uint32] | None = None,
     ) -> tuple[int, npt.NDArray[np.int64]]:
-        """Buffer records (back to back, due at ``dues``, ``sizes`` bytes each).
+        """Buffer records (back to back, due at ``dues``, ``sizes`` bytes each; ``id_hashes`` of
+        their ids, when known).
 
         Returns the entry number of the first and the offset of each in ``messages``.
         """
@@ -203,7 +208,10 @@ class Bucket:
         index["offset"] = offsets
         index["size"] = sizes
         self.pending_index += index.tobytes()
-        self.pending_ids += record_id_hashes(records, sizes.tolist())
+        if id_hashes is None:
+            self.pending_ids += record_id_hashes(records, sizes)
+        else:
+            self.pending_ids += id_hashes.astype(IDS_DTYPE, copy=False).tobytes()
         self.pending_messages += records
         lowest = int(dues.min())
         if not entry or lowest < self.min_due_ms:

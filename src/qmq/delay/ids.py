@@ -20,7 +20,6 @@ short after a crash, has the missing entries rebuilt from its records when it is
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
 from pathlib import Path
 
 import crc32c
@@ -56,15 +55,20 @@ def record_message_id(record: bytes | bytearray | memoryview, at: int = 0) -> by
     return bytes(record[start : start + record[m + 4]])
 
 
-def record_id_hashes(records: bytes | bytearray | memoryview, sizes: Iterable[int]) -> bytes:
-    """The id-file entries of records back to back in ``records``, ``sizes`` bytes each."""
-    out = bytearray()
-    pack = ID_ENTRY.pack
-    at = 0
-    for size in sizes:
-        out += pack(id_hash(record_message_id(records, at)))
-        at += size
-    return bytes(out)
+def record_id_hashes(records: bytes | bytearray | memoryview, sizes: npt.NDArray[np.int64]) -> bytes:
+    """The id-file entries of records back to back in ``records``, ``sizes`` bytes each: where
+    each id lies is found with numpy, then one CRC32C call per id (about 0.2 us a message)."""
+    if not len(sizes):
+        return b""
+    buf = np.frombuffer(records, dtype=np.uint8)
+    at = np.cumsum(sizes) - sizes + RECORD_HEADER_BYTES  # each message's header
+    slen = buf[at + 2].astype(np.int64) | buf[at + 3].astype(np.int64) << 8
+    starts = at + HEADER_BYTES + slen
+    ends = starts + buf[at + 4]
+    view = memoryview(records)
+    crc = crc32c.crc32c
+    hashes = [crc(view[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    return np.array(hashes, dtype=IDS_DTYPE).tobytes()
 
 
 def read_ids(directory: Path, name: str) -> npt.NDArray[np.uint32]:

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import crc32c
 import numpy as np
 import numpy.typing as npt
 
@@ -41,6 +42,7 @@ from qmq.common.naming import check_subject
 from qmq.delay import cancel, repeat
 from qmq.delay.bucket import Bucket
 from qmq.delay.checkpoint import BucketMark, CheckpointJob, DelayCheckpoint
+from qmq.delay.ids import IDS_DTYPE
 from qmq.delay.recovery import DelayParts, empty_parts, recover
 from qmq.delay.timer import ROW, Rows
 from qmq.protocol.codes import Status
@@ -187,6 +189,8 @@ class DelayStore:
         seq = self.wal_messages
         due_list: list[int] = []
         size_list: list[int] = []
+        hash_list: list[int] = []  # of each id, for the buckets' id files (ids.py)
+        crc = crc32c.crc32c
         for k, sm in enumerate(accepted):
             these = copies.get(k) if copies else None
             if these is None:
@@ -195,12 +199,15 @@ class DelayStore:
                 seq += 1
                 due_list.append(sm.deliver_at_ms)
                 size_list.append(sm.length)
+                hash_list.append(crc(sm.message_id))
                 continue
+            h = crc(sm.message_id)
             for copy, due in these:
                 pos = pack_record_into(out, pos, copy, seq, now)
                 seq += 1
                 due_list.append(due)
                 size_list.append(len(copy))
+                hash_list.append(h)
         try:
             self.wal.append(out)
         except OSError as exc:
@@ -209,7 +216,7 @@ class DelayStore:
         self.wal_messages = seq
         dues = np.fromiter(due_list, dtype=np.int64, count=n)
         sizes = np.fromiter(size_list, dtype=np.int64, count=n) + RECORD_HEADER_BYTES
-        rows = self.replay(out, dues, sizes, now, base)
+        rows = self.replay(out, dues, sizes, now, base, np.array(hash_list, dtype=IDS_DTYPE))
         # a schedule-log write failing here loses nothing: the write-ahead log holds the messages and
         # a later flush writes them (schedule.py); the send is stored and answered as such
         with contextlib.suppress(StoreError):
@@ -256,11 +263,17 @@ class DelayStore:
         )
 
     def replay(
-        self, records: bytearray, dues: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], stored_ms: Any, base: int
+        self,
+        records: bytearray,
+        dues: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        stored_ms: Any,
+        base: int,
+        id_hashes: npt.NDArray[np.uint32] | None = None,
     ) -> Rows:
         """Add write-ahead log records to their buckets (``Schedule.replay``). ``append`` calls it
         through the store so ``bench.delay_intake`` can time the replay step alone."""
-        return self.schedule.replay(records, dues, sizes, stored_ms, base)
+        return self.schedule.replay(records, dues, sizes, stored_ms, base, id_hashes)
 
     # -- checkpoints -------------------------------------------------------------------
 
