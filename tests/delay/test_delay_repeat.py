@@ -1,20 +1,25 @@
 """Repeating delay messages through real processes: N copies, each at its time and never early,
 with the same message id and their own copy number (the broker's duplicate window keeps
 every copy); a repeat cancelled mid-way stops; a repeat past a bound is refused by the delay
-server naming it."""
+server naming it; and `kill -9` of the delay server while copies come due loses none and
+delivers none twice."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
-from delaywire import now_ms
+from delaywire import delay_group, now_ms, wait_until
 
 from qmq import SendError
 from qmq.aio import Consumer, Producer, PullConsumer
 from qmq.protocol.message import REPEAT_COPY_PROPERTY, REPEAT_TIMES_PROPERTY
-from qmq.testing import ReadyProcess
+from qmq.testing import ReadyProcess, running_standalone
 
 pytestmark = pytest.mark.integration
 
@@ -128,3 +133,45 @@ def test_copies_carry_how_many_there_are(shared_standalone: ReadyProcess, subjec
                 seen.append(int(r.properties[REPEAT_COPY_PROPERTY]))
             batch.ack_all()
     assert sorted(seen) == [1, 2]
+
+
+async def test_copies_survive_kill_9_of_the_delay_server_each_delivered_once(tmp_path: Path) -> None:
+    config = {"delay": {"bucket_ms": 2_000, "preload_ms": 300, "checkpoint_interval_ms": 300}}
+    subject = f"repeat.{uuid.uuid4().hex[:12]}"
+    with running_standalone(tmp_path / "qmq-data", config) as standalone:
+        url = standalone.meta_server
+        old_address = standalone.ready["delay"]
+        async with (
+            Producer(app_code="t", meta_server=url) as producer,
+            Consumer(app_code="t", meta_server=url) as consumer,
+        ):
+            pull = consumer.pull_consumer(subject, group="g", start_from="earliest")
+            messages = []
+            for _ in range(20):
+                m = producer.generate_message(subject)
+                m.set_repeat(every=timedelta(seconds=1), times=6)
+                messages.append(m)
+            sent_ms = now_ms()
+            for m in messages:
+                await producer.send(m)
+            got: dict[tuple[str, int], float] = {}
+            deadline = time.monotonic() + 25
+            killed = False
+            while len(got) < 120 and time.monotonic() < deadline:
+                if not killed and now_ms() > sent_ms + 3_200:
+                    os.kill(int(standalone.ready["delay_pid"]), signal.SIGKILL)
+                    killed = True
+                    await wait_until(
+                        "the restart of the delay server", lambda: delay_group(url)["address"] != old_address, 20
+                    )
+                batch = await pull.pull(max_messages=200, timeout_ms=200)
+                at = now_ms()
+                for r in batch:
+                    key = (r.message_id, int(r.properties[REPEAT_COPY_PROPERTY]))
+                    assert key not in got, f"copy {key} was delivered twice"
+                    got[key] = at
+                await batch.ack_all()
+    assert killed
+    assert set(got) == {(m.message_id, k) for m in messages for k in range(1, 7)}
+    early = [key for key, at in got.items() if at < sent_ms + key[1] * 1000]
+    assert not early, f"copies delivered early: {early[:5]}"
