@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from delaywire import delay_group, now_ms, wait_until
+from test_delay_cli import consume_json, qmq
 
 from qmq import SendError
 from qmq.aio import Consumer, Producer, PullConsumer
@@ -175,3 +176,21 @@ async def test_copies_survive_kill_9_of_the_delay_server_each_delivered_once(tmp
     assert set(got) == {(m.message_id, k) for m in messages for k in range(1, 7)}
     early = [key for key, at in got.items() if at < sent_ms + key[1] * 1000]
     assert not early, f"copies delivered early: {early[:5]}"
+
+
+def test_send_command_repeats(shared_standalone: ReadyProcess, subject: str) -> None:
+    url = shared_standalone.meta_server
+    sent = qmq("send", subject, "--repeat-every", "1s", "--repeat-times", "2", "--body", "x", meta_server=url)
+    assert sent.returncode == 0, sent.stderr
+    docs = consume_json(subject, 2, url)
+    assert {d["message_id"] for d in docs} == {sent.stdout.strip()}
+    assert sorted(d["properties"][REPEAT_COPY_PROPERTY] for d in docs) == [1, 2]
+    lone = qmq("send", subject, "--repeat-times", "2", meta_server=url)
+    assert lone.returncode == 2
+    assert "--repeat-every" in lone.stderr
+    bad_until = qmq("send", subject, "--repeat-every", "1s", "--repeat-until", "tomorrow", meta_server=url)
+    assert bad_until.returncode == 2
+    assert "--repeat-until" in bad_until.stderr
+    too_often = qmq("send", subject, "--repeat-every", "500ms", "--repeat-times", "2", meta_server=url)
+    assert too_often.returncode == 2
+    assert "least interval, 1 s" in too_often.stderr
