@@ -146,6 +146,16 @@ class ChaosCluster:
         wait_ready(self.procs, [m], time.monotonic() + timeout_s)
         return time.monotonic() - t0
 
+    def stop_member(self, name: str) -> None:
+        """SIGTERM a process of the cluster (SIGKILL after 10 s), as an operator would."""
+        stop([self.member(name)], timeout_s=10.0)
+        proc = self.procs.get(name)
+        if proc is not None:
+            proc.wait()
+
+    def http(self, name: str) -> str:
+        return self.member(name).ready["http"]
+
     def running(self, name: str) -> bool:
         if name in self.workers:
             proc = self.workers[name].proc
@@ -175,7 +185,7 @@ class ChaosCluster:
             out = open(self.data_dir / "watchdog.out", "ab")  # noqa: SIM115 (the child keeps it)
             self.watchdog = subprocess.Popen(
                 [sys.executable, "-m", "qmq", "watchdog", "--db", f"sqlite:///{tx_db}", "--meta-server",
-                 self.meta_server, "--threshold-ms", "3000", "--interval-ms", "500"],
+                 self.meta_server, "--threshold-ms", "20000", "--interval-ms", "500"],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.child_env(),
             )
             out.close()

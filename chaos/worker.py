@@ -70,6 +70,7 @@ async def produce(meta_server: str, history: HistoryFile, rate: int, tx_db: str 
         while not stop.event.is_set():
             await slots.acquire()
             m = Message.generate(SUBJECT)
+            m.body = m.message_id  # the checker tells a damaged record by it
             roll = random.random()
             kind = "tx" if tx is not None and roll < 0.1 else "delay" if roll < 0.3 else "rt"
             if kind == "delay":
