@@ -21,10 +21,11 @@ def table(results: Sequence[Result]) -> str:
     rows = []
     for r in results:
         f = r.figures
+        dup = f"{f.duplicated_after_ack}" + (f" ({r.duplicates_allowed})" if r.duplicates_allowed else "")
         ok = "yes" if r.ok() else f"**no**{': ' + r.error if r.error else ''}"
         rows.append(
             f"| {r.scenario} | {r.fault_count}: {r.faults} | {f.sent} / {f.acked} | {f.lost} | "
-            f"{f.duplicated_after_ack} | {f.early} | {r.recovery_s:.1f} | {r.command} | {ok} |\n"
+            f"{dup} | {f.early} | {r.recovery_s:.1f} | {r.command} | {ok} |\n"
         )
     return HEADER + "".join(rows)
 
