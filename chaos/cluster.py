@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,10 @@ class ChaosCluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     workers: dict[str, Worker] = field(default_factory=dict)
     watchdog: subprocess.Popen[bytes] | None = None
+    # per member: the command prefix and address to run it with (its own network namespace)
+    placed: Mapping[str, tuple[list[str], str]] = field(default_factory=dict)
+    # the meta server's URL as every other process is to use it (through a proxy, say)
+    meta_url: Callable[[str], str] = lambda url: url
 
     @property
     def meta_server(self) -> str:
@@ -90,6 +94,11 @@ class ChaosCluster:
             config_file=cfg,
         )
         self.state = Cluster(str(self.data_dir.resolve()), "", [], int(time.time() * 1000))
+        for m in members:
+            if m.name in self.placed:
+                prefix, host = self.placed[m.name]
+                m.argv = [*prefix, *m.argv]
+                m.argv[m.argv.index("--host") + 1] = host
         meta, rest = members[0], members[1:]
         masters = [m for m in rest if m.role_in_group != "slave"]
         waves = [[meta], masters, [m for m in rest if m.role_in_group == "slave"]]
@@ -105,7 +114,7 @@ class ChaosCluster:
                 self.state.save()
             wait_ready(self.procs, wave, deadline)
             if wave[0] is meta:
-                self.state.meta_server = meta.ready["meta_server"]
+                self.state.meta_server = self.meta_url(meta.ready["meta_server"])
             self.state.save()
 
     def member(self, name: str) -> Member:

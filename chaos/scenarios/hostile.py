@@ -127,8 +127,8 @@ def _mutated(draw: Any, valid: list[bytes]) -> bytes:
         elif kind == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=64))
         elif kind == "header" and len(data) >= 20:
-            value = draw(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20)
-                                      | st.binary(max_size=20),
+            leaves = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20)
+            value = draw(st.recursive(leaves | st.binary(max_size=20),
                                       lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
                                                                                           max_size=4),
                                       max_leaves=8))
