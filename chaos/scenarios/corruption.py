@@ -36,6 +36,7 @@ KINDS: list[tuple[str, str, bool]] = [
     ("dispatch log", "d1/schedule/*/dispatch", False),
     ("delay checkpoint", "d1/checkpoint", False),
 ]
+QUICK_KINDS = ("message log", "consume log", "broker checkpoint", "delay write-ahead log", "schedule index")
 FAR_DELAY_S = 25.0  # delay messages still waiting in the delay server while its files are damaged
 VERIFY_TIMEOUT_S = 40.0
 
@@ -53,8 +54,9 @@ def run(settings: Settings) -> list[Result]:
         prepared, history, far_due_ms = _prepare(root / "prepared", settings)
         rng = random.Random(17)
         cases = [(k, how) for k in KINDS for how in ("flip", "truncate")]
-        if settings.quick:
-            cases = [(k, "flip" if i % 2 == 0 else "truncate") for i, k in enumerate(KINDS)]
+        if settings.quick:  # five kinds, flipped and cut in turn
+            quick = [k for k in KINDS if k[0] in QUICK_KINDS]
+            cases = [(k, "flip" if i % 2 == 0 else "truncate") for i, k in enumerate(quick)]
         for i, ((kind, pattern, ordered), how) in enumerate(cases):
             case = root / f"case-{i}"
             shutil.copytree(prepared, case, symlinks=True)

@@ -269,7 +269,7 @@ def run(settings_: Settings) -> list[Result]:
         f"{IDLE_CONNECTIONS:,} idle connections, slow readers, under load",
     )
     cluster = ChaosCluster(settings_.work_dir / "hostile", broker_groups=1, slaves=0)
-    examples = 150 if settings_.quick else 1500
+    examples = 150 if settings_.quick else 800
     t0 = time.monotonic()
     try:
         cluster.start()

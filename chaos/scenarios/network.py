@@ -88,7 +88,7 @@ def run(settings: Settings) -> list[Result]:
         cluster.start()
         cluster.start_load()
         base = cluster.meta_server.removesuffix("/meta/address")
-        rounds = 1 if settings.quick else 3
+        rounds = 1 if settings.quick else 2
         fenced: list[str] = []
         for r in range(rounds):
             time.sleep(3)

@@ -84,7 +84,7 @@ def _run(settings: Settings, flush: str) -> Result:
     env = {"QMQ_IO_TRACE": str(trace)} if flush == "sync" else {}
     cluster = ChaosCluster(root, broker_groups=1, slaves=0, extra_config={"broker": extra, "delay": extra}, env=env)
     mounts = {name: Lazy(root / "backing" / name, root / name, root / f"lazyfs-{name}.out") for name in SERVERS}
-    cycles = 1 if settings.quick else 5
+    cycles = 1 if settings.quick else 4
     t0 = time.monotonic()
     cut_ms: list[int] = []
     try:

@@ -10,7 +10,7 @@ import time
 from chaos.cluster import ChaosCluster
 from chaos.scenario import Result, Settings, drain
 
-KILLS_FULL = 110
+KILLS_FULL = 100
 KILLS_QUICK = 9
 
 
