@@ -21,6 +21,7 @@ from types import MappingProxyType
 from qmq.common.errors import InvalidMessageError, MessageTooLargeError
 from qmq.common.limits import DEFAULT_LIMITS
 from qmq.common.naming import check_subject
+from qmq.common.ordering import ORDER_KEY_PROPERTY, OrderMode, check_order_key, check_order_mode, slot_of
 from qmq.protocol.message import (
     PropertyValue,
     check_property,
@@ -192,6 +193,8 @@ class Message:
         "_created_ms",
         "_deliver_at_ms",
         "_message_id",
+        "_order",
+        "_order_key",
         "_properties",
         "_subject",
         "_subject_raw",
@@ -218,6 +221,8 @@ class Message:
         self._properties: dict[str, PropertyValue] = _NO_PROPERTIES
         self._tags: list[str] = _NO_TAGS
         self._deliver_at_ms = 0
+        self._order_key: str | None = None
+        self._order: OrderMode = "strict"
         if properties:
             for key, value in properties.items():
                 self.set_property(key, value)
@@ -235,6 +240,8 @@ class Message:
         m._properties = _NO_PROPERTIES
         m._tags = _NO_TAGS
         m._deliver_at_ms = 0
+        m._order_key = None
+        m._order = "strict"
         return m
 
     @property
@@ -311,6 +318,28 @@ class Message:
         """Due time in epoch milliseconds; 0 for a message delivered as soon as stored."""
         return self._deliver_at_ms
 
+    def set_order_key(self, key: str, *, order: OrderMode = "strict") -> None:
+        """Keep this message in order with the other messages of ``key`` (a str of 1–128
+        characters) from this producer: stored in send order, handled one at a time in that order
+        by ordered consumers (see docs/ordered.md).
+
+        ``order="strict"`` (the default) sends it only to the key's broker group, waiting for that
+        group and failing the send rather than writing it elsewhere; ``"best_effort"`` fails over
+        to another group, which may break the key's order while its group is down.
+        """
+        self._order_key = check_order_key(key)
+        self._order = check_order_mode(order)
+
+    @property
+    def order_key(self) -> str | None:
+        """The order key, or None for a message without one."""
+        return self._order_key
+
+    @property
+    def order(self) -> OrderMode:
+        """How an ordered message is placed when its broker group is down: "strict" or "best_effort"."""
+        return self._order
+
     def set_property(self, key: str, value: PropertyValue) -> None:
         """Set a property: a str, int (64-bit), float, bool or bytes value under a string key."""
         check_property(key, value, _LIMITS)
@@ -353,6 +382,10 @@ class Message:
         ``times`` (1: a first send); checks the total size."""
         tags = self._tags
         props = self._properties
+        order_slot = 0
+        if self._order_key is not None:
+            props = {**props, ORDER_KEY_PROPERTY: self._order_key}
+            order_slot = slot_of(self._order_key) + 1
         raw = encode_message(
             self._subject_raw,
             self._message_id.encode("utf-8"),
@@ -363,6 +396,7 @@ class Message:
             self._created_ms,
             self._deliver_at_ms,
             times,
+            order_slot,
         )
         if len(raw) > _LIMITS.message_bytes_max:
             raise MessageTooLargeError(

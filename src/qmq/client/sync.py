@@ -37,6 +37,7 @@ from qmq.client.received import BatchBase, ReceivedBase
 from qmq.client.sender import ProducerStats
 from qmq.client.subscription import make_subscription
 from qmq.common.errors import ConfigError, QmqError, QmqTimeoutError, SendError
+from qmq.common.ordering import OrderMode
 
 __all__ = ["Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage"]
 
@@ -154,7 +155,8 @@ class Producer:
         self._send_wait_s = 2 * opts.send_timeout_ms / 1000 + _MARGIN_S
         self._close_wait_s = 2 * self._async.connect_options.close_timeout_ms / 1000 + _MARGIN_S
         self._lock = threading.Lock()
-        self._handoff: deque[tuple[str, bytes, str, concurrent.futures.Future[None]]] = deque()
+        # (subject, encoded, message id, future, order key, order)
+        self._handoff: deque[tuple[str, bytes, str, concurrent.futures.Future[None], str | None, OrderMode]] = deque()
         self._handoff_bytes = 0
         self._wake_pending = False
         self._closed = False
@@ -202,7 +204,7 @@ class Producer:
             # Messages handed over but not yet in the buffer count against its bounds too.
             if not self._async.has_room(n, len(self._handoff), self._handoff_bytes):
                 raise self._async.full_error(n, message.message_id)
-            self._handoff.append((message.subject, encoded, message.message_id, fut))
+            self._handoff.append((message.subject, encoded, message.message_id, fut, message.order_key, message.order))
             self._handoff_bytes += n
             wake = not self._wake_pending
             self._wake_pending = True
@@ -216,11 +218,11 @@ class Producer:
             self._handoff_bytes = 0
             self._wake_pending = False
         enqueue = self._async.enqueue_encoded
-        for subject, encoded, message_id, fut in items:
+        for subject, encoded, message_id, fut, order_key, order in items:
             if fut.done():
                 continue  # cancelled by its caller
             try:
-                enqueue(subject, encoded, message_id, fut)
+                enqueue(subject, encoded, message_id, fut, order_key=order_key, order=order)
             except QmqError as exc:
                 with contextlib.suppress(*_INVALID_STATE):
                     fut.set_exception(exc)

@@ -11,7 +11,7 @@ Layout of one encoded message (little-endian)::
     +----+----+---------+----+----+---------+-----------------+
     16                24        26        28        32        36
     +-----------------+---------+---------+---------+---------+
-    | deliver_at_ms   | times   |reserved |props_len|body_len |
+    | deliver_at_ms   | times   |ord_slot |props_len|body_len |
     +-----------------+---------+---------+---------+---------+
     then: subject (utf-8) | message id (utf-8) | tags (each: u8 length + utf-8)
           | properties (msgpack map) | body
@@ -26,7 +26,9 @@ Layout of one encoded message (little-endian)::
     deliver_at_ms  i64  when it is due (epoch ms); 0 = now
     times          u16  the delivery attempt this copy is for: 1 for a first send, n + 1 for the
                         copy made after n failed attempts (0, written by qmq before 0.2, reads as 1)
-    reserved       u16  0
+    order_slot     u16  the message's order-key slot + 1 (qmq.common.ordering); 0 without an
+                        order key (every message written before ordered messages: this was a
+                        reserved field, always 0, so stored data needs no change)
     props_len      u32  bytes of the msgpack-encoded properties (0 = none)
     body_len       u32  bytes of the body
 """
@@ -48,6 +50,9 @@ HEADER = struct.Struct("<BBHBBHqqHHII")
 HEADER_BYTES = HEADER.size  # 36
 VERSION = 1
 TIMES_MAX = 0xFFFF
+ORDER_SLOT = struct.Struct("<H")
+ORDER_SLOT_POS = 26  # of order_slot in the header (see the layout above)
+
 
 PropertyValue = str | int | float | bool | bytes
 
@@ -160,8 +165,10 @@ def encode_message(
     created_ms: int,
     deliver_at_ms: int = 0,
     times: int = 1,
+    order_slot: int = 0,
 ) -> bytes:
-    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``)."""
+    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``).
+    ``order_slot`` is the order key's slot + 1, or 0 without an order key."""
     return b"".join(
         (
             HEADER.pack(
@@ -174,7 +181,7 @@ def encode_message(
                 created_ms,
                 deliver_at_ms,
                 times,
-                0,
+                order_slot,
                 len(props),
                 len(body),
             ),

@@ -86,7 +86,8 @@ class RecordIndexer:
                 expected,
             )
             return
-        st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + len(message), stored_ms, tag_bloom(sm.tags), 0)
+        order_slot = message[26] | message[27] << 8  # as BrokerStore.append writes it
+        st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + len(message), stored_ms, tag_bloom(sm.tags), order_slot)
         self._pending.add(st)
         self.rebuilt += 1
         if len(st.pending) >= _FLUSH_ENTRIES * ENTRY_BYTES:
