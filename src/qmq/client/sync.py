@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 from qmq.client.consumer import Consumer as AsyncConsumer
-from qmq.client.consumer import PullConsumerBase, check_pull_args
+from qmq.client.consumer import OrderedPullConsumer, PullConsumerBase, check_pull_args
 from qmq.client.keywords import BLOCKING_LISTENER_KEYS, BlockingListenerKeywords, check_keywords
 from qmq.client.message import Message
 from qmq.client.options import (
@@ -386,16 +386,20 @@ class Consumer:
         broadcast: bool = False,
         max_retries: int | None = None,
         retry_backoff: Sequence[float] | None = None,
+        ordered: bool = False,
     ) -> PullConsumer:
-        """A pull consumer of ``subject`` in consumer ``group`` (see ``qmq.aio.Consumer.pull_consumer``)."""
+        """A pull consumer of ``subject`` in consumer ``group`` (see ``qmq.aio.Consumer.pull_consumer``;
+        with ``ordered``, at most one unsettled message per order key)."""
         sub = make_subscription(
             tags,
             tag_type,
             broadcast,
             self._async.options.max_retries if max_retries is None else max_retries,
             retry_backoff,
+            ordered,
         )
-        inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumerBase, sub)
+        cls = OrderedPullConsumer if ordered else PullConsumerBase
+        inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, cls, sub)
         return PullConsumer(inner, self._io, self._async.options.request_timeout_ms)
 
     def listener(self, subject: str, group: str, **options: Unpack[BlockingListenerKeywords]) -> Callable[[F], F]:
@@ -407,7 +411,8 @@ class Consumer:
         The keywords of ``qmq.aio.Consumer.listener`` apply: ``start_from``, ``prefetch``,
         ``tags``, ``tag_type``, ``broadcast``, ``consume_most_once``, ``max_retries``,
         ``retry_backoff``, ``auto_ack``, ``idempotent_checker`` (its blocking ``run``, in the
-        handler's thread) and ``filters``.
+        handler's thread), ``filters`` and ``ordered`` (one message of an order key at a time, in
+        send order, retried in place: docs/ordered.md).
         """
 
         def register(handler: F) -> F:
