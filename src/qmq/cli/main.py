@@ -43,6 +43,7 @@ COMMAND_EXTRAS: dict[str, str] = {
     "meta": "server",
     "broker": "server",
     "delay": "server",
+    "gateway": "server",
     "standalone": "server",
     "cluster up": "server",
     "tx": "tx",

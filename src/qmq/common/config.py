@@ -341,6 +341,34 @@ class MetaConfig:
 
 
 @dataclass(slots=True)
+class GatewayConfig:
+    """The HTTP gateway (`qmq gateway`): HTTP in, the asyncio SDK out; it keeps no data of its own."""
+
+    meta_server: str = _opt("URL of the meta server, as printed by `qmq ready` (required)", "")
+    host: str = _opt("address to listen on", "127.0.0.1")
+    port: int = _opt("HTTP port (0 picks a free one)", 0, _port)
+    app_code: str = _opt("app code the gateway's producer and consumer report to the brokers", "gateway")
+    ack_timeout_ms: int = _opt(
+        "default visibility timeout of a pulled message: one neither acked nor nacked this long after its "
+        "pull goes back to its consumer group (a pull's ack_timeout_ms overrides it)",
+        30_000,
+        _range(1_000, 600_000),
+    )
+    receipts_max: int = _opt(
+        "most pulled messages held unacknowledged at once (about 1 KiB of memory each beside the body); a pull "
+        "past it is answered 429",
+        100_000,
+        _range(1, 10_000_000),
+    )
+    pull_groups_max: int = _opt(
+        "most (subject, consumer group) pairs one gateway pulls for; a pull of another is answered 429",
+        10_000,
+        _range(1, 1_000_000),
+    )
+    shutdown_grace_ms: int = _opt("how long shutdown waits for requests in flight", 5_000, _range(0, 600_000))
+
+
+@dataclass(slots=True)
 class StandaloneConfig:
     """`qmq standalone`: one meta server, one broker and one delay server, each its own process."""
 
@@ -349,6 +377,7 @@ class StandaloneConfig:
     meta_port: int = _opt("HTTP port of the meta server (0 picks a free one)", 0, _port)
     broker_port: int = _opt("TCP port of the broker (0 picks a free one)", 0, _port)
     delay_port: int = _opt("TCP port of the delay server (0 picks a free one)", 0, _port)
+    gateway_port: int = _opt("HTTP port of the gateway (0 picks a free one)", 0, _port)
     ready_timeout_ms: int = _opt(
         "how long to wait for every role to report ready",
         60_000,
