@@ -32,7 +32,7 @@ from qmq.store.progress import ConsumerProgress, GroupProgress
 DEFAULT_ORDERED_LEASE_MS = 20_000
 # unacknowledged messages a consumer of an ordered group is handed at most: the dispatch stops at
 # the first message whose owner is full, so a slow consumer slows its group, not the broker's memory
-ORDERED_UNACKED_MAX = 20_000
+ORDERED_UNACKED_MAX = 2_000
 
 
 def is_acked(cp: ConsumerProgress, poff: int) -> bool:
