@@ -140,6 +140,13 @@ class BrokerConfig:
         180_000,
         _range(10, 86_400_000),
     )
+    ordered_lease_ms: int = _opt(
+        "a consumer of an ordered group silent this long (no pull, no long poll waiting) loses its "
+        "order-key slots, with its unacknowledged messages, to the group's live consumers; keep it "
+        "above any pause a live consumer can have (docs/ordered.md)",
+        20_000,
+        _range(100, 3_600_000),
+    )
     consumer_forget_ms: int = _opt(
         "a consumer silent this long with nothing unacknowledged is forgotten (it leaves LAG; if it "
         "comes back it starts afresh). At least twice the longest long poll (60 s), so a consumer "
