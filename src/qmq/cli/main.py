@@ -179,6 +179,7 @@ def cli(log_level: str, log_file: str | None) -> None:
 def register_commands() -> None:
     """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
+        auth_commands,
         client_commands,
         cluster_commands,
         delay_commands,
