@@ -49,6 +49,8 @@ from qmq.client.options import (
     ProducerOptions,
     check_identifier,
     check_url,
+    credentials_of,
+    secret_of,
 )
 from qmq.client.routing import Router
 from qmq.client.sender import ProducerStats, Sender
@@ -97,10 +99,11 @@ class Producer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.options = ProducerOptions(
             buffer_messages_max=buffer_messages_max,
             buffer_bytes_max=buffer_bytes_max,
@@ -144,7 +147,10 @@ class Producer:
         if self._shared is None:
             meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
             await meta.start()
-            pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+            pool = ConnectionPool(
+                connect_timeout_ms=self.connect_options.connect_timeout_ms,
+                credentials=credentials_of(self.app_code, self.connect_options),
+            )
         else:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)

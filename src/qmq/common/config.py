@@ -51,6 +51,14 @@ def _first_request_timeout_ms() -> Any:
     )
 
 
+def _auth_file() -> Any:
+    return _opt(
+        "TOML file of the apps that may connect, their secret hashes and what each may do "
+        "(docs/security.md); empty: no authentication. Reloaded on SIGHUP",
+        "",
+    )
+
+
 def _reply_backlog_bytes_max() -> Any:
     return _opt(
         "bytes of replies one connection may hold that its client has not read; past it the connection is "
@@ -130,6 +138,7 @@ class BrokerConfig:
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
     first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
+    auth_file: str = _auth_file()
     heartbeat_interval_ms: int = _opt(
         "how often the broker reports itself to the meta server",
         10_000,
@@ -281,6 +290,7 @@ class DelayConfig:
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
     first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
+    auth_file: str = _auth_file()
     heartbeat_interval_ms: int = _opt(
         "how often the delay server reports itself to the meta server",
         10_000,
