@@ -199,3 +199,19 @@ async def test_sighup_reloads_the_file_without_dropping_connections(cluster: Clu
         finally:
             cluster.auth_file.write_text(auth_text())
             cluster.broker.proc.send_signal(signal.SIGHUP)
+
+
+async def test_a_listener_the_app_may_not_run_stops_and_says_why(cluster: Cluster) -> None:
+    async with qmq.aio.Consumer(app_code="shop", meta_server=cluster.meta_server, secret=SECRETS["shop"]) as c:
+
+        async def handle(_message: qmq.aio.ReceivedMessage) -> None:
+            raise AssertionError("no message may reach a listener the app may not run")
+
+        c.add_listener("order.created", "shipping", handle)
+        deadline = time.monotonic() + 20
+        while not c.errors:  # the listener pulls on its own tasks: poll for its stop, bounded
+            assert time.monotonic() < deadline, "the listener did not stop on the refusal"
+            await asyncio.sleep(0.05)
+        [error] = c.errors
+        assert error.startswith("listener order.created/shipping stopped: app 'shop' may not consume")
+        assert not c.listeners[0].running

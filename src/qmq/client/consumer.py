@@ -30,6 +30,7 @@ from qmq.client.options import (
     ConsumerOptions,
     StartFrom,
     TagType,
+    authorization_of,
     check_identifier,
     check_int,
     check_start_from,
@@ -223,7 +224,11 @@ class Consumer:
             return
         if self._state != "new":
             raise QmqError("this consumer is closed; make a new one")
-        meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+        meta = MetaClient(
+            self.meta_server,
+            timeout_ms=self.connect_options.meta_timeout_ms,
+            authorization=authorization_of(self.app_code, self.connect_options),
+        )
         await meta.start()
         pool = ConnectionPool(
             connect_timeout_ms=self.connect_options.connect_timeout_ms,

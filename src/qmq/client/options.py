@@ -197,3 +197,12 @@ def credentials_of(app_code: str, options: ConnectOptions) -> ClientCredentials 
     from qmq.auth.handshake import ClientCredentials
 
     return ClientCredentials(app_code, options.secret)
+
+
+def authorization_of(app_code: str, options: ConnectOptions) -> str | None:
+    """The Authorization header for the meta server's HTTP, or None without a secret."""
+    if not options.secret:
+        return None
+    from qmq.auth.http import basic_authorization
+
+    return basic_authorization(app_code, options.secret)

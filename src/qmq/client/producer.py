@@ -47,6 +47,7 @@ from qmq.client.options import (
     DEFAULT_PRODUCER,
     ConnectOptions,
     ProducerOptions,
+    authorization_of,
     check_identifier,
     check_url,
     credentials_of,
@@ -145,7 +146,11 @@ class Producer:
                 return
             raise SendError("this producer is closed; make a new one")
         if self._shared is None:
-            meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+            meta = MetaClient(
+                self.meta_server,
+                timeout_ms=self.connect_options.meta_timeout_ms,
+                authorization=authorization_of(self.app_code, self.connect_options),
+            )
             await meta.start()
             pool = ConnectionPool(
                 connect_timeout_ms=self.connect_options.connect_timeout_ms,

@@ -204,16 +204,10 @@ def decode_message(buf: bytes, pos: int = 0, length: int | None = None) -> Messa
     """Decode the message at ``buf[pos:]``; raise RemoteProtocolError if it is malformed."""
     end = len(buf) if length is None else pos + length
     if pos < 0 or end > len(buf):
-        raise RemoteProtocolError(
-            f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer"
-        )
+        raise RemoteProtocolError(f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer")
     if end - pos < HEADER_BYTES:
-        raise RemoteProtocolError(
-            f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header"
-        )
-    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(
-        buf, pos
-    )
+        raise RemoteProtocolError(f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header")
+    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(buf, pos)
     if ver != VERSION:
         raise RemoteProtocolError(f"message version {ver} is not supported")
     p = pos + HEADER_BYTES
@@ -279,9 +273,7 @@ def scan_batch(
             )
         ver, _flags, slen, ilen, tcount, tlen, _created, deliver, times, _res, plen, blen = unpack(body, pos)
         if ver != VERSION:
-            raise RemoteProtocolError(
-                f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}"
-            )
+            raise RemoteProtocolError(f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}")
         p = pos + hb
         length = hb + slen + ilen + tlen + plen + blen
         if pos + length > end:

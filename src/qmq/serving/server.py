@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,11 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from qmq.auth.exposure import check_exposure
 from qmq.auth.file import load_auth_file
+from qmq.auth.handshake import ClientCredentials
+from qmq.auth.http import basic_authorization
+from qmq.client.options import SECRET_ENV
 from qmq.common.errors import ConfigError
 from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode
@@ -73,6 +78,10 @@ class ServingConfig(Protocol):
     def reply_backlog_bytes_max(self) -> int: ...
     @property
     def auth_file(self) -> str: ...
+    @property
+    def app_code(self) -> str: ...
+    @property
+    def insecure(self) -> bool: ...
 
 
 class RoleStore(Protocol):
@@ -174,6 +183,10 @@ class FrameServer(ABC):
         """Listen for frames, then serve /metrics and /health; StartupError naming a port in use."""
         cfg = self.config
         loop = asyncio.get_running_loop()
+        warning = check_exposure(self.title, cfg.host, cfg.auth_file, cfg.insecure)
+        if warning is not None:
+            log.warning("%s", warning)
+            print(f"qmq {self.kind}: {warning}", file=sys.stderr, flush=True)
         if cfg.auth_file:
             self._gate_requests(loop)
         try:
@@ -215,8 +228,21 @@ class FrameServer(ABC):
     ) -> None:
         """Start heartbeats to the meta server (``qmq.serving.registration``)."""
         cfg = self.config
-        self._registration = Registration(cfg.meta_server, payload, cfg.heartbeat_interval_ms, on_answer=on_answer)
+        secret = self.secret()
+        authorization = basic_authorization(cfg.app_code, secret) if secret else None
+        self._registration = Registration(
+            cfg.meta_server, payload, cfg.heartbeat_interval_ms, on_answer=on_answer, authorization=authorization
+        )
         self._registration.start()
+
+    def secret(self) -> str:
+        """The secret of the server's own app (``app_code``), from $QMQ_SECRET; "" without an app code."""
+        return os.environ.get(SECRET_ENV, "") if self.config.app_code else ""
+
+    def credentials(self) -> ClientCredentials | None:
+        """What the server authenticates with to the other roles' frame ports, or None."""
+        secret = self.secret()
+        return ClientCredentials(self.config.app_code, secret) if secret else None
 
     def registration_payload(self) -> dict[str, Any]:
         cfg = self.config
