@@ -170,3 +170,30 @@ def test_without_an_auth_file_only_loopback_unless_insecure(tmp_path: Path, role
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def qmq_cli(*args: str, app: str | None = None, secret: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("QMQ_APP_CODE", "QMQ_SECRET")}
+    if app is not None:
+        env["QMQ_APP_CODE"] = app
+    if secret is not None:
+        env["QMQ_SECRET"] = secret
+    return subprocess.run(qmq_argv(*args), capture_output=True, text=True, timeout=60, check=False, env=env)
+
+
+def test_the_cli_acts_as_an_app(secured: tuple[ReadyProcess, ReadyProcess, Path]) -> None:
+    url = secured[0].meta_server
+    sent = qmq_cli("send", "order.cli", "--body", "x", "--meta-server", url, app="shop", secret=SECRETS["shop"])
+    assert sent.returncode == 0, sent.stderr
+    anonymous = qmq_cli("send", "order.cli", "--body", "x", "--meta-server", url)
+    assert anonymous.returncode == 1
+    assert "Authorization" in anonymous.stderr
+    assert "Traceback" not in anonymous.stderr
+    # the options of `qmq` itself do the same as the environment
+    reset = ["--app-code", "shop", "--secret", SECRETS["shop"], "reset-offset", "order.cli"]
+    refused = qmq_cli(*reset, "--group", "g", "--to", "earliest", "--meta-server", url)
+    assert refused.returncode == 1
+    assert "app 'shop' may not admin" in refused.stderr
+    allowed = qmq_cli("reset-offset", "order.cli", "--group", "g", "--to", "earliest", "--meta-server", url,
+                      app="ops", secret=SECRETS["ops"])  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr

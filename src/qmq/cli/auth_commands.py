@@ -5,12 +5,42 @@ Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it)
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from qmq.cli.main import cli
 from qmq.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from qmq.auth.handshake import ClientCredentials
+
+
+def cli_app_code(default: str) -> str:
+    """The app a client command acts as: ``qmq --app-code`` or $QMQ_APP_CODE, else ``default``."""
+    return os.environ.get("QMQ_APP_CODE") or default
+
+
+def cli_credentials(default_app: str = "qmq-cli") -> ClientCredentials | None:
+    """What a client command's broker connections authenticate with, or None without a secret."""
+    secret = os.environ.get("QMQ_SECRET", "")
+    if not secret:
+        return None
+    from qmq.auth.handshake import ClientCredentials
+
+    return ClientCredentials(cli_app_code(default_app), secret)
+
+
+def cli_authorization(default_app: str = "qmq-cli") -> str | None:
+    """The Authorization header of a client command's meta server requests, or None without a secret."""
+    secret = os.environ.get("QMQ_SECRET", "")
+    if not secret:
+        return None
+    from qmq.auth.http import basic_authorization
+
+    return basic_authorization(cli_app_code(default_app), secret)
 
 
 @cli.group("auth")
