@@ -49,8 +49,11 @@ from qmq.client.options import (
     DEFAULT_PRODUCER,
     ConnectOptions,
     ProducerOptions,
+    authorization_of,
     check_identifier,
     check_url,
+    credentials_of,
+    secret_of,
 )
 from qmq.client.ordering import OrderedSends
 from qmq.client.routing import Router
@@ -105,10 +108,11 @@ class Producer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.options = ProducerOptions(
             buffer_messages_max=buffer_messages_max,
             buffer_bytes_max=buffer_bytes_max,
@@ -151,9 +155,16 @@ class Producer:
                 return
             raise SendError("this producer is closed; make a new one")
         if self._shared is None:
-            meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+            meta = MetaClient(
+                self.meta_server,
+                timeout_ms=self.connect_options.meta_timeout_ms,
+                authorization=authorization_of(self.app_code, self.connect_options),
+            )
             await meta.start()
-            pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+            pool = ConnectionPool(
+                connect_timeout_ms=self.connect_options.connect_timeout_ms,
+                credentials=credentials_of(self.app_code, self.connect_options),
+            )
         else:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)
