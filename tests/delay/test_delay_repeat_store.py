@@ -133,7 +133,7 @@ def test_set_repeat_checks_its_bounds_at_once() -> None:
     with pytest.raises(InvalidMessageError, match="aware datetime"):
         m.set_repeat(every=1, until=datetime(2030, 1, 1))
     m.set_repeat(every=1, until=datetime.now(UTC) + timedelta(days=1))
-    with pytest.raises(InvalidMessageError, match="86,400 copies; the most is 10,000"):
+    with pytest.raises(InvalidMessageError, match=r"86,(399|400) copies; the most is 10,000"):
         m.encode()
     m.set_repeat(every=timedelta(minutes=1), until=datetime.now(UTC) + timedelta(minutes=10, seconds=30))
     fields = decode_message(m.encode())

@@ -11,6 +11,7 @@ import pytest
 
 from qmq import InvalidMessageError, SendError
 from qmq.aio import Consumer, Message, Producer
+from qmq.client.ordering import place
 from qmq.common.ordering import ORDER_KEY_PROPERTY, SLOTS, group_of_slot, slot_of
 from qmq.protocol.message import ORDER_SLOT, ORDER_SLOT_POS, decode_message, with_times
 
@@ -114,3 +115,14 @@ async def test_a_failed_message_fails_the_ones_of_its_key_behind_it(meta_server:
         assert "INVALID_SUBJECT" in str(results[0])
         assert isinstance(results[1], Exception)
         assert "earlier message of its order key 'k'" in str(results[1])
+
+
+def test_strict_placement_stays_on_the_slots_group_and_best_effort_moves_on() -> None:
+    route = ("b1", "b2", "b3")
+    slot = 0  # on b1
+    down = {"b1"}
+    assert place(slot, route, "strict", lambda g: g not in down) == "b1"  # waits for it
+    assert place(slot, route, "best_effort", lambda g: g not in down) == "b2"
+    assert place(slot, route, "best_effort", lambda g: True) == "b1"
+    assert place(SLOTS - 1, route, "best_effort", lambda g: g != "b3") == "b1"  # wraps around
+    assert place(slot, (), "strict", lambda g: True) is None
