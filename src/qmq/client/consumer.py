@@ -528,6 +528,12 @@ class Consumer:
         ack survives a broker failover (the broker answers once its slave has it)."""
         await flush_acks_together(self._ctx, self._ctx.pullers)
 
+    @property
+    def acks_pending(self) -> bool:
+        """Whether an acknowledgement (``m.ack()``) has not reached its broker yet: after
+        ``flush_acks`` returned, one that failed to go (a broker away) is still pending."""
+        return any(t.pending for p in self._ctx.pullers for t in p.trackers.values())
+
     async def _flush_acks(self) -> None:
         try:
             await flush_acks_together(self._ctx, self._ctx.pullers)

@@ -26,8 +26,11 @@ from qmq.aio import Consumer, Producer
 from qmq.common.config import GatewayConfig
 from qmq.common.errors import ConfigError, QmqError
 from qmq.gateway import routes
+from qmq.gateway.admin import Admin
 from qmq.gateway.errors import ApiError, api_error_of
 from qmq.gateway.payload import REQUEST_BYTES_MAX
+from qmq.gateway.pulls import Pulls
+from qmq.gateway.receipts import Receipts
 from qmq.gateway.services import BackgroundService, background_services
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,9 @@ class Gateway:
         self.consumer_id = f"gateway-{socket.gethostname()[:40]}-{os.getpid()}"
         self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server)
         self.consumer = Consumer(app_code=config.app_code, meta_server=config.meta_server, consumer_id=self.consumer_id)
+        self.receipts = Receipts(config.receipts_max)
+        self.pulls = Pulls(self.consumer, self.receipts, config.ack_timeout_ms, config.pull_groups_max)
+        self.admin = Admin(config.meta_server)
 
 
 @web.middleware
@@ -111,6 +117,7 @@ class GatewayServer:
         try:
             await g.producer.start()
             await g.consumer.start()
+            await g.admin.start()
         except QmqError as exc:
             raise GatewayStartupError(f"cannot reach the meta server {self.config.meta_server}: {exc}") from None
         self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.config.shutdown_grace_ms / 1000)
@@ -141,6 +148,7 @@ class GatewayServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.gateway.admin.stop()
         await self.gateway.consumer.close()
         await self.gateway.producer.close()
 

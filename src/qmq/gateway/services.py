@@ -24,4 +24,4 @@ class BackgroundService(Protocol):
 
 def background_services(gateway: Gateway) -> list[BackgroundService]:
     """The services of ``gateway``, in start order."""
-    return []
+    return [gateway.receipts]
