@@ -32,6 +32,7 @@ from qmq.gateway.payload import REQUEST_BYTES_MAX
 from qmq.gateway.pulls import Pulls
 from qmq.gateway.receipts import Receipts
 from qmq.gateway.services import BackgroundService, background_services
+from qmq.gateway.settle import AckRecorder
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,17 @@ class Gateway:
         # one consumer id per gateway process: the broker keeps one pull log for it
         self.consumer_id = f"gateway-{socket.gethostname()[:40]}-{os.getpid()}"
         self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server)
-        self.consumer = Consumer(app_code=config.app_code, meta_server=config.meta_server, consumer_id=self.consumer_id)
+        # acks are sent by flushes only, so POST /v1/acks is answered once a flush delivered them
+        self.consumer = Consumer(
+            app_code=config.app_code,
+            meta_server=config.meta_server,
+            consumer_id=self.consumer_id,
+            acks_with_pulls=False,
+        )
         self.receipts = Receipts(config.receipts_max)
         self.pulls = Pulls(self.consumer, self.receipts, config.ack_timeout_ms, config.pull_groups_max)
         self.admin = Admin(config.meta_server)
+        self.acks = AckRecorder(self.consumer)
 
 
 @web.middleware

@@ -29,7 +29,7 @@ def _receipts(doc: dict[str, Any], key: str) -> list[str]:
     return items
 
 
-async def settle(consumer: Consumer, receipts: Receipts, raw: bytes) -> dict[str, Any]:
+async def settle(recorder: AckRecorder, receipts: Receipts, raw: bytes) -> dict[str, Any]:
     doc = json_object(raw)
     unknown = sorted(set(doc) - {"acks", "nacks"})
     if unknown:
@@ -65,25 +65,63 @@ async def settle(consumer: Consumer, receipts: Receipts, raw: bytes) -> dict[str
         else:
             receipts.settled(receipt, "nacked")
             results[i]["status"] = "nacked"
-    await _recorded(consumer)
+    await recorder.recorded()
     if failed is not None and all(r["status"] == "held" for r in results):
         raise api_error_of(failed)
     return {"results": results}
 
 
-async def _recorded(consumer: Consumer) -> None:
-    """Return once no ack of ``consumer`` waits to reach its broker; 503 when that takes too long."""
-    try:
-        async with asyncio.timeout(ACK_RECORD_TIMEOUT_MS / 1000):
-            while True:
-                await consumer.flush_acks()
-                if not consumer.acks_pending:
-                    return
-                await asyncio.sleep(0.05)  # a broker away: the next flush tries again, within the deadline
-    except TimeoutError:
-        raise ApiError(
-            503,
-            "ACKS_NOT_RECORDED",
-            f"the broker did not record the acks within {ACK_RECORD_TIMEOUT_MS} ms; they are sent again by the "
-            "gateway, and sending them again is safe",
-        ) from None
+class AckRecorder:
+    """Waits until the broker recorded the acks made so far, for many requests at once.
+
+    A request's acks are made (``m.ack()``) before it calls ``recorded``; it is answered by the
+    first flush that starts after that call and delivers everything it took. Requests arriving
+    while a flush runs share the next one, so concurrent ack requests cost one round trip per
+    broker group between them, not one each.
+    """
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+        self._next: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def recorded(self) -> None:
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        waiter = self._next
+        if self._task is None:
+            self._task = asyncio.create_task(self._rounds(), name="ack-rounds")
+        await asyncio.shield(waiter)
+
+    async def _rounds(self) -> None:
+        try:
+            while self._next is not None:
+                waiter, self._next = self._next, None
+                try:
+                    await self._round()
+                except BaseException as exc:
+                    if not waiter.done():
+                        waiter.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                else:
+                    if not waiter.done():
+                        waiter.set_result(None)
+        finally:
+            self._task = None
+
+    async def _round(self) -> None:
+        try:
+            async with asyncio.timeout(ACK_RECORD_TIMEOUT_MS / 1000):
+                while True:
+                    await self.consumer.flush_acks()
+                    if not self.consumer.acks_undelivered:
+                        return
+                    await asyncio.sleep(0.05)  # a broker away: the next flush tries again, within the deadline
+        except TimeoutError:
+            raise ApiError(
+                503,
+                "ACKS_NOT_RECORDED",
+                f"the broker did not record the acks within {ACK_RECORD_TIMEOUT_MS} ms; the gateway sends them "
+                "again, and sending them again is safe",
+            ) from None
