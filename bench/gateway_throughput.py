@@ -17,7 +17,7 @@ The gateway's CPU is read from /proc before and after each HTTP row (user + syst
 process). The clients run in this process, so the machine's two cores are shared by the
 client, the gateway and the broker, as on a one-box deployment.
 
-    .venv/bin/python -m bench.gateway_throughput [--messages 100000] [--connections 8]
+    .venv/bin/python -m bench.gateway_throughput [--messages 100000] [--connections 16] [--pull-consumers 4]
 """
 
 from __future__ import annotations
@@ -123,11 +123,12 @@ async def _cpu_of(pid: int, what: Callable[[], Awaitable[float]], n: int) -> tup
     return rate, (after - before) * 100_000 / n
 
 
-async def run(messages: int, connections: int, in_flight: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, running_standalone(Path(tmp) / "qmq-data") as proc:
+async def run(messages: int, connections: int, in_flight: int, pull_consumers: int) -> dict[str, Any]:
+    config = {"gateway": {"pull_consumers": pull_consumers}}
+    with tempfile.TemporaryDirectory() as tmp, running_standalone(Path(tmp) / "qmq-data", config) as proc:
         meta, gw, gw_pid = proc.meta_server, proc.gateway, int(proc.ready["gateway_pid"])
-        out: dict[str, Any] = {"messages": messages, "body_bytes": len(BODY), "batch": BATCH,
-                               "connections": connections, "flush": "sync"}  # fmt: skip
+        out: dict[str, Any] = {"messages": messages, "body_bytes": len(BODY), "batch": BATCH, "flush": "sync",
+                               "connections": connections, "pull_consumers": pull_consumers}  # fmt: skip
         out["sdk_publish_per_s"] = await _sdk_publish(meta, "bench.gw.sdk", messages, in_flight)
         out["sdk_drain_per_s"] = await _sdk_drain(meta, "bench.gw.sdk", messages)
         limits = aiohttp.TCPConnector(limit=connections)
@@ -149,7 +150,7 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"gateway cell: {r['messages']:,} messages of {r['body_bytes']} B, batches of {r['batch']}, "
-            f"{r['connections']} HTTP connections, flush = {r['flush']}",
+            f"{r['connections']} HTTP connections, {r['pull_consumers']} pull consumers, flush = {r['flush']}",
             "",
             "| path | publish msg/s | drain msg/s | gateway CPU s / 100k (publish, drain) |",
             "|---|---|---|---|",
@@ -164,11 +165,12 @@ def table(r: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=100_000)
-    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--in-flight", type=int, default=32, help="SDK batches of 100 outstanding at once")
+    parser.add_argument("--pull-consumers", type=int, default=4, help="the gateway's pull_consumers")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document too")
     args = parser.parse_args()
-    result = uvloop.run(run(args.messages, args.connections, args.in_flight))
+    result = uvloop.run(run(args.messages, args.connections, args.in_flight, args.pull_consumers))
     print(table(result))
     if args.json:
         print(json.dumps(result))

@@ -14,7 +14,7 @@ import pytest
 from gatewayhelpers import get, post, pull_until
 
 from qmq.aio import Consumer, Message, Producer
-from qmq.testing import ReadyProcess
+from qmq.testing import ReadyProcess, running_gateway
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -177,3 +177,19 @@ async def test_bad_pulls_and_acks_are_answered_with_what_to_send(
     status, doc = await get(http, f"{gw}/v1/subjects/{subject}/groups/never/lag")
     assert status == 404
     assert doc["error"]["code"] in ("SUBJECT_UNKNOWN", "GROUP_UNKNOWN")
+
+
+async def test_a_stopping_gateway_gives_back_what_it_held(
+    shared_standalone: ReadyProcess, subject: str, group: str, http: aiohttp.ClientSession
+) -> None:
+    await post(http, f"{shared_standalone.gateway}/v1/subjects/{subject}/messages", {"body": "x", "message_id": "held"})
+    with running_gateway(shared_standalone.meta_server) as gw:
+        pull_url = f"{gw.gateway}/v1/subjects/{subject}/groups/{group}/pull"
+        [first] = await pull_until(http, pull_url, 1, 20, start_from="earliest", ack_timeout_ms=600_000)
+        assert first["times"] == 1
+    assert gw.exit_code == 0
+    # the other gateway's clients get it now, not after ten minutes or the broker's offline timeout
+    pull_url = f"{shared_standalone.gateway}/v1/subjects/{subject}/groups/{group}/pull"
+    [again] = await pull_until(http, pull_url, 1, 30)
+    assert (again["message_id"], again["times"]) == ("held", 2)
+    await post(http, f"{shared_standalone.gateway}/v1/acks", {"acks": [again["receipt"]]})

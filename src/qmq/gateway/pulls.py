@@ -1,9 +1,10 @@
 """``POST /v1/subjects/{subject}/groups/{group}/pull``: a long poll through the SDK's pull
 consumer, each message handed out under a receipt and an ack timeout (``qmq.gateway.receipts``).
 
-One gateway is one consumer id of every group it pulls for; the HTTP clients of a group share
-it, so a message goes to one of them. The ``consumer_id`` a client names is kept with what it
-pulled, for the log; the broker sees the gateway.
+One gateway is a few consumer ids (``pull_consumers``) of every group it pulls for, so that
+many pulls of one group run at once (the SDK makes one pull at a time per consumer); the HTTP
+clients of a group share them, and a message goes to one of them. The ``consumer_id`` a client
+names is kept for the log; the broker sees the gateway.
 """
 
 from __future__ import annotations
@@ -53,21 +54,33 @@ def message_json(m: ReceivedMessage, receipt: str) -> dict[str, Any]:
     return out
 
 
-class Pulls:
-    """The pull consumers of one gateway, one per (subject, consumer group), made on first use."""
+class _Lanes:
+    """The pull consumers of one (subject, consumer group), one per SDK consumer, and how many
+    pulls each is making."""
 
-    def __init__(self, consumer: Consumer, receipts: Receipts, ack_timeout_ms: int, groups_max: int) -> None:
-        self.consumer = consumer
+    def __init__(self, consumers: list[PullConsumer]) -> None:
+        self.consumers = consumers
+        self.busy = [0] * len(consumers)
+
+    def least_busy(self) -> int:
+        return min(range(len(self.busy)), key=self.busy.__getitem__)
+
+
+class Pulls:
+    """The pull consumers of one gateway, per (subject, consumer group), made on first use."""
+
+    def __init__(self, consumers: list[Consumer], receipts: Receipts, ack_timeout_ms: int, groups_max: int) -> None:
+        self.consumers = consumers
         self.receipts = receipts
         self.ack_timeout_ms = ack_timeout_ms
         self.groups_max = groups_max
-        self._consumers: dict[tuple[str, str], PullConsumer] = {}
+        self._lanes: dict[tuple[str, str], _Lanes] = {}
 
-    def _pull_consumer(self, subject: str, group: str, start_from: object) -> PullConsumer:
-        pc = self._consumers.get((subject, group))
-        if pc is not None:
-            return pc  # where a group starts matters only to its first pull
-        if len(self._consumers) >= self.groups_max:
+    def _lanes_of(self, subject: str, group: str, start_from: object) -> _Lanes:
+        lanes = self._lanes.get((subject, group))
+        if lanes is not None:
+            return lanes  # where a group starts matters only to its first pull
+        if len(self._lanes) >= self.groups_max:
             raise ApiError(
                 429,
                 "TOO_MANY_GROUPS",
@@ -75,11 +88,12 @@ class Pulls:
                 "pull_groups_max; pull through another gateway or raise it",
             )
         try:
-            pc = self.consumer.pull_consumer(subject, group, check_start_from(start_from))
+            start = check_start_from(start_from)
+            lanes = _Lanes([c.pull_consumer(subject, group, start) for c in self.consumers])
         except ConfigError as exc:
             raise bad_request("VALUE_INVALID", str(exc)) from None
-        self._consumers[(subject, group)] = pc
-        return pc
+        self._lanes[(subject, group)] = lanes
+        return lanes
 
     async def pull(self, subject: str, group: str, raw: bytes) -> dict[str, Any]:
         doc = json_object(raw) if raw.strip() else {}
@@ -107,8 +121,13 @@ class Pulls:
                 f"this gateway holds {self.receipts.receipts_max} pulled messages not yet acked (its receipts_max); "
                 "ack or nack some, or wait for their ack timeout",
             )
-        pc = self._pull_consumer(subject, group, doc.get("start_from", "latest"))
-        batch = await pc.pull(min(max_messages, room), timeout_ms)
+        lanes = self._lanes_of(subject, group, doc.get("start_from", "latest"))
+        lane = lanes.least_busy()
+        lanes.busy[lane] += 1
+        try:
+            batch = await lanes.consumers[lane].pull(min(max_messages, room), timeout_ms)
+        finally:
+            lanes.busy[lane] -= 1
         out: list[dict[str, Any]] = []
         for m in batch:
             problem = m.unreadable()

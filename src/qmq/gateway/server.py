@@ -53,20 +53,24 @@ class Gateway:
         if not config.meta_server:
             raise ConfigError("the gateway needs --meta-server URL (as printed by `qmq ready`)")
         self.config = config
-        # one consumer id per gateway process: the broker keeps one pull log for it
-        self.consumer_id = f"gateway-{socket.gethostname()[:40]}-{os.getpid()}"
+        # a few consumer ids per gateway process (the broker keeps a pull log for each), so several
+        # pulls of one group run at once
+        prefix = f"gateway-{socket.gethostname()[:40]}-{os.getpid()}"
         self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server)
         # acks are sent by flushes only, so POST /v1/acks is answered once a flush delivered them
-        self.consumer = Consumer(
-            app_code=config.app_code,
-            meta_server=config.meta_server,
-            consumer_id=self.consumer_id,
-            acks_with_pulls=False,
-        )
+        self.consumers = [
+            Consumer(
+                app_code=config.app_code,
+                meta_server=config.meta_server,
+                consumer_id=f"{prefix}-{i}",
+                acks_with_pulls=False,
+            )
+            for i in range(config.pull_consumers)
+        ]
         self.receipts = Receipts(config.receipts_max)
-        self.pulls = Pulls(self.consumer, self.receipts, config.ack_timeout_ms, config.pull_groups_max)
+        self.pulls = Pulls(self.consumers, self.receipts, config.ack_timeout_ms, config.pull_groups_max)
         self.admin = Admin(config.meta_server)
-        self.acks = AckRecorder(self.consumer)
+        self.acks = AckRecorder(self.consumers)
 
 
 @web.middleware
@@ -124,7 +128,8 @@ class GatewayServer:
         g = self.gateway
         try:
             await g.producer.start()
-            await g.consumer.start()
+            for consumer in g.consumers:
+                await consumer.start()
             await g.admin.start()
         except QmqError as exc:
             raise GatewayStartupError(f"cannot reach the meta server {self.config.meta_server}: {exc}") from None
@@ -157,7 +162,8 @@ class GatewayServer:
             await self._runner.cleanup()
             self._runner = None
         await self.gateway.admin.stop()
-        await self.gateway.consumer.close()
+        for consumer in self.gateway.consumers:
+            await consumer.close()
         await self.gateway.producer.close()
 
 

@@ -80,8 +80,8 @@ class AckRecorder:
     broker group between them, not one each.
     """
 
-    def __init__(self, consumer: Consumer) -> None:
-        self.consumer = consumer
+    def __init__(self, consumers: list[Consumer]) -> None:
+        self.consumers = consumers
         self._next: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -114,8 +114,8 @@ class AckRecorder:
         try:
             async with asyncio.timeout(ACK_RECORD_TIMEOUT_MS / 1000):
                 while True:
-                    await self.consumer.flush_acks()
-                    if not self.consumer.acks_undelivered:
+                    await asyncio.gather(*(c.flush_acks() for c in self.consumers))
+                    if not any(c.acks_undelivered for c in self.consumers):
                         return
                     await asyncio.sleep(0.05)  # a broker away: the next flush tries again, within the deadline
         except TimeoutError:
