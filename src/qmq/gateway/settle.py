@@ -9,6 +9,7 @@ again) or ``unknown`` (not handed out by this gateway, or long forgotten). An ac
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Final
 
 from qmq.aio import Consumer
@@ -16,6 +17,8 @@ from qmq.common.errors import QmqError
 from qmq.gateway.errors import ApiError, api_error_of, bad_request
 from qmq.gateway.payload import ACK_RECEIPTS_MAX, json_object
 from qmq.gateway.receipts import Receipts
+
+log = logging.getLogger(__name__)
 
 # How long an answer waits for the broker to record the acks; past it, 503 (the acks stay
 # pending in the SDK and go with its next flush; the client may send them again).
@@ -56,12 +59,16 @@ async def settle(recorder: AckRecorder, receipts: Receipts, raw: bytes) -> dict[
     outcomes = await asyncio.gather(*(h.message.nack() for _i, _r, h in nacked), return_exceptions=True)
     failed: QmqError | None = None
     for (i, receipt, held), outcome in zip(nacked, outcomes, strict=True):
-        if isinstance(outcome, QmqError):
-            receipts.put_back(receipt, held, held.ack_timeout_ms)  # held again; nack it again later
-            failed = outcome
+        if isinstance(outcome, BaseException):
+            # held again (never dropped: the broker would keep it unacknowledged); nack it again later,
+            # or its ack timeout gives it back
+            receipts.put_back(receipt, held, held.ack_timeout_ms)
             results[i]["status"] = "held"
-        elif isinstance(outcome, BaseException):
-            raise outcome
+            if not isinstance(outcome, QmqError):
+                log.error("nack of %s failed: %r", held.message.printable_id, outcome)
+                outcome = QmqError(f"the retry copy could not be stored: {outcome}")
+                outcome.retriable = True
+            failed = outcome
         else:
             receipts.settled(receipt, "nacked")
             results[i]["status"] = "nacked"
