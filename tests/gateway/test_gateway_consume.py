@@ -193,3 +193,22 @@ async def test_a_stopping_gateway_gives_back_what_it_held(
     [again] = await pull_until(http, pull_url, 1, 30)
     assert (again["message_id"], again["times"]) == ("held", 2)
     await post(http, f"{shared_standalone.gateway}/v1/acks", {"acks": [again["receipt"]]})
+
+
+async def test_pulls_past_receipts_max_are_throttled_until_acks_make_room(
+    shared_standalone: ReadyProcess, subject: str, group: str, http: aiohttp.ClientSession
+) -> None:
+    batch = {"messages": [{"body": str(i)} for i in range(3)]}
+    assert (await post(http, f"{shared_standalone.gateway}/v1/subjects/{subject}/messages", batch))[0] == 200
+    with running_gateway(shared_standalone.meta_server, None, "--receipts-max", "2") as gw:
+        pull_url = f"{gw.gateway}/v1/subjects/{subject}/groups/{group}/pull"
+        held = await pull_until(http, pull_url, 2, 20, start_from="earliest")
+        assert len(held) == 2
+        status, doc = await post(http, pull_url, {"timeout_ms": 0})
+        assert status == 429
+        assert doc["error"]["code"] == "TOO_MANY_UNACKED"
+        assert "receipts_max" in doc["error"]["message"]
+        await post(http, f"{gw.gateway}/v1/acks", {"acks": [m["receipt"] for m in held]})
+        [last] = await pull_until(http, pull_url, 1, 20)
+        assert last["body"] == "2"
+        await post(http, f"{gw.gateway}/v1/acks", {"acks": [last["receipt"]]})
