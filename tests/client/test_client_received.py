@@ -102,3 +102,26 @@ async def test_ack_records_the_offset_once_and_is_awaitable() -> None:
     await batch.ack_all()  # only what was not acknowledged yet
     assert tracker.take() == [[11, 12]]
     assert all(m.settled for m in batch)
+
+
+async def test_a_nack_whose_retry_copy_was_not_stored_leaves_the_message_unsettled() -> None:
+    calls: list[str] = []
+
+    async def on_nack(m: object, exc: BaseException | None) -> None:
+        calls.append(str(exc))
+        if len(calls) == 1:
+            raise ConnectionError("no broker took the retry copy")
+
+    sent = _messages(1)
+    tracker = AckTracker("broker-1", "order.paid", "billing", "order.paid", on_nack)
+    batch = Batch()
+    parse_records(_record(sent[0].encode(), 1), [(0, 1)], "order.paid", tracker, batch, ReceivedMessage)
+    [m] = batch
+    with pytest.raises(ConnectionError):
+        await m.nack(RuntimeError("first"))
+    assert not m.settled  # it can be failed again, or acked
+    await m.nack(RuntimeError("second"))
+    assert m.settled
+    assert calls == ["first", "second"]
+    await m.nack(RuntimeError("third"))  # settled: nothing more
+    assert calls == ["first", "second"]

@@ -44,6 +44,7 @@ async def drain(meta_server: str, subject: str, count: int) -> list[Any]:
     return got
 
 
+@pytest.mark.smoke
 async def test_the_standalone_ready_line_names_its_gateway_and_a_send_is_stored(
     shared_standalone: ReadyProcess, subject: str, http: aiohttp.ClientSession
 ) -> None:

@@ -119,6 +119,11 @@ class AckTracker:
     def pending(self) -> bool:
         return bool(self._offsets or self._ranges)
 
+    @property
+    def requeued(self) -> bool:
+        """Whether ranges a request failed to deliver wait for the next one."""
+        return bool(self._ranges)
+
     def take(self, ranges_max: int = ACK_RANGES_PER_REQUEST_MAX) -> list[Range]:
         """Pending acks as ranges (at most ``ranges_max``; the rest stay pending)."""
         with self._lock:

@@ -225,6 +225,7 @@ class Consumer:
         request_timeout_ms: int = DEFAULT_CONSUMER.request_timeout_ms,
         retry_pull_interval_ms: int = DEFAULT_CONSUMER.retry_pull_interval_ms,
         check_crc: bool = DEFAULT_CONSUMER.check_crc,
+        acks_with_pulls: bool = DEFAULT_CONSUMER.acks_with_pulls,
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
@@ -241,6 +242,7 @@ class Consumer:
             request_timeout_ms=request_timeout_ms,
             retry_pull_interval_ms=retry_pull_interval_ms,
             check_crc=check_crc,
+            acks_with_pulls=acks_with_pulls,
         )
         self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.consumer_id = self.options.consumer_id
@@ -253,6 +255,8 @@ class Consumer:
         self._pull_consumers: dict[tuple[str, str], PullConsumerBase] = {}
         self._listeners: list[Listener[Any]] = []
         self._warned_no_delay = False
+        # one flush of acks at a time, so a flush that returned has seen the outcome of those before it
+        self._ack_flushing = asyncio.Lock()
 
     async def start(self) -> None:
         """Ask the meta server for the brokers and start the listeners registered so far."""
@@ -595,11 +599,26 @@ class Consumer:
     async def flush_acks(self) -> None:
         """Send every pending acknowledgement now and wait until the brokers answered: an answered
         ack survives a broker failover (the broker answers once its slave has it)."""
-        await flush_acks_together(self._ctx, self._ctx.pullers)
+        async with self._ack_flushing:  # after a flush in flight: what it could not deliver goes now
+            await flush_acks_together(self._ctx, self._ctx.pullers)
+
+    @property
+    def acks_pending(self) -> bool:
+        """Whether an acknowledgement (``m.ack()``) has not reached its broker yet."""
+        return any(t.pending for p in self._ctx.pullers for t in p.trackers.values())
+
+    @property
+    def acks_undelivered(self) -> bool:
+        """Whether a flush took acknowledgements it could not deliver (a broker away, or one that
+        had not replicated them yet): they wait for the next flush. Acks made since the last
+        flush do not count, so after ``flush_acks`` returned False means every ack made before
+        it started reached its broker."""
+        return any(t.requeued for p in self._ctx.pullers for t in p.trackers.values())
 
     async def _flush_acks(self) -> None:
         try:
-            await flush_acks_together(self._ctx, self._ctx.pullers)
+            async with self._ack_flushing:
+                await flush_acks_together(self._ctx, self._ctx.pullers)
         except QmqError as exc:  # the acks stay pending, or were logged as refused
             log.debug("flushing acks: %s", exc)
         except Exception:  # a bug must not stop the flushes

@@ -160,6 +160,9 @@ class ConsumerOptions:
     retry_pull_interval_ms: int = 1_000
     # Check the CRC32C of every record received (costs well under a microsecond a KiB).
     check_crc: bool = True
+    # False: acks never ride on pulls, only flushes send them, so a flush_acks that returned
+    # delivered every ack made before it (the HTTP gateway answers acks that way).
+    acks_with_pulls: bool = True
 
     def __post_init__(self) -> None:
         if self.consumer_id:
@@ -171,6 +174,7 @@ class ConsumerOptions:
         check_int("request_timeout_ms", self.request_timeout_ms, 1, _TIMEOUT_MS_MAX)
         check_int("retry_pull_interval_ms", self.retry_pull_interval_ms, 1, _TIMEOUT_MS_MAX)
         check_bool("check_crc", self.check_crc)
+        check_bool("acks_with_pulls", self.acks_with_pulls)
 
 
 DEFAULT_CONNECT = ConnectOptions()

@@ -187,7 +187,7 @@ class SubjectPuller(Generic[M]):
             "start": self.start_from,
             **self._pull_extra,
         }
-        ranges = tracker.take()
+        ranges = tracker.take() if ctx.options.acks_with_pulls else []
         if ranges:
             header["ack"] = ranges
         try:

@@ -256,13 +256,20 @@ class ReceivedMessage(ReceivedBase):
         """Fail it: it comes back later with ``times + 1`` (after ``max_retries``, to %DEAD_RETRY%).
 
         Returns a task that finishes once the retry copy is stored and this one acknowledged.
+        When that fails (no broker took the copy) the message is unsettled again, so it can be
+        nacked again (or acked); until then the broker holds it unacknowledged.
         """
         if self._settled or self._tracker.on_nack is None:
             return ACKED
         self._settled = True
         task = asyncio.ensure_future(self._tracker.on_nack(self, exc))
         task.add_done_callback(_log_nack_failure)
+        task.add_done_callback(self._nack_done)
         return task
+
+    def _nack_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self._settled = False
 
 
 M = TypeVar("M", bound=ReceivedBase)

@@ -393,6 +393,12 @@ class GatewayConfig:
         100_000,
         _range(1, 10_000_000),
     )
+    pull_consumers: int = _opt(
+        "SDK consumers (consumer ids) the gateway pulls through: pulls of one consumer group run this many "
+        "at once",
+        4,
+        _range(1, 64),
+    )
     pull_groups_max: int = _opt(
         "most (subject, consumer group) pairs one gateway pulls for; a pull of another is answered 429",
         10_000,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,8 +38,8 @@ ACK_RECEIPTS_MAX: Final = 10_000
 CONSUMER_ID_CHARS_MAX: Final = 100
 
 _MESSAGE_KEYS: Final = frozenset({"properties", "tags", "body", "body_base64", "message_id", "delay_ms", "deliver_at"})
-# the longest delay a message may ask for: the delay server's horizon is 730 days by default
-_DELAY_MS_MAX: Final = 3650 * 86_400_000
+# the longest delay_ms taken: the delay server's horizon, 730 days by default (it refuses later)
+DELAY_MS_MAX: Final = 3650 * 86_400_000
 
 
 def parse_json(raw: bytes) -> object:
@@ -58,6 +59,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
 
 
 def _int(where: str, value: object, lo: int, hi: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has one number type: 100.0 is the whole number 100
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request("VALUE_INVALID", f"{where} = {value!r:.80} must be a whole number from {lo} to {hi}")
     if not lo <= value <= hi:
@@ -102,7 +105,7 @@ def _message(where: str, subject: str, doc: object) -> Message:
     try:
         m = Message(subject, message_id=message_id, body=body, properties=properties, tags=tags)
         if doc.get("delay_ms") is not None:
-            m.set_delay(_int(f"{where}.delay_ms", doc["delay_ms"], 0, _DELAY_MS_MAX) / 1000)
+            m.set_delay(_int(f"{where}.delay_ms", doc["delay_ms"], 0, DELAY_MS_MAX) / 1000)
         elif doc.get("deliver_at") is not None:
             m.set_deliver_at(_rfc3339(f"{where}.deliver_at", doc["deliver_at"]))
         m.encode()  # the size check of the whole message, before anything is sent
@@ -139,11 +142,15 @@ def _body(where: str, doc: Mapping[str, Any]) -> bytes | str:
     return body
 
 
+_LEAP_SECOND: Final = re.compile(r"^(.{10}T\d\d:\d\d:)60(?:\.\d+)?")
+
+
 def _rfc3339(where: str, value: object) -> datetime:
     if not isinstance(value, str):
         raise bad_request("VALUE_INVALID", f"{where} = {value!r:.80} must be an RFC 3339 time string")
     try:
-        when = datetime.fromisoformat(value)
+        # RFC 3339 allows a lower-case t and z, and a leap second (read as the second before)
+        when = datetime.fromisoformat(_LEAP_SECOND.sub(r"\g<1>59.999999", value.upper()))
     except ValueError:
         raise bad_request(
             "VALUE_INVALID", f"{where} = {value!r:.80} is not an RFC 3339 time, e.g. 2026-11-24T18:00:00Z"

@@ -26,9 +26,13 @@ from qmq.aio import Consumer, Producer
 from qmq.common.config import GatewayConfig
 from qmq.common.errors import ConfigError, QmqError
 from qmq.gateway import routes
+from qmq.gateway.admin import Admin
 from qmq.gateway.errors import ApiError, api_error_of
 from qmq.gateway.payload import REQUEST_BYTES_MAX
+from qmq.gateway.pulls import Pulls
+from qmq.gateway.receipts import Receipts
 from qmq.gateway.services import BackgroundService, background_services
+from qmq.gateway.settle import AckRecorder
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,24 @@ class Gateway:
         if not config.meta_server:
             raise ConfigError("the gateway needs --meta-server URL (as printed by `qmq ready`)")
         self.config = config
-        # one consumer id per gateway process: the broker keeps one pull log for it
-        self.consumer_id = f"gateway-{socket.gethostname()[:40]}-{os.getpid()}"
+        # a few consumer ids per gateway process (the broker keeps a pull log for each), so several
+        # pulls of one group run at once
+        prefix = f"gateway-{socket.gethostname()[:40]}-{os.getpid()}"
         self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server)
-        self.consumer = Consumer(app_code=config.app_code, meta_server=config.meta_server, consumer_id=self.consumer_id)
+        # acks are sent by flushes only, so POST /v1/acks is answered once a flush delivered them
+        self.consumers = [
+            Consumer(
+                app_code=config.app_code,
+                meta_server=config.meta_server,
+                consumer_id=f"{prefix}-{i}",
+                acks_with_pulls=False,
+            )
+            for i in range(config.pull_consumers)
+        ]
+        self.receipts = Receipts(config.receipts_max)
+        self.pulls = Pulls(self.consumers, self.receipts, config.ack_timeout_ms, config.pull_groups_max)
+        self.admin = Admin(config.meta_server)
+        self.acks = AckRecorder(self.consumers)
 
 
 @web.middleware
@@ -110,7 +128,9 @@ class GatewayServer:
         g = self.gateway
         try:
             await g.producer.start()
-            await g.consumer.start()
+            for consumer in g.consumers:
+                await consumer.start()
+            await g.admin.start()
         except QmqError as exc:
             raise GatewayStartupError(f"cannot reach the meta server {self.config.meta_server}: {exc}") from None
         self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.config.shutdown_grace_ms / 1000)
@@ -141,7 +161,9 @@ class GatewayServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        await self.gateway.consumer.close()
+        await self.gateway.admin.stop()
+        for consumer in self.gateway.consumers:
+            await consumer.close()
         await self.gateway.producer.close()
 
 

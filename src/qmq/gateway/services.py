@@ -28,10 +28,11 @@ def background_services(gateway: Gateway) -> list[BackgroundService]:
     """The services of ``gateway``, in start order."""
     config = gateway.config
     return [
+        gateway.receipts,
         PushService(
             config.meta_server,
             app_code=config.app_code,
             lease_ms=config.push_lease_ms,
             held_max=config.push_subscriptions_max,
-        )
+        ),
     ]

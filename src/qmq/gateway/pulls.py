@@ -1,0 +1,141 @@
+"""``POST /v1/subjects/{subject}/groups/{group}/pull``: a long poll through the SDK's pull
+consumer, each message handed out under a receipt and an ack timeout (``qmq.gateway.receipts``).
+
+One gateway is a few consumer ids (``pull_consumers``) of every group it pulls for, so that
+many pulls of one group run at once (the SDK makes one pull at a time per consumer); the HTTP
+clients of a group share them, and a message goes to one of them. The ``consumer_id`` a client
+names is kept for the log; the broker sees the gateway.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from typing import Any
+
+from qmq.aio import Consumer, PullConsumer, ReceivedMessage
+from qmq.client.options import check_start_from
+from qmq.common.errors import ConfigError, QmqError
+from qmq.gateway.errors import ApiError, bad_request
+from qmq.gateway.payload import (
+    ACK_TIMEOUT_MS_MAX,
+    ACK_TIMEOUT_MS_MIN,
+    CONSUMER_ID_CHARS_MAX,
+    PULL_MESSAGES_MAX,
+    PULL_TIMEOUT_MS_MAX,
+    json_object,
+    optional_int,
+)
+from qmq.gateway.receipts import Receipts
+
+log = logging.getLogger(__name__)
+
+PULL_MESSAGES_DEFAULT = 10
+PULL_TIMEOUT_MS_DEFAULT = 1_000
+_PULL_KEYS = frozenset({"max_messages", "timeout_ms", "consumer_id", "ack_timeout_ms", "start_from"})
+
+
+def message_json(m: ReceivedMessage, receipt: str) -> dict[str, Any]:
+    """A pulled message as JSON: ``body`` when its bytes are UTF-8 text, else ``body_base64``;
+    a bytes property as base64 text."""
+    out: dict[str, Any] = {
+        "message_id": m.message_id,
+        "subject": m.subject,
+        "properties": {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in m.properties.items()},
+        "tags": list(m.tags),
+        "times": m.times,
+        "receipt": receipt,
+    }
+    body = m.body
+    try:
+        out["body"] = body.decode("utf-8")
+    except UnicodeDecodeError:
+        out["body_base64"] = base64.b64encode(body).decode()
+    return out
+
+
+class _Lanes:
+    """The pull consumers of one (subject, consumer group), one per SDK consumer, and how many
+    pulls each is making."""
+
+    def __init__(self, consumers: list[PullConsumer]) -> None:
+        self.consumers = consumers
+        self.busy = [0] * len(consumers)
+
+    def least_busy(self) -> int:
+        return min(range(len(self.busy)), key=self.busy.__getitem__)
+
+
+class Pulls:
+    """The pull consumers of one gateway, per (subject, consumer group), made on first use."""
+
+    def __init__(self, consumers: list[Consumer], receipts: Receipts, ack_timeout_ms: int, groups_max: int) -> None:
+        self.consumers = consumers
+        self.receipts = receipts
+        self.ack_timeout_ms = ack_timeout_ms
+        self.groups_max = groups_max
+        self._lanes: dict[tuple[str, str], _Lanes] = {}
+
+    def _lanes_of(self, subject: str, group: str, start_from: object) -> _Lanes:
+        lanes = self._lanes.get((subject, group))
+        if lanes is not None:
+            return lanes  # where a group starts matters only to its first pull
+        if len(self._lanes) >= self.groups_max:
+            raise ApiError(
+                429,
+                "TOO_MANY_GROUPS",
+                f"this gateway pulls for {self.groups_max} (subject, consumer group) pairs already, its "
+                "pull_groups_max; pull through another gateway or raise it",
+            )
+        try:
+            start = check_start_from(start_from)
+            lanes = _Lanes([c.pull_consumer(subject, group, start) for c in self.consumers])
+        except ConfigError as exc:
+            raise bad_request("VALUE_INVALID", str(exc)) from None
+        self._lanes[(subject, group)] = lanes
+        return lanes
+
+    async def pull(self, subject: str, group: str, raw: bytes) -> dict[str, Any]:
+        doc = json_object(raw) if raw.strip() else {}
+        unknown = sorted(set(doc) - _PULL_KEYS)
+        if unknown:
+            raise bad_request(
+                "BODY_INVALID", f"unknown key(s) {', '.join(unknown)}; a pull takes {', '.join(sorted(_PULL_KEYS))}"
+            )
+        max_messages = optional_int(doc, "max_messages", PULL_MESSAGES_DEFAULT, 1, PULL_MESSAGES_MAX)
+        timeout_ms = optional_int(doc, "timeout_ms", PULL_TIMEOUT_MS_DEFAULT, 0, PULL_TIMEOUT_MS_MAX)
+        ack_timeout_ms = optional_int(
+            doc, "ack_timeout_ms", self.ack_timeout_ms, ACK_TIMEOUT_MS_MIN, ACK_TIMEOUT_MS_MAX
+        )
+        consumer_id = doc.get("consumer_id", "")
+        if not isinstance(consumer_id, str) or len(consumer_id) > CONSUMER_ID_CHARS_MAX:
+            raise bad_request(
+                "VALUE_INVALID",
+                f"consumer_id = {consumer_id!r:.80} must be a string of at most {CONSUMER_ID_CHARS_MAX}",
+            )
+        room = self.receipts.room()
+        if room == 0:
+            raise ApiError(
+                429,
+                "TOO_MANY_UNACKED",
+                f"this gateway holds {self.receipts.receipts_max} pulled messages not yet acked (its receipts_max); "
+                "ack or nack some, or wait for their ack timeout",
+            )
+        lanes = self._lanes_of(subject, group, doc.get("start_from", "latest"))
+        lane = lanes.least_busy()
+        lanes.busy[lane] += 1
+        try:
+            batch = await lanes.consumers[lane].pull(min(max_messages, room), timeout_ms)
+        finally:
+            lanes.busy[lane] -= 1
+        out: list[dict[str, Any]] = []
+        for m in batch:
+            problem = m.unreadable()
+            if problem is not None:
+                log.warning("message %s of %r cannot be read (%s); dead-lettered", m.printable_id, subject, problem)
+                await m.nack(QmqError(problem))  # the SDK dead-letters an unreadable message at once
+                continue
+            out.append(message_json(m, self.receipts.hold(m, group, ack_timeout_ms)))
+        if batch and consumer_id:
+            log.debug("%d message(s) of %r/%s to consumer %r", len(out), subject, group, consumer_id)
+        return {"messages": out}

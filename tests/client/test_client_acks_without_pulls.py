@@ -1,0 +1,46 @@
+"""A consumer made with acks_with_pulls=False (the HTTP gateway's): acks never ride on a pull,
+so a flush_acks that returned has delivered every ack made before it; against a real broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from qmq.aio import Consumer, Message, Producer
+
+pytestmark = [pytest.mark.integration]
+
+
+async def _send(meta_server: str, subject: str, n: int) -> None:
+    async with Producer(app_code="test", meta_server=meta_server) as producer:
+        for i in range(n):
+            await producer.send(Message(subject, body=f"m{i}".encode()))
+
+
+@pytest.mark.parametrize("with_pulls", [True, False])
+async def test_acks_go_with_pulls_only_when_asked(meta_server: str, subject: str, with_pulls: bool) -> None:
+    await _send(meta_server, subject, 3)
+    async with Consumer(
+        app_code="test", meta_server=meta_server, acks_with_pulls=with_pulls, ack_flush_ms=60_000
+    ) as consumer:
+        pc = consumer.pull_consumer(subject, "g", "earliest")
+        got = []
+        for _ in range(50):
+            batch = await pc.pull(10, 200)
+            got += batch
+            if len(got) == 3:
+                break
+        for m in got:
+            m.ack()
+        assert consumer.acks_pending
+        await pc.pull(10, 0)  # nothing left to pull; a pull would carry the acks
+        assert consumer.acks_pending is not with_pulls
+        await consumer.flush_acks()
+        assert not consumer.acks_pending
+        assert not consumer.acks_undelivered
+
+
+async def test_acks_with_pulls_must_be_a_bool(meta_server: str) -> None:
+    from qmq.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="acks_with_pulls"):
+        Consumer(app_code="test", meta_server=meta_server, acks_with_pulls="no")  # type: ignore[arg-type]
