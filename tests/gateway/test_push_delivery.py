@@ -60,6 +60,7 @@ async def _dead_letters(meta_server: str, subject: str, group: str) -> int:
     return sum(h["total"] for h in answers.values() if isinstance(h, dict))
 
 
+@pytest.mark.smoke
 async def test_delivers_with_every_header_and_a_signature_the_receiver_verifies(meta_server: str, subject: str) -> None:
     group = _group()
     async with running_receiver() as rx:
