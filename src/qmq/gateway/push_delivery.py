@@ -17,7 +17,7 @@ A delivery (``Content-Type: application/json``)::
     X-Qmq-Message-Id, X-Qmq-Subject, X-Qmq-Group, X-Qmq-Attempt (1 for a first delivery)
     X-Qmq-Signature: sha256=<lowercase hex HMAC-SHA256 of the request body, keyed by the secret>
     ce-specversion: 1.0, ce-id (the message id), ce-source (/qmq/subjects/<subject>),
-    ce-type (io.qmq.message), ce-time (RFC 3339, when the message was created), ce-subject (the group)
+    ce-type (io.qmq.message), ce-time (RFC 3339, when the message was created)
 
 A bytes property is sent as ``{"base64": "..."}`` so every property fits in JSON.
 """
@@ -109,7 +109,6 @@ def delivery_headers(sub: PushSubscription, m: ReceivedMessage, body: bytes) -> 
         "ce-source": f"/qmq/subjects/{subject}",
         "ce-type": CE_TYPE,
         "ce-time": _rfc3339(m.created_ms),
-        "ce-subject": quote(sub.group, safe=""),
     }
     if sub.secret:
         headers["X-Qmq-Signature"] = signature(sub.secret, body)
