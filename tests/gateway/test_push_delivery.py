@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
+from cloudevents.core.bindings import http as cloudevents_http
 from pushhelpers import Delivery, push_add, qmq_push, remove_every_subscription, running_receiver, wait_settled
 
 from qmq.aio import Producer
@@ -103,6 +104,14 @@ async def test_delivers_with_every_header_and_a_signature_the_receiver_verifies(
         "tags": ["vip"],
         "body": '{"order": 42, "name": "caf\u00e9"}',
     }
+    # a CloudEvents SDK reads the delivery as an event, its data the JSON document
+    event = cloudevents_http.from_http_event(cloudevents_http.HTTPMessage(d.headers, d.body))
+    assert (event.get_specversion(), event.get_id(), event.get_type()) == ("1.0", m.message_id, "io.qmq.message")
+    assert event.get_source() == f"/qmq/subjects/{subject}"
+    time_ = event.get_time()
+    assert time_ is not None
+    assert time_.timestamp() * 1000 == pytest.approx(m.created_ms, abs=1)
+    assert event.get_data() == d.doc
     assert by_id[binary.message_id].doc["body_base64"] == base64.b64encode(b"\xff\xfe\x00").decode()
     assert "body" not in by_id[binary.message_id].doc
 
