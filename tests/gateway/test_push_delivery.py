@@ -301,6 +301,7 @@ async def test_a_gateway_stops_a_subscription_removed_or_taken(meta_server: str,
         try:
             for _ in range(3):  # the standalone's gateway holds it, or this one does: never both
                 await service.renew()
+                await service.settle()
                 listed = json.loads(qmq_push("list", "--json", meta_server=meta_server).stdout)
                 (mine,) = [s for s in listed["subscriptions"] if s["subject"] == subject]
                 assert ((subject, group) in service.runners) == (mine["owner"] == service.owner)
