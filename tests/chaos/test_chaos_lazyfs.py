@@ -24,9 +24,7 @@ def lazy(tmp_path: Path) -> Iterator[tuple[Path, Path, subprocess.Popen[bytes]]]
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-m", "chaos.lazyfs", str(backing), str(mount)],
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 20
     while not os.path.ismount(mount):
