@@ -176,12 +176,12 @@ async def test_an_answer_later_than_the_timeout_is_a_failure(meta_server: str, s
 
     async def slow_first(d: Delivery) -> int:
         if d.headers["x-qmq-attempt"] == "1":
-            await asyncio.sleep(2)  # an endpoint slower than --timeout-ms 300
+            await asyncio.sleep(5)  # an endpoint slower than --timeout-ms 1500
             first_answered.set()
         return 200
 
     async with running_receiver(slow_first) as rx:
-        push_add(subject, group, rx.url, "--timeout-ms", "300", "--retry-backoff", "0", meta_server=meta_server)
+        push_add(subject, group, rx.url, "--timeout-ms", "1500", "--retry-backoff", "0", meta_server=meta_server)
         (message_id,) = await _send(meta_server, subject, 1)
         await rx.wait_until("a second attempt", lambda: any(d.headers["x-qmq-attempt"] == "2" for d in rx.ok()))
         await asyncio.wait_for(first_answered.wait(), 30)
