@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
+from cloudevents.core.bindings import http as cloudevents_http
 from pushhelpers import Delivery, push_add, qmq_push, remove_every_subscription, running_receiver, wait_settled
 
 from qmq.aio import Producer
@@ -60,6 +61,7 @@ async def _dead_letters(meta_server: str, subject: str, group: str) -> int:
     return sum(h["total"] for h in answers.values() if isinstance(h, dict))
 
 
+@pytest.mark.smoke
 async def test_delivers_with_every_header_and_a_signature_the_receiver_verifies(meta_server: str, subject: str) -> None:
     group = _group()
     async with running_receiver() as rx:
@@ -102,6 +104,14 @@ async def test_delivers_with_every_header_and_a_signature_the_receiver_verifies(
         "tags": ["vip"],
         "body": '{"order": 42, "name": "caf\u00e9"}',
     }
+    # a CloudEvents SDK reads the delivery as an event, its data the JSON document
+    event = cloudevents_http.from_http_event(cloudevents_http.HTTPMessage(d.headers, d.body))
+    assert (event.get_specversion(), event.get_id(), event.get_type()) == ("1.0", m.message_id, "io.qmq.message")
+    assert event.get_source() == f"/qmq/subjects/{subject}"
+    time_ = event.get_time()
+    assert time_ is not None
+    assert time_.timestamp() * 1000 == pytest.approx(m.created_ms, abs=1)
+    assert event.get_data() == d.doc
     assert by_id[binary.message_id].doc["body_base64"] == base64.b64encode(b"\xff\xfe\x00").decode()
     assert "body" not in by_id[binary.message_id].doc
 
@@ -166,12 +176,12 @@ async def test_an_answer_later_than_the_timeout_is_a_failure(meta_server: str, s
 
     async def slow_first(d: Delivery) -> int:
         if d.headers["x-qmq-attempt"] == "1":
-            await asyncio.sleep(2)  # an endpoint slower than --timeout-ms 300
+            await asyncio.sleep(5)  # an endpoint slower than --timeout-ms 1500
             first_answered.set()
         return 200
 
     async with running_receiver(slow_first) as rx:
-        push_add(subject, group, rx.url, "--timeout-ms", "300", "--retry-backoff", "0", meta_server=meta_server)
+        push_add(subject, group, rx.url, "--timeout-ms", "1500", "--retry-backoff", "0", meta_server=meta_server)
         (message_id,) = await _send(meta_server, subject, 1)
         await rx.wait_until("a second attempt", lambda: any(d.headers["x-qmq-attempt"] == "2" for d in rx.ok()))
         await asyncio.wait_for(first_answered.wait(), 30)
@@ -291,6 +301,7 @@ async def test_a_gateway_stops_a_subscription_removed_or_taken(meta_server: str,
         try:
             for _ in range(3):  # the standalone's gateway holds it, or this one does: never both
                 await service.renew()
+                await service.settle()
                 listed = json.loads(qmq_push("list", "--json", meta_server=meta_server).stdout)
                 (mine,) = [s for s in listed["subscriptions"] if s["subject"] == subject]
                 assert ((subject, group) in service.runners) == (mine["owner"] == service.owner)

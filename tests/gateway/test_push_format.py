@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from qmq.gateway.push_delivery import signature
+from qmq.gateway.push_delivery import header_text, signature
 from qmq.protocol.push import PushFieldError, PushSubscription, parse_subscription, subscription_json
 
 
@@ -38,3 +38,8 @@ def test_a_bad_url_is_named(url: str, words: str) -> None:
     with pytest.raises(PushFieldError, match=words) as info:
         parse_subscription({"subject": "s", "group": "g", "url": url})
     assert info.value.field == "url"
+
+
+def test_header_values_are_percent_encoded_as_the_cloudevents_binding_does() -> None:
+    assert header_text("orders.v1:eu+x@y") == "orders.v1:eu+x@y"  # printable ASCII as it is
+    assert header_text('caf\u00e9 "50%"') == "caf%C3%A9%20%2250%25%22"

@@ -20,6 +20,7 @@ import click
 from rich.table import Table
 
 from qmq.cli.admin import ask_each, is_never_pulled
+from qmq.cli.auth_commands import cli_authorization, cli_credentials
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.main import CommandError, cli
 from qmq.cli.output import echo_json, json_option, print_table, stdout_console
@@ -62,10 +63,12 @@ def _backoff_ms(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 async def _meta_request(method: str, url: str, body: object = None, params: dict[str, str] | None = None) -> Any:
     """The JSON answer of one meta server request; CommandError with the meta server's words when refused."""
+    authorization = cli_authorization()
+    headers = {"Authorization": authorization} if authorization is not None else {}
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_MS / 1000)) as http,
-            http.request(method, url, json=body, params=params) as answer,
+            http.request(method, url, json=body, params=params, headers=headers) as answer,
         ):
             doc = await answer.json(content_type=None)
             if answer.status >= 400:
@@ -80,7 +83,7 @@ async def fix_start(meta_server: str, subject: str, group: str) -> list[str]:
     """Create ``group`` at the latest message of ``subject`` on every broker group of its route
     where the group has never pulled; the broker groups where it was created. CommandError when a
     broker group of the route is unavailable (the start could not be fixed there)."""
-    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS)
+    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS, authorization=cli_authorization())
     await meta.start()
     try:
         route = await meta.resolve(subject)
@@ -95,7 +98,11 @@ async def fix_start(meta_server: str, subject: str, group: str) -> list[str]:
             f"broker group(s) {', '.join(missing)} of subject {subject!r} are unavailable, so where group "
             f"{group!r} starts cannot be fixed there; add the subscription when they are back, or with --from earliest"
         )
-    conns = {name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS) for name, g in sorted(available.items())}
+    credentials = cli_credentials()
+    conns = {
+        name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS, credentials=credentials)
+        for name, g in sorted(available.items())
+    }
     try:
         header = {"subject": subject, "group": group}
         new = []

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from qmq.client.options import META_ADDRESS_PATH, check_url
+from qmq.client.options import META_ADDRESS_PATH, ConnectOptions, authorization_of, check_url, secret_of
 from qmq.common.errors import QmqError
 from qmq.gateway.push_delivery import PushRunner
 from qmq.protocol.push import PushFieldError, PushSubscription, parse_subscription
@@ -79,6 +79,11 @@ class PushService:
         # the consumer's close timeout), longer than a renewal may wait. A subscription is not
         # started again here while its previous runner is still stopping.
         self._stopping: dict[tuple[str, str], asyncio.Task[None]] = {}
+        # Runners being started, in the background too (a consumer's start asks the meta server
+        # and may take its timeout); one keeps running only if it is still held when it is up.
+        self._starting: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._held: dict[tuple[str, str], tuple[PushSubscription, int]] = {}
+        self._closing = False
         self._http: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._valid_until = 0.0
@@ -97,16 +102,24 @@ class PushService:
         if self.held_max == 0:
             log.info("push: this gateway runs no push subscription (push_subscriptions_max = 0)")
             return
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.lease_ms / _ASKS_PER_LEASE / 1000))
+        # the gateway's app, as its SDK clients authenticate: $QMQ_SECRET (a meta server with an
+        # auth file hands push leases to the cluster's servers only)
+        authorization = authorization_of(self._app_code, ConnectOptions(secret=secret_of(None)))
+        self._http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.lease_ms / _ASKS_PER_LEASE / 1000),
+            headers={"Authorization": authorization} if authorization is not None else None,
+        )
         await self.renew()
         self._task = asyncio.get_running_loop().create_task(self._renew_forever())
 
     async def stop(self) -> None:
         """Stop every runner (deliveries in flight finish, acks are sent), then give up the leases."""
+        self._closing = True
         if self._task is not None:
             task, self._task = self._task, None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*self._starting.values(), return_exceptions=True)
         self._stop_runners(list(self.runners))
         await asyncio.gather(*self._stopping.values(), return_exceptions=True)
         http, self._http = self._http, None
@@ -121,10 +134,19 @@ class PushService:
         finally:
             await http.close()
 
+    async def settle(self) -> None:
+        """Wait until the runners being started are up (or failed): ``runners`` is then what runs."""
+        await asyncio.gather(*self._starting.values(), return_exceptions=True)
+
     async def _renew_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         period_s = self.lease_ms / _ASKS_PER_LEASE / 1000
+        next_s = loop.time() + period_s
         while True:
-            await asyncio.sleep(period_s)  # the lease renewal period, not a wait for readiness
+            # one ask a period, counted from the start of the last: a slow answer must not push
+            # the next past the lease's expiry
+            await asyncio.sleep(max(0.0, next_s - loop.time()))  # the renewal period, not a readiness wait
+            next_s = loop.time() + period_s
             try:
                 await self.renew()
             except Exception:  # a bug must not end the renewals (the leases would lapse unseen)
@@ -150,6 +172,7 @@ class PushService:
                     "push leases: asking the meta server %s failed %d time(s): %s", self.meta_url, self._failures, exc
                 )
             if self.runners and loop.time() >= self._valid_until:
+                self._held = {}
                 log.warning(
                     "push leases ran out unrenewed; stopping %d subscription(s) (another gateway may hold them)",
                     len(self.runners),
@@ -191,12 +214,18 @@ class PushService:
             if errors:
                 log.error("push subscription %s / %s stopped delivering (%s); starting it again", *key, errors[0])
         self._stop_runners(gone)
-        starts = [
-            (sub, generation)
-            for key, (sub, generation) in held.items()
-            if key not in self.runners and key not in self._stopping
-        ]
-        await asyncio.gather(*(self._start_runner(sub, generation) for sub, generation in starts))
+        self._held = held
+        loop = asyncio.get_running_loop()
+        for key, (sub, generation) in held.items():
+            if key in self.runners or key in self._stopping or key in self._starting:
+                continue
+            task = loop.create_task(self._start_runner(sub, generation))
+            self._starting[key] = task
+            task.add_done_callback(functools.partial(self._started, key))
+
+    def _started(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        if self._starting.get(key) is task:
+            del self._starting[key]
 
     async def _start_runner(self, sub: PushSubscription, generation: int) -> None:
         runner = self._make_runner(sub, generation)
@@ -213,6 +242,9 @@ class PushService:
             )
             return
         self.runners[sub.key] = runner
+        if self._closing or self._held.get(sub.key) != (sub, generation):
+            self._stop_runners([sub.key])  # lost, changed or stopping while it started
+            return
         log.info("push subscription %s / %s -> %s runs here (lease %d)", sub.subject, sub.group, sub.url, generation)
 
     def _stop_runners(self, keys: list[tuple[str, str]]) -> None:

@@ -17,7 +17,7 @@ A delivery (``Content-Type: application/json``)::
     X-Qmq-Message-Id, X-Qmq-Subject, X-Qmq-Group, X-Qmq-Attempt (1 for a first delivery)
     X-Qmq-Signature: sha256=<lowercase hex HMAC-SHA256 of the request body, keyed by the secret>
     ce-specversion: 1.0, ce-id (the message id), ce-source (/qmq/subjects/<subject>),
-    ce-type (io.qmq.message), ce-time (RFC 3339, when the message was created), ce-subject (the group)
+    ce-type (io.qmq.message), ce-time (RFC 3339, when the message was created)
 
 A bytes property is sent as ``{"base64": "..."}`` so every property fits in JSON.
 """
@@ -52,6 +52,9 @@ _PREFETCH_PER_SLOT: Final = 2
 _PREFETCH_MIN: Final = 16
 # An answer's body is not used; this much is read so the connection can be kept alive.
 _ANSWER_BYTES_READ_MAX: Final = 64 * 1024
+# What a header value carries as it is, by the CloudEvents HTTP binding: printable ASCII but
+# space, '"' and '%'; anything else is percent-encoded (UTF-8).
+_HEADER_SAFE: Final = "".join(c for c in map(chr, range(0x21, 0x7F)) if c not in ' "%')
 
 
 class PushDeliveryError(QmqError):
@@ -94,22 +97,27 @@ def delivery_body(m: ReceivedMessage, group: str) -> bytes:
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+def header_text(value: str) -> str:
+    """``value`` as a header value: printable ASCII as it is, but space, '"' and '%' and anything
+    else percent-encoded, as the CloudEvents HTTP binding does."""
+    return quote(value, safe=_HEADER_SAFE)
+
+
 def delivery_headers(sub: PushSubscription, m: ReceivedMessage, body: bytes) -> dict[str, str]:
-    """The headers of ``m``'s delivery; header values are made of ASCII (names are percent-encoded)."""
-    message_id = quote(m.message_id, safe="")
-    subject = quote(m.subject, safe="")
+    """The headers of ``m``'s delivery (``header_text`` for ids and names)."""
+    message_id = header_text(m.message_id)
+    subject = header_text(m.subject)
     headers = {
         "Content-Type": "application/json",
         "X-Qmq-Message-Id": message_id,
         "X-Qmq-Subject": subject,
-        "X-Qmq-Group": quote(sub.group, safe=""),
+        "X-Qmq-Group": header_text(sub.group),
         "X-Qmq-Attempt": str(m.times),
         "ce-specversion": "1.0",
         "ce-id": message_id,
         "ce-source": f"/qmq/subjects/{subject}",
         "ce-type": CE_TYPE,
         "ce-time": _rfc3339(m.created_ms),
-        "ce-subject": quote(sub.group, safe=""),
     }
     if sub.secret:
         headers["X-Qmq-Signature"] = signature(sub.secret, body)

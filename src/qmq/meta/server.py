@@ -50,6 +50,8 @@ from qmq.meta.payload import (
     parse_registration,
     parse_subjects,
 )
+from qmq.meta.push_http import LEASE_PATH as PUSH_LEASE_PATH
+from qmq.meta.push_http import RELEASE_PATH as PUSH_RELEASE_PATH
 from qmq.meta.push_http import PushApi
 from qmq.meta.push_store import PushStore
 from qmq.meta.registry import (
@@ -463,12 +465,13 @@ class MetaServer:
 
 def _needs(request: web.Request) -> Need:
     """What a request needs its app to be allowed, with an auth file: registration (and its
-    heartbeats) only the cluster's own servers; promotion and any other change an admin; reading
+    heartbeats, and the push leases of gateways, which carry the subscriptions' secrets) only the
+    cluster's own servers; promotion and any other change an admin; reading
     any known app; /health nobody."""
     path = request.path
     if path == "/health":
         return "open"
-    if path == REGISTER_PATH:
+    if path in (REGISTER_PATH, PUSH_LEASE_PATH, PUSH_RELEASE_PATH):
         return Action.CLUSTER
     if request.method in ("GET", "HEAD") and path != PROMOTE_PATH:
         return "authenticated"
