@@ -6,10 +6,13 @@ and are refused with UNKNOWN_COMMAND saying so."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from concurrent.futures import Executor
 from typing import Protocol
 
 from qmq.common.config import DelayConfig
+from qmq.delay.cancel import Written
 from qmq.delay.dispatcher import Dispatcher
 from qmq.delay.listing import LIST_ITEMS_MAX, list_pending
 from qmq.delay.metrics import DelayMetrics
@@ -50,6 +53,11 @@ class DelayContext(RoleContext, Protocol):
     def dispatcher(self) -> Dispatcher | None: ...
     @property
     def disk_error(self) -> BaseException | None: ...
+    @property
+    def checkpoint_executor(self) -> Executor:
+        """The worker thread of checkpoints, background fsyncs and a cancel's search."""
+        ...
+
     @property
     def unflushed(self) -> deque[tuple[int, Rows]]:
         """Timer rows of sends waiting for their fsync, by write-ahead log end offset (sync policy)."""
@@ -142,17 +150,40 @@ class Handlers(RoleHandlers):
 
     def cancel_delay(self, conn: Responder, frame: Frame) -> None:
         """``{"message_id"}`` → ``{"cancelled": bool, "copies": n}``: whether pending messages
-        with that id were stopped (all of a repeating message's copies still pending)."""
+        with that id were stopped (all of a repeating message's copies still pending). What the
+        buckets have written is searched on the checkpoint thread (cancel.py), so a large
+        backlog never holds up the loop; the rest, and the decision, on the loop."""
+        if self._refused(conn, frame):
+            return
+        message_id = get_str(frame.header, "message_id", max_chars=self.limits.message_id_chars_max)
+        server, store = self.server, self.store
+        code, request_id = frame.code, frame.request_id
+        job = store.cancel_search(message_id)
+        try:
+            searched = asyncio.get_running_loop().run_in_executor(server.checkpoint_executor, job)
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            conn.respond(code, request_id, {"error": "the delay server is shutting down"}, status=Status.SHUTTING_DOWN)
+            return
+
+        def found(done: asyncio.Future[dict[int, Written]]) -> None:
+            # re-checked: the server may have begun to stop meanwhile
+            if done.cancelled() or self._refused(conn, frame):
+                return
+            written = done.result()  # an OSError is answered as the request's failure
+            stopped = self.storing(lambda: store.cancel(message_id, server.scheduler, written))
+            self._answer_cancel(conn, code, request_id, stopped)
+
+        searched.add_done_callback(guarded(conn, code, request_id, found))
+
+    def _refused(self, conn: Responder, frame: Frame) -> bool:
         refusal = self.refusal()
         if refusal is not None:
             conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
-            return
-        id_max = self.limits.message_id_chars_max
-        message_id = get_str(frame.header, "message_id", max_chars=id_max)
+        return refusal is not None
+
+    def _answer_cancel(self, conn: Responder, code: int, request_id: int, stopped: int) -> None:
         server, store = self.server, self.store
-        stopped = self.storing(lambda: store.cancel(message_id, server.scheduler))
         answer = {"cancelled": stopped > 0, "copies": stopped}
-        code, request_id = frame.code, frame.request_id
         if not stopped or not store.sync_policy:
             self.metrics.cancelled.inc(stopped)
             conn.respond(code, request_id, answer)
