@@ -281,14 +281,7 @@ class Bucket:
 
     def read_dispatched(self) -> npt.NDArray[np.uint32]:
         """The entry numbers the dispatch log holds (whole entries only)."""
-        path = self.directory / DISPATCH
-        try:
-            size = path.stat().st_size
-            entries = np.empty(size // DISPATCH_ENTRY_BYTES, dtype=DISPATCH_DTYPE)
-            got = fileio.read_into(path, entries.view(np.uint8).data)
-        except FileNotFoundError:
-            return np.empty(0, dtype=DISPATCH_DTYPE)
-        return entries[: got // DISPATCH_ENTRY_BYTES]
+        return read_dispatched(self.directory / DISPATCH)
 
     def rewrite_dispatch(self, entries: npt.NDArray[np.uint32]) -> None:
         """Replace the dispatch log (recovery: drop entries of messages that are no longer there)."""
@@ -387,6 +380,17 @@ class Bucket:
             fileio.unlink(path, missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             fileio.rmdir(self.directory)
+
+
+def read_dispatched(path: Path) -> npt.NDArray[np.uint32]:
+    """The entry numbers a dispatch log holds (whole entries only; none when there is none yet)."""
+    try:
+        size = path.stat().st_size
+        entries = np.empty(size // DISPATCH_ENTRY_BYTES, dtype=DISPATCH_DTYPE)
+        got = fileio.read_into(path, entries.view(np.uint8).data)
+    except FileNotFoundError:
+        return np.empty(0, dtype=DISPATCH_DTYPE)
+    return entries[: got // DISPATCH_ENTRY_BYTES]
 
 
 def find_written(directory: Path, entries: int, message_id: bytes, from_entry: int = 0) -> list[int]:

@@ -7,6 +7,7 @@ and are refused with UNKNOWN_COMMAND saying so."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from concurrent.futures import Executor
 from typing import Protocol
@@ -14,12 +15,12 @@ from typing import Protocol
 from qmq.common.config import DelayConfig
 from qmq.delay.cancel import Written
 from qmq.delay.dispatcher import Dispatcher
-from qmq.delay.listing import LIST_ITEMS_MAX, list_pending
+from qmq.delay.listing import LIST_ITEMS_MAX, buckets_to_list, list_pending
 from qmq.delay.metrics import DelayMetrics
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
-from qmq.protocol.answers import encode_answer
+from qmq.protocol.answers import Page, encode_answer
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
@@ -28,7 +29,6 @@ from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replies import guarded
 from qmq.serving.requests import BadRequest, get_int, get_str
 from qmq.store import fileio
-from qmq.store.datadir import StoreError
 
 STATS_BUCKETS_DEFAULT = 100
 # Every bucket of the default horizon (730 days of one-hour buckets: 17,520). A bucket row is
@@ -214,17 +214,26 @@ class Handlers(RoleHandlers):
                 f"'after' = {after!r:.200} is not a DELAY_LIST cursor; pass back the 'next' of the last page"
             )
         store = self.store
-        store.flush_deferred()  # messages of far buckets waiting for the flush are listed too
+        code, request_id = frame.code, frame.request_id
+        store.flush_buffers()  # what the buckets hold, far ones' waiting messages too, is read from their files
+        buckets = buckets_to_list(list(store.iter_buckets()), store.bucket_ms, from_ms, to_ms)
+        job = functools.partial(list_pending, buckets, subject.encode("utf-8"), from_ms, to_ms, limit, after)
         try:
-            page, following = list_pending(
-                list(store.iter_buckets()), store.bucket_ms, subject.encode("utf-8"), from_ms, to_ms, limit, after
-            )
-        except OSError as exc:
-            raise StoreError(f"cannot read the schedule logs to list pending messages: {exc}") from exc
-        fields: dict[str, object] = {"subject": subject}
-        if following is not None:
-            fields["next"] = following
-        conn.respond(frame.code, frame.request_id, None, (encode_answer(fields, {"messages": page.items}),))
+            listed = asyncio.get_running_loop().run_in_executor(self.server.checkpoint_executor, job)
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            conn.respond(code, request_id, {"error": "the delay server is shutting down"}, status=Status.SHUTTING_DOWN)
+            return
+
+        def answer(done: asyncio.Future[tuple[Page, list[int] | None]]) -> None:
+            if done.cancelled():
+                return
+            page, following = done.result()  # an OSError is answered as the request's failure
+            fields: dict[str, object] = {"subject": subject}
+            if following is not None:
+                fields["next"] = following
+            conn.respond(code, request_id, None, (encode_answer(fields, {"messages": page.items}),))
+
+        listed.add_done_callback(guarded(conn, code, request_id, answer))
 
     def delay_stats(self, conn: Responder, frame: Frame) -> None:
         buckets_max = frame.header.get("buckets_max", STATS_BUCKETS_DEFAULT)
