@@ -21,6 +21,7 @@ from types import MappingProxyType
 from qmq.common.errors import InvalidMessageError, MessageTooLargeError
 from qmq.common.limits import DEFAULT_LIMITS, REPEAT_COPIES_MAX, REPEAT_EVERY_MS_MIN
 from qmq.common.naming import check_subject
+from qmq.common.ordering import ORDER_KEY_PROPERTY, OrderMode, check_order_key, check_order_mode, slot_of
 from qmq.protocol.message import (
     FLAG_REPEAT,
     FLAGS_POS,
@@ -200,6 +201,8 @@ class Message:
         "_created_ms",
         "_deliver_at_ms",
         "_message_id",
+        "_order",
+        "_order_key",
         "_properties",
         "_repeat",
         "_subject",
@@ -228,6 +231,8 @@ class Message:
         self._tags: list[str] = _NO_TAGS
         self._deliver_at_ms = 0
         self._repeat: tuple[int, int, int] | None = None  # (every_ms, times or 0, until_ms or 0)
+        self._order_key: str | None = None
+        self._order: OrderMode = "strict"
         if properties:
             for key, value in properties.items():
                 self.set_property(key, value)
@@ -246,6 +251,8 @@ class Message:
         m._tags = _NO_TAGS
         m._deliver_at_ms = 0
         m._repeat = None
+        m._order_key = None
+        m._order = "strict"
         return m
 
     @property
@@ -364,6 +371,28 @@ class Message:
         until = datetime.fromtimestamp(until_ms / 1000, tz=UTC) if until_ms else None
         return timedelta(milliseconds=every_ms), times or None, until
 
+    def set_order_key(self, key: str, *, order: OrderMode = "strict") -> None:
+        """Keep this message in order with the other messages of ``key`` (a str of 1–128
+        characters) from this producer: stored in send order, handled one at a time in that order
+        by ordered consumers (see docs/ordered.md).
+
+        ``order="strict"`` (the default) sends it only to the key's broker group, waiting for that
+        group and failing the send rather than writing it elsewhere; ``"best_effort"`` fails over
+        to another group, which may break the key's order while its group is down.
+        """
+        self._order_key = check_order_key(key)
+        self._order = check_order_mode(order)
+
+    @property
+    def order_key(self) -> str | None:
+        """The order key, or None for a message without one."""
+        return self._order_key
+
+    @property
+    def order(self) -> OrderMode:
+        """How an ordered message is placed when its broker group is down: "strict" or "best_effort"."""
+        return self._order
+
     def set_property(self, key: str, value: PropertyValue) -> None:
         """Set a property: a str, int (64-bit), float, bool or bytes value under a string key."""
         check_property(key, value, _LIMITS)
@@ -408,7 +437,16 @@ class Message:
         props = self._properties
         deliver_at_ms = self._deliver_at_ms
         if self._repeat is not None:
+            if self._order_key is not None:
+                raise InvalidMessageError(
+                    f"message {self._message_id} has an order key and repeats; an ordered message is delivered "
+                    "in its key's order, not at times: drop set_repeat, or the order key"
+                )
             props, deliver_at_ms = self._repeating(props)
+        order_slot = 0
+        if self._order_key is not None:
+            props = {**props, ORDER_KEY_PROPERTY: self._order_key}
+            order_slot = slot_of(self._order_key) + 1
         raw = encode_message(
             self._subject_raw,
             self._message_id.encode("utf-8"),
@@ -419,6 +457,7 @@ class Message:
             self._created_ms,
             deliver_at_ms,
             times,
+            order_slot,
         )
         if self._repeat is not None:
             raw = raw[:FLAGS_POS] + bytes([raw[FLAGS_POS] | FLAG_REPEAT]) + raw[FLAGS_POS + 1 :]

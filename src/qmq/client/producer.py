@@ -49,13 +49,18 @@ from qmq.client.options import (
     DEFAULT_PRODUCER,
     ConnectOptions,
     ProducerOptions,
+    authorization_of,
     check_identifier,
     check_url,
+    credentials_of,
+    secret_of,
 )
+from qmq.client.ordering import OrderedSends
 from qmq.client.routing import Router
 from qmq.client.sender import ProducerStats, Sender
 from qmq.common.errors import BufferFullError, InvalidMessageError, SendError
-from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS
+from qmq.common.ordering import OrderMode
+from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS, ORDER_SLOT_POS
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,7 @@ class _Open:
     pool: ConnectionPool
     sender: Sender
     router: Router
+    ordered: OrderedSends
 
 
 class Producer:
@@ -102,10 +108,11 @@ class Producer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.options = ProducerOptions(
             buffer_messages_max=buffer_messages_max,
             buffer_bytes_max=buffer_bytes_max,
@@ -124,6 +131,7 @@ class Producer:
         self._shared: tuple[MetaClient, ConnectionPool] | None = None
         # Set by start; None again from the moment close begins, which refuses new sends.
         self._open: _Open | None = None
+        self._ordered: OrderedSends | None = None  # kept while closing, for flush
 
     @classmethod
     def _sharing(
@@ -147,16 +155,26 @@ class Producer:
                 return
             raise SendError("this producer is closed; make a new one")
         if self._shared is None:
-            meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+            meta = MetaClient(
+                self.meta_server,
+                timeout_ms=self.connect_options.meta_timeout_ms,
+                authorization=authorization_of(self.app_code, self.connect_options),
+            )
             await meta.start()
-            pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+            pool = ConnectionPool(
+                connect_timeout_ms=self.connect_options.connect_timeout_ms,
+                credentials=credentials_of(self.app_code, self.connect_options),
+            )
         else:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)
         router = Router(meta, self._acc, sender)
         meta.on_change(router.on_meta_change)
         sender.start()
-        self._open = _Open(asyncio.get_running_loop(), meta, pool, sender, router)
+        loop = asyncio.get_running_loop()
+        ordered = OrderedSends(meta, sender.submit, loop, self.options.buffer_messages_max)
+        self._open = _Open(loop, meta, pool, sender, router, ordered)
+        self._ordered = ordered
         self._state = "open"
 
     async def __aenter__(self) -> Producer:
@@ -186,6 +204,10 @@ class Producer:
         fut: asyncio.Future[None] = path.loop.create_future()
         entry = (encoded, fut, message.message_id, path.loop.time(), self._acc.epoch)
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
+        if message.order_key is not None:
+            _check_ordered(message.message_id, deliver_at_ms)
+            path.ordered.enqueue(message.subject, message.order_key, _slot(encoded), message.order, entry)
+            return fut
         path.router.enqueue(message.subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
         return fut
 
@@ -195,12 +217,26 @@ class Producer:
         Waits up to ``send_timeout_ms`` for room in a full buffer, then raises
         ``qmq.BufferFullError``.
         """
-        await self.send_encoded(message.subject, message.encode(), message.message_id)
+        if message.order_key is None:
+            await self.send_encoded(message.subject, message.encode(), message.message_id)
+            return
+        await self.send_encoded(
+            message.subject, message.encode(), message.message_id, order_key=message.order_key, order=message.order
+        )
 
-    async def send_encoded(self, subject: str, encoded: bytes, message_id: str) -> None:
+    async def send_encoded(
+        self,
+        subject: str,
+        encoded: bytes,
+        message_id: str,
+        *,
+        order_key: str | None = None,
+        order: OrderMode = "strict",
+    ) -> None:
         """Send a message already encoded (``Message.encode`` or a received message's bytes).
 
-        Its ``deliver_at_ms`` decides where it goes: a delay group when it is due later.
+        Its ``deliver_at_ms`` decides where it goes: a delay group when it is due later. With
+        ``order_key`` (the key ``encoded`` was made with) it is sent in order with that key's others.
         """
         path = self._open
         if path is None:
@@ -212,10 +248,19 @@ class Producer:
             if self._open is None:
                 raise self._not_open()
         fut: asyncio.Future[None] = path.loop.create_future()
-        self.enqueue_encoded(subject, encoded, message_id, fut)
+        self.enqueue_encoded(subject, encoded, message_id, fut, order_key=order_key, order=order)
         await fut
 
-    def enqueue_encoded(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
+    def enqueue_encoded(
+        self,
+        subject: str,
+        encoded: bytes,
+        message_id: str,
+        waiter: Waiter,
+        *,
+        order_key: str | None = None,
+        order: OrderMode = "strict",
+    ) -> None:
         """Buffer an encoded message whose outcome resolves ``waiter`` (for the blocking SDK).
 
         Runs on the producer's event loop. Raises BufferFullError when there is no room.
@@ -225,6 +270,10 @@ class Producer:
             raise self._not_open()
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
         entry = (encoded, waiter, message_id, path.loop.time(), self._acc.epoch)
+        if order_key is not None:
+            _check_ordered(message_id, deliver_at_ms)
+            path.ordered.enqueue(subject, order_key, _slot(encoded), order, entry)
+            return
         path.router.enqueue(subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
 
     async def cancel_delay(self, message_id: str) -> bool:
@@ -312,6 +361,8 @@ class Producer:
         done = self._acc.begin_flush()
         try:
             async with asyncio.timeout(limit_ms / 1000):
+                if self._ordered is not None:
+                    await self._ordered.wait_idle()
                 await done
         except TimeoutError:
             raise SendError(
@@ -335,6 +386,8 @@ class Producer:
             await self.flush(self.connect_options.close_timeout_ms)
         except SendError as exc:
             log.warning("closing the producer: %s; those messages fail", exc)
+        path.ordered.fail_waiting("the producer closed before the message was sent")
+        await path.ordered.close()
         left = self._acc.take_all()
         if left:
             path.sender.fail(left, "the producer closed before the message was sent", retriable=True)
@@ -362,3 +415,16 @@ class Producer:
         if self._state == "new":
             return SendError("the producer is not started; use `async with Producer(...)` or `await producer.start()`")
         return SendError("the producer is closed; make a new one")
+
+
+def _check_ordered(message_id: str, deliver_at_ms: int) -> None:
+    if deliver_at_ms:
+        raise InvalidMessageError(
+            f"message {message_id} has an order key and a delay; an ordered message is delivered in its "
+            "key's order, not at a time: drop set_delay/set_deliver_at, or the order key"
+        )
+
+
+def _slot(encoded: bytes) -> int:
+    """The order-key slot written in an encoded message's header (its order_slot - 1)."""
+    return int.from_bytes(encoded[ORDER_SLOT_POS : ORDER_SLOT_POS + 2], "little") - 1

@@ -97,7 +97,8 @@ class Handlers(RoleHandlers):
             return Status.SHUTTING_DOWN, "the delay server is shutting down; send to another delay group or retry"
         failed = server.flusher.failed or server.disk_error
         if failed is not None:
-            return Status.INTERNAL_ERROR, f"the delay server's disk failed ({failed}); it takes no sends"
+            # refused before anything is written: BUSY, so producers send to another delay group
+            return Status.BUSY, f"the delay server's disk failed ({failed}); it takes no sends"
         unflushed_bytes = self.store.wal.end - server.flusher.flushed_offset
         return disk_refusal(self.free_space, unflushed_bytes, server.config.pending_flush_bytes_max)
 
