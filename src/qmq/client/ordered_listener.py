@@ -152,4 +152,3 @@ class OrderedListener(Listener[M]):
         self._keys.clear()
         while not self._ready.empty():
             self._ready.get_nowait()
-
