@@ -1,7 +1,8 @@
 """Cancelling pending delay messages through real processes: before it is due (True, never
 delivered), after it was handed over (False), an unknown id (False), from the blocking SDK and
 from `qmq cancel-delay --json`; a cancel that survives `kill -9` of the delay server; and a
-cancelled message that its loaded bucket does not hold in memory."""
+cancelled message that its loaded bucket does not hold in memory; and a cancel that cannot
+tell, with one delay group down, says so rather than answer False."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from delaywire import collect, delay_group, request, wait_until
 from test_delay_cli import qmq
 
 import qmq as blocking
-from qmq.aio import Consumer, Producer
+from qmq.aio import Consumer, Producer, QmqError
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
-from qmq.testing import ReadyProcess, running_standalone
+from qmq.testing import ReadyProcess, running_role, running_standalone
 
 pytestmark = pytest.mark.integration
 
@@ -132,3 +133,30 @@ async def test_a_loaded_bucket_holds_no_row_of_a_cancelled_message(tmp_path: Pat
         stats = await wait_until("the bucket's load", loaded, timeout_s=20, interval_s=0.1)
         assert stats["timer_rows"] == 50, "the timer holds rows of cancelled messages"
         assert stats["pending"] == 50
+
+
+async def test_a_cancel_says_so_when_a_delay_group_that_may_hold_the_message_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    with running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0"]) as meta:
+        url = meta.ready["meta_server"]
+        with (
+            running_role(["broker", "--data-dir", str(tmp_path / "broker"), "--meta-server", url]),
+            running_role(["delay", "--data-dir", str(tmp_path / "d1"), "--meta-server", url, "--group", "d1"]) as d1,
+            running_role(["delay", "--data-dir", str(tmp_path / "d2"), "--meta-server", url, "--group", "d2"]),
+        ):
+            async with Producer(app_code="t", meta_server=url, send_timeout_ms=2_000) as producer:
+                held = []
+                for _ in range(6):  # one at a time: the groups take turns
+                    m = producer.generate_message("cancel.groups")
+                    m.set_delay(3600)
+                    await producer.send(m)
+                    held.append(m.message_id)
+                listed = {p.message_id: p.group for p in await producer.delay_list("cancel.groups")}
+                in_d2 = next(mid for mid in held if listed[mid] == "d2")
+                os.kill(d1.pid, signal.SIGKILL)  # the meta server lists it until its heartbeat times out
+                d1.proc.wait()
+                assert await producer.cancel_delay(in_d2) is True, "the group that answered held it"
+                with pytest.raises(QmqError, match="delay group d1") as caught:
+                    await producer.cancel_delay(f"never-sent-{uuid.uuid4().hex}")
+                assert caught.value.retriable

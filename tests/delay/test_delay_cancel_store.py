@@ -127,3 +127,20 @@ def test_a_bucket_without_an_id_file_gets_one_rebuilt_from_its_records(tmp_path:
     assert (bucket_dir / IDS).exists()
     assert store.cancel("m3", None) == 1
     store.close()
+
+
+def test_a_search_on_the_worker_thread_misses_nothing_written_or_buffered_since(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock, preload_ms=PRELOAD)
+    due = T0_MS + 10 * MINUTE
+    append(store, [("s", "x", due), ("s", "y", due + 1)])
+    store.flush_buffers()
+    job = store.cancel_search("x")  # what the buckets hold written now: searched by the job
+    append(store, [("s", "x", due + 2)])
+    store.flush_buffers()  # written after the snapshot
+    append(store, [("s", "x", due + 3), ("s", "x", due + 5 * MINUTE)])  # buffered; and in a new bucket
+    written = job()  # as the checkpoint thread runs it
+    assert [w.found for w in written.values()] == [[0]]
+    assert store.cancel("x", None, written) == 4
+    assert store.pending_total == 1
+    store.close()

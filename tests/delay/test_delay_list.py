@@ -156,3 +156,18 @@ async def test_delay_list_command_prints_json_lines_by_due_time(two_delay_groups
     plain = qmq("delay-list", subject, "--limit", "1", meta_server=url)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.splitlines()[1].split("\t")[1] == r.message_id
+
+
+def test_the_blocking_producer_lists(two_delay_groups: str, subject: str) -> None:
+    import qmq as blocking
+
+    with blocking.Producer(app_code="t", meta_server=two_delay_groups) as producer:
+        sent = []
+        for minutes in (30, 10, 20):
+            m = producer.generate_message(subject)
+            m.set_delay(timedelta(minutes=minutes))
+            producer.send(m)
+            sent.append(m)
+        listed = producer.delay_list(subject, end=datetime.now(UTC) + timedelta(minutes=25), limit=10)
+    assert [p.message_id for p in listed] == [sent[1].message_id, sent[2].message_id]
+    assert listed[0].due_at < listed[1].due_at

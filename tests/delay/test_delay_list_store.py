@@ -22,9 +22,9 @@ def list_all(store: DelayStore, subject: str, limit: int) -> tuple[list[str], in
     after = None
     pages = 0
     while True:
-        page, after = listing.list_pending(
-            list(store.iter_buckets()), store.bucket_ms, subject.encode(), 0, 1 << 62, limit, after
-        )
+        store.flush_buffers()
+        buckets = listing.buckets_to_list(list(store.iter_buckets()), store.bucket_ms, 0, 1 << 62)
+        page, after = listing.list_pending(buckets, subject.encode(), 0, 1 << 62, limit, after)
         pages += 1
         ids += [msgpack.unpackb(item)["message_id"] for item in page.items]
         if after is None:

@@ -117,9 +117,13 @@ def cancel_delay(message_id: str, meta_server: str, as_json: bool) -> None:
     is asked; exit status 1 when one that did not answer may hold it.
     """
     from qmq.aio import Producer
+    from qmq.cli.auth_commands import cli_app_code
 
     async def run() -> bool:
-        async with Producer(app_code="qmq-cli", meta_server=meta_server, send_timeout_ms=_TIMEOUT_MS) as producer:
+        # the app and secret of `qmq --app-code/--secret` ($QMQ_APP_CODE, $QMQ_SECRET)
+        async with Producer(
+            app_code=cli_app_code("qmq-cli"), meta_server=meta_server, send_timeout_ms=_TIMEOUT_MS
+        ) as producer:
             return await producer.cancel_delay(message_id)
 
     cancelled = asyncio.run(run())
@@ -170,11 +174,15 @@ def delay_list(
     """The delay messages of SUBJECT not yet handed to a broker, soonest first: every delay
     group is read page by page, so a backlog of any size is listed in bounded memory."""
     from qmq.aio import Producer
+    from qmq.cli.auth_commands import cli_app_code
 
     start, end = _moment(from_text, "--from"), _moment(to_text, "--to")
 
     async def run() -> None:
-        async with Producer(app_code="qmq-cli", meta_server=meta_server, send_timeout_ms=_TIMEOUT_MS) as producer:
+        # the app and secret of `qmq --app-code/--secret` ($QMQ_APP_CODE, $QMQ_SECRET)
+        async with Producer(
+            app_code=cli_app_code("qmq-cli"), meta_server=meta_server, send_timeout_ms=_TIMEOUT_MS
+        ) as producer:
             listed = 0
             pending = producer.delay_pending(subject, start, end)
             try:

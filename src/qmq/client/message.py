@@ -473,7 +473,8 @@ class Message:
         is one interval after the send unless a due time was set)."""
         assert self._repeat is not None
         every_ms, times, until_ms = self._repeat
-        first_ms = self._deliver_at_ms or time.time_ns() // 1_000_000 + every_ms
+        # the send time rounded up, as set_delay does: no copy is due before its interval has passed
+        first_ms = self._deliver_at_ms or -(-time.time_ns() // 1_000_000) + every_ms
         if not times:
             if until_ms < first_ms:
                 raise InvalidMessageError(

@@ -281,14 +281,7 @@ class Bucket:
 
     def read_dispatched(self) -> npt.NDArray[np.uint32]:
         """The entry numbers the dispatch log holds (whole entries only)."""
-        path = self.directory / DISPATCH
-        try:
-            size = path.stat().st_size
-            entries = np.empty(size // DISPATCH_ENTRY_BYTES, dtype=DISPATCH_DTYPE)
-            got = fileio.read_into(path, entries.view(np.uint8).data)
-        except FileNotFoundError:
-            return np.empty(0, dtype=DISPATCH_DTYPE)
-        return entries[: got // DISPATCH_ENTRY_BYTES]
+        return read_dispatched(self.directory / DISPATCH)
 
     def rewrite_dispatch(self, entries: npt.NDArray[np.uint32]) -> None:
         """Replace the dispatch log (recovery: drop entries of messages that are no longer there)."""
@@ -346,33 +339,24 @@ class Bucket:
         fileio.replace_file(path, bytes(out))
         return entries - len(have)
 
-    def find(self, message_id: bytes) -> list[int]:
-        """Entry numbers of the messages with ``message_id``, written or buffered, in entry order."""
-        h = id_hash(message_id)
-        on_disk = read_ids(self.directory, IDS)[: self.flushed_count]
-        found = np.flatnonzero(on_disk == h).tolist()
-        buffered = np.frombuffer(self.pending_ids, dtype=IDS_DTYPE)
-        found += (np.flatnonzero(buffered == h) + self.flushed_count).tolist()
-        out = []
-        for entry in found:  # a hash narrows; the record's own id decides
-            offset, size = self._entry(entry)
-            if record_message_id(self.read(offset, size)) == message_id:
-                out.append(entry)
-        return out
-
-    def _entry(self, entry: int) -> tuple[int, int]:
-        """``(offset, size)`` of index entry ``entry``, written or buffered."""
-        if entry >= self.flushed_count:
+    def find(self, message_id: bytes, from_entry: int = 0) -> list[int]:
+        """Entry numbers, from ``from_entry`` on, of the messages with ``message_id``, written
+        or buffered, in entry order (on the loop: it reads the buffers)."""
+        found = find_written(self.directory, self.flushed_count, message_id, from_entry)
+        first = max(from_entry, self.flushed_count)
+        if not self.pending_ids or first >= self.count:
+            return found
+        skip = first - self.flushed_count
+        buffered = np.frombuffer(bytes(self.pending_ids), dtype=IDS_DTYPE)[skip:]
+        for at in np.flatnonzero(buffered == id_hash(message_id)).tolist():
+            entry = first + at
             _due, offset, size = INDEX_ENTRY.unpack_from(
                 self.pending_index, (entry - self.flushed_count) * INDEX_ENTRY_BYTES
             )
-        else:
-            fd = fileio.open(self.directory / INDEX, os.O_RDONLY)
-            try:
-                _due, offset, size = INDEX_ENTRY.unpack(fileio.pread(fd, INDEX_ENTRY_BYTES, entry * INDEX_ENTRY_BYTES))
-            finally:
-                fileio.close(fd)
-        return int(offset), int(size)
+            at_buffer = offset - self.flushed_bytes
+            if record_message_id(self.pending_messages[at_buffer : at_buffer + size]) == message_id:
+                found.append(entry)
+        return found
 
     def close_writers(self) -> None:
         for name in ("_messages_wfd", "_index_wfd", "_ids_wfd"):
@@ -396,6 +380,46 @@ class Bucket:
             fileio.unlink(path, missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             fileio.rmdir(self.directory)
+
+
+def read_dispatched(path: Path) -> npt.NDArray[np.uint32]:
+    """The entry numbers a dispatch log holds (whole entries only; none when there is none yet)."""
+    try:
+        size = path.stat().st_size
+        entries = np.empty(size // DISPATCH_ENTRY_BYTES, dtype=DISPATCH_DTYPE)
+        got = fileio.read_into(path, entries.view(np.uint8).data)
+    except FileNotFoundError:
+        return np.empty(0, dtype=DISPATCH_DTYPE)
+    return entries[: got // DISPATCH_ENTRY_BYTES]
+
+
+def find_written(directory: Path, entries: int, message_id: bytes, from_entry: int = 0) -> list[int]:
+    """Entries in ``[from_entry, entries)`` of a bucket's written files whose message id is
+    ``message_id``: a hash of the id file narrows, the record's own id decides. Opens its own
+    descriptors and reads only what was written, so it may run on a worker thread while the
+    loop appends (FileNotFoundError when the bucket was deleted meanwhile)."""
+    if entries <= from_entry:
+        return []
+    ids = read_ids(directory, IDS)[from_entry:entries]
+    candidates = (np.flatnonzero(ids == id_hash(message_id)) + from_entry).tolist()
+    if not candidates:
+        return []
+    out = []
+    index_fd = fileio.open(directory / INDEX, os.O_RDONLY)
+    try:
+        messages_fd = fileio.open(directory / MESSAGES, os.O_RDONLY)
+        try:
+            for entry in candidates:
+                _due, offset, size = INDEX_ENTRY.unpack(
+                    fileio.pread(index_fd, INDEX_ENTRY_BYTES, entry * INDEX_ENTRY_BYTES)
+                )
+                if record_message_id(fileio.pread(messages_fd, size, offset)) == message_id:
+                    out.append(entry)
+        finally:
+            fileio.close(messages_fd)
+    finally:
+        fileio.close(index_fd)
+    return out
 
 
 def read_index(directory: Path, entries: int) -> npt.NDArray[Any]:

@@ -1,14 +1,17 @@
 """Cancels of pending delay messages: which entries a cancel stops, how it is made durable, and
 how the firing side is kept from handing a cancelled message over.
 
-A cancel names a message id. Every bucket is searched through its id file (ids.py); the
-entries found that are neither done (in the dispatch log) nor in flight to a broker are
-*pending*. If there are any, the cancel is written to the write-ahead log as a record of its
-own (a message with ``FLAG_CANCEL``, the id and nothing else: replayed by recovery, and
-copied with the log by a delay slave), and then the pending entries are appended to their
-buckets' dispatch logs: an entry there is never loaded again, so a cancelled message's bytes
-stay on disk until its bucket is deleted and never reach memory. In a bucket already loaded,
-the entries also join a small set of the scheduler's (``Scheduler.cancelled``) that the
+A cancel names a message id. Every bucket is searched through its id file (ids.py): what the
+buckets had written when the cancel arrived on a worker thread (``search_written``: 4 bytes
+read per message held, one file open per bucket), the rest, written or buffered since, on the
+loop, where the cancel is then decided and applied with nothing in between. The entries
+found that are neither done (in the dispatch log) nor in flight to a broker are *pending*.
+If there are any, the cancel is written to the write-ahead log as a record of its own (a
+message with ``FLAG_CANCEL``, the id and nothing else: replayed by recovery, and copied with
+the log by a delay slave), and then the pending entries are appended to their buckets'
+dispatch logs: an entry there is never loaded again, so a cancelled message's bytes stay on
+disk until its bucket is deleted and never reach memory. In a bucket already loaded, the
+entries also join a small set of the scheduler's (``Scheduler.cancelled``) that the
 hand-over drops rows by, since their rows may be in the timer, waiting for their fsync, or
 being loaded. The set is dropped with the bucket.
 
@@ -24,7 +27,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from qmq.delay.bucket import DISPATCH_DTYPE, Bucket
+from qmq.delay.bucket import DISPATCH_DTYPE, Bucket, find_written
 from qmq.protocol.message import FLAG_CANCEL, FLAGS_POS, HEADER_BYTES, encode_message
 
 
@@ -65,11 +68,45 @@ def cancelled_id(message: bytes | bytearray | memoryview) -> bytes:
     return bytes(message[start : start + message[4]])
 
 
-def pending_entries(buckets: list[Bucket], message_id: bytes, live: Live | None) -> list[Stop]:
-    """What a cancel of ``message_id`` would stop now, bucket by bucket (nothing is changed)."""
+class Written(NamedTuple):
+    """A bucket as a cancel's search found it: its entries written then, and those with the id."""
+
+    bucket: Bucket
+    entries: int
+    found: list[int]
+
+
+def snapshot(buckets: list[Bucket]) -> list[tuple[Bucket, int]]:
+    """What ``search_written`` searches: each bucket and its entries written now (on the loop)."""
+    return [(b, b.flushed_count) for b in buckets]
+
+
+def search_written(buckets: list[tuple[Bucket, int]], message_id: bytes) -> dict[int, Written]:
+    """The entries with ``message_id`` among those the buckets had written, by bucket start
+    (files only, own descriptors: runs on a worker thread). A bucket deleted meanwhile is
+    skipped: deleted, it held nothing pending."""
+    out = {}
+    for b, entries in buckets:
+        try:
+            found = find_written(b.directory, entries, message_id)
+        except FileNotFoundError:
+            found = []
+        out[b.start_ms] = Written(b, entries, found)
+    return out
+
+
+def pending_entries(
+    buckets: list[Bucket], message_id: bytes, live: Live | None, written: dict[int, Written] | None = None
+) -> list[Stop]:
+    """What a cancel of ``message_id`` would stop now, bucket by bucket (nothing is changed);
+    ``written``: what ``search_written`` found, so only entries written since are read here."""
     out = []
     for b in buckets:
-        found = b.find(message_id)
+        seen = written.get(b.start_ms) if written is not None else None
+        if seen is not None and seen.bucket is b:
+            found = seen.found + b.find(message_id, from_entry=seen.entries)
+        else:
+            found = b.find(message_id)
         if not found:
             continue
         done = set(b.read_dispatched().tolist())

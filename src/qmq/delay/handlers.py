@@ -6,17 +6,21 @@ and are refused with UNKNOWN_COMMAND saying so."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections import deque
+from concurrent.futures import Executor
 from typing import Protocol
 
 from qmq.common.config import DelayConfig
+from qmq.delay.cancel import Written
 from qmq.delay.dispatcher import Dispatcher
-from qmq.delay.listing import LIST_ITEMS_MAX, list_pending
+from qmq.delay.listing import LIST_ITEMS_MAX, buckets_to_list, list_pending
 from qmq.delay.metrics import DelayMetrics
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
-from qmq.protocol.answers import encode_answer
+from qmq.protocol.answers import Page, encode_answer
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
@@ -25,7 +29,6 @@ from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replies import guarded
 from qmq.serving.requests import BadRequest, get_int, get_str
 from qmq.store import fileio
-from qmq.store.datadir import StoreError
 
 STATS_BUCKETS_DEFAULT = 100
 # Every bucket of the default horizon (730 days of one-hour buckets: 17,520). A bucket row is
@@ -50,6 +53,11 @@ class DelayContext(RoleContext, Protocol):
     def dispatcher(self) -> Dispatcher | None: ...
     @property
     def disk_error(self) -> BaseException | None: ...
+    @property
+    def checkpoint_executor(self) -> Executor:
+        """The worker thread of checkpoints, background fsyncs and a cancel's search."""
+        ...
+
     @property
     def unflushed(self) -> deque[tuple[int, Rows]]:
         """Timer rows of sends waiting for their fsync, by write-ahead log end offset (sync policy)."""
@@ -143,17 +151,40 @@ class Handlers(RoleHandlers):
 
     def cancel_delay(self, conn: Responder, frame: Frame) -> None:
         """``{"message_id"}`` → ``{"cancelled": bool, "copies": n}``: whether pending messages
-        with that id were stopped (all of a repeating message's copies still pending)."""
+        with that id were stopped (all of a repeating message's copies still pending). What the
+        buckets have written is searched on the checkpoint thread (cancel.py), so a large
+        backlog never holds up the loop; the rest, and the decision, on the loop."""
+        if self._refused(conn, frame):
+            return
+        message_id = get_str(frame.header, "message_id", max_chars=self.limits.message_id_chars_max)
+        server, store = self.server, self.store
+        code, request_id = frame.code, frame.request_id
+        job = store.cancel_search(message_id)
+        try:
+            searched = asyncio.get_running_loop().run_in_executor(server.checkpoint_executor, job)
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            conn.respond(code, request_id, {"error": "the delay server is shutting down"}, status=Status.SHUTTING_DOWN)
+            return
+
+        def found(done: asyncio.Future[dict[int, Written]]) -> None:
+            # re-checked: the server may have begun to stop meanwhile
+            if done.cancelled() or self._refused(conn, frame):
+                return
+            written = done.result()  # an OSError is answered as the request's failure
+            stopped = self.storing(lambda: store.cancel(message_id, server.scheduler, written))
+            self._answer_cancel(conn, code, request_id, stopped)
+
+        searched.add_done_callback(guarded(conn, code, request_id, found))
+
+    def _refused(self, conn: Responder, frame: Frame) -> bool:
         refusal = self.refusal()
         if refusal is not None:
             conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
-            return
-        id_max = self.limits.message_id_chars_max
-        message_id = get_str(frame.header, "message_id", max_chars=id_max)
+        return refusal is not None
+
+    def _answer_cancel(self, conn: Responder, code: int, request_id: int, stopped: int) -> None:
         server, store = self.server, self.store
-        stopped = self.storing(lambda: store.cancel(message_id, server.scheduler))
         answer = {"cancelled": stopped > 0, "copies": stopped}
-        code, request_id = frame.code, frame.request_id
         if not stopped or not store.sync_policy:
             self.metrics.cancelled.inc(stopped)
             conn.respond(code, request_id, answer)
@@ -184,17 +215,26 @@ class Handlers(RoleHandlers):
                 f"'after' = {after!r:.200} is not a DELAY_LIST cursor; pass back the 'next' of the last page"
             )
         store = self.store
-        store.flush_deferred()  # messages of far buckets waiting for the flush are listed too
+        code, request_id = frame.code, frame.request_id
+        store.flush_buffers()  # what the buckets hold, far ones' waiting messages too, is read from their files
+        buckets = buckets_to_list(list(store.iter_buckets()), store.bucket_ms, from_ms, to_ms)
+        job = functools.partial(list_pending, buckets, subject.encode("utf-8"), from_ms, to_ms, limit, after)
         try:
-            page, following = list_pending(
-                list(store.iter_buckets()), store.bucket_ms, subject.encode("utf-8"), from_ms, to_ms, limit, after
-            )
-        except OSError as exc:
-            raise StoreError(f"cannot read the schedule logs to list pending messages: {exc}") from exc
-        fields: dict[str, object] = {"subject": subject}
-        if following is not None:
-            fields["next"] = following
-        conn.respond(frame.code, frame.request_id, None, (encode_answer(fields, {"messages": page.items}),))
+            listed = asyncio.get_running_loop().run_in_executor(self.server.checkpoint_executor, job)
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            conn.respond(code, request_id, {"error": "the delay server is shutting down"}, status=Status.SHUTTING_DOWN)
+            return
+
+        def answer(done: asyncio.Future[tuple[Page, list[int] | None]]) -> None:
+            if done.cancelled():
+                return
+            page, following = done.result()  # an OSError is answered as the request's failure
+            fields: dict[str, object] = {"subject": subject}
+            if following is not None:
+                fields["next"] = following
+            conn.respond(code, request_id, None, (encode_answer(fields, {"messages": page.items}),))
+
+        listed.add_done_callback(guarded(conn, code, request_id, answer))
 
     def delay_stats(self, conn: Responder, frame: Frame) -> None:
         buckets_max = frame.header.get("buckets_max", STATS_BUCKETS_DEFAULT)

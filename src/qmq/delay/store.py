@@ -24,6 +24,7 @@ Everything here is synchronous and runs on the server's event loop, except what
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -223,15 +224,25 @@ class DelayStore:
             self.schedule.after_replay()
         return AppendResult(errors, n, total, rows)
 
-    def cancel(self, message_id: str, live: cancel.Live | None) -> int:
-        """Cancel the pending messages with ``message_id`` (cancel.py); returns how many entries
-        it stopped (0: none pending, nothing written). Once it returns more, the cancel is in the
-        write-ahead log: answer it once that is durable, as for a send."""
+    def cancel_search(self, message_id: str) -> Callable[[], dict[int, cancel.Written]]:
+        """The part of a cancel of ``message_id`` that reads what the buckets have written: a
+        job for a worker thread, whose result ``cancel`` takes (cancel.py)."""
+        self.schedule.flush_deferred()  # messages of far buckets waiting for the flush are searched too
+        buckets = cancel.snapshot(list(self.schedule.iter_buckets()))
+        return functools.partial(cancel.search_written, buckets, message_id.encode("utf-8"))
+
+    def cancel(
+        self, message_id: str, live: cancel.Live | None, written: dict[int, cancel.Written] | None = None
+    ) -> int:
+        """Cancel the pending messages with ``message_id`` (cancel.py), after the search of
+        ``cancel_search`` when given; returns how many entries it stopped (0: none pending,
+        nothing written). Once it returns more, the cancel is in the write-ahead log: answer it
+        once that is durable, as for a send."""
         mid = message_id.encode("utf-8")
         schedule = self.schedule
         schedule.flush_deferred()  # messages of far buckets waiting for the flush are searched too
         try:
-            stops = cancel.pending_entries(list(schedule.iter_buckets()), mid, live)
+            stops = cancel.pending_entries(list(schedule.iter_buckets()), mid, live, written)
         except OSError as exc:
             raise store_error(exc, self.dir) from exc
         if not stops:

@@ -8,9 +8,10 @@ is checked against what its app may do (``qmq.auth.permissions``) before its han
     SEND_MESSAGES               produce, per subject of the frame (checked by the handlers,
                                 which read the subjects: ``RoleHandlers.take_send``)
     PULL, ACK, DEAD_LETTERS     consume on subject:group; ACK_MANY each of its pairs
-    READ                        consume on the subject, for every group
-    RESET_OFFSET, RESEND_DEAD,  admin
-    PURGE_DEAD, other codes
+    READ, DELAY_LIST            consume on the subject, for every group
+    RESET_OFFSET, RESEND_DEAD,  admin (CANCEL_DELAY too: it names a message id, not a subject)
+    PURGE_DEAD, CANCEL_DELAY,
+    other codes
     REPLICATE                   cluster (only the servers' own identity)
     PING, SUBJECTS, LAG,        any authenticated app
     DELAY_STATS
@@ -62,7 +63,7 @@ def needs(frame: Frame) -> Iterable[Need]:
         return ()
     if code in _CONSUME:
         return ((Action.CONSUME, _names(header.get("subject")), _names(header.get("group"))),)
-    if code == RequestCode.READ:
+    if code in (RequestCode.READ, RequestCode.DELAY_LIST):
         return ((Action.CONSUME, _names(header.get("subject")), None),)
     if code == RequestCode.ACK_MANY:
         entries = header.get("acks")
