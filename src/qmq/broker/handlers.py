@@ -293,6 +293,8 @@ class Handlers(RoleHandlers):
         result = self.store.pull(gp, cp, session, max_n, tag_filter)
         if self.store.dispatched:
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
+        elif self.store.settling_ms:
+            self.broker.parked.notify_later(gp.subject, self.store.settling_ms)  # the group places slots then
         if result is not None or timeout_ms == 0 or self.broker.stopping:
             answer(result)
             return

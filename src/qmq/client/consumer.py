@@ -3,7 +3,7 @@ their retry or dead-letter subject.
 
 A ``Consumer`` is one consumer id: every pull it makes carries that id, so the broker keeps
 one pull log per (subject, consumer group, consumer id). No ordering is promised within a
-consumer group.
+consumer group, except per order key with ``ordered=True`` (ordered_listener.py, ordered_pull.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ and at the first entry whose owner already holds ``ORDERED_UNACKED_MAX`` unackno
 messages; it scans at most ``_SCAN_ENTRIES_MAX`` entries. Entries without an order key go to the
 puller. A slot whose owner's lease ran out moves with the owner's unacknowledged messages of it,
 appended to the new owner's pull log before anything newer and acknowledged for the old owner.
+Nothing is dispatched in the first ``SETTLE_MS`` of a group's state on this broker.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from qmq.store.action_log import ProgressLog
 from qmq.store.consume_log import ENTRY
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress
-from qmq.store.slots import ORDERED_UNACKED_MAX, OrderedGroup
+from qmq.store.slots import ORDERED_UNACKED_MAX, SETTLE_MS, OrderedGroup, is_acked
 from qmq.store.subjects import SubjectState
 
 _SCAN_ENTRIES_MAX = 4096
@@ -35,6 +36,7 @@ class OrderedDispatch:
         self.lease_ms = lease_ms
         self.groups: dict[tuple[str, str], OrderedGroup] = {}
         self.dispatched = False  # the last dispatch handed messages to a consumer other than the puller
+        self.settling_ms = 0  # the last dispatch placed nothing: the group's state settles this much longer
 
     def forget(self) -> None:
         """Drop every group's state (the store was rewound or reopened): rebuilt on the next pull."""
@@ -43,15 +45,21 @@ class OrderedDispatch:
     def dispatch(self, st: SubjectState, gp: GroupProgress, puller: ConsumerProgress, now_ms: int) -> None:
         """Bring slot ownership up to date and append the next entries to their owners' pull logs."""
         self.dispatched = False
+        self.settling_ms = 0
         og = self.groups.get((gp.subject, gp.group))
         if og is None:
             og = self.groups[(gp.subject, gp.group)] = self._rebuild(st, gp, now_ms)
         for cid in [c for c in og.handed if c not in gp.consumers]:
             del og.handed[cid]  # forgotten (nothing unacknowledged): a new pull log starts at 0
         og.prune(puller)
+        if now_ms - og.started_ms < SETTLE_MS:
+            self.settling_ms = SETTLE_MS - (now_ms - og.started_ms)
+            return  # let the group's consumers register before slots are placed (slots.SETTLE_MS)
         live = og.live(gp, now_ms, self.lease_ms, puller.consumer_id)
-        for owner, slots in og.orphaned(live).items():
-            self._take_over(gp, og, owner, slots, live)
+        orphaned = og.orphaned(live)
+        gone = [cid for cid, cp in gp.consumers.items() if cid not in live and cp.unacked > 0]
+        for owner in sorted(set(orphaned) | set(gone)):
+            self._take_over(st, gp, og, owner, orphaned.get(owner, []), live, puller)
         if live != og.live_ids:
             og.live_ids = live
             og.balance(live)
@@ -73,32 +81,48 @@ class OrderedDispatch:
         return og
 
     def _take_over(
-        self, gp: GroupProgress, og: OrderedGroup, owner: str, slots: list[int], live: frozenset[str]
+        self,
+        st: SubjectState,
+        gp: GroupProgress,
+        og: OrderedGroup,
+        owner: str,
+        slots: list[int],
+        live: frozenset[str],
+        puller: ConsumerProgress,
     ) -> None:
-        """Move the slots of ``owner`` (lease ran out) with its unacknowledged messages of them."""
+        """Move the slots of ``owner`` (its lease ran out) with every message it holds unacknowledged:
+        each to its slot's new owner (one without an order key to the puller), in pull-log order."""
         load = og.load(live)
-        new_owner: dict[int, str] = {}
         for slot in slots:
             og.moving.pop(slot, None)
             target = og.least_loaded(load)
             load[target] += 1
             og.owners[slot] = target
-            new_owner[slot] = target
+        og.handed.pop(owner, None)
         old = gp.consumers.get(owner)
-        if old is None:
+        if old is None or not old.unacked:
             return
-        moved = [(poff, slot) for poff, slot in og.unacked_of(old) if slot in new_owner]
-        if not moved:
-            return
-        seq_of = _SeqOf(old)
         by_target: dict[str, list[tuple[int, int]]] = {}
-        for poff, slot in moved:
-            by_target.setdefault(new_owner[slot], []).append((seq_of(poff), slot))
+        acks: list[list[int]] = []
+        for poff, seq, count in list(old.runs):
+            raw = st.clog.read(seq, count)
+            for i, (_off, _size, _ms, _bloom, order_slot) in enumerate(ENTRY.iter_unpack(raw)):
+                if is_acked(old, poff + i):
+                    continue
+                slot = order_slot - 1 if order_slot else -1
+                if slot >= 0 and og.owners.get(slot) not in live:
+                    og.place_new(slot, live, load)
+                target = og.owners[slot] if slot >= 0 else puller.consumer_id
+                by_target.setdefault(target, []).append((seq + i, slot))
+                if acks and acks[-1][1] == poff + i:
+                    acks[-1][1] += 1
+                else:
+                    acks.append([poff + i, poff + i + 1])
         for target, items in by_target.items():
             self._append(gp, og, gp.consumer(target), items, gp.pull_offset)
-        self.progress.ack(gp, old, [[p, p + 1] for p, _slot in moved])
-        og.handed.pop(owner, None)
-        self.dispatched = True
+        if acks:
+            self.progress.ack(gp, old, acks)
+            self.dispatched = True
 
     def _append(
         self, gp: GroupProgress, og: OrderedGroup, cp: ConsumerProgress, items: list[tuple[int, int]], new_offset: int
@@ -163,20 +187,3 @@ class OrderedDispatch:
             if owner != puller.consumer_id:
                 self.dispatched = True
 
-
-class _SeqOf:
-    """The consume-log sequence behind a pull-log offset of one consumer (its runs, in order)."""
-
-    def __init__(self, cp: ConsumerProgress) -> None:
-        self._runs = list(cp.runs)
-        self._i = 0
-
-    def __call__(self, poff: int) -> int:
-        runs = self._runs
-        i = self._i if self._i < len(runs) and runs[self._i][0] <= poff else 0
-        while i < len(runs) and runs[i][0] + runs[i][2] <= poff:
-            i += 1
-        self._i = i
-        first, seq, count = runs[i]
-        assert first <= poff < first + count, f"pull-log offset {poff} is in no run of {self._runs[:3]}…"
-        return seq + (poff - first)

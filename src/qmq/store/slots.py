@@ -10,6 +10,8 @@ Rules:
 
 - a consumer is live while it pulled within the lease, or has a long poll parked; a state made
   after a start or a promotion counts every known consumer as seen then (``started_ms``);
+- nothing is placed in the first ``SETTLE_MS`` of a state, so consumers that start together
+  share the slots from the start;
 - a slot first seen goes to the live consumer owning fewest;
 - when the live set changes, owners above ``ceil(slots / live)`` give slots to the least loaded:
   such a slot moves only once its owner acknowledged all of it (until then the dispatch stops
@@ -30,6 +32,10 @@ from dataclasses import dataclass, field
 from qmq.store.progress import ConsumerProgress, GroupProgress
 
 DEFAULT_ORDERED_LEASE_MS = 20_000
+# a group's state this young places no slot yet: consumers started together (or coming back after
+# a restart or promotion) all register first, rather than one taking every slot and giving most
+# back through moves, each waiting for it to drain
+SETTLE_MS = 1_000
 # unacknowledged messages a consumer of an ordered group is handed at most: the dispatch stops at
 # the first message whose owner is full, so a slow consumer slows its group, not the broker's memory
 ORDERED_UNACKED_MAX = 2_000

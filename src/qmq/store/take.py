@@ -78,6 +78,7 @@ class Pulls:
             return None
         self._recorded = False
         self.ordered.dispatched = False
+        self.ordered.settling_ms = 0
         try:
             if gp.ordered:
                 self._recorded = True  # a failed read after the dispatch is a failed pull, like any other
