@@ -18,9 +18,7 @@ MESSAGE_STATUSES = {
     Status.INVALID_SUBJECT: InvalidSubjectError,
     Status.INVALID_MESSAGE: InvalidMessageError,
 }
-OTHER_REFUSALS = [
-    s for s in Status if s != Status.OK and s not in RETRIABLE_STATUSES and s not in MESSAGE_STATUSES
-]
+OTHER_REFUSALS = [s for s in Status if s != Status.OK and s not in RETRIABLE_STATUSES and s not in MESSAGE_STATUSES]
 
 
 @pytest.mark.parametrize(("status", "cls"), MESSAGE_STATUSES.items())

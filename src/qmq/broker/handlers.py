@@ -143,14 +143,16 @@ class Handlers(RoleHandlers):
             return Status.NOT_MASTER, broker.source.read_only_text()
         if broker.stopping:
             return Status.SHUTTING_DOWN, "the broker is shutting down; send to another broker group or retry"
+        # Refused before anything is written: BUSY, so producers (and delay servers handing
+        # messages over) send to another broker group instead of giving the message up.
         if broker.flusher.failed is not None:
             return (
-                Status.INTERNAL_ERROR,
+                Status.BUSY,
                 f"the broker's disk failed ({broker.flusher.failed}); it takes no sends until it is restarted",
             )
         if self.store.failed is not None:
             return (
-                Status.INTERNAL_ERROR,
+                Status.BUSY,
                 f"the broker's store stopped taking writes ({self.store.failed}); it takes no sends until it is "
                 "restarted",
             )

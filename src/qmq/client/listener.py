@@ -101,9 +101,7 @@ class Listener(Generic[M]):
         for _ in range(self.concurrency):
             self._watch(self._work, "worker", self._workers)
 
-    def _watch(
-        self, job: Callable[[], Coroutine[Any, Any, None]], what: str, tasks: list[asyncio.Task[None]]
-    ) -> None:
+    def _watch(self, job: Callable[[], Coroutine[Any, Any, None]], what: str, tasks: list[asyncio.Task[None]]) -> None:
         task = asyncio.ensure_future(job())
         task.add_done_callback(functools.partial(self._ended, job, what, tasks))
         tasks.append(task)

@@ -17,11 +17,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 from qmq.client.consumer import Consumer as AsyncConsumer
 from qmq.client.consumer import OrderedPullConsumer, PullConsumerBase, check_pull_args
+from qmq.client.delays import PendingDelay
 from qmq.client.keywords import BLOCKING_LISTENER_KEYS, BlockingListenerKeywords, check_keywords
 from qmq.client.message import Message
 from qmq.client.options import (
@@ -226,6 +228,22 @@ class Producer:
             except QmqError as exc:
                 with contextlib.suppress(*_INVALID_STATE):
                     fut.set_exception(exc)
+
+    def cancel_delay(self, message_id: str) -> bool:
+        """Cancel the delay message ``message_id``: True when it was pending and will now never be
+        delivered, False when it was already handed over or is unknown (``qmq.aio.Producer.cancel_delay``)."""
+        if self._closed:
+            raise SendError("the producer is closed; make a new one")
+        return self._io.call(self._async.cancel_delay(message_id), self._send_wait_s)
+
+    def delay_list(
+        self, subject: str, start: datetime | float | None = None, end: datetime | float | None = None, limit: int = 100
+    ) -> list[PendingDelay]:
+        """The first ``limit`` (1..10,000) delay messages of ``subject`` due in ``[start, end)``
+        that no delay group has handed over yet, by due time (``qmq.aio.Producer.delay_pending``)."""
+        if self._closed:
+            raise SendError("the producer is closed; make a new one")
+        return self._io.call(self._async.delay_list(subject, start, end, limit), self._send_wait_s)
 
     def flush(self, timeout_ms: int | None = None) -> None:
         """Wait until every message sent before this call is stored or failed."""

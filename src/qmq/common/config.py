@@ -365,6 +365,15 @@ class GatewayConfig:
         10_000,
         _range(1, 1_000_000),
     )
+    push_lease_ms: int = _opt(
+        "how long this gateway's lease of a push subscription lasts (renewed every third of it): another "
+        "gateway takes a subscription over about this long after this one dies",
+        6_000,
+        _range(1_000, 600_000),
+    )
+    push_subscriptions_max: int = _opt(
+        "most push subscriptions this gateway runs at once (0: none; the others run them)", 1_000, _range(0, 10_000)
+    )
     shutdown_grace_ms: int = _opt("how long shutdown waits for requests in flight", 5_000, _range(0, 600_000))
 
 

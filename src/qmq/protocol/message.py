@@ -11,13 +11,18 @@ Layout of one encoded message (little-endian)::
     +----+----+---------+----+----+---------+-----------------+
     16                24        26        28        32        36
     +-----------------+---------+---------+---------+---------+
-    | deliver_at_ms   | times   |ord_slot |props_len|body_len |
+    | deliver_at_ms   | times   | copy    |props_len|body_len |
     +-----------------+---------+---------+---------+---------+
     then: subject (utf-8) | message id (utf-8) | tags (each: u8 length + utf-8)
           | properties (msgpack map) | body
 
     ver            u8   1
-    flg            u8   reserved, 0
+    flg            u8   flags: FLAG_REPEAT (0x01) asks a delay server to deliver copies of the
+                        message (properties REPEAT_EVERY_MS and REPEAT_TIMES say how); FLAG_CANCEL
+                        (0x02) marks a cancel in a delay server's write-ahead log, never sent;
+                        FLAG_ORDERED (0x04): the message has an order key, in the property
+                        ``qmq.order_key`` (qmq.common.ordering); the broker places it by the key's
+                        slot (docs/ordered.md); other bits 0
     subj_len       u16  bytes of the subject
     id_l           u8   bytes of the message id
     tags           u8   number of tags
@@ -26,9 +31,10 @@ Layout of one encoded message (little-endian)::
     deliver_at_ms  i64  when it is due (epoch ms); 0 = now
     times          u16  the delivery attempt this copy is for: 1 for a first send, n + 1 for the
                         copy made after n failed attempts (0, written by qmq before 0.2, reads as 1)
-    order_slot     u16  the message's order-key slot + 1 (qmq.common.ordering); 0 without an
-                        order key (every message written before ordered messages: this was a
-                        reserved field, always 0, so stored data needs no change)
+    copy           u16  the copy of a repeating delay message (1..REPEAT_COPIES_MAX, also in the
+                        property REPEAT_COPY); 0 for any other message (and in every message of
+                        qmq before 0.3, where the field was reserved). Part of what makes a
+                        message a repeat in a broker's duplicate window: copies share an id
     props_len      u32  bytes of the msgpack-encoded properties (0 = none)
     body_len       u32  bytes of the body
 """
@@ -44,15 +50,24 @@ import msgpack
 
 from qmq.common.errors import InvalidMessageError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
+from qmq.common.ordering import ORDER_KEY_PROPERTY, slot_of
 from qmq.protocol.errors import RemoteProtocolError
 
 HEADER = struct.Struct("<BBHBBHqqHHII")
 HEADER_BYTES = HEADER.size  # 36
 VERSION = 1
 TIMES_MAX = 0xFFFF
-ORDER_SLOT = struct.Struct("<H")
-ORDER_SLOT_POS = 26  # of order_slot in the header (see the layout above)
+FLAGS_POS = 1  # of flg in the header
+FLAG_REPEAT = 0x01
+FLAG_CANCEL = 0x02
+FLAG_ORDERED = 0x04
+COPY_POS = 26  # of copy in the header
 
+# Properties of a repeating delay message (FLAG_REPEAT): set by the SDK, read by the delay
+# server, which writes REPEAT_COPY into each copy it makes; consumers see all three.
+REPEAT_EVERY_PROPERTY = "qmq.repeat.every_ms"
+REPEAT_TIMES_PROPERTY = "qmq.repeat.times"
+REPEAT_COPY_PROPERTY = "qmq.repeat.copy"
 
 PropertyValue = str | int | float | bool | bytes
 
@@ -165,10 +180,8 @@ def encode_message(
     created_ms: int,
     deliver_at_ms: int = 0,
     times: int = 1,
-    order_slot: int = 0,
 ) -> bytes:
-    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``).
-    ``order_slot`` is the order key's slot + 1, or 0 without an order key."""
+    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``)."""
     return b"".join(
         (
             HEADER.pack(
@@ -181,7 +194,7 @@ def encode_message(
                 created_ms,
                 deliver_at_ms,
                 times,
-                order_slot,
+                0,
                 len(props),
                 len(body),
             ),
@@ -211,16 +224,10 @@ def decode_message(buf: bytes, pos: int = 0, length: int | None = None) -> Messa
     """Decode the message at ``buf[pos:]``; raise RemoteProtocolError if it is malformed."""
     end = len(buf) if length is None else pos + length
     if pos < 0 or end > len(buf):
-        raise RemoteProtocolError(
-            f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer"
-        )
+        raise RemoteProtocolError(f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer")
     if end - pos < HEADER_BYTES:
-        raise RemoteProtocolError(
-            f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header"
-        )
-    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(
-        buf, pos
-    )
+        raise RemoteProtocolError(f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header")
+    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(buf, pos)
     if ver != VERSION:
         raise RemoteProtocolError(f"message version {ver} is not supported")
     p = pos + HEADER_BYTES
@@ -253,6 +260,7 @@ class ScannedMessage(NamedTuple):
     tags: bytes  # the raw tag block, b"" without tags
     deliver_at_ms: int
     times: int  # delivery attempt: a retry of a message is a new message with the same id
+    copy: int  # copy of a repeating delay message (0: not one): copies share their id
 
 
 def scan_batch(
@@ -284,11 +292,9 @@ def scan_batch(
             raise RemoteProtocolError(
                 f"message {len(out)} of the batch has {end - pos} bytes, fewer than its {hb}-byte header"
             )
-        ver, _flags, slen, ilen, tcount, tlen, _created, deliver, times, _res, plen, blen = unpack(body, pos)
+        ver, _flags, slen, ilen, tcount, tlen, _created, deliver, times, copy, plen, blen = unpack(body, pos)
         if ver != VERSION:
-            raise RemoteProtocolError(
-                f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}"
-            )
+            raise RemoteProtocolError(f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}")
         p = pos + hb
         length = hb + slen + ilen + tlen + plen + blen
         if pos + length > end:
@@ -303,7 +309,7 @@ def scan_batch(
         message_id = body[p + slen : tstart]
         tags = body[tstart : tstart + tlen] if tlen else b""
         # tuple.__new__ skips NamedTuple's Python-level __new__: a quarter of the cost per message
-        append(new_tuple(ScannedMessage, (pos, length, body[p : p + slen], message_id, tags, deliver, times)))
+        append(new_tuple(ScannedMessage, (pos, length, body[p : p + slen], message_id, tags, deliver, times, copy)))
         if checking:
             texts.append(message_id)
             if tlen:
@@ -431,5 +437,36 @@ def with_times(
     )
 
 
+def repeat_copy(encoded: bytes | memoryview, copy: int, deliver_at_ms: int, properties: bytes) -> bytes:
+    """Copy ``copy`` of a repeating delay message: due at ``deliver_at_ms``, with (encoded) new
+    ``properties``, ``FLAG_REPEAT`` cleared (a copy is never repeated again, even when a
+    consumer's retry sends it through a delay server); id, tags and body stay as they are."""
+    fields = list(HEADER.unpack_from(encoded, 0))
+    slen, ilen, tlen, old_plen = fields[2], fields[3], fields[5], fields[10]
+    fields[1] &= ~FLAG_REPEAT
+    fields[7] = deliver_at_ms
+    fields[9] = copy
+    fields[10] = len(properties)
+    props_at = HEADER_BYTES + slen + ilen + tlen
+    return b"".join((HEADER.pack(*fields), encoded[HEADER_BYTES:props_at], properties, encoded[props_at + old_plen :]))
+
+
 def properties_of(props: Mapping[str, Any]) -> dict[str, PropertyValue]:
     return dict(props)
+
+
+def order_slot_of(message: bytes | memoryview) -> int:
+    """The order-key slot + 1 of an encoded message, 0 without an order key (``FLAG_ORDERED``
+    off, or no readable ``qmq.order_key`` property): what a consume-log entry records.
+
+    Only a message with the flag has its properties decoded, so others cost one byte test.
+    """
+    if not message[FLAGS_POS] & FLAG_ORDERED or len(message) < HEADER_BYTES:
+        return 0
+    _v, _f, slen, ilen, _tc, tlen, _c, _d, _t, _copy, plen, _b = HEADER.unpack_from(message, 0)
+    start = HEADER_BYTES + slen + ilen + tlen
+    try:
+        key = decode_properties(message[start : start + plen]).get(ORDER_KEY_PROPERTY)
+    except RemoteProtocolError:
+        return 0
+    return slot_of(key) + 1 if isinstance(key, str) and key else 0
