@@ -38,10 +38,6 @@ class OrderedDispatch:
         self.dispatched = False  # the last dispatch handed messages to a consumer other than the puller
         self.settling_ms = 0  # the last dispatch placed nothing: the group's state settles this much longer
 
-    def forget(self) -> None:
-        """Drop every group's state (the store was rewound or reopened): rebuilt on the next pull."""
-        self.groups.clear()
-
     def dispatch(self, st: SubjectState, gp: GroupProgress, puller: ConsumerProgress, now_ms: int) -> None:
         """Bring slot ownership up to date and append the next entries to their owners' pull logs."""
         self.dispatched = False
