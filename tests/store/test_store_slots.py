@@ -27,21 +27,29 @@ def test_new_slots_spread_evenly_and_a_join_moves_only_the_excess() -> None:
     assert sorted(og.load(bigger).values()) == [75, 75, 75, 75]
 
 
-def test_a_slot_moves_only_once_its_owner_acknowledged_what_it_held_of_it() -> None:
+def test_a_slot_moves_only_once_its_owner_acknowledged_what_it_was_handed_of_it() -> None:
     gp = _group("a", "b")
     og = OrderedGroup(started_ms=0)
     og.owners[7] = "a"
     a = gp.consumers["a"]
-    Progress.record_pull(gp, a, [[0, 3]], 3)  # a was handed pull-log offsets 0..2 of slot 7
+    Progress.record_pull(gp, a, [[0, 3]], 3)  # pull-log offsets 0..2 of a are messages of slot 7
     og.hand("a", 7, [0, 1, 2])
     og.moving[7] = "b"
-    Progress.apply_ack(a, [[0, 1], [2, 3]])
-    og.finish_moves(gp)
-    assert og.owners[7] == "a"  # offset 1 is still out
+    assert og.away("a") == {7}
+    og.withhold("a", 7, 2)  # its pull skipped offset 2: never handed to it
+    Progress.apply_ack(a, [[0, 1]])
+    assert og.ready_moves(gp) == []  # offset 1 may still be running on a
     Progress.apply_ack(a, [[1, 2]])
-    og.finish_moves(gp)
-    assert og.owners[7] == "b"
-    assert not og.moving
+    assert og.ready_moves(gp) == [(7, a, "b")]  # 2 is unacknowledged but a never had it
+
+
+def test_a_move_called_off_is_noted_for_its_withheld_messages_to_go_back() -> None:
+    og = OrderedGroup(started_ms=0)
+    og.owners.update({1: "a", 2: "a"})
+    og.moving.update({1: "b", 2: "c"})
+    og.orphaned(frozenset({"a", "c"}))  # b left
+    assert og.cancelled == [1]
+    assert og.moving == {2: "c"}
 
 
 def test_liveness_counts_a_parked_poll_and_a_fresh_start() -> None:

@@ -7,9 +7,11 @@ handed what its own pull log holds that it has not received (the same path that 
 after a reconnect). Consumers that were handed messages by another's pull get them on their next
 pull; a long poll parked meanwhile is woken by the broker (``dispatched``).
 
-A dispatch stops at the first entry of a slot that is moving (its owner still holds some of it)
-and at the first entry whose owner already holds ``ORDERED_UNACKED_MAX`` unacknowledged
-messages; it scans at most ``_SCAN_ENTRIES_MAX`` entries. Entries without an order key go to the
+A slot moving away from its owner (slots.py) is still dispatched to the owner, whose pulls
+withhold its messages (skip them, never handed); once the owner acknowledged what it was handed
+of the slot, the withheld messages go to the new owner, in order. So a move pauses only its own
+slot. A dispatch stops at the first entry whose owner already holds ``ORDERED_UNACKED_MAX``
+unacknowledged messages; it scans at most ``_SCAN_ENTRIES_MAX`` entries. Entries without an order key go to the
 puller. A slot whose owner's lease ran out moves with the owner's unacknowledged messages of it,
 appended to the new owner's pull log before anything newer and acknowledged for the old owner.
 Nothing is dispatched in the first ``SETTLE_MS`` of a group's state on this broker.
@@ -59,8 +61,64 @@ class OrderedDispatch:
         if live != og.live_ids:
             og.live_ids = live
             og.balance(live)
-        og.finish_moves(gp)
+        self._call_off(st, gp, og)
+        self._finish_moves(st, gp, og)
         self._dispatch(st, gp, og, puller, live)
+
+    def away(self, gp: GroupProgress, cp: ConsumerProgress) -> set[int]:
+        """Slots moving away from ``cp``, whose messages its pulls withhold (``withhold``)."""
+        og = self.groups.get((gp.subject, gp.group))
+        return og.away(cp.consumer_id) if og is not None else set()
+
+    def withhold(self, gp: GroupProgress, cp: ConsumerProgress, slot: int, poff: int) -> None:
+        og = self.groups.get((gp.subject, gp.group))
+        if og is not None:
+            og.withhold(cp.consumer_id, slot, poff)
+
+    def _finish_moves(self, st: SubjectState, gp: GroupProgress, og: OrderedGroup) -> None:
+        """End each move whose owner runs no message of the slot: what it holds of the slot (all
+        withheld, never handed) goes to the new owner, in order, before anything newer."""
+        for slot, cp, target in og.ready_moves(gp):
+            if cp is not None:
+                self._transfer(st, gp, og, cp, gp.consumer(target), slot)
+            og.owners[slot] = target
+            del og.moving[slot]
+
+    def _call_off(self, st: SubjectState, gp: GroupProgress, og: OrderedGroup) -> None:
+        """Moves called off: what the owner withheld of the slot goes back to it, in order."""
+        for slot in og.cancelled:
+            owner = og.owners.get(slot)
+            cp = gp.consumers.get(owner) if owner is not None else None
+            if cp is not None and slot not in og.moving:
+                self._transfer(st, gp, og, cp, cp, slot)
+        og.cancelled.clear()
+
+    def _transfer(
+        self,
+        st: SubjectState,
+        gp: GroupProgress,
+        og: OrderedGroup,
+        src: ConsumerProgress,
+        dst: ConsumerProgress,
+        slot: int,
+    ) -> None:
+        """Append ``src``'s unacknowledged messages of ``slot`` to ``dst``'s pull log, in order, and
+        acknowledge them for ``src`` (``dst`` may be ``src``: handed again, as new entries)."""
+        og.withheld.get(src.consumer_id, {}).pop(slot, None)
+        dq = og.handed.get(src.consumer_id, {}).pop(slot, None)
+        poffs = sorted(p for p in (dq or ()) if not is_acked(src, p))
+        if not poffs:
+            return
+        items = [(seq, slot) for seq in _seqs_of(src, poffs)]
+        acks: list[list[int]] = []
+        for p in poffs:
+            if acks and acks[-1][1] == p:
+                acks[-1][1] += 1
+            else:
+                acks.append([p, p + 1])
+        self._append(gp, og, dst, items, gp.pull_offset)
+        self.progress.ack(gp, src, acks)
+        self.dispatched = True
 
     def _rebuild(self, st: SubjectState, gp: GroupProgress, now_ms: int) -> OrderedGroup:
         """After a start or promotion: a consumer holding unacknowledged messages of a slot owns it."""
@@ -74,6 +132,9 @@ class OrderedDispatch:
             og.prune(cp)
             for slot in og.handed.get(cp.consumer_id, {}):
                 og.owners.setdefault(slot, cp.consumer_id)
+            # what a withholding before this state skipped must be handed again: everything
+            # unacknowledged is (a repeat at worst, in order)
+            cp.cursor = cp.ack_offset
         return og
 
     def _take_over(
@@ -95,6 +156,7 @@ class OrderedDispatch:
             load[target] += 1
             og.owners[slot] = target
         og.handed.pop(owner, None)
+        og.withheld.pop(owner, None)
         old = gp.consumers.get(owner)
         if old is None or not old.unacked:
             return
@@ -156,9 +218,7 @@ class OrderedDispatch:
                 seq += 1  # removed by retention: nothing to hand out
                 continue
             if order_slot:
-                slot = order_slot - 1
-                if slot in og.moving:
-                    break
+                slot = order_slot - 1  # a moving slot's go to its owner still, which withholds them
                 owner = og.owners.get(slot)
                 if owner is None:
                     owner = og.place_new(slot, live, load)
@@ -183,3 +243,16 @@ class OrderedDispatch:
             if owner != puller.consumer_id:
                 self.dispatched = True
 
+
+def _seqs_of(cp: ConsumerProgress, poffs: list[int]) -> list[int]:
+    """The consume-log sequences behind sorted pull-log offsets of ``cp`` (its runs, in order)."""
+    out: list[int] = []
+    runs = cp.runs
+    i = 0
+    for p in poffs:
+        while i < len(runs) and runs[i][0] + runs[i][2] <= p:
+            i += 1
+        first, seq, count = runs[i]
+        assert first <= p < first + count, f"pull-log offset {p} of {cp.consumer_id!r} is in no run"
+        out.append(seq + (p - first))
+    return out
