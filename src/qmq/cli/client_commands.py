@@ -94,7 +94,7 @@ def parse_at(text: str) -> datetime:
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="a tag (repeatable, at most 10)")
 @click.option("--body", "body_text", metavar="TEXT", help="the body, as UTF-8 text")
 @click.option("--body-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="the body, from a file")
-@click.option("--app-code", default="qmq-cli", show_default=True, help="the producer's application code")
+@click.option("--app-code", default=None, help="the producer's application code [default: qmq --app-code, or qmq-cli]")
 @click.option("--delay", "delay_text", metavar="DURATION", help="deliver after this long: 90s, 5m, 2h, 1d, or seconds")
 @click.option(
     "--at", "at_text", metavar="TIME", help="deliver at this ISO 8601 time with offset: 2026-12-24T18:00:00+08:00"
@@ -114,7 +114,7 @@ def send(
     tags: tuple[str, ...],
     body_text: str | None,
     body_file: Path | None,
-    app_code: str,
+    app_code: str | None,
     delay_text: str | None,
     at_text: str | None,
     repeat_text: str | None,
@@ -158,7 +158,9 @@ def send(
     else:
         body = b""
     pairs = [_prop(p) for p in props]
-    with Producer(app_code=app_code, meta_server=meta_server) as producer:
+    from qmq.cli.auth_commands import cli_app_code
+
+    with Producer(app_code=app_code or cli_app_code("qmq-cli"), meta_server=meta_server) as producer:
         msg = producer.generate_message(subject)
         for key, value in pairs:
             msg.set_property(key, value)
@@ -246,7 +248,11 @@ def consume(
         )
     seen = 0
     idle_since = time.monotonic()
-    with Consumer(app_code="qmq-cli", meta_server=meta_server, consumer_id=consumer_id or None) as consumer:
+    from qmq.cli.auth_commands import cli_app_code
+
+    with Consumer(
+        app_code=cli_app_code("qmq-cli"), meta_server=meta_server, consumer_id=consumer_id or None
+    ) as consumer:
         pull = consumer.pull_consumer(subject, group=group, start_from=check_start_from(start_from))
         try:
             while count is None or seen < count:

@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import click
 
+from qmq.cli.auth_commands import cli_authorization
 from qmq.cli.client_commands import meta_server_option, meta_server_url
 from qmq.cli.cluster_launch import (
     CLUSTER_FILE,
@@ -276,7 +277,11 @@ def promote(group: str, role: str, meta_server: str) -> None:
 def _http(url: str, body: object | None = None) -> tuple[int, Any]:
     """(status, decoded JSON answer) of a GET, or of a POST of ``body``; ClusterError when unreachable."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    authorization = cli_authorization()
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    request = urllib.request.Request(url, data=data, headers=headers)
     # Proxies from the environment never apply: the meta server is addressed directly.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:

@@ -30,10 +30,13 @@ from qmq.client.options import (
     ConsumerOptions,
     StartFrom,
     TagType,
+    authorization_of,
     check_identifier,
     check_int,
     check_start_from,
     check_url,
+    credentials_of,
+    secret_of,
 )
 from qmq.client.ordered_listener import OrderedListener
 from qmq.client.ordered_pull import KeyHold
@@ -225,6 +228,7 @@ class Consumer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
@@ -238,7 +242,7 @@ class Consumer:
             retry_pull_interval_ms=retry_pull_interval_ms,
             check_crc=check_crc,
         )
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.consumer_id = self.options.consumer_id
         self._ctx = ConsumerContext(
             self.app_code, self.consumer_id, self.options, self.connect_options, self._fail_message
@@ -256,9 +260,16 @@ class Consumer:
             return
         if self._state != "new":
             raise QmqError("this consumer is closed; make a new one")
-        meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+        meta = MetaClient(
+            self.meta_server,
+            timeout_ms=self.connect_options.meta_timeout_ms,
+            authorization=authorization_of(self.app_code, self.connect_options),
+        )
         await meta.start()
-        pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+        pool = ConnectionPool(
+            connect_timeout_ms=self.connect_options.connect_timeout_ms,
+            credentials=credentials_of(self.app_code, self.connect_options),
+        )
         self._ctx.meta, self._ctx.pool = meta, pool
         self._producer = Producer._sharing(self.app_code, self.meta_server, meta, pool, self.connect_options)
         await self._producer.start()

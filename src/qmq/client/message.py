@@ -21,9 +21,8 @@ from types import MappingProxyType
 from qmq.common.errors import InvalidMessageError, MessageTooLargeError
 from qmq.common.limits import DEFAULT_LIMITS, REPEAT_COPIES_MAX, REPEAT_EVERY_MS_MIN
 from qmq.common.naming import check_subject
-from qmq.common.ordering import ORDER_KEY_PROPERTY, OrderMode, check_order_key, check_order_mode
+from qmq.common.ordering import ORDER_KEY_PROPERTY, OrderMode, check_order_key, check_order_mode, slot_of
 from qmq.protocol.message import (
-    FLAG_ORDERED,
     FLAG_REPEAT,
     FLAGS_POS,
     REPEAT_EVERY_PROPERTY,
@@ -231,9 +230,9 @@ class Message:
         self._properties: dict[str, PropertyValue] = _NO_PROPERTIES
         self._tags: list[str] = _NO_TAGS
         self._deliver_at_ms = 0
+        self._repeat: tuple[int, int, int] | None = None  # (every_ms, times or 0, until_ms or 0)
         self._order_key: str | None = None
         self._order: OrderMode = "strict"
-        self._repeat: tuple[int, int, int] | None = None  # (every_ms, times or 0, until_ms or 0)
         if properties:
             for key, value in properties.items():
                 self.set_property(key, value)
@@ -251,9 +250,9 @@ class Message:
         m._properties = _NO_PROPERTIES
         m._tags = _NO_TAGS
         m._deliver_at_ms = 0
+        m._repeat = None
         m._order_key = None
         m._order = "strict"
-        m._repeat = None
         return m
 
     @property
@@ -330,28 +329,6 @@ class Message:
         """Due time in epoch milliseconds; 0 for a message delivered as soon as stored."""
         return self._deliver_at_ms
 
-    def set_order_key(self, key: str, *, order: OrderMode = "strict") -> None:
-        """Keep this message in order with the other messages of ``key`` (a str of 1–128
-        characters) from this producer: stored in send order, handled one at a time in that order
-        by ordered consumers (see docs/ordered.md).
-
-        ``order="strict"`` (the default) sends it only to the key's broker group, waiting for that
-        group and failing the send rather than writing it elsewhere; ``"best_effort"`` fails over
-        to another group, which may break the key's order while its group is down.
-        """
-        self._order_key = check_order_key(key)
-        self._order = check_order_mode(order)
-
-    @property
-    def order_key(self) -> str | None:
-        """The order key, or None for a message without one."""
-        return self._order_key
-
-    @property
-    def order(self) -> OrderMode:
-        """How an ordered message is placed when its broker group is down: "strict" or "best_effort"."""
-        return self._order
-
     def set_repeat(self, every: float | timedelta, times: int | None = None, until: datetime | None = None) -> None:
         """Deliver the message again and again: ``times`` copies (or as many as fit up to
         ``until``, an aware datetime), ``every`` apart (seconds or a ``timedelta``).
@@ -393,6 +370,28 @@ class Message:
         every_ms, times, until_ms = self._repeat
         until = datetime.fromtimestamp(until_ms / 1000, tz=UTC) if until_ms else None
         return timedelta(milliseconds=every_ms), times or None, until
+
+    def set_order_key(self, key: str, *, order: OrderMode = "strict") -> None:
+        """Keep this message in order with the other messages of ``key`` (a str of 1–128
+        characters) from this producer: stored in send order, handled one at a time in that order
+        by ordered consumers (see docs/ordered.md).
+
+        ``order="strict"`` (the default) sends it only to the key's broker group, waiting for that
+        group and failing the send rather than writing it elsewhere; ``"best_effort"`` fails over
+        to another group, which may break the key's order while its group is down.
+        """
+        self._order_key = check_order_key(key)
+        self._order = check_order_mode(order)
+
+    @property
+    def order_key(self) -> str | None:
+        """The order key, or None for a message without one."""
+        return self._order_key
+
+    @property
+    def order(self) -> OrderMode:
+        """How an ordered message is placed when its broker group is down: "strict" or "best_effort"."""
+        return self._order
 
     def set_property(self, key: str, value: PropertyValue) -> None:
         """Set a property: a str, int (64-bit), float, bool or bytes value under a string key."""
@@ -438,9 +437,16 @@ class Message:
         props = self._properties
         deliver_at_ms = self._deliver_at_ms
         if self._repeat is not None:
+            if self._order_key is not None:
+                raise InvalidMessageError(
+                    f"message {self._message_id} has an order key and repeats; an ordered message is delivered "
+                    "in its key's order, not at times: drop set_repeat, or the order key"
+                )
             props, deliver_at_ms = self._repeating(props)
+        order_slot = 0
         if self._order_key is not None:
             props = {**props, ORDER_KEY_PROPERTY: self._order_key}
+            order_slot = slot_of(self._order_key) + 1
         raw = encode_message(
             self._subject_raw,
             self._message_id.encode("utf-8"),
@@ -451,10 +457,10 @@ class Message:
             self._created_ms,
             deliver_at_ms,
             times,
+            order_slot,
         )
-        flags = (FLAG_REPEAT if self._repeat is not None else 0) | (FLAG_ORDERED if self._order_key is not None else 0)
-        if flags:
-            raw = raw[:FLAGS_POS] + bytes([raw[FLAGS_POS] | flags]) + raw[FLAGS_POS + 1 :]
+        if self._repeat is not None:
+            raw = raw[:FLAGS_POS] + bytes([raw[FLAGS_POS] | FLAG_REPEAT]) + raw[FLAGS_POS + 1 :]
         if len(raw) > _LIMITS.message_bytes_max:
             raise MessageTooLargeError(
                 f"message {self._message_id} encodes to {len(raw)} bytes, over message_bytes_max "

@@ -49,15 +49,18 @@ from qmq.client.options import (
     DEFAULT_PRODUCER,
     ConnectOptions,
     ProducerOptions,
+    authorization_of,
     check_identifier,
     check_url,
+    credentials_of,
+    secret_of,
 )
 from qmq.client.ordering import OrderedSends
 from qmq.client.routing import Router
 from qmq.client.sender import ProducerStats, Sender
 from qmq.common.errors import BufferFullError, InvalidMessageError, SendError
-from qmq.common.ordering import OrderMode, slot_of
-from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS
+from qmq.common.ordering import OrderMode
+from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS, ORDER_SLOT_POS
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +108,11 @@ class Producer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.options = ProducerOptions(
             buffer_messages_max=buffer_messages_max,
             buffer_bytes_max=buffer_bytes_max,
@@ -151,9 +155,16 @@ class Producer:
                 return
             raise SendError("this producer is closed; make a new one")
         if self._shared is None:
-            meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+            meta = MetaClient(
+                self.meta_server,
+                timeout_ms=self.connect_options.meta_timeout_ms,
+                authorization=authorization_of(self.app_code, self.connect_options),
+            )
             await meta.start()
-            pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+            pool = ConnectionPool(
+                connect_timeout_ms=self.connect_options.connect_timeout_ms,
+                credentials=credentials_of(self.app_code, self.connect_options),
+            )
         else:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)
@@ -194,8 +205,8 @@ class Producer:
         entry = (encoded, fut, message.message_id, path.loop.time(), self._acc.epoch)
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
         if message.order_key is not None:
-            _check_ordered(message.message_id, deliver_at_ms, encoded)
-            path.ordered.enqueue(message.subject, message.order_key, slot_of(message.order_key), message.order, entry)
+            _check_ordered(message.message_id, deliver_at_ms)
+            path.ordered.enqueue(message.subject, message.order_key, _slot(encoded), message.order, entry)
             return fut
         path.router.enqueue(message.subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
         return fut
@@ -260,8 +271,8 @@ class Producer:
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
         entry = (encoded, waiter, message_id, path.loop.time(), self._acc.epoch)
         if order_key is not None:
-            _check_ordered(message_id, deliver_at_ms, encoded)
-            path.ordered.enqueue(subject, order_key, slot_of(order_key), order, entry)
+            _check_ordered(message_id, deliver_at_ms)
+            path.ordered.enqueue(subject, order_key, _slot(encoded), order, entry)
             return
         path.router.enqueue(subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
 
@@ -406,10 +417,14 @@ class Producer:
         return SendError("the producer is closed; make a new one")
 
 
-def _check_ordered(message_id: str, deliver_at_ms: int, encoded: bytes) -> None:
-    if deliver_at_ms or encoded[FLAGS_POS] & FLAG_REPEAT:
+def _check_ordered(message_id: str, deliver_at_ms: int) -> None:
+    if deliver_at_ms:
         raise InvalidMessageError(
             f"message {message_id} has an order key and a delay; an ordered message is delivered in its "
-            "key's order, not at a time: drop set_delay/set_deliver_at/set_repeat, or the order key"
+            "key's order, not at a time: drop set_delay/set_deliver_at, or the order key"
         )
 
+
+def _slot(encoded: bytes) -> int:
+    """The order-key slot written in an encoded message's header (its order_slot - 1)."""
+    return int.from_bytes(encoded[ORDER_SLOT_POS : ORDER_SLOT_POS + 2], "little") - 1

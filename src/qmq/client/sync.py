@@ -136,6 +136,7 @@ class Producer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self._async = AsyncProducer(
             app_code=app_code,
@@ -152,6 +153,7 @@ class Producer:
             connect_timeout_ms=connect_timeout_ms,
             meta_timeout_ms=meta_timeout_ms,
             close_timeout_ms=close_timeout_ms,
+            secret=secret,
         )
         opts = self._async.options
         self._send_wait_s = 2 * opts.send_timeout_ms / 1000 + _MARGIN_S
@@ -366,6 +368,7 @@ class Consumer:
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
         listener_threads: int = LISTENER_THREADS_DEFAULT,
+        secret: str | None = None,
     ) -> None:
         self.listener_threads = check_int("listener_threads", listener_threads, 1, 1024)
         self._async = AsyncConsumer(
@@ -380,6 +383,7 @@ class Consumer:
             connect_timeout_ms=connect_timeout_ms,
             meta_timeout_ms=meta_timeout_ms,
             close_timeout_ms=close_timeout_ms,
+            secret=secret,
         )
         self.consumer_id = self._async.consumer_id
         self._pool = concurrent.futures.ThreadPoolExecutor(listener_threads, thread_name_prefix="qmq-listener")

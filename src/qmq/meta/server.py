@@ -28,14 +28,18 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import uvloop
 from aiohttp import web
 
+from qmq.auth.exposure import check_exposure
+from qmq.auth.file import load_auth_file
+from qmq.auth.permissions import Action
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import MetaConfig
-from qmq.common.errors import QmqError
+from qmq.common.errors import ConfigError, QmqError
 from qmq.meta.leader import LeaderLease, default_owner
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
 from qmq.meta.payload import (
@@ -58,6 +62,7 @@ from qmq.meta.registry import (
 )
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
+from qmq.serving.http_auth import HttpAuth, Need
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +136,7 @@ class MetaServer:
             ),
         )
         self.owner = default_owner()
+        self.http_auth: HttpAuth | None = None  # with an auth file (config.auth_file)
         self._executor: ThreadPoolExecutor | None = None
         self._store: MetaStore | None = None
         self._registry: Registry | None = None
@@ -177,7 +183,22 @@ class MetaServer:
             raise
 
     async def _listen(self) -> None:
-        app = web.Application(middlewares=[self._observe], client_max_size=REGISTER_BODY_BYTES_MAX)
+        middlewares = [self._observe]
+        try:
+            warning = check_exposure("meta server", self.config.host, self.config.auth_file, self.config.insecure)
+        except ConfigError as exc:
+            raise MetaStartupError(str(exc)) from None
+        if warning is not None:
+            log.warning("%s", warning)
+            print(f"qmq meta: {warning}", file=sys.stderr, flush=True)
+        if self.config.auth_file:
+            try:
+                auth = load_auth_file(Path(self.config.auth_file))
+            except ConfigError as exc:
+                raise MetaStartupError(str(exc)) from None
+            self.http_auth = HttpAuth(auth, _needs, self.metrics.registry)
+            middlewares.append(self.http_auth.middleware)
+        app = web.Application(middlewares=middlewares, client_max_size=REGISTER_BODY_BYTES_MAX)
         app.router.add_get(ADDRESS_PATH, self._address)
         app.router.add_post(REGISTER_PATH, self._register)
         app.router.add_get(CLUSTER_PATH, self._cluster)
@@ -197,6 +218,18 @@ class MetaServer:
         self.port = int(self._runner.addresses[0][1])
         self.url = f"http://{_url_host(host)}:{self.port}"
         self.meta_server_url = self.url + ADDRESS_PATH
+
+    def reload_auth(self) -> None:
+        """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
+        if self.http_auth is None:
+            return
+        try:
+            auth = load_auth_file(Path(self.config.auth_file))
+        except ConfigError as exc:
+            log.error("SIGHUP: kept the auth file in use, the new one is wrong: %s", exc)
+            return
+        self.http_auth.reload(auth)
+        log.info("SIGHUP: reloaded %s, %d app(s)", self.config.auth_file, len(auth.apps))
 
     async def stop(self) -> None:
         """Stop listening, let requests in flight finish (bounded), give up the lease, close the store."""
@@ -428,6 +461,20 @@ class MetaServer:
         return web.Response(body=self.metrics.render(counts), headers={"Content-Type": CONTENT_TYPE})
 
 
+def _needs(request: web.Request) -> Need:
+    """What a request needs its app to be allowed, with an auth file: registration (and its
+    heartbeats) only the cluster's own servers; promotion and any other change an admin; reading
+    any known app; /health nobody."""
+    path = request.path
+    if path == "/health":
+        return "open"
+    if path == REGISTER_PATH:
+        return Action.CLUSTER
+    if request.method in ("GET", "HEAD") and path != PROMOTE_PATH:
+        return "authenticated"
+    return Action.ADMIN
+
+
 def _bind_problem(host: str, port: int, exc: OSError) -> str:
     where = f"{host}:{port}"
     if exc.errno == errno.EADDRINUSE:
@@ -464,6 +511,8 @@ async def _serve(config: MetaConfig) -> int:
         except MetaStartupError as exc:
             print(f"qmq meta: cannot start: {exc}", file=sys.stderr, flush=True)
             return EXIT_STARTUP_FAILED
+        if server.http_auth is not None:
+            loop.add_signal_handler(signal.SIGHUP, server.reload_auth)
         try:
             print(f"qmq ready role=meta meta_server={server.meta_server_url} http={server.url}", flush=True)
             await stop.wait()

@@ -11,7 +11,7 @@ Layout of one encoded message (little-endian)::
     +----+----+---------+----+----+---------+-----------------+
     16                24        26        28        32        36
     +-----------------+---------+---------+---------+---------+
-    | deliver_at_ms   | times   | copy    |props_len|body_len |
+    | deliver_at_ms   | times   |slot/copy|props_len|body_len |
     +-----------------+---------+---------+---------+---------+
     then: subject (utf-8) | message id (utf-8) | tags (each: u8 length + utf-8)
           | properties (msgpack map) | body
@@ -20,9 +20,7 @@ Layout of one encoded message (little-endian)::
     flg            u8   flags: FLAG_REPEAT (0x01) asks a delay server to deliver copies of the
                         message (properties REPEAT_EVERY_MS and REPEAT_TIMES say how); FLAG_CANCEL
                         (0x02) marks a cancel in a delay server's write-ahead log, never sent;
-                        FLAG_ORDERED (0x04): the message has an order key, in the property
-                        ``qmq.order_key`` (qmq.common.ordering); the broker places it by the key's
-                        slot (docs/ordered.md); other bits 0
+                        FLAG_ORDERED (0x04) says slot/copy holds an order slot; other bits 0
     subj_len       u16  bytes of the subject
     id_l           u8   bytes of the message id
     tags           u8   number of tags
@@ -31,10 +29,14 @@ Layout of one encoded message (little-endian)::
     deliver_at_ms  i64  when it is due (epoch ms); 0 = now
     times          u16  the delivery attempt this copy is for: 1 for a first send, n + 1 for the
                         copy made after n failed attempts (0, written by qmq before 0.2, reads as 1)
-    copy           u16  the copy of a repeating delay message (1..REPEAT_COPIES_MAX, also in the
-                        property REPEAT_COPY); 0 for any other message (and in every message of
-                        qmq before 0.3, where the field was reserved). Part of what makes a
-                        message a repeat in a broker's duplicate window: copies share an id
+    slot/copy      u16  with FLAG_ORDERED: the message's order-key slot + 1 (qmq.common.ordering).
+                        Otherwise the copy of a repeating delay message (1..REPEAT_COPIES_MAX,
+                        also in the property REPEAT_COPY), 0 for any other message. Every
+                        message of qmq before 0.3 has 0 here and no flag (the field was
+                        reserved). An ordered message is never delayed, so never repeated: the
+                        two uses never meet in one message. Part of what makes a message a
+                        repeat in a broker's duplicate window (copies share an id; a key's
+                        messages always have the same slot)
     props_len      u32  bytes of the msgpack-encoded properties (0 = none)
     body_len       u32  bytes of the body
 """
@@ -50,7 +52,6 @@ import msgpack
 
 from qmq.common.errors import InvalidMessageError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
-from qmq.common.ordering import ORDER_KEY_PROPERTY, slot_of
 from qmq.protocol.errors import RemoteProtocolError
 
 HEADER = struct.Struct("<BBHBBHqqHHII")
@@ -61,13 +62,23 @@ FLAGS_POS = 1  # of flg in the header
 FLAG_REPEAT = 0x01
 FLAG_CANCEL = 0x02
 FLAG_ORDERED = 0x04
-COPY_POS = 26  # of copy in the header
+COPY_POS = 26  # of slot/copy in the header
 
 # Properties of a repeating delay message (FLAG_REPEAT): set by the SDK, read by the delay
 # server, which writes REPEAT_COPY into each copy it makes; consumers see all three.
 REPEAT_EVERY_PROPERTY = "qmq.repeat.every_ms"
 REPEAT_TIMES_PROPERTY = "qmq.repeat.times"
 REPEAT_COPY_PROPERTY = "qmq.repeat.copy"
+ORDER_SLOT = struct.Struct("<H")
+ORDER_SLOT_POS = COPY_POS  # read only with FLAG_ORDERED (see the layout above)
+
+
+def order_slot_field(message: bytes | bytearray | memoryview, pos: int = 0) -> int:
+    """The slot/copy field of the encoded message at ``pos`` when it holds an order slot
+    (FLAG_ORDERED): the slot + 1; 0 for a message without an order key (a repeat's copy too)."""
+    if not message[pos + FLAGS_POS] & FLAG_ORDERED:
+        return 0
+    return int(message[pos + ORDER_SLOT_POS]) | int(message[pos + ORDER_SLOT_POS + 1]) << 8
 
 PropertyValue = str | int | float | bool | bytes
 
@@ -180,13 +191,15 @@ def encode_message(
     created_ms: int,
     deliver_at_ms: int = 0,
     times: int = 1,
+    order_slot: int = 0,
 ) -> bytes:
-    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``)."""
+    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``).
+    ``order_slot`` is the order key's slot + 1, or 0 without an order key."""
     return b"".join(
         (
             HEADER.pack(
                 VERSION,
-                0,
+                FLAG_ORDERED if order_slot else 0,
                 len(subject),
                 len(message_id),
                 tag_count,
@@ -194,7 +207,7 @@ def encode_message(
                 created_ms,
                 deliver_at_ms,
                 times,
-                0,
+                order_slot,
                 len(props),
                 len(body),
             ),
@@ -440,10 +453,11 @@ def with_times(
 def repeat_copy(encoded: bytes | memoryview, copy: int, deliver_at_ms: int, properties: bytes) -> bytes:
     """Copy ``copy`` of a repeating delay message: due at ``deliver_at_ms``, with (encoded) new
     ``properties``, ``FLAG_REPEAT`` cleared (a copy is never repeated again, even when a
-    consumer's retry sends it through a delay server); id, tags and body stay as they are."""
+    consumer's retry sends it through a delay server) and ``FLAG_ORDERED`` too (its field now
+    holds the copy); id, tags and body stay as they are."""
     fields = list(HEADER.unpack_from(encoded, 0))
     slen, ilen, tlen, old_plen = fields[2], fields[3], fields[5], fields[10]
-    fields[1] &= ~FLAG_REPEAT
+    fields[1] &= ~(FLAG_REPEAT | FLAG_ORDERED)
     fields[7] = deliver_at_ms
     fields[9] = copy
     fields[10] = len(properties)
@@ -453,20 +467,3 @@ def repeat_copy(encoded: bytes | memoryview, copy: int, deliver_at_ms: int, prop
 
 def properties_of(props: Mapping[str, Any]) -> dict[str, PropertyValue]:
     return dict(props)
-
-
-def order_slot_of(message: bytes | memoryview) -> int:
-    """The order-key slot + 1 of an encoded message, 0 without an order key (``FLAG_ORDERED``
-    off, or no readable ``qmq.order_key`` property): what a consume-log entry records.
-
-    Only a message with the flag has its properties decoded, so others cost one byte test.
-    """
-    if not message[FLAGS_POS] & FLAG_ORDERED or len(message) < HEADER_BYTES:
-        return 0
-    _v, _f, slen, ilen, _tc, tlen, _c, _d, _t, _copy, plen, _b = HEADER.unpack_from(message, 0)
-    start = HEADER_BYTES + slen + ilen + tlen
-    try:
-        key = decode_properties(message[start : start + plen]).get(ORDER_KEY_PROPERTY)
-    except RemoteProtocolError:
-        return 0
-    return slot_of(key) + 1 if isinstance(key, str) and key else 0

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import DEFAULT_LIMITS, Limits
-from qmq.protocol.message import ScannedMessage, order_slot_of
+from qmq.protocol.message import ScannedMessage, order_slot_field
 from qmq.protocol.record import pack_record_into
 from qmq.store import fileio
 from qmq.store.action_log import ActionLog
@@ -233,8 +233,8 @@ class BrokerStore:
             seq = st.next_seq
             st.next_seq = seq + 1
             end = pack_record_into(out, pos, message, seq, now)
-            # an ordered message's slot + 1 goes into the entry's last field (0 for any other)
-            st.pending += pack_entry(base + pos, end - pos, now, bloom, order_slot_of(message))
+            # the message's order slot + 1 (0 without an order key) goes into the entry's last field
+            st.pending += pack_entry(base + pos, end - pos, now, bloom, order_slot_field(message))
             pos = end
             counts = per_subject.get(st.name)
             if counts is None:

@@ -14,7 +14,7 @@ import logging
 
 from qmq.common.naming import DEAD_PREFIX
 from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.message import order_slot_of, scan_batch
+from qmq.protocol.message import order_slot_field, scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, tag_bloom
 from qmq.store.dead_letters import DeadLetters
@@ -87,9 +87,8 @@ class RecordIndexer:
     def _entry(
         self, name: str, tags: bytes, offset: int, sequence: int, stored_ms: int, message: bytes | memoryview
     ) -> None:
-        """The consume-log entry of a record, if its consume log lacks it."""
-        length = len(message)
-        order_slot = order_slot_of(message)  # as BrokerStore.append writes it
+        """The consume-log entry of a record, if its consume log lacks it (with the message's
+        order slot, as BrokerStore.append writes it)."""
         st = self.subjects.state(name)
         expected = st.clog.next_seq + len(st.pending) // ENTRY_BYTES
         if sequence < expected:
@@ -104,7 +103,8 @@ class RecordIndexer:
                 expected,
             )
             return
-        st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + length, stored_ms, tag_bloom(tags), order_slot)
+        slot = order_slot_field(message)
+        st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + len(message), stored_ms, tag_bloom(tags), slot)
         self._pending.add(st)
         self.rebuilt += 1
         if len(st.pending) >= _FLUSH_ENTRIES * ENTRY_BYTES:
