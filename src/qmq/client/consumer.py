@@ -190,7 +190,13 @@ class OrderedPullConsumer(PullConsumer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         hold = self._hold
-        make_batch = self._main._batch_cls
+        main = self._main
+        make_batch = main._batch_cls
+        now = loop.time()
+        if any(now >= until - min(1.0, main.lease_s.get(g, 0.0) / 4) for g, until in main.fresh_until.items()):
+            # silent for about the lease: ask the broker first, which keeps the slots or says they
+            # may be gone (the puller then drops what waits here from that broker group)
+            hold.accept(list(await main.pull(max(1, min(hold.room, DEFAULT_LIMITS.pull_messages_max)), 0)))
         while True:
             now = loop.time()
             out = hold.take(max_messages, now)
