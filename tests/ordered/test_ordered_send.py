@@ -13,7 +13,14 @@ from qmq import InvalidMessageError, SendError
 from qmq.aio import Consumer, Message, Producer
 from qmq.client.ordering import place
 from qmq.common.ordering import ORDER_KEY_PROPERTY, SLOTS, group_of_slot, slot_of
-from qmq.protocol.message import ORDER_SLOT, ORDER_SLOT_POS, decode_message, with_times
+from qmq.protocol.message import (
+    FLAG_ORDERED,
+    FLAGS_POS,
+    decode_message,
+    decode_properties,
+    order_slot_field,
+    with_times,
+)
 
 
 def test_an_order_key_is_a_str_of_1_to_128_characters() -> None:
@@ -28,17 +35,17 @@ def test_an_order_key_is_a_str_of_1_to_128_characters() -> None:
     assert Message("s").order_key is None
 
 
-def test_the_slot_is_in_the_header_and_the_key_in_the_properties() -> None:
+def test_an_ordered_message_is_flagged_and_carries_its_slot_and_key() -> None:
     m = Message("s", body=b"b")
     m.set_order_key("order-42")
     encoded = m.encode()
-    (order_slot,) = ORDER_SLOT.unpack_from(encoded, ORDER_SLOT_POS)
-    assert order_slot == slot_of("order-42") + 1
+    assert encoded[FLAGS_POS] & FLAG_ORDERED
+    assert order_slot_field(encoded) == slot_of("order-42") + 1
     fields = decode_message(encoded)
     assert fields.body == b"b"
+    assert decode_properties(fields.properties_raw)[ORDER_KEY_PROPERTY] == "order-42"
     plain = Message("s").encode()
-    assert ORDER_SLOT.unpack_from(plain, ORDER_SLOT_POS) == (0,)  # as every message stored before
-    assert ORDER_KEY_PROPERTY.encode() in bytes(fields.properties_raw)
+    assert order_slot_field(plain) == 0  # as every message stored before
 
 
 def test_a_slot_maps_to_one_group_of_a_route_by_ranges() -> None:

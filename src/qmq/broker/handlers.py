@@ -281,6 +281,10 @@ class Handlers(RoleHandlers):
 
         def send_answer(result: PullResult | None, acks_error: str | None) -> None:
             header: dict[str, object] = {"runs": [] if result is None else result.runs}
+            if gp.ordered:
+                # the consumer holds its slots while it pulls within this; the SDK stops starting
+                # messages once it may have lapsed (client/ordered_listener.py)
+                header["lease_ms"] = self.broker.config.ordered_lease_ms
             if acks_error is not None:
                 header["acks_error"] = acks_error  # the client keeps those acks and sends them again
             if result is None:
@@ -295,6 +299,8 @@ class Handlers(RoleHandlers):
         result = self.store.pull(gp, cp, session, max_n, tag_filter)
         if self.store.dispatched:
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
+        elif self.store.settling_ms:
+            self.broker.parked.notify_later(gp.subject, self.store.settling_ms)  # the group places slots then
         if result is not None or timeout_ms == 0 or self.broker.stopping:
             answer(result)
             return

@@ -97,6 +97,10 @@ class ParkedPulls:
         if subject in self._by_subject:
             asyncio.get_running_loop().call_soon(self.notify, {subject})
 
+    def notify_later(self, subject: str, delay_ms: int) -> None:
+        """Try the parked pulls of ``subject`` in ``delay_ms`` (an ordered group starts placing slots)."""
+        asyncio.get_running_loop().call_later(delay_ms / 1000, self.notify, {subject})
+
     def _pass(self, subject: str) -> bool:
         """Try the parked pulls of ``subject`` once; True if one handed messages to other consumers."""
         lst = self._by_subject.get(subject)

@@ -3,7 +3,7 @@ their retry or dead-letter subject.
 
 A ``Consumer`` is one consumer id: every pull it makes carries that id, so the broker keeps
 one pull log per (subject, consumer group, consumer id). No ordering is promised within a
-consumer group.
+consumer group, except per order key with ``ordered=True`` (ordered_listener.py, ordered_pull.py).
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ class OrderedPullConsumer(PullConsumer):
         super().__init__(main, None, retry_interval_ms)
         self._hold: KeyHold[Any] = KeyHold(main.subscription, main.on_nack)
         main.on_nack = self._hold.nacked
+        main.on_lapse = self._hold.lapsed
 
     async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
         """Up to ``max_messages`` messages, at most one of each order key that has none unsettled,
@@ -189,7 +190,13 @@ class OrderedPullConsumer(PullConsumer):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_ms / 1000
         hold = self._hold
-        make_batch = self._main._batch_cls
+        main = self._main
+        make_batch = main._batch_cls
+        now = loop.time()
+        if any(now >= until - min(1.0, main.lease_s.get(g, 0.0) / 4) for g, until in main.fresh_until.items()):
+            # silent for about the lease: ask the broker first, which keeps the slots or says they
+            # may be gone (the puller then drops what waits here from that broker group)
+            hold.accept(list(await main.pull(max(1, min(hold.room, DEFAULT_LIMITS.pull_messages_max)), 0)))
         while True:
             now = loop.time()
             out = hold.take(max_messages, now)

@@ -12,6 +12,13 @@ counting attempts, holding its key meanwhile; after ``max_retries`` failures the
 ``%DEAD_RETRY%<subject>%<group>`` and the key goes on. Nothing goes through ``%RETRY%``, which
 would reorder. The broker hands each slot's messages to one consumer of the group at a time
 (docs/ordered.md), so no other consumer runs the key meanwhile.
+
+The broker keeps a consumer's slots while it pulls or acks within the group's lease (given in
+each pull's answer). A message starts only while the last answered pull or ack of its broker
+group is within the lease, less a margin; a pull that finds the consumer was silent past it
+drops what is queued from that group (the broker may have moved it) and starts a new session,
+in which the broker hands again whatever is still this consumer's. A handler that runs longer
+than the lease can still overlap the next owner: keep ``ordered_lease_ms`` above any handler.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from qmq.common.errors import AlreadyProcessedError, InvalidMessageError, NeedRe
 
 log = logging.getLogger(__name__)
 
+_LEASE_MARGIN_S = 1.0  # a message starts only this long (or a quarter of the lease) before it may lapse
+_FRESH_POLL_S = 0.05
+
 
 def order_key_of(m: Any) -> object:
     """What a message is serialised on: its order key, or itself when it has none."""
@@ -41,6 +51,9 @@ class OrderedListener(Listener[M]):
         super().__init__(*args, **kwargs)
         self._keys: dict[object, deque[M]] = {}
         self._ready: asyncio.Queue[object] = asyncio.Queue()
+        self._active: set[object] = set()  # keys a worker runs now (a key is queued once at most)
+        self._main = self._pullers[0]
+        self._main.on_lapse = self._lapsed
         self._max_retries = self._pullers[0].subscription.max_retries
         self._backoff_ms = self._pullers[0].subscription.backoff_ms
         self.retried_in_place = 0
@@ -62,9 +75,16 @@ class OrderedListener(Listener[M]):
         while not self._stopping:
             key = await self._ready.get()
             queue = self._keys.get(key)
-            if not queue:
-                continue  # dropped by a stop meanwhile
+            if not queue or key in self._active:
+                continue  # dropped meanwhile (a stop, a lapsed lease), or run by another worker
             m = queue[0]  # stays at the head while it runs: later messages of the key queue behind it
+            if not await self._still_held(m):
+                if self._keys.get(key) is queue and queue and queue[0] is m:
+                    self._ready.put_nowait(key)  # stopping: left as it is
+                elif key in self._keys:
+                    self._ready.put_nowait(key)  # its head was dropped: the next one goes on
+                continue
+            self._active.add(key)
             self._busy.add(me)
             try:
                 await self._handle_in_place(m)
@@ -77,6 +97,7 @@ class OrderedListener(Listener[M]):
                 )
             finally:
                 self._busy.discard(me)
+                self._active.discard(key)
                 if self._keys.get(key) is queue:
                     queue.popleft()
                     if queue:
@@ -85,6 +106,55 @@ class OrderedListener(Listener[M]):
                         del self._keys[key]
                     self._in_app -= 1
                     self._room_freed()
+
+    async def _still_held(self, m: M) -> bool:
+        """Wait until this consumer surely still holds ``m``'s slot: its broker counts it live (the
+        last pull or ack it answered was within the lease, less a margin). False if ``m`` was
+        dropped meanwhile (the lease lapsed: ``_lapsed``) or the listener stops."""
+        group = m._tracker.broker_group
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            until = self._main.fresh_until.get(group)
+            lease_s = self._main.lease_s.get(group, 0.0)
+            if until is None or loop.time() < until - min(_LEASE_MARGIN_S, lease_s / 4):
+                return self._queued(m)
+            if not self._queued(m):
+                return False
+            await asyncio.sleep(_FRESH_POLL_S)  # waiting for a pull or an ack to be answered
+        return False
+
+    def _queued(self, m: M) -> bool:
+        queue = self._keys.get(order_key_of(m))
+        return bool(queue) and queue is not None and queue[0] is m
+
+    def _lapsed(self, broker_group: str) -> None:
+        """The lease of this consumer at ``broker_group`` may have lapsed (a pull found it silent past
+        it): its slots may be another consumer's now, with the messages queued here. Drop those not
+        running; the broker hands again what is still this consumer's, in the new session."""
+        dropped = 0
+        for key, queue in list(self._keys.items()):
+            keep = [queue[0]] if key in self._active and queue else []
+            rest = [m for m in list(queue)[len(keep) :] if m._tracker.broker_group != broker_group]
+            others = len(queue) - len(keep) - len(rest)
+            if others:
+                dropped += others
+                queue.clear()
+                queue.extend(keep + rest)
+                if not queue:
+                    del self._keys[key]
+                elif key not in self._active:
+                    self._ready.put_nowait(key)
+        if dropped:
+            self._in_app -= dropped
+            self._room_freed()
+            log.warning(
+                "listener %s/%s: silent past the ordered lease at broker group %s; dropped %d queued "
+                "message(s), which the broker hands again if they are still this consumer's",
+                self.subject,
+                self.group,
+                broker_group,
+                dropped,
+            )
 
     async def _handle_in_place(self, m: M) -> None:
         """Run the handler on ``m`` until it succeeds, or dead-letter it after ``max_retries`` failures."""

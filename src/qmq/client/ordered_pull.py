@@ -81,6 +81,17 @@ class KeyHold(Generic[M]):
             out.append(m)
         return out
 
+    def lapsed(self, broker_group: str) -> None:
+        """The consumer's lease at ``broker_group`` may have lapsed: drop the messages from it that
+        wait here (the broker hands again those still this consumer's, in a new session)."""
+        for key, q in list(self._waiting.items()):
+            kept = [m for m in q if m._tracker.broker_group != broker_group]
+            self.buffered -= len(q) - len(kept)
+            if kept:
+                self._waiting[key] = deque(kept)
+            else:
+                del self._waiting[key]
+
     def next_due(self) -> float | None:
         return min(self._again.values()) if self._again else None
 

@@ -100,6 +100,12 @@ class SubjectPuller(Generic[M]):
         self.messages = 0
         # what a nack of its messages calls (an ordered pull consumer retries in place instead)
         self.on_nack = ctx.on_nack
+        # An ordered group's lease, per broker group: until when (loop time) the broker counts this
+        # consumer live (the send time of its last answered pull + the lease the broker gave), and
+        # what to call when a pull finds it may have lapsed (the broker may have moved its slots).
+        self.fresh_until: dict[str, float] = {}
+        self.lease_s: dict[str, float] = {}
+        self.on_lapse: Callable[[str], None] | None = None
         ctx.pullers.append(self)
 
     def _tracker(self, broker_group: str) -> AckTracker:
@@ -190,6 +196,7 @@ class SubjectPuller(Generic[M]):
         ranges = tracker.take() if ctx.options.acks_with_pulls else []
         if ranges:
             header["ack"] = ranges
+        sent_at = asyncio.get_running_loop().time()
         try:
             fut = await conn.start_request(RequestCode.PULL, header, with_session=True)
         except BaseException:
@@ -219,6 +226,19 @@ class SubjectPuller(Generic[M]):
             # recorded on the master but not replicated: sent again with a later request
             log.debug("acks to broker group %s are sent again: %s", bg.name, acks_error)
             tracker.requeue(ranges)
+        lease_ms = frame.header.get("lease_ms")
+        if isinstance(lease_ms, int) and not isinstance(lease_ms, bool):
+            before = self.fresh_until.get(bg.name)
+            self.lease_s[bg.name] = lease_ms / 1000
+            self.fresh_until[bg.name] = max(before or 0.0, sent_at + lease_ms / 1000)
+            if before is not None and sent_at >= before:
+                # Silent past the lease: the broker may have moved this consumer's slots with the
+                # messages it held. Drop what is queued from that broker group and start a new
+                # session, in which the broker hands again whatever is still this consumer's.
+                if self.on_lapse is not None:
+                    self.on_lapse(bg.name)
+                conn.abort()
+                return self._batch_cls()
         try:
             batch = self._parse(frame, tracker)
         except RemoteProtocolError:
@@ -383,6 +403,7 @@ def _requeue(taken: list[_Taken]) -> None:
 
 async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup, taken: list[_Taken]) -> None:
     header = {"consumer_id": ctx.consumer_id, "acks": [entry for _p, _t, entry, _r in taken]}
+    sent_at = asyncio.get_running_loop().time()
     try:
         async with asyncio.timeout(ctx.options.request_timeout_ms / 1000):
             frame = await pool.get(bg.address).request(RequestCode.ACK_MANY, header)
@@ -409,6 +430,9 @@ async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup,
         offset = result.get("ack_offset") if isinstance(result, dict) else None
         if isinstance(offset, int):
             tracker.ack_offset = offset
+            lease_s = p.lease_s.get(bg.name)
+            if lease_s is not None:  # an answered ack keeps an ordered consumer live, as a pull does
+                p.fresh_until[bg.name] = max(p.fresh_until.get(bg.name, 0.0), sent_at + lease_s)
         else:
             error = result.get("error") if isinstance(result, dict) else result
             log.error("broker group %s refused acks of %r/%s: %s", bg.name, p.subject, p.group, error)

@@ -378,6 +378,11 @@ class BrokerStore:
         puller (their long polls may be answered now)."""
         return self._pulls.ordered.dispatched
 
+    @property
+    def settling_ms(self) -> int:
+        """How much longer the ordered group of the last pull places no slots (0: it does)."""
+        return self._pulls.ordered.settling_ms
+
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
         return self._pulls.read_range(self._subjects.get(subject), from_seq, max_n)

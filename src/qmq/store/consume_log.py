@@ -17,7 +17,8 @@ Entry layout, format version 1 (little-endian, 32 bytes; entry N at log offset N
     | size       | u32  | 8-11   | bytes of the record (28-byte header + message)        |
     | stored_ms  | i64  | 12-19  | when the broker stored it                             |
     | tag bloom  | u64  | 20-27  | two bits per tag (``tag_bloom``); 0 without tags      |
-    | order_slot | u32  | 28-31  | the message's order-key slot + 1; 0 without an order  |
+    | order_slot | u32  | 28-31  | the order-key slot + 1 of a message with FLAG_ORDERED |
+    |            |      |        | (protocol.message.order_slot_field); 0 without an order  |
     |            |      |        | key (and in every entry written before ordered        |
     |            |      |        | messages, when this field was reserved and 0)         |
 

@@ -10,10 +10,13 @@ Rules:
 
 - a consumer is live while it pulled within the lease, or has a long poll parked; a state made
   after a start or a promotion counts every known consumer as seen then (``started_ms``);
+- nothing is placed in the first ``SETTLE_MS`` of a state, so consumers that start together
+  share the slots from the start;
 - a slot first seen goes to the live consumer owning fewest;
 - when the live set changes, owners above ``ceil(slots / live)`` give slots to the least loaded:
-  such a slot moves only once its owner acknowledged all of it (until then the dispatch stops
-  at it), never while the owner may still be handling one of its messages;
+  such a slot moves only once its owner acknowledged every message of it that it was handed,
+  never while the owner may still be handling one. Meanwhile the owner's pulls *withhold* the
+  slot's messages (skip them), and the move hands those to the new owner, in order;
 - a slot whose owner is not live moves at once, with the owner's unacknowledged messages of it.
 
 Nothing here is persisted: after a restart the state is rebuilt from the pull logs (a consumer
@@ -30,9 +33,13 @@ from dataclasses import dataclass, field
 from qmq.store.progress import ConsumerProgress, GroupProgress
 
 DEFAULT_ORDERED_LEASE_MS = 20_000
+# a group's state this young places no slot yet: consumers started together (or coming back after
+# a restart or promotion) all register first, rather than one taking every slot and giving most
+# back through moves, each waiting for it to drain
+SETTLE_MS = 1_000
 # unacknowledged messages a consumer of an ordered group is handed at most: the dispatch stops at
 # the first message whose owner is full, so a slow consumer slows its group, not the broker's memory
-ORDERED_UNACKED_MAX = 2_000
+ORDERED_UNACKED_MAX = 10_000
 
 
 def is_acked(cp: ConsumerProgress, poff: int) -> bool:
@@ -53,6 +60,10 @@ class OrderedGroup:
     moving: dict[int, str] = field(default_factory=dict)  # slot -> consumer it goes to once drained
     # consumer id -> slot -> pull-log offsets handed (acknowledged ones pruned from the left)
     handed: dict[str, dict[int, deque[int]]] = field(default_factory=dict)
+    # consumer id -> slot -> pull-log offsets of a slot moving away that its pulls skipped: they go
+    # to the slot's next owner when the move ends (or back to this consumer if it is called off)
+    withheld: dict[str, dict[int, set[int]]] = field(default_factory=dict)
+    cancelled: list[int] = field(default_factory=list)  # moves called off, their owner live
     live_ids: frozenset[str] = frozenset()
 
     # -- liveness -----------------------------------------------------------------------
@@ -84,6 +95,24 @@ class OrderedGroup:
             return True
         dq.clear()
         return False
+
+    def holds_delivered(self, cp: ConsumerProgress, slot: int) -> bool:
+        """Whether ``cp`` may be running a message of ``slot``: one it was handed, not withheld,
+        and not acknowledged."""
+        dq = self.handed.get(cp.consumer_id, {}).get(slot)
+        if not dq:
+            return False
+        kept = self.withheld.get(cp.consumer_id, {}).get(slot, set())
+        return any(p not in kept and not is_acked(cp, p) for p in dq)
+
+    def away(self, consumer_id: str) -> set[int]:
+        """The slots moving away from ``consumer_id``: its pulls withhold their messages."""
+        if not self.moving:
+            return set()
+        return {slot for slot in self.moving if self.owners.get(slot) == consumer_id}
+
+    def withhold(self, consumer_id: str, slot: int, poff: int) -> None:
+        self.withheld.setdefault(consumer_id, {}).setdefault(slot, set()).add(poff)
 
     def prune(self, cp: ConsumerProgress) -> None:
         """Drop what ``cp`` acknowledged from its handed offsets (bounded by what it holds)."""
@@ -122,10 +151,12 @@ class OrderedGroup:
         return owner
 
     def orphaned(self, live: frozenset[str]) -> dict[str, list[int]]:
-        """Slots whose owner is not live, by owner; their moves (to a consumer gone too) dropped."""
+        """Slots whose owner is not live, by owner; moves to a consumer gone are called off."""
         for slot, target in list(self.moving.items()):
             if target not in live:
                 del self.moving[slot]
+                if self.owners.get(slot) in live:
+                    self.cancelled.append(slot)
         out: dict[str, list[int]] = {}
         for slot, owner in self.owners.items():
             if owner not in live:
@@ -148,15 +179,17 @@ class OrderedGroup:
             target = self.least_loaded(load)
             load[target] += 1
             if target == self.owners[slot]:
-                self.moving.pop(slot, None)
+                if self.moving.pop(slot, None) is not None:
+                    self.cancelled.append(slot)
             else:
                 self.moving[slot] = target
 
-    def finish_moves(self, gp: GroupProgress) -> None:
-        """Hand over each moving slot its owner no longer holds a message of."""
-        for slot, target in list(self.moving.items()):
+    def ready_moves(self, gp: GroupProgress) -> list[tuple[int, ConsumerProgress | None, str]]:
+        """``(slot, owner, target)`` of each move whose owner runs no message of the slot any more."""
+        out: list[tuple[int, ConsumerProgress | None, str]] = []
+        for slot, target in self.moving.items():
             owner = self.owners.get(slot)
             cp = gp.consumers.get(owner) if owner is not None else None
-            if cp is None or not self.holds(cp, slot):
-                self.owners[slot] = target
-                del self.moving[slot]
+            if cp is None or not self.holds_delivered(cp, slot):
+                out.append((slot, cp, target))
+        return out

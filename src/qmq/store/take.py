@@ -78,12 +78,13 @@ class Pulls:
             return None
         self._recorded = False
         self.ordered.dispatched = False
+        self.ordered.settling_ms = 0
         try:
             if gp.ordered:
                 self._recorded = True  # a failed read after the dispatch is a failed pull, like any other
                 self.ordered.dispatch(st, gp, cp, now_ms)
                 self._recorded = False
-                return self._take_own(st, cp, max_n)
+                return self._take_own(st, gp, cp, max_n)
             return self._take(st, gp, cp, max_n, tag_filter)
         except OSError as exc:
             if self._recorded:
@@ -110,12 +111,30 @@ class Pulls:
                 out = self._take_matching(gp, cp, st, left, budget, tag_filter, out)
         return out if out.messages else None
 
-    def _take_own(self, st: SubjectState, cp: ConsumerProgress, max_n: int) -> PullResult | None:
-        """What ``cp``'s pull log holds that it was not handed yet (an ordered group's pull)."""
+    def _take_own(self, st: SubjectState, gp: GroupProgress, cp: ConsumerProgress, max_n: int) -> PullResult | None:
+        """What ``cp``'s pull log holds that it was not handed yet (an ordered group's pull), less
+        the messages of slots moving away from it (withheld: ``ordered_take``)."""
         out = PullResult([], [], 0, 0)
+        away = self.ordered.away(gp, cp)
         for poff, seq, k in Progress.take_redelivery(cp, max_n):
-            got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
-            out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
+            entries = st.clog.read(seq, k)
+            kept: list[tuple[int, int]] = [(0, k)]
+            if away:
+                kept = []
+                start = 0
+                for i, (_off, _size, _ms, _bloom, order_slot) in enumerate(ENTRY.iter_unpack(entries)):
+                    if order_slot and order_slot - 1 in away:
+                        self.ordered.withhold(gp, cp, order_slot - 1, poff + i)
+                        if i > start:
+                            kept.append((start, i))
+                        start = i + 1
+                if k > start:
+                    kept.append((start, k))
+            for a, b in kept:
+                got, size = self._read_records(
+                    entries[a * ENTRY_BYTES : b * ENTRY_BYTES], out.chunks, cp, poff + a, out.runs
+                )
+                out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
         return out if out.messages else None
 
     def _take_next(
