@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Sequence
+from ssl import SSLContext
 from typing import TYPE_CHECKING, Any, cast
 
 from qmq.common.errors import ConnectionLostError, QmqError
@@ -146,9 +147,11 @@ class Connection:
         connect_timeout_ms: int,
         limits: Limits = DEFAULT_LIMITS,
         credentials: ClientCredentials | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.address = address
         self._credentials = credentials
+        self._ssl = ssl
         self._host, self._port = parse_address(address)
         self._connect_timeout_s = connect_timeout_ms / 1000
         self._limits = limits
@@ -197,7 +200,11 @@ class Connection:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, proto = await loop.create_connection(
-                    lambda: _FrameProtocol(self.address, self._limits), self._host, self._port
+                    lambda: _FrameProtocol(self.address, self._limits),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl is not None else None,
                 )
         except (OSError, TimeoutError) as exc:
             self._failures += 1
@@ -362,9 +369,11 @@ class ConnectionPool:
         connect_timeout_ms: int,
         limits: Limits = DEFAULT_LIMITS,
         credentials: ClientCredentials | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self._connect_timeout_ms = connect_timeout_ms
         self._credentials = credentials
+        self._ssl = ssl
         self._limits = limits
         self._connections: dict[str, Connection] = {}
         self._closed = False
@@ -375,7 +384,11 @@ class ConnectionPool:
             if self._closed:
                 raise ConnectionLostError(f"the client is closed; cannot reach broker {address}")
             conn = Connection(
-                address, connect_timeout_ms=self._connect_timeout_ms, limits=self._limits, credentials=self._credentials
+                address,
+                connect_timeout_ms=self._connect_timeout_ms,
+                limits=self._limits,
+                credentials=self._credentials,
+                ssl=self._ssl,
             )
             self._connections[address] = conn
         return conn

@@ -60,6 +60,7 @@ from qmq.meta.registry import (
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 from qmq.serving.http_auth import HttpAuth, Need
+from qmq.serving.tls import server_context
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +207,15 @@ class MetaServer:
         await self._runner.setup()
         host, port = self.config.host, self.config.port
         try:
-            await web.TCPSite(self._runner, host, port).start()
+            tls = server_context(self.config)
+        except ConfigError as exc:
+            raise MetaStartupError(str(exc)) from None
+        try:
+            await web.TCPSite(self._runner, host, port, ssl_context=tls).start()
         except OSError as exc:
             raise MetaStartupError(_bind_problem(host, port, exc)) from None
         self.port = int(self._runner.addresses[0][1])
-        self.url = f"http://{_url_host(host)}:{self.port}"
+        self.url = f"{'https' if tls is not None else 'http'}://{_url_host(host)}:{self.port}"
         self.meta_server_url = self.url + ADDRESS_PATH
 
     def reload_auth(self) -> None:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from qmq.serving.group_commit import GroupCommit
 from qmq.serving.periodic import Periodic
 from qmq.serving.registration import Registration, server_payload
 from qmq.serving.runner import StartupError, listen_error, serve_http
+from qmq.serving.tls import outgoing_context, server_context
 from qmq.store.datadir import StoreError
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,12 @@ class ServingConfig(Protocol):
     def app_code(self) -> str: ...
     @property
     def insecure(self) -> bool: ...
+    @property
+    def tls_cert(self) -> str: ...
+    @property
+    def tls_key(self) -> str: ...
+    @property
+    def tls_ca(self) -> str: ...
 
 
 class RoleStore(Protocol):
@@ -149,6 +157,8 @@ class FrameServer(ABC):
         self.stop_failed: str | None = None  # what the last stop could not finish (exit status 4)
         self.checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix=checkpoint_thread)
         self.auth: AuthGate | None = None
+        # what the server connects to the other roles with (qmq.serving.tls); ConfigError for bad files
+        self.tls_out: ssl.SSLContext | None = outgoing_context(config)
 
     @property
     def address(self) -> str:
@@ -156,7 +166,8 @@ class FrameServer(ABC):
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.config.host}:{self.http_port}"
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{self.config.host}:{self.http_port}"
 
     def ready_line(self) -> str:
         return (
@@ -189,9 +200,10 @@ class FrameServer(ABC):
             print(f"qmq {self.kind}: {warning}", file=sys.stderr, flush=True)
         if cfg.auth_file:
             self._gate_requests(loop)
+        tls = server_context(cfg)
         try:
             self._server = await loop.create_server(
-                lambda: FrameConnection(self), cfg.host, cfg.port, backlog=_LISTEN_BACKLOG
+                lambda: FrameConnection(self), cfg.host, cfg.port, backlog=_LISTEN_BACKLOG, ssl=tls
             )
         except OSError as exc:
             raise StartupError(listen_error(self.title, cfg.host, cfg.port, exc, "--port")) from None
@@ -199,7 +211,7 @@ class FrameServer(ABC):
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
-        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
+        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port", tls)
 
     def _gate_requests(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the auth file and put its gate in front of the request table; SIGHUP reloads it."""
@@ -231,7 +243,12 @@ class FrameServer(ABC):
         secret = self.secret()
         authorization = basic_authorization(cfg.app_code, secret) if secret else None
         self._registration = Registration(
-            cfg.meta_server, payload, cfg.heartbeat_interval_ms, on_answer=on_answer, authorization=authorization
+            cfg.meta_server,
+            payload,
+            cfg.heartbeat_interval_ms,
+            on_answer=on_answer,
+            authorization=authorization,
+            ssl=self.tls_out,
         )
         self._registration.start()
 
