@@ -157,6 +157,9 @@ class ReplicationSource:
         except ReplicaError as exc:
             conn.respond(code, request_id, {"error": f"cannot replicate: {exc}"}, status=Status.BAD_REQUEST)
             return False
+        except OSError as exc:  # a failing disk: the slave asks again (never raise out of a wake-up)
+            conn.respond(code, request_id, {"error": f"reading the log to replicate failed: {exc}"}, status=Status.BUSY)
+            return False
         if wait and not log_chunk.data and not act_chunk.data:
             return True
         conn.respond(

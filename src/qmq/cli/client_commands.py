@@ -99,6 +99,13 @@ def parse_at(text: str) -> datetime:
 @click.option(
     "--at", "at_text", metavar="TIME", help="deliver at this ISO 8601 time with offset: 2026-12-24T18:00:00+08:00"
 )
+@click.option(
+    "--repeat-every", "repeat_text", metavar="DURATION", help="deliver copies this far apart (at least 1s): 90s, 5m, 1d"
+)
+@click.option("--repeat-times", type=click.IntRange(1, 10_000), help="with --repeat-every: this many copies")
+@click.option(
+    "--repeat-until", "until_text", metavar="TIME", help="with --repeat-every: copies until this ISO 8601 time"
+)
 def send(
     subject: str,
     stdin_marker: str | None,
@@ -110,10 +117,16 @@ def send(
     app_code: str | None,
     delay_text: str | None,
     at_text: str | None,
+    repeat_text: str | None,
+    repeat_times: int | None,
+    until_text: str | None,
 ) -> None:
     """Send one message to SUBJECT; `-` reads the body from standard input. Prints its id.
 
     With --delay or --at the message goes to a delay server and consumers receive it when due.
+    With --repeat-every and --repeat-times (or --repeat-until) it is delivered that many times,
+    the first copy one interval after the send (or at --delay/--at); cancel it with
+    `qmq cancel-delay ID`.
     """
     from qmq.client.sync import Producer
 
@@ -121,6 +134,16 @@ def send(
         raise click.UsageError("give the due time once: --delay or --at")
     delay_s = parse_duration_s(delay_text) if delay_text is not None else None
     at = parse_at(at_text) if at_text is not None else None
+    if (repeat_times is not None or until_text is not None) and repeat_text is None:
+        raise click.UsageError("--repeat-times and --repeat-until need --repeat-every")
+    if repeat_text is not None and (repeat_times is None) == (until_text is None):
+        raise click.UsageError("give --repeat-every one end: --repeat-times N or --repeat-until TIME")
+    repeat_s = parse_duration_s(repeat_text) if repeat_text is not None else None
+    try:
+        until = parse_at(until_text) if until_text is not None else None
+    except click.BadParameter as exc:
+        exc.param_hint = "--repeat-until"
+        raise
     if stdin_marker not in (None, "-"):
         raise click.BadParameter(f"{stdin_marker!r}: only '-' (read the body from stdin) may follow the subject")
     sources = [s for s in (body_text is not None, body_file is not None, stdin_marker == "-") if s]
@@ -148,6 +171,8 @@ def send(
             msg.set_delay(delay_s)
         elif at is not None:
             msg.set_deliver_at(at)
+        if repeat_s is not None:
+            msg.set_repeat(every=repeat_s, times=repeat_times, until=until)
         producer.send(msg)
     click.echo(msg.message_id)
 

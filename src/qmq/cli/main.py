@@ -204,6 +204,7 @@ def register_commands() -> None:
         delay_commands,
         group_commands,
         listing_commands,
+        push_commands,
         roles,
         spark_commands,
         tx_commands,

@@ -195,9 +195,13 @@ class Listener(Generic[M]):
             if not batch:
                 continue
             self._in_app += len(batch)
-            put = self._queue.put_nowait
-            for m in batch:
-                put(m)
+            self._accept(batch)
+
+    def _accept(self, batch: list[M]) -> None:
+        """Queue a pulled batch for the workers."""
+        put = self._queue.put_nowait
+        for m in batch:
+            put(m)
 
     async def _work(self) -> None:
         me = asyncio.current_task()
@@ -308,4 +312,8 @@ class Listener(Generic[M]):
                 await t
         while not self._queue.empty():
             self._queue.get_nowait()
+        self._drop_queued()
         self._in_app = 0
+
+    def _drop_queued(self) -> None:
+        """Forget what is queued beyond ``_queue`` (unacknowledged: re-delivered to the next session)."""

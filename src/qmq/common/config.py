@@ -182,6 +182,13 @@ class BrokerConfig:
         180_000,
         _range(10, 86_400_000),
     )
+    ordered_lease_ms: int = _opt(
+        "a consumer of an ordered group silent this long (no pull, no long poll waiting) loses its "
+        "order-key slots, with its unacknowledged messages, to the group's live consumers; keep it "
+        "above any pause a live consumer can have (docs/ordered.md)",
+        20_000,
+        _range(100, 3_600_000),
+    )
     consumer_forget_ms: int = _opt(
         "a consumer silent this long with nothing unacknowledged is forgotten (it leaves LAG; if it "
         "comes back it starts afresh). At least twice the longest long poll (60 s), so a consumer "
@@ -411,6 +418,15 @@ class GatewayConfig:
         "most (subject, consumer group) pairs one gateway pulls for; a pull of another is answered 429",
         10_000,
         _range(1, 1_000_000),
+    )
+    push_lease_ms: int = _opt(
+        "how long this gateway's lease of a push subscription lasts (renewed every third of it): another "
+        "gateway takes a subscription over about this long after this one dies",
+        6_000,
+        _range(1_000, 600_000),
+    )
+    push_subscriptions_max: int = _opt(
+        "most push subscriptions this gateway runs at once (0: none; the others run them)", 1_000, _range(0, 10_000)
     )
     shutdown_grace_ms: int = _opt("how long shutdown waits for requests in flight", 5_000, _range(0, 600_000))
 

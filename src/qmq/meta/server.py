@@ -6,6 +6,7 @@ Routes:
                                        the answer says what it must be (docs/cluster.md)
     GET  /meta/cluster[?routes_max=N]  every group and server, routes, the leading meta server
     POST /meta/promote                 {"group": G, "role": "broker"}: make G's freshest slave master
+    /meta/push...                      push subscriptions and their leases (qmq.meta.push_http)
     GET  /health                       {"ok": true}
     GET  /metrics                      Prometheus text
 
@@ -49,6 +50,8 @@ from qmq.meta.payload import (
     parse_registration,
     parse_subjects,
 )
+from qmq.meta.push_http import PushApi
+from qmq.meta.push_store import PushStore
 from qmq.meta.registry import (
     ROLES,
     Promotion,
@@ -138,6 +141,7 @@ class MetaServer:
         self._executor: ThreadPoolExecutor | None = None
         self._store: MetaStore | None = None
         self._registry: Registry | None = None
+        self._push: PushStore | None = None
         self._lease: LeaderLease | None = None
         self._runner: web.AppRunner | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -173,6 +177,7 @@ class MetaServer:
                 route_groups=self.config.route_groups,
                 owner=self.owner,
             )
+            self._push = PushStore(self._store)
         except BaseException:
             self._store.close()
             self._store = None
@@ -199,6 +204,7 @@ class MetaServer:
         app.router.add_post(REGISTER_PATH, self._register)
         app.router.add_get(CLUSTER_PATH, self._cluster)
         app.router.add_post(PROMOTE_PATH, self._promote)
+        PushApi(self._call, self._push_now, self.clock).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
@@ -241,7 +247,7 @@ class MetaServer:
             await runner.cleanup()
         if self._executor is not None:
             executor, self._executor = self._executor, None
-            store, self._store, self._registry = self._store, None, None
+            store, self._store, self._registry, self._push = self._store, None, None, None
             lease, self._lease = self._lease, None
             loop = asyncio.get_running_loop()
             if lease is not None:
@@ -263,6 +269,11 @@ class MetaServer:
         if self._registry is None:
             raise MetaStoreError("the meta server is stopped")
         return self._registry
+
+    def _push_now(self) -> PushStore:
+        if self._push is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._push
 
     def _lease_now(self) -> LeaderLease:
         if self._lease is None:
