@@ -428,6 +428,16 @@ class GatewayConfig:
     push_subscriptions_max: int = _opt(
         "most push subscriptions this gateway runs at once (0: none; the others run them)", 1_000, _range(0, 10_000)
     )
+    auth_file: str = _opt(
+        "TOML file of the apps that may call the gateway (HTTP Basic Authorization, app_code:secret) and what "
+        "each may do (docs/security.md); empty: no authentication. Reloaded on SIGHUP. With it, the gateway's "
+        "own app_code (secret in $QMQ_SECRET) needs cluster = true in the brokers' auth file",
+        "",
+    )
+    insecure: bool = _insecure()
+    tls_cert: str = _tls_fields()[0]
+    tls_key: str = _tls_fields()[1]
+    tls_ca: str = _tls_fields()[2]
     shutdown_grace_ms: int = _opt("how long shutdown waits for requests in flight", 5_000, _range(0, 600_000))
 
 
