@@ -179,7 +179,7 @@ class Supervisor:
             *servers,
         ]
         self.delay = Child("delay server", [])
-        self.gateway_argv = [*qmq, "gateway", "--port", str(config.gateway_port), *common]
+        self.gateway_argv = [*qmq, "gateway", "--port", str(config.gateway_port), *common, *servers]
         self.gateway = Child("gateway", [])
         self.children = [self.meta, self.broker, self.delay, self.gateway]
 
