@@ -60,11 +60,19 @@ def _backoff_ms(ctx: click.Context, param: click.Parameter, value: str | None) -
     return [round(s * 1000) for s in waits]
 
 
+def _headers() -> dict[str, str]:
+    """The Authorization header of ``qmq --app-code``/``--secret`` (or the environment), if any."""
+    from qmq.cli.auth_commands import cli_authorization
+
+    authorization = cli_authorization()
+    return {"Authorization": authorization} if authorization else {}
+
+
 async def _meta_request(method: str, url: str, body: object = None, params: dict[str, str] | None = None) -> Any:
     """The JSON answer of one meta server request; CommandError with the meta server's words when refused."""
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_MS / 1000)) as http,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_MS / 1000), headers=_headers()) as http,
             http.request(method, url, json=body, params=params) as answer,
         ):
             doc = await answer.json(content_type=None)

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from qmq.client.options import META_ADDRESS_PATH, check_url
+from qmq.client.options import META_ADDRESS_PATH, ConnectOptions, authorization_of, check_url, secret_of
 from qmq.common.errors import QmqError
 from qmq.gateway.push_delivery import PushRunner
 from qmq.protocol.push import PushFieldError, PushSubscription, parse_subscription
@@ -97,7 +97,12 @@ class PushService:
         if self.held_max == 0:
             log.info("push: this gateway runs no push subscription (push_subscriptions_max = 0)")
             return
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.lease_ms / _ASKS_PER_LEASE / 1000))
+        # the gateway's own app ($QMQ_SECRET), for a meta server with an auth file
+        authorization = authorization_of(self._app_code, ConnectOptions(secret=secret_of(None)))
+        self._http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.lease_ms / _ASKS_PER_LEASE / 1000),
+            headers={"Authorization": authorization} if authorization else {},
+        )
         await self.renew()
         self._task = asyncio.get_running_loop().create_task(self._renew_forever())
 
