@@ -66,6 +66,7 @@ async def publish(meta_server: str, messages: int, secret: str | None, ctx: ssl.
         window: asyncio.Semaphore = asyncio.Semaphore(_WINDOW_MESSAGES)
         pending: set[asyncio.Future[None]] = set()
         started = time.perf_counter()
+        cpu_started = time.process_time()
         for seq in range(messages):
             await window.acquire()
             message = producer.generate_message("bench.secure")
@@ -75,7 +76,11 @@ async def publish(meta_server: str, messages: int, secret: str | None, ctx: ssl.
             fut.add_done_callback(lambda f: _done(f, pending, window))
         if pending:
             await asyncio.gather(*pending)
-        return messages / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        stats = producer.stats
+        cpu_s = time.process_time() - cpu_started
+        print(f"  frames {stats.frames_sent}, retries {stats.retries}, client CPU {cpu_s:.2f} s", flush=True)
+        return messages / elapsed
 
 
 def _done(fut: asyncio.Future[None], pending: set[asyncio.Future[None]], window: asyncio.Semaphore) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any, cast
 
-from qmq.common.errors import ConnectionLostError, QmqError
+from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import AUTH_STATUSES, RemoteProtocolError, auth_error, error_for_status, status_name
@@ -94,9 +94,11 @@ class _FrameProtocol(asyncio.Protocol):
             fut.set_exception(auth_error(frame.header))
         else:
             header = frame.header
-            fut.set_exception(
-                error_for_status(frame.status, str(header.get("error", "")), header.get("outcome") == "unknown")
-            )
+            error = error_for_status(frame.status, str(header.get("error", "")), header.get("outcome") == "unknown")
+            retry_after_ms = header.get("retry_after_ms")
+            if isinstance(error, BrokerError) and isinstance(retry_after_ms, int) and retry_after_ms > 0:
+                error.retry_after_ms = retry_after_ms
+            fut.set_exception(error)
 
     def pause_writing(self) -> None:
         self._paused = True

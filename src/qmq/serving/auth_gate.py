@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -35,8 +36,10 @@ from qmq.auth.failures import FailedHandshakes, address_of
 from qmq.auth.file import App, AuthConfig
 from qmq.auth.handshake import AuthFailed, HandshakeError, ServerHandshake
 from qmq.auth.permissions import Action
+from qmq.auth.quotas import BURST_S, Buckets, quota_for
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
+from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import FrameConnection, Responder
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ _OPEN = frozenset({RequestCode.PING, RequestCode.SUBJECTS, RequestCode.LAG, Requ
 _BY_HANDLER = frozenset({RequestCode.SEND_MESSAGES})
 _CONSUME = frozenset({RequestCode.PULL, RequestCode.ACK, RequestCode.DEAD_LETTERS})
 _ACK_MANY_CHECKED_MAX = 10_000
+# a pull over its quota waits at most this long before it is looked at again
+_PULL_HELD_S_MAX = 1.0
 
 
 def _names(value: object) -> str | None:
@@ -90,6 +95,13 @@ class AuthGate:
         self.auth = auth
         self._decoy_key = os.urandom(32)
         self.failures = FailedHandshakes()
+        self.buckets = Buckets()
+        self.throttled = Counter(
+            f"{prefix}_quota_throttled",
+            "requests over their app's quota, by kind: produce (answered THROTTLED), consume (a pull held back)",
+            ["kind"],
+            registry=registry,
+        )
         self.denials = Counter(
             f"{prefix}_auth_denials",
             "requests refused by the auth file, by reason: handshake (a wrong secret or unknown app), "
@@ -129,9 +141,80 @@ class AuthGate:
                         self.deny(conn, frame, action, subject)
                         return
                 conn.grants = app.grants
+                if code == RequestCode.PULL and app.quotas and self._held_back(conn, frame, app, gated):
+                    return
                 dispatch(conn, frame)
 
         return gated
+
+    # -- quotas (qmq.auth.quotas) ---------------------------------------------------------
+
+    def _held_back(self, conn: FrameConnection, frame: Frame, app: App, gated: Dispatch) -> bool:
+        """A pull over the consume quota of its subject:group waits (then is handled again);
+        one under it asks for at most a tenth of a second's worth, which is charged."""
+        subject, group = _names(frame.header.get("subject")), _names(frame.header.get("group"))
+        if subject is None or group is None:
+            return False
+        quota = quota_for(app.quotas, subject, group)
+        if quota is None or not quota.consume_msgs_per_s:
+            return False
+        rate = quota.consume_msgs_per_s
+        key = ("consume", app.code, subject, group)
+        now = time.monotonic()
+        wait_s = self.buckets.wait_s(key, rate, now)
+        if wait_s > 0:
+            self.throttled.labels("consume").inc()
+            asyncio.get_running_loop().call_later(min(wait_s, _PULL_HELD_S_MAX), gated, conn, frame)
+            return True
+        most = max(1, math.ceil(rate * BURST_S))
+        asked = frame.header.get("max")
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked > most:
+            frame.header["max"] = most
+        self.buckets.take(key, rate, frame.header["max"], now)
+        return False
+
+    def over_quota(self, conn: Responder, frame: Frame, scanned: Sequence[ScannedMessage]) -> bool:
+        """Answer a send THROTTLED (with retry_after_ms) when a subject of it is over its
+        app's produce quota; otherwise charge the quotas and return False."""
+        app_code = getattr(conn, "app_code", None)
+        app = self.auth.app(app_code) if app_code is not None else None
+        if app is None or not app.quotas:
+            return False
+        counts: dict[bytes, list[int]] = {}
+        for m in scanned:
+            c = counts.setdefault(m.subject, [0, 0])
+            c[0] += 1
+            c[1] += m.length
+        now = time.monotonic()
+        charges = []
+        for raw, (msgs, size) in counts.items():
+            subject = raw.decode("utf-8", "replace")
+            quota = quota_for(app.quotas, subject)
+            if quota is None:
+                continue
+            for what, rate, amount in (
+                ("msgs", quota.produce_msgs_per_s, msgs),
+                ("bytes", quota.produce_bytes_per_s, size),
+            ):
+                if not rate:
+                    continue
+                key = ("produce", what, app.code, subject)
+                wait_s = self.buckets.wait_s(key, rate, now)
+                if wait_s > 0:
+                    self.throttled.labels("produce").inc()
+                    header = {
+                        "error": f"app {app.code!r} is over its quota of {rate:g} {what}/s for {subject!r}; "
+                        "send again after retry_after_ms",
+                        "retry_after_ms": math.ceil(wait_s * 1000),
+                        "app": app.code,
+                        "subject": subject,
+                    }
+                    conn.respond(frame.code, frame.request_id, header, status=Status.THROTTLED)
+                    return True
+                charges.append((key, rate, amount))
+        for key, rate, amount in charges:
+            self.buckets.take(key, rate, amount, now)
+        return False
 
     def deny(self, conn: Responder, frame: Frame, action: Action, subject: str | None) -> None:
         app = getattr(conn, "app_code", None) or "?"

@@ -218,6 +218,7 @@ class FrameServer(ABC):
         gate = self.auth = AuthGate(load_auth_file(Path(self.config.auth_file)), self.metrics.registry, "qmq")
         self.dispatch = gate.wrap(self.dispatch)
         self.handlers.deny = gate.deny
+        self.handlers.over_quota = gate.over_quota
         loop.add_signal_handler(signal.SIGHUP, self.reload_auth)
         log.info("%s: authentication on, %d app(s) in %s", self.title, len(gate.auth.apps), self.config.auth_file)
 
