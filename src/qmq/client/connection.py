@@ -314,7 +314,12 @@ class Connection:
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         pending[rid] = fut
         if body:
-            p.transport.writelines([head, *body])
+            if self._ssl is not None:
+                # over TLS each buffer written becomes a record of its own: one record for the
+                # frame, not one per message (a 1 KiB record costs the broker a read each)
+                p.transport.write(b"".join((head, *body)))
+            else:
+                p.transport.writelines([head, *body])
         else:
             p.transport.write(head)
         fut.add_done_callback(lambda f: pending.pop(rid, None) if f.cancelled() else None)
