@@ -18,6 +18,7 @@ import trustme
 
 import qmq
 import qmq.aio
+from qmq.auth.secrets import hash_secret
 from qmq.client.connection import Connection
 from qmq.protocol.codes import RequestCode
 from qmq.testing import ReadyProcess, running_role
@@ -32,11 +33,11 @@ class Pki:
     key: Path
     ca_file: Path
 
-    def client_context(self, *, with_cert: bool = False) -> ssl.SSLContext:
+    def client_context(self, *, with_cert: bool = False, common_name: str = "shop") -> ssl.SSLContext:
         ctx = ssl.create_default_context()
         self.ca.configure_trust(ctx)
         if with_cert:
-            self.ca.issue_cert("shop").configure_cert(ctx)
+            self.ca.issue_cert("client.example", common_name=common_name).configure_cert(ctx)
         return ctx
 
 
@@ -62,13 +63,18 @@ class Cluster:
         return self.meta.meta_server
 
 
-def start_cluster(stack: ExitStack, tmp: Path, pki: Pki, *, client_certs: bool) -> Cluster:
+def start_cluster(stack: ExitStack, tmp: Path, pki: Pki, *, client_certs: bool, auth: Path | None = None) -> Cluster:
     tls = ["--tls-cert", str(pki.cert), "--tls-key", str(pki.key)]
     if client_certs:
         tls += ["--tls-ca", str(pki.ca_file)]
     # the broker trusts the meta server's certificate through $SSL_CERT_FILE (or --tls-ca)
     env = {"SSL_CERT_FILE": str(pki.ca_file)}
-    meta = stack.enter_context(running_role(["meta", "--data-dir", str(tmp / "meta"), "--port", "0", *tls], env=env))
+    if auth is not None:  # the meta server stays open: only the broker checks apps here
+        tls += ["--auth-file", str(auth)]
+    meta_tls = [a for a in tls if a != "--auth-file" and a != str(auth)]
+    meta = stack.enter_context(
+        running_role(["meta", "--data-dir", str(tmp / "meta"), "--port", "0", *meta_tls], env=env)
+    )
     broker = stack.enter_context(
         running_role(
             ["broker", "--data-dir", str(tmp / "broker"), "--meta-server", meta.meta_server, "--http-port", "0", *tls],
@@ -175,3 +181,19 @@ async def test_client_certificates_with_tls_ca(tmp_path: Path, pki: Pki) -> None
             await conn.close()
         async with qmq.aio.Producer(app_code="shop", meta_server=cluster.meta_server, ssl=ctx) as p:
             await p.send(p.generate_message("tls.mutual"))
+
+
+async def test_a_client_certificate_stands_for_its_app(tmp_path: Path, pki: Pki) -> None:
+    auth = tmp_path / "auth.toml"
+    auth.write_text(f'[apps.shop]\nsecret_hash = "{hash_secret("unused", log2_n=8)}"\nproduce = ["cert.*"]\n')
+    with ExitStack() as stack:
+        cluster = start_cluster(stack, tmp_path, pki, client_certs=True, auth=auth)
+        shop = pki.client_context(with_cert=True, common_name="shop")
+        async with qmq.aio.Producer(app_code="shop", meta_server=cluster.meta_server, ssl=shop, secret="") as p:
+            await p.send(p.generate_message("cert.paid"))  # no secret: the certificate says who it is
+            with pytest.raises(qmq.AuthError, match=r"app 'shop' may not produce 'other\.paid'"):
+                await p.send(p.generate_message("other.paid"))
+        stranger = pki.client_context(with_cert=True, common_name="nobody")
+        async with qmq.aio.Producer(app_code="x", meta_server=cluster.meta_server, ssl=stranger, secret="") as p:
+            with pytest.raises(qmq.AuthError, match="authenticate first"):
+                await p.send(p.generate_message("cert.paid"))

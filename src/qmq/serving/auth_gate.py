@@ -122,6 +122,8 @@ class AuthGate:
                 self._hello(conn, frame)
             elif code == RequestCode.AUTH_PROOF:
                 self._proof(conn, frame)
+            elif conn.app_code is None and conn.cert_subject is not None and self._by_certificate(conn):
+                gated(conn, frame)
             elif conn.app_code is None or (app := self.auth.app(conn.app_code)) is None:
                 # no handshake yet, or the app left the auth file since (a reload)
                 self.denials.labels("unauthenticated").inc()
@@ -146,6 +148,16 @@ class AuthGate:
                 dispatch(conn, frame)
 
         return gated
+
+    def _by_certificate(self, conn: FrameConnection) -> bool:
+        """A client certificate (verified against --tls-ca) whose common name is an app of the
+        file stands for that app: the connection needs no handshake."""
+        app = self.auth.app(conn.cert_subject or "")
+        if app is None:
+            return False
+        conn.app_code = app.code
+        conn.grants = app.grants
+        return True
 
     # -- quotas (qmq.auth.quotas) ---------------------------------------------------------
 
