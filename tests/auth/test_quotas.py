@@ -4,8 +4,12 @@ a consumer group to them within 10% over 10 s (real processes)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,7 @@ from qmq.auth.quotas import BURST_S, Buckets, Quota, quota_for
 from qmq.auth.secrets import hash_secret
 from qmq.common.errors import ConfigError
 from qmq.testing import running_role
+from qmq.testing.processes import qmq_argv
 
 SECRET = "quota-secret"
 HASH = hash_secret(SECRET, log2_n=8)
@@ -152,3 +157,80 @@ async def test_pulls_over_the_consume_quota_are_slowed_not_refused(broker: str) 
         _within_10_percent(got, CONSUME_RATE, time.monotonic() - started)
         fast = c.pull_consumer("drained.orders", "fast", start_from="earliest")  # another group: no quota
         assert len(await fast.pull(max_messages=1000, timeout_ms=1000)) > 100
+
+
+RUNTIME_RATE = 200
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_limits_set_at_run_time_reach_the_broker(tmp_path: Path) -> None:
+    secrets = {"qmq-cluster": "c-secret", "ops": "o-secret"}
+    auth = tmp_path / "auth.toml"
+    auth.write_text(
+        f"""
+[apps.qmq-cluster]
+secret_hash = "{hash_secret(secrets["qmq-cluster"], log2_n=8)}"
+cluster = true
+[apps.ops]
+secret_hash = "{hash_secret(secrets["ops"], log2_n=8)}"
+admin = true
+[apps.shop]
+secret_hash = "{HASH}"
+produce = ["*"]
+"""
+    )
+    common = ["--auth-file", str(auth)]
+    env = {"QMQ_SECRET": secrets["qmq-cluster"]}
+    with running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0", *common], env=env) as meta:
+        args = ["broker", "--data-dir", str(tmp_path / "b"), "--meta-server", meta.meta_server, *common]
+        with running_role([*args, "--app-code", "qmq-cluster"], env=env):
+            url = meta.meta_server
+            limit = ["limits", "set", "shop", "rt.*", "--produce-msgs-per-s", str(RUNTIME_RATE), "--meta-server", url]
+            refused = qmq_cli(*limit, app="shop", secret=SECRET)
+            assert refused.returncode == 1
+            assert "HTTP 403" in refused.stderr
+            done = qmq_cli(*limit, app="ops", secret=secrets["ops"])
+            assert done.returncode == 0, done.stderr
+            listed = qmq_cli("limits", "list", "--json", "--meta-server", url, app="shop", secret=SECRET)
+            assert listed.returncode == 0, listed.stderr
+            [row] = [json.loads(line) for line in listed.stdout.splitlines()]
+            assert (row["app"], row["pattern"], row["produce_msgs_per_s"]) == ("shop", "rt.*", RUNTIME_RATE)
+            async with qmq.aio.Producer(app_code="shop", meta_server=url, secret=SECRET, send_timeout_ms=30_000) as p:
+                deadline = time.monotonic() + 30
+                while p.stats.retries == 0:  # the broker asks for the limits every 2 s: wait for the first THROTTLED
+                    assert time.monotonic() < deadline, "the broker never applied the limit set at run time"
+                    await asyncio.gather(*(p.send_nowait(p.generate_message("rt.x")) for _ in range(100)))
+                counted = await _send_for(p, "rt.x", 10.0)
+            _within_10_percent(counted, RUNTIME_RATE, 10.0)
+            removed = qmq_cli(
+                "limits", "remove", "shop", "rt.*", "--meta-server", url, app="ops", secret=secrets["ops"]
+            )
+            assert removed.returncode == 0, removed.stderr
+
+
+async def _send_for(p: qmq.aio.Producer, subject: str, seconds: float) -> int:
+    """Messages stored while sending as fast as a window of 500 allows for ``seconds``."""
+    stored = 0
+    window = asyncio.Semaphore(500)
+
+    def done(fut: asyncio.Future[None]) -> None:
+        nonlocal stored
+        window.release()
+        if not fut.cancelled() and fut.exception() is None:
+            stored += 1
+
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        await window.acquire()
+        p.send_nowait(p.generate_message(subject)).add_done_callback(done)
+    counted = stored
+    for _ in range(500):  # the rest are stored later, none refused
+        await window.acquire()
+    return counted
+
+
+def qmq_cli(*args: str, app: str, secret: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "QMQ_APP_CODE": app, "QMQ_SECRET": secret}
+    return subprocess.run(qmq_argv(*args), capture_output=True, text=True, timeout=60, check=False, env=env)

@@ -36,7 +36,7 @@ from qmq.auth.failures import FailedHandshakes, address_of
 from qmq.auth.file import App, AuthConfig
 from qmq.auth.handshake import AuthFailed, HandshakeError, ServerHandshake
 from qmq.auth.permissions import Action
-from qmq.auth.quotas import BURST_S, Buckets, quota_for
+from qmq.auth.quotas import BURST_S, Buckets, QuotaRule, quota_for
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.protocol.message import ScannedMessage
@@ -96,6 +96,8 @@ class AuthGate:
         self._decoy_key = os.urandom(32)
         self.failures = FailedHandshakes()
         self.buckets = Buckets()
+        # quotas set at run time, by app (qmq.serving.limits)
+        self.runtime: dict[str, tuple[QuotaRule, ...]] = {}
         self.throttled = Counter(
             f"{prefix}_quota_throttled",
             "requests over their app's quota, by kind: produce (answered THROTTLED), consume (a pull held back)",
@@ -143,11 +145,16 @@ class AuthGate:
                         self.deny(conn, frame, action, subject)
                         return
                 conn.grants = app.grants
-                if code == RequestCode.PULL and app.quotas and self._held_back(conn, frame, app, gated):
+                if code == RequestCode.PULL and self._held_back(conn, frame, app, gated):
                     return
                 dispatch(conn, frame)
 
         return gated
+
+    def rules(self, app: App) -> tuple[QuotaRule, ...]:
+        """The app's quotas: those set at run time (qmq limits set) first, then the auth file's."""
+        runtime = self.runtime.get(app.code)
+        return runtime + app.quotas if runtime else app.quotas
 
     def _by_certificate(self, conn: FrameConnection) -> bool:
         """A client certificate (verified against --tls-ca) whose common name is an app of the
@@ -167,7 +174,10 @@ class AuthGate:
         subject, group = _names(frame.header.get("subject")), _names(frame.header.get("group"))
         if subject is None or group is None:
             return False
-        quota = quota_for(app.quotas, subject, group)
+        rules = self.rules(app)
+        if not rules:
+            return False
+        quota = quota_for(rules, subject, group)
         if quota is None or not quota.consume_msgs_per_s:
             return False
         rate = quota.consume_msgs_per_s
@@ -190,7 +200,8 @@ class AuthGate:
         app's produce quota; otherwise charge the quotas and return False."""
         app_code = getattr(conn, "app_code", None)
         app = self.auth.app(app_code) if app_code is not None else None
-        if app is None or not app.quotas:
+        rules = self.rules(app) if app is not None else ()
+        if app is None or not rules:
             return False
         counts: dict[bytes, list[int]] = {}
         for m in scanned:
@@ -201,7 +212,7 @@ class AuthGate:
         charges = []
         for raw, (msgs, size) in counts.items():
             subject = raw.decode("utf-8", "replace")
-            quota = quota_for(app.quotas, subject)
+            quota = quota_for(rules, subject)
             if quota is None:
                 continue
             for what, rate, amount in (

@@ -44,6 +44,7 @@ from qmq.serving.auth_gate import AuthGate
 from qmq.serving.connection import ConnectionLimits, Connections, FrameConnection, Responder
 from qmq.serving.dispatch import RoleHandlers
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.limits import LimitsPoller
 from qmq.serving.periodic import Periodic
 from qmq.serving.registration import Registration, server_payload
 from qmq.serving.runner import StartupError, listen_error, serve_http
@@ -152,6 +153,7 @@ class FrameServer(ABC):
         self._server: asyncio.Server | None = None
         self._http: web.AppRunner | None = None
         self._registration: Registration | None = None
+        self._limits: LimitsPoller | None = None
         # set once the store is open (start): from then on a shutdown writes a final checkpoint
         self.checkpointing: asyncio.Lock | None = None
         self.stop_failed: str | None = None  # what the last stop could not finish (exit status 4)
@@ -252,6 +254,12 @@ class FrameServer(ABC):
             ssl=self.tls_out,
         )
         self._registration.start()
+        if self.auth is not None:
+            gate = self.auth
+            self._limits = LimitsPoller(
+                cfg.meta_server, lambda rules: setattr(gate, "runtime", rules), authorization, self.tls_out
+            )
+            self._limits.start()
 
     def secret(self) -> str:
         """The secret of the server's own app (``app_code``), from $QMQ_SECRET; "" without an app code."""
@@ -297,6 +305,8 @@ class FrameServer(ABC):
             self._server.close()
         if self._registration is not None:
             await self._registration.stop()
+        if self._limits is not None:
+            await self._limits.stop()
 
     async def drain_writes(self, grace_s: float) -> None:
         """Answer the sends waiting for their fsync, for at most ``grace_s``."""
