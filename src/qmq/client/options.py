@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+from qmq.auth.secrets import SECRET_ENV
 from qmq.common.errors import ConfigError, InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, MiB
 from qmq.common.naming import check_name
@@ -188,9 +189,6 @@ class ConsumerOptions:
 DEFAULT_CONNECT = ConnectOptions()
 DEFAULT_PRODUCER = ProducerOptions()
 DEFAULT_CONSUMER = ConsumerOptions(consumer_id="default")
-
-
-SECRET_ENV = "QMQ_SECRET"
 
 
 def secret_of(secret: str | None) -> str:

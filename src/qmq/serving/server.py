@@ -35,7 +35,7 @@ from qmq.auth.exposure import check_exposure
 from qmq.auth.file import load_auth_file
 from qmq.auth.handshake import ClientCredentials
 from qmq.auth.http import basic_authorization
-from qmq.client.options import SECRET_ENV
+from qmq.auth.secrets import SECRET_ENV
 from qmq.common.errors import ConfigError
 from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode
