@@ -9,6 +9,8 @@ is checked against what its app may do (``qmq.auth.permissions``) before its han
                                 which read the subjects: ``RoleHandlers.take_send``)
     PULL, ACK, DEAD_LETTERS     consume on subject:group; ACK_MANY each of its pairs
     READ                        consume on the subject, for every group
+    DELAY_LIST                  produce on the subject
+    CANCEL_DELAY                admin (it names a message id, not a subject)
     RESET_OFFSET, RESEND_DEAD,  admin
     PURGE_DEAD, other codes
     REPLICATE                   cluster (only the servers' own identity)
@@ -69,6 +71,8 @@ def needs(frame: Frame) -> Iterable[Need]:
         return ((Action.CONSUME, _names(header.get("subject")), _names(header.get("group"))),)
     if code == RequestCode.READ:
         return ((Action.CONSUME, _names(header.get("subject")), None),)
+    if code == RequestCode.DELAY_LIST:  # the pending delay messages of a subject: its producers'
+        return ((Action.PRODUCE, _names(header.get("subject")), None),)
     if code == RequestCode.ACK_MANY:
         entries = header.get("acks")
         if not isinstance(entries, list):
