@@ -87,6 +87,13 @@ def needs(frame: Frame) -> Iterable[Need]:
     return ((Action.ADMIN, None, None),)
 
 
+def _code_name(code: int) -> str:
+    try:
+        return RequestCode(code).name
+    except ValueError:
+        return f"request code {code}"
+
+
 def refusal_text(app: str, action: Action, subject: str | None) -> str:
     what = f"{action.value} {subject!r}" if subject is not None else action.value
     return f"app {app!r} may not {what}; ask for it in the auth file's [apps.{app}] (docs/security.md)"
@@ -246,7 +253,8 @@ class AuthGate:
     def deny(self, conn: Responder, frame: Frame, action: Action, subject: str | None) -> None:
         app = getattr(conn, "app_code", None) or "?"
         self.denials.labels("forbidden").inc()
-        log.warning("refused %s of app %r: %s %r", RequestCode(frame.code).name, app, action.value, subject)
+        what = f"{action.value} {subject!r}" if subject is not None else action.value
+        log.warning("refused %s of app %r: may not %s", _code_name(frame.code), app, what)
         header: dict[str, Any] = {
             "error": refusal_text(app, action, subject),
             "app": app,

@@ -80,8 +80,8 @@ class HttpAuth:
             action, subject, group = need if isinstance(need, tuple) else (need, None, None)
             if not app.grants.allows(action, subject, group):
                 self.denials.labels("forbidden").inc()
-                log.warning("refused %s %s of app %r: %s %r", request.method, request.path, app.code, action, subject)
                 what = f"{action.value} {subject!r}" if subject is not None else action.value
+                log.warning("refused %s %s of app %r: %s", request.method, request.path, app.code, what)
                 text = (
                     f"app {app.code!r} may not {what} ({request.method} {request.path}); "
                     f"ask for it in the auth file's [apps.{app.code}] (docs/security.md)"
