@@ -130,6 +130,8 @@ class AuthGate:
     def wrap(self, dispatch: Dispatch) -> Dispatch:
         def gated(conn: Responder, frame: Frame) -> None:
             assert isinstance(conn, FrameConnection)
+            if conn.closed:  # a pull held back over its quota whose connection went meanwhile
+                return
             code = frame.code
             if code == RequestCode.AUTH_HELLO:
                 self._hello(conn, frame)
