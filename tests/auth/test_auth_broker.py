@@ -215,3 +215,36 @@ async def test_a_listener_the_app_may_not_run_stops_and_says_why(cluster: Cluste
         [error] = c.errors
         assert error.startswith("listener order.created/shipping stopped: app 'shop' may not consume")
         assert not c.listeners[0].running
+
+
+async def test_a_replayed_handshake_is_refused_by_the_broker(cluster: Cluster) -> None:
+    address = cluster.broker_doc()["address"]
+    creds = credentials("shop")
+    hello, client_nonce = creds.hello()
+    first = Connection(address, connect_timeout_ms=3000)
+    try:
+        challenge = await first.request(RequestCode.AUTH_HELLO, dict(hello))
+        proof = creds.proof(challenge.header, client_nonce)
+        assert (await first.request(RequestCode.AUTH_PROOF, dict(proof))).header == {"app": "shop"}
+        assert (await first.request(RequestCode.PING, {})).header["role"] == "broker"
+    finally:
+        await first.close()
+    # what crossed the wire, sent again on another connection: the broker's nonce differs
+    replay = Connection(address, connect_timeout_ms=3000)
+    try:
+        await replay.request(RequestCode.AUTH_HELLO, dict(hello))
+        with pytest.raises(qmq.AuthError, match="could not authenticate"):
+            await replay.request(RequestCode.AUTH_PROOF, dict(proof))
+    finally:
+        await replay.close()
+
+
+async def test_one_handshake_at_a_time(cluster: Cluster) -> None:
+    conn = Connection(cluster.broker_doc()["address"], connect_timeout_ms=3000)
+    hello, _nonce = credentials("shop").hello()
+    try:
+        await conn.request(RequestCode.AUTH_HELLO, dict(hello))
+        with pytest.raises(qmq.BrokerError, match="one AUTH_HELLO"):
+            await conn.request(RequestCode.AUTH_HELLO, dict(hello))
+    finally:
+        await conn.close()

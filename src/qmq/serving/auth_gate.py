@@ -266,11 +266,16 @@ class AuthGate:
         conn.respond(frame.code, frame.request_id, header, status=Status.FORBIDDEN)
 
     def _hello(self, conn: FrameConnection, frame: Frame) -> None:
+        if conn.handshake is not None:  # one handshake at a time: a held-back HELLO holds a timer
+            text = "a connection sends one AUTH_HELLO, then its AUTH_PROOF, before another"
+            conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BAD_REQUEST)
+            return
         handshake = ServerHandshake(self.auth, self._decoy_key)
         conn.handshake = handshake
         try:
             challenge = handshake.challenge(frame.header).to_wire()
         except HandshakeError as exc:
+            conn.handshake = None
             conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.BAD_REQUEST)
             return
         delay_s = self.failures.delay_s(address_of(conn.peer), time.monotonic())
