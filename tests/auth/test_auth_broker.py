@@ -18,6 +18,7 @@ import pytest
 
 import qmq
 import qmq.aio
+from qmq.auth.handshake import ClientCredentials
 from qmq.auth.secrets import hash_secret
 from qmq.client.connection import Connection
 from qmq.protocol.codes import RequestCode
@@ -171,9 +172,7 @@ async def test_admin_requests_need_an_admin_app(cluster: Cluster) -> None:
             await conn.close()
 
 
-def credentials(app: str) -> Any:
-    from qmq.auth.handshake import ClientCredentials
-
+def credentials(app: str) -> ClientCredentials:
     return ClientCredentials(app, SECRETS[app])
 
 
@@ -248,3 +247,25 @@ async def test_one_handshake_at_a_time(cluster: Cluster) -> None:
             await conn.request(RequestCode.AUTH_HELLO, dict(hello))
     finally:
         await conn.close()
+
+
+async def test_repeated_failures_slow_an_address_but_never_lock_it_out(tmp_path: Path) -> None:
+    auth_file = tmp_path / "auth.toml"
+    auth_file.write_text(auth_text())
+    with running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0"]) as meta:
+        args = ["broker", "--data-dir", str(tmp_path / "b"), "--meta-server", meta.meta_server]
+        with running_role([*args, "--auth-file", str(auth_file)]):
+            group = Cluster(meta.meta_server, meta, auth_file).broker_doc()
+            wrong = ClientCredentials("shop", "guess")
+            for _ in range(10):  # ten failures within a minute from 127.0.0.1
+                conn = Connection(group["address"], connect_timeout_ms=3000, credentials=wrong)
+                with pytest.raises(qmq.AuthError):
+                    await conn.request(RequestCode.PING, {})
+                await conn.close()
+            conn = Connection(group["address"], connect_timeout_ms=3000, credentials=credentials("shop"))
+            try:
+                started = time.monotonic()
+                assert (await conn.request(RequestCode.PING, {})).header["role"] == "broker"  # still gets in
+                assert time.monotonic() - started >= 0.1  # but its handshake was held back
+            finally:
+                await conn.close()
