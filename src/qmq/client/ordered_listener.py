@@ -152,3 +152,4 @@ class OrderedListener(Listener[M]):
         self._keys.clear()
         while not self._ready.empty():
             self._ready.get_nowait()
+

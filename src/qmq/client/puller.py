@@ -105,7 +105,9 @@ class SubjectPuller(Generic[M]):
     def _tracker(self, broker_group: str) -> AckTracker:
         t = self.trackers.get(broker_group)
         if t is None:
-            t = AckTracker(broker_group, self.subject, self.group, self.origin_subject, self.on_nack, self.subscription)
+            t = AckTracker(
+                broker_group, self.subject, self.group, self.origin_subject, self.on_nack, self.subscription
+            )
             t.loop = asyncio.get_running_loop()
             self.trackers[broker_group] = t
         return t

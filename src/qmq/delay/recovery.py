@@ -100,10 +100,8 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
                 f"no longer begins at 0 (it begins at {wal.start}), so they cannot be rebuilt: move the damaged "
                 "bucket directories out of schedule/ to start without the messages they held"
             )
-        log.error(
-            "schedule log(s) %s hold less than the checkpoint says: rebuilding every bucket from the write-ahead log",
-            names,
-        )
+        log.error("schedule log(s) %s hold less than the checkpoint says: rebuilding every bucket from the "
+                  "write-ahead log", names)
         marks, replay_from = {}, wal.start
         schedule.checkpointed_offset = replay_from
     trust_files = checkpoint is None and wal.start > 0

@@ -80,7 +80,6 @@ def order_slot_field(message: bytes | bytearray | memoryview, pos: int = 0) -> i
         return 0
     return int(message[pos + ORDER_SLOT_POS]) | int(message[pos + ORDER_SLOT_POS + 1]) << 8
 
-
 PropertyValue = str | int | float | bool | bytes
 
 

@@ -167,10 +167,8 @@ def recover(
     short += [name for name in known_seqs if known_seqs[name] and subjects.get(name) is None]
     reindex_from = mlog.start if short else index_from
     if short:
-        log.error(
-            "consume log(s) of %s hold fewer entries than the checkpoint says: rebuilt from the message log",
-            ", ".join(repr(n) for n in short[:5]),
-        )
+        log.error("consume log(s) of %s hold fewer entries than the checkpoint says: rebuilt from the message log",
+                  ", ".join(repr(n) for n in short[:5]))
     scan_from = max(mlog.start, min(index_from, reindex_from, dedup.rebuild_from(index_from)))
     scanned = 0
     indexer = RecordIndexer(subjects, dedup, held, dead, index_from, reindex_from)
