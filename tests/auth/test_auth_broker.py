@@ -18,6 +18,7 @@ import pytest
 
 import qmq
 import qmq.aio
+from qmq.auth.handshake import ClientCredentials
 from qmq.auth.secrets import hash_secret
 from qmq.client.connection import Connection
 from qmq.protocol.codes import RequestCode
@@ -171,9 +172,7 @@ async def test_admin_requests_need_an_admin_app(cluster: Cluster) -> None:
             await conn.close()
 
 
-def credentials(app: str) -> Any:
-    from qmq.auth.handshake import ClientCredentials
-
+def credentials(app: str) -> ClientCredentials:
     return ClientCredentials(app, SECRETS[app])
 
 
@@ -215,3 +214,58 @@ async def test_a_listener_the_app_may_not_run_stops_and_says_why(cluster: Cluste
         [error] = c.errors
         assert error.startswith("listener order.created/shipping stopped: app 'shop' may not consume")
         assert not c.listeners[0].running
+
+
+async def test_a_replayed_handshake_is_refused_by_the_broker(cluster: Cluster) -> None:
+    address = cluster.broker_doc()["address"]
+    creds = credentials("shop")
+    hello, client_nonce = creds.hello()
+    first = Connection(address, connect_timeout_ms=3000)
+    try:
+        challenge = await first.request(RequestCode.AUTH_HELLO, dict(hello))
+        proof = creds.proof(challenge.header, client_nonce)
+        assert (await first.request(RequestCode.AUTH_PROOF, dict(proof))).header == {"app": "shop"}
+        assert (await first.request(RequestCode.PING, {})).header["role"] == "broker"
+    finally:
+        await first.close()
+    # what crossed the wire, sent again on another connection: the broker's nonce differs
+    replay = Connection(address, connect_timeout_ms=3000)
+    try:
+        await replay.request(RequestCode.AUTH_HELLO, dict(hello))
+        with pytest.raises(qmq.AuthError, match="could not authenticate"):
+            await replay.request(RequestCode.AUTH_PROOF, dict(proof))
+    finally:
+        await replay.close()
+
+
+async def test_one_handshake_at_a_time(cluster: Cluster) -> None:
+    conn = Connection(cluster.broker_doc()["address"], connect_timeout_ms=3000)
+    hello, _nonce = credentials("shop").hello()
+    try:
+        await conn.request(RequestCode.AUTH_HELLO, dict(hello))
+        with pytest.raises(qmq.BrokerError, match="one AUTH_HELLO"):
+            await conn.request(RequestCode.AUTH_HELLO, dict(hello))
+    finally:
+        await conn.close()
+
+
+async def test_repeated_failures_slow_an_address_but_never_lock_it_out(tmp_path: Path) -> None:
+    auth_file = tmp_path / "auth.toml"
+    auth_file.write_text(auth_text())
+    with running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0"]) as meta:
+        args = ["broker", "--data-dir", str(tmp_path / "b"), "--meta-server", meta.meta_server]
+        with running_role([*args, "--auth-file", str(auth_file)]):
+            group = Cluster(meta.meta_server, meta, auth_file).broker_doc()
+            wrong = ClientCredentials("shop", "guess")
+            for _ in range(10):  # ten failures within a minute from 127.0.0.1
+                conn = Connection(group["address"], connect_timeout_ms=3000, credentials=wrong)
+                with pytest.raises(qmq.AuthError):
+                    await conn.request(RequestCode.PING, {})
+                await conn.close()
+            conn = Connection(group["address"], connect_timeout_ms=3000, credentials=credentials("shop"))
+            try:
+                started = time.monotonic()
+                assert (await conn.request(RequestCode.PING, {})).header["role"] == "broker"  # still gets in
+                assert time.monotonic() - started >= 0.1  # but its handshake was held back
+            finally:
+                await conn.close()

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qmq.auth.permissions import Grants, parse_consume_patterns, parse_patterns
+from qmq.auth.quotas import QuotaRule, parse_quotas
 from qmq.auth.secrets import SecretHash, parse_secret_hash
 from qmq.common.errors import ConfigError
 
 APPS_MAX = 10_000
 APP_CODE_CHARS_MAX = 200
-_APP_KEYS = frozenset({"secret_hash", "produce", "consume", "admin", "cluster"})
+_APP_KEYS = frozenset({"secret_hash", "produce", "consume", "admin", "cluster", "quotas"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,7 @@ class App:
     code: str
     secret: SecretHash
     grants: Grants
+    quotas: tuple[QuotaRule, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,5 +104,6 @@ def parse_auth(doc: dict[str, object], where: str) -> AuthConfig:
             admin=flags["admin"],
             cluster=flags["cluster"],
         )
-        apps[code] = App(code, parse_secret_hash(table["secret_hash"], at), grants)
+        quotas = parse_quotas(table.get("quotas", {}), f"{at} quotas")
+        apps[code] = App(code, parse_secret_hash(table["secret_hash"], at), grants, quotas)
     return AuthConfig(apps, where)

@@ -39,6 +39,8 @@ R_MAX = 16
 P_MAX = 4
 _SCRYPT_MAXMEM_BYTES = 256 * 1024 * 1024
 SECRET_CHARS_MAX = 1024
+# where clients and servers read their app's secret from when it is not given otherwise
+SECRET_ENV = "QMQ_SECRET"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from ssl import SSLContext
 from typing import Literal
 
 from qmq.auth.handshake import ClientCredentials
@@ -215,9 +216,11 @@ class Replicator:
         me: str,
         on_data: Callable[[set[str]], None],
         credentials: ClientCredentials | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.store_of = store_of
         self.credentials = credentials
+        self.ssl = ssl
         self.master = master
         self.epoch = epoch
         self.me = me
@@ -228,7 +231,9 @@ class Replicator:
         self._conn: Connection | None = None
 
     def start(self) -> None:
-        self._conn = Connection(self.master, connect_timeout_ms=_CONNECT_TIMEOUT_MS, credentials=self.credentials)
+        self._conn = Connection(
+            self.master, connect_timeout_ms=_CONNECT_TIMEOUT_MS, credentials=self.credentials, ssl=self.ssl
+        )
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

@@ -183,7 +183,7 @@ class BrokerServer(FrameServer):
                     rewind(self.store, message_offset, action_offset)
         self._set_epoch(epoch)
         self.replicator = Replicator(
-            lambda: self.store, master, epoch, self.address, lambda _subjects: None, self.credentials()
+            lambda: self.store, master, epoch, self.address, lambda _subjects: None, self.credentials(), self.tls_out
         )
         self.replicator.start()
         if self._registration is not None:

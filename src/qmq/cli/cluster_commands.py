@@ -89,6 +89,14 @@ def cluster() -> None:
     show_default=True,
     help="how long every process together has to report ready",
 )
+@click.option("--auth-file", default=None, help="the auth file of every role (docs/security.md)")
+@click.option(
+    "--app-code", "server_app_code", default=None, help="the servers' own app (cluster = true); secret in $QMQ_SECRET"
+)
+@click.option("--insecure", is_flag=True, help="let roles listen beyond loopback without --auth-file")
+@click.option("--tls-cert", default=None, help="PEM certificate every port serves TLS with")
+@click.option("--tls-key", default=None, help="PEM private key of --tls-cert")
+@click.option("--tls-ca", default=None, help="PEM CA: require client certificates signed by it")
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -101,6 +109,12 @@ def up(
     meta_port: int,
     config_file: Path | None,
     ready_timeout_ms: int,
+    auth_file: str | None,
+    server_app_code: str | None,
+    insecure: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_ca: str | None,
 ) -> None:
     """Start a cluster, each role its own process that outlives this command, and print
     `qmq ready meta_server=URL ...` once all serve. Stop it with `qmq cluster down`."""
@@ -126,6 +140,8 @@ def up(
         meta_port=meta_port,
         config_file=config_file,
         gateways=gateways,
+        secure=_secure_args(auth_file, insecure, tls_cert, tls_key, tls_ca),
+        app_code=server_app_code or "",
     )
     state = Cluster(str(data_dir.resolve()), "", [], int(time.time() * 1000))
     try:
@@ -153,6 +169,22 @@ def up(
         f"delay_groups={','.join(f'd{i}' for i in range(1, delay_groups + 1)) or '-'} "
         f"processes={len(state.members)} data_dir={state.data_dir}" + (f" gateways={gateway_urls}" if gateways else "")
     )
+
+
+def _secure_args(
+    auth_file: str | None, insecure: bool, tls_cert: str | None, tls_key: str | None, tls_ca: str | None
+) -> list[str]:
+    """The options of auth and TLS every role of the cluster gets (files as absolute paths)."""
+    args: list[str] = ["--insecure"] if insecure else []
+    for flag, value in (
+        ("--auth-file", auth_file),
+        ("--tls-cert", tls_cert),
+        ("--tls-key", tls_key),
+        ("--tls-ca", tls_ca),
+    ):
+        if value:
+            args += [flag, str(Path(value).resolve())]
+    return args
 
 
 def _start_all(state: Cluster, members: list[Member], env: dict[str, Any], ready_timeout_ms: int) -> None:

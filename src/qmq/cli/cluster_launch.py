@@ -116,10 +116,14 @@ def plan(
     meta_port: int,
     config_file: Path | None,
     gateways: int = 0,
+    secure: Sequence[str] = (),
+    app_code: str = "",
 ) -> list[Member]:
     """The processes of a cluster, in start order: meta, masters, delay servers, slaves, gateways.
 
     Every process but the meta server gets ``--meta-server URL`` added once the meta server is ready.
+    ``secure`` (--auth-file, --tls-*, --insecure) goes to every process, ``app_code`` (the servers'
+    own app) to every one but the meta server.
     """
     qmq = [sys.executable, "-m", "qmq"]
     common = ["--host", host] + (["--config", str(config_file.resolve())] if config_file else [])
@@ -128,13 +132,14 @@ def plan(
         d = data_dir / name
         # a gateway keeps no data: its directory holds nothing, it is named for `cluster status`
         data = [] if role == "gateway" else ["--data-dir", str(d)]
+        own = ["--app-code", app_code] if app_code and role != "meta" else []
         return Member(
             name=name,
             role=role,
             group=group,
             role_in_group=role_in_group,
             data_dir=str(d),
-            argv=[*qmq, role, *args, *data, *common],
+            argv=[*qmq, role, *args, *data, *common, *secure, *own],
             log=str(data_dir / LOG_DIR / f"{name}.log"),
         )
 

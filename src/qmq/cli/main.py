@@ -203,6 +203,7 @@ def register_commands() -> None:
         cluster_commands,
         delay_commands,
         group_commands,
+        limits_commands,
         listing_commands,
         push_commands,
         roles,

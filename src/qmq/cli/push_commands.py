@@ -61,6 +61,14 @@ def _backoff_ms(ctx: click.Context, param: click.Parameter, value: str | None) -
     return [round(s * 1000) for s in waits]
 
 
+def _headers() -> dict[str, str]:
+    """The Authorization header of ``qmq --app-code``/``--secret`` (or the environment), if any."""
+    from qmq.cli.auth_commands import cli_authorization
+
+    authorization = cli_authorization()
+    return {"Authorization": authorization} if authorization else {}
+
+
 async def _meta_request(method: str, url: str, body: object = None, params: dict[str, str] | None = None) -> Any:
     """The JSON answer of one meta server request; CommandError with the meta server's words when refused."""
     authorization = cli_authorization()

@@ -144,6 +144,13 @@ class Supervisor:
         common = ["--host", config.host] + (["--config", str(config_file)] if config_file else [])
         # the roles with auth (the gateway keeps its own options): the file, the servers' own app, --insecure
         auth = [*(["--auth-file", config.auth_file] if config.auth_file else []), *(["--insecure"] * config.insecure)]
+        for flag, value in (
+            ("--tls-cert", config.tls_cert),
+            ("--tls-key", config.tls_key),
+            ("--tls-ca", config.tls_ca),
+        ):
+            if value:
+                auth += [flag, value]
         servers = [*auth, *(["--app-code", config.app_code] if config.app_code else [])]
         qmq = [sys.executable, "-m", "qmq"]
         self.meta = Child(
@@ -172,7 +179,7 @@ class Supervisor:
             *servers,
         ]
         self.delay = Child("delay server", [])
-        self.gateway_argv = [*qmq, "gateway", "--port", str(config.gateway_port), *common]
+        self.gateway_argv = [*qmq, "gateway", "--port", str(config.gateway_port), *common, *servers]
         self.gateway = Child("gateway", [])
         self.children = [self.meta, self.broker, self.delay, self.gateway]
 

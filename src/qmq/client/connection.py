@@ -13,9 +13,10 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Sequence
+from ssl import SSLContext
 from typing import TYPE_CHECKING, Any, cast
 
-from qmq.common.errors import ConnectionLostError, QmqError
+from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import AUTH_STATUSES, RemoteProtocolError, auth_error, error_for_status, status_name
@@ -93,9 +94,11 @@ class _FrameProtocol(asyncio.Protocol):
             fut.set_exception(auth_error(frame.header))
         else:
             header = frame.header
-            fut.set_exception(
-                error_for_status(frame.status, str(header.get("error", "")), header.get("outcome") == "unknown")
-            )
+            error = error_for_status(frame.status, str(header.get("error", "")), header.get("outcome") == "unknown")
+            retry_after_ms = header.get("retry_after_ms")
+            if isinstance(error, BrokerError) and isinstance(retry_after_ms, int) and retry_after_ms > 0:
+                error.retry_after_ms = retry_after_ms
+            fut.set_exception(error)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -146,9 +149,11 @@ class Connection:
         connect_timeout_ms: int,
         limits: Limits = DEFAULT_LIMITS,
         credentials: ClientCredentials | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.address = address
         self._credentials = credentials
+        self._ssl = ssl
         self._host, self._port = parse_address(address)
         self._connect_timeout_s = connect_timeout_ms / 1000
         self._limits = limits
@@ -197,7 +202,11 @@ class Connection:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, proto = await loop.create_connection(
-                    lambda: _FrameProtocol(self.address, self._limits), self._host, self._port
+                    lambda: _FrameProtocol(self.address, self._limits),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl is not None else None,
                 )
         except (OSError, TimeoutError) as exc:
             self._failures += 1
@@ -305,7 +314,12 @@ class Connection:
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         pending[rid] = fut
         if body:
-            p.transport.writelines([head, *body])
+            if self._ssl is not None:
+                # over TLS each buffer written becomes a record of its own: one record for the
+                # frame, not one per message (a 1 KiB record costs the broker a read each)
+                p.transport.write(b"".join((head, *body)))
+            else:
+                p.transport.writelines([head, *body])
         else:
             p.transport.write(head)
         fut.add_done_callback(lambda f: pending.pop(rid, None) if f.cancelled() else None)
@@ -362,9 +376,11 @@ class ConnectionPool:
         connect_timeout_ms: int,
         limits: Limits = DEFAULT_LIMITS,
         credentials: ClientCredentials | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self._connect_timeout_ms = connect_timeout_ms
         self._credentials = credentials
+        self._ssl = ssl
         self._limits = limits
         self._connections: dict[str, Connection] = {}
         self._closed = False
@@ -375,7 +391,11 @@ class ConnectionPool:
             if self._closed:
                 raise ConnectionLostError(f"the client is closed; cannot reach broker {address}")
             conn = Connection(
-                address, connect_timeout_ms=self._connect_timeout_ms, limits=self._limits, credentials=self._credentials
+                address,
+                connect_timeout_ms=self._connect_timeout_ms,
+                limits=self._limits,
+                credentials=self._credentials,
+                ssl=self._ssl,
             )
             self._connections[address] = conn
         return conn

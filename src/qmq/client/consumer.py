@@ -14,6 +14,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from ssl import SSLContext
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
 
@@ -237,6 +238,7 @@ class Consumer:
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
         secret: str | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
@@ -251,7 +253,9 @@ class Consumer:
             check_crc=check_crc,
             acks_with_pulls=acks_with_pulls,
         )
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
+        self.connect_options = ConnectOptions(
+            connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret), ssl
+        )
         self.consumer_id = self.options.consumer_id
         self._ctx = ConsumerContext(
             self.app_code, self.consumer_id, self.options, self.connect_options, self._fail_message
@@ -275,11 +279,13 @@ class Consumer:
             self.meta_server,
             timeout_ms=self.connect_options.meta_timeout_ms,
             authorization=authorization_of(self.app_code, self.connect_options),
+            ssl=self.connect_options.tls(self.meta_server),
         )
         await meta.start()
         pool = ConnectionPool(
             connect_timeout_ms=self.connect_options.connect_timeout_ms,
             credentials=credentials_of(self.app_code, self.connect_options),
+            ssl=self.connect_options.tls(self.meta_server),
         )
         self._ctx.meta, self._ctx.pool = meta, pool
         self._producer = Producer._sharing(self.app_code, self.meta_server, meta, pool, self.connect_options)

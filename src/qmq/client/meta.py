@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any
 
 import aiohttp
@@ -148,7 +149,10 @@ def _auth_refusal(url: str, text: str) -> AuthError:
 class MetaClient:
     """The last known answer of the meta server, kept fresh by a background task."""
 
-    def __init__(self, url: str, *, timeout_ms: int, authorization: str | None = None) -> None:
+    def __init__(
+        self, url: str, *, timeout_ms: int, authorization: str | None = None, ssl: SSLContext | None = None
+    ) -> None:
+        self._ssl = ssl  # TLS to an https:// meta server (None: aiohttp's default verification)
         self.url = check_url("meta_server", url)
         # the app's Authorization header, for a meta server with an auth file (qmq.auth.http)
         self._headers = {"Authorization": authorization} if authorization else {}
@@ -175,7 +179,8 @@ class MetaClient:
     async def start(self) -> None:
         """Fetch the first answer; MetaServerError naming the URL if the meta server is unreachable."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+            connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers, connector=connector)
         try:
             self._apply(await self._fetch([]), [])
         except BaseException:

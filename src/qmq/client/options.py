@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import ssl as ssl_module
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+from qmq.auth.secrets import SECRET_ENV
 from qmq.common.errors import ConfigError, InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, MiB
 from qmq.common.naming import check_name
@@ -100,8 +102,19 @@ class ConnectOptions:
     # the app's secret, for servers with an auth file (empty: connect without authenticating);
     # never shown (repr), never sent (qmq.auth.handshake)
     secret: str = field(default="", repr=False)
+    # TLS to the meta server and every broker (qmq.client.tls): None for plain TCP, unless the
+    # meta server's URL is https://, which means TLS with the system's trust
+    ssl: ssl_module.SSLContext | None = field(default=None, repr=False, compare=False)
+
+    def tls(self, meta_server: str) -> ssl_module.SSLContext | None:
+        """The context of the client's connections: ``ssl``, or the default one for an https:// meta server."""
+        if self.ssl is not None or not meta_server.startswith("https://"):
+            return self.ssl
+        return ssl_module.create_default_context()
 
     def __post_init__(self) -> None:
+        if self.ssl is not None and not isinstance(self.ssl, ssl_module.SSLContext):
+            raise ConfigError(f"ssl={self.ssl!r} must be an ssl.SSLContext (ssl.create_default_context(cafile=...))")
         check_int("connect_timeout_ms", self.connect_timeout_ms, 1, _TIMEOUT_MS_MAX)
         check_int("meta_timeout_ms", self.meta_timeout_ms, 1, _TIMEOUT_MS_MAX)
         check_int("close_timeout_ms", self.close_timeout_ms, 0, _TIMEOUT_MS_MAX)
@@ -180,9 +193,6 @@ class ConsumerOptions:
 DEFAULT_CONNECT = ConnectOptions()
 DEFAULT_PRODUCER = ProducerOptions()
 DEFAULT_CONSUMER = ConsumerOptions(consumer_id="default")
-
-
-SECRET_ENV = "QMQ_SECRET"
 
 
 def secret_of(secret: str | None) -> str:

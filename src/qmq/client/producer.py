@@ -36,6 +36,7 @@ import struct
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from ssl import SSLContext
 from types import TracebackType
 from typing import Literal
 
@@ -109,10 +110,13 @@ class Producer:
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
         secret: str | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
+        self.connect_options = ConnectOptions(
+            connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret), ssl
+        )
         self.options = ProducerOptions(
             buffer_messages_max=buffer_messages_max,
             buffer_bytes_max=buffer_bytes_max,
@@ -159,11 +163,13 @@ class Producer:
                 self.meta_server,
                 timeout_ms=self.connect_options.meta_timeout_ms,
                 authorization=authorization_of(self.app_code, self.connect_options),
+                ssl=self.connect_options.tls(self.meta_server),
             )
             await meta.start()
             pool = ConnectionPool(
                 connect_timeout_ms=self.connect_options.connect_timeout_ms,
                 credentials=credentials_of(self.app_code, self.connect_options),
+                ssl=self.connect_options.tls(self.meta_server),
             )
         else:
             meta, pool = self._shared

@@ -262,6 +262,19 @@ class Sender:
                     pinned = pinned or (pins and exc.outcome_unknown)
                     log.debug("retrying a batch of %d after %s", len(entries), exc)
                     stats.retries += 1
+                    if isinstance(exc, BrokerError) and exc.status == Status.THROTTLED:
+                        # over the app's quota: wait as long as the broker asks (bounded by the
+                        # send deadline), and send to the same group, whose bucket is the one in debt
+                        wait_s = min(max(exc.retry_after_ms / 1000, backoff_s), deadline - loop.time())
+                        await asyncio.sleep(max(wait_s, 0.0))
+                        if loop.time() >= deadline:
+                            self.fail(
+                                entries,
+                                f"not stored within send_timeout_ms={opts.send_timeout_ms}: {exc}",
+                                retriable=True,
+                            )
+                            return
+                        continue
                     await asyncio.sleep(backoff_s)  # retry backoff, bounded by the deadline above
                     backoff_s = min(backoff_s * 2, opts.retry_backoff_ms_max / 1000)
                     if not pinned:

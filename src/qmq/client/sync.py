@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import datetime
+from ssl import SSLContext
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
@@ -137,6 +138,7 @@ class Producer:
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
         secret: str | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self._async = AsyncProducer(
             app_code=app_code,
@@ -154,6 +156,7 @@ class Producer:
             meta_timeout_ms=meta_timeout_ms,
             close_timeout_ms=close_timeout_ms,
             secret=secret,
+            ssl=ssl,
         )
         opts = self._async.options
         self._send_wait_s = 2 * opts.send_timeout_ms / 1000 + _MARGIN_S
@@ -370,6 +373,7 @@ class Consumer:
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
         listener_threads: int = LISTENER_THREADS_DEFAULT,
         secret: str | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.listener_threads = check_int("listener_threads", listener_threads, 1, 1024)
         self._async = AsyncConsumer(
@@ -386,6 +390,7 @@ class Consumer:
             meta_timeout_ms=meta_timeout_ms,
             close_timeout_ms=close_timeout_ms,
             secret=secret,
+            ssl=ssl,
         )
         self.consumer_id = self._async.consumer_id
         self._pool = concurrent.futures.ThreadPoolExecutor(listener_threads, thread_name_prefix="qmq-listener")

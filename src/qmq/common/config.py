@@ -67,6 +67,18 @@ def _insecure() -> Any:
     )
 
 
+def _tls_fields() -> tuple[Any, Any, Any]:
+    return (
+        _opt("PEM certificate (chain) every port of the role serves TLS with (docs/security.md); empty: no TLS", ""),
+        _opt("PEM private key of tls_cert", ""),
+        _opt(
+            "PEM CA certificate(s): clients must present a certificate signed by it; also what the role "
+            "trusts when it connects to the other roles (without it: the system's CAs and $SSL_CERT_FILE)",
+            "",
+        ),
+    )
+
+
 def _server_app_code() -> Any:
     return _opt(
         "the app this server authenticates as to the other roles of a cluster with auth files (an app "
@@ -156,6 +168,9 @@ class BrokerConfig:
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     auth_file: str = _auth_file()
     insecure: bool = _insecure()
+    tls_cert: str = _tls_fields()[0]
+    tls_key: str = _tls_fields()[1]
+    tls_ca: str = _tls_fields()[2]
     app_code: str = _server_app_code()
     heartbeat_interval_ms: int = _opt(
         "how often the broker reports itself to the meta server",
@@ -317,6 +332,9 @@ class DelayConfig:
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     auth_file: str = _auth_file()
     insecure: bool = _insecure()
+    tls_cert: str = _tls_fields()[0]
+    tls_key: str = _tls_fields()[1]
+    tls_ca: str = _tls_fields()[2]
     app_code: str = _server_app_code()
     heartbeat_interval_ms: int = _opt(
         "how often the delay server reports itself to the meta server",
@@ -371,6 +389,9 @@ class MetaConfig:
 
     auth_file: str = _auth_file()
     insecure: bool = _insecure()
+    tls_cert: str = _tls_fields()[0]
+    tls_key: str = _tls_fields()[1]
+    tls_ca: str = _tls_fields()[2]
 
 
 @dataclass(slots=True)
@@ -413,6 +434,16 @@ class GatewayConfig:
     push_subscriptions_max: int = _opt(
         "most push subscriptions this gateway runs at once (0: none; the others run them)", 1_000, _range(0, 10_000)
     )
+    auth_file: str = _opt(
+        "TOML file of the apps that may call the gateway (HTTP Basic Authorization, app_code:secret) and what "
+        "each may do (docs/security.md); empty: no authentication. Reloaded on SIGHUP. With it, the gateway's "
+        "own app_code (secret in $QMQ_SECRET) needs cluster = true in the brokers' auth file",
+        "",
+    )
+    insecure: bool = _insecure()
+    tls_cert: str = _tls_fields()[0]
+    tls_key: str = _tls_fields()[1]
+    tls_ca: str = _tls_fields()[2]
     shutdown_grace_ms: int = _opt("how long shutdown waits for requests in flight", 5_000, _range(0, 600_000))
 
 
@@ -429,6 +460,9 @@ class StandaloneConfig:
     auth_file: str = _opt("the auth file of every role (docs/security.md); empty: no authentication, loopback only", "")
     app_code: str = _server_app_code()
     insecure: bool = _insecure()
+    tls_cert: str = _tls_fields()[0]
+    tls_key: str = _tls_fields()[1]
+    tls_ca: str = _tls_fields()[2]
     ready_timeout_ms: int = _opt(
         "how long to wait for every role to report ready",
         60_000,

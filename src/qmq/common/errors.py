@@ -96,6 +96,8 @@ class BrokerError(QmqError):
         self.status_name = status_name
         self.retriable = retriable
         self.outcome_unknown = outcome_unknown
+        # THROTTLED: how long the broker asks to wait before sending again (0: not said)
+        self.retry_after_ms = 0
         super().__init__(f"{status_name}: {text}" if text else status_name)
 
 

@@ -88,6 +88,7 @@ class DelayServer(FrameServer):
         producer = Producer(
             app_code=cfg.app_code or _PRODUCER_APP_CODE,
             secret=self.secret(),
+            ssl=self.tls_out,
             meta_server=cfg.meta_server,
             buffer_messages_max=cfg.handover_messages_max + _HANDOVER_BATCH_MESSAGES,
             buffer_bytes_max=cfg.handover_bytes_max + 8 * MiB,

@@ -17,12 +17,17 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Final
+from pathlib import Path
+from typing import Any, Final
 
 import uvloop
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from qmq.aio import Consumer, Producer
+from qmq.auth.exposure import check_exposure
+from qmq.auth.file import load_auth_file
+from qmq.auth.permissions import Action
 from qmq.common.config import GatewayConfig
 from qmq.common.errors import ConfigError, QmqError
 from qmq.gateway import routes
@@ -33,6 +38,8 @@ from qmq.gateway.pulls import Pulls
 from qmq.gateway.receipts import Receipts
 from qmq.gateway.services import BackgroundService, background_services
 from qmq.gateway.settle import AckRecorder
+from qmq.serving.http_auth import HttpAuth, Need
+from qmq.serving.tls import outgoing_context, server_context
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,9 @@ class Gateway:
         # a few consumer ids per gateway process (the broker keeps a pull log for each), so several
         # pulls of one group run at once
         prefix = f"gateway-{socket.gethostname()[:40]}-{os.getpid()}"
-        self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server)
+        # TLS and the gateway's own app (its secret from $QMQ_SECRET) toward the meta server and brokers
+        self.tls_out = outgoing_context(config)
+        self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server, ssl=self.tls_out)
         # acks are sent by flushes only, so POST /v1/acks is answered once a flush delivered them
         self.consumers = [
             Consumer(
@@ -64,6 +73,7 @@ class Gateway:
                 meta_server=config.meta_server,
                 consumer_id=f"{prefix}-{i}",
                 acks_with_pulls=False,
+                ssl=self.tls_out,
             )
             for i in range(config.pull_consumers)
         ]
@@ -113,14 +123,25 @@ class GatewayServer:
         self._started: list[BackgroundService] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.tls = server_context(config)
+        warning = check_exposure("gateway", config.host, config.auth_file, config.insecure)
+        if warning is not None:
+            log.warning("%s", warning)
+            print(f"qmq gateway: {warning}", file=sys.stderr, flush=True)
+        self.http_auth: HttpAuth | None = None
+        if config.auth_file:
+            self.http_auth = HttpAuth(
+                load_auth_file(Path(config.auth_file)), _needs, CollectorRegistry(), render=_api_refusal
+            )
 
     @property
     def url(self) -> str:
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=REQUEST_BYTES_MAX)
+        middlewares = [_errors] if self.http_auth is None else [_errors, self.http_auth.middleware]
+        app = web.Application(middlewares=middlewares, client_max_size=REQUEST_BYTES_MAX)
         routes.add_routes(app, self.gateway)
         return app
 
@@ -143,10 +164,22 @@ class GatewayServer:
             sock.close()
             raise GatewayStartupError(_bind_problem(self.config.host, self.config.port, exc)) from None
         self.port = int(sock.getsockname()[1])
-        await web.SockSite(self._runner, sock).start()
+        await web.SockSite(self._runner, sock, ssl_context=self.tls).start()
         for service in self.services:
             await service.start()
             self._started.append(service)
+
+    def reload_auth(self) -> None:
+        """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
+        if self.http_auth is None:
+            return
+        try:
+            auth = load_auth_file(Path(self.config.auth_file))
+        except ConfigError as exc:
+            log.error("SIGHUP: kept the auth file in use, the new one is wrong: %s", exc)
+            return
+        self.http_auth.reload(auth)
+        log.info("SIGHUP: reloaded %s, %d app(s)", self.config.auth_file, len(auth.apps))
 
     def ready_line(self) -> str:
         return f"qmq ready role=gateway gateway={self.url} meta_server={self.config.meta_server}"
@@ -165,6 +198,24 @@ class GatewayServer:
         for consumer in self.gateway.consumers:
             await consumer.close()
         await self.gateway.producer.close()
+
+
+def _needs(request: web.Request) -> Need:
+    """What a gateway request needs its app to be allowed (with an auth file): a send, produce
+    on its subject; /health nobody; any other route an admin, until it says otherwise."""
+    if request.path == "/health":
+        return "open"
+    subject = request.match_info.get("subject")
+    if request.method == "POST" and subject is not None and request.path.endswith("/messages"):
+        return (Action.PRODUCE, subject, None)
+    return Action.ADMIN
+
+
+def _api_refusal(status: int, body: dict[str, Any]) -> web.Response:
+    """A refusal of the auth check in the gateway's error format."""
+    code = "UNAUTHENTICATED" if status == 401 else "FORBIDDEN"
+    error = {"code": code, "message": body["error"], **{k: v for k, v in body.items() if k != "error"}}
+    return web.json_response({"error": error}, status=status)
 
 
 def _bind_problem(host: str, port: int, exc: OSError) -> str:
@@ -205,6 +256,8 @@ async def _serve(config: GatewayConfig) -> int:
             except (GatewayStartupError, QmqError, OSError) as exc:
                 print(f"qmq gateway: cannot start: {exc}", file=sys.stderr, flush=True)
                 return EXIT_STARTUP_FAILED
+            if server.http_auth is not None:
+                loop.add_signal_handler(signal.SIGHUP, server.reload_auth)
             print(server.ready_line(), flush=True)
             await stop.wait()
             log.info("gateway on %s shutting down", server.url)

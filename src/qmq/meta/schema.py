@@ -85,6 +85,10 @@ PUSH_LIST_CHARS: Final = 2_000
 EPOCHS_KEPT: Final = 1000
 
 
+LIMIT_APP_CHARS = 200
+LIMIT_PATTERN_CHARS = 400
+
+
 def name_type(chars: int) -> sa.types.TypeEngine[str]:
     """A name column. MySQL and MariaDB compare strings case-insensitively by default, which
     would make subjects "Order" and "order" one key; their binary collation keeps names exact."""
@@ -185,6 +189,19 @@ push_gateways_table = sa.Table(
     sa.Column("url", sa.String(URL_CHARS), nullable=False),
     sa.Column("last_seen_ms", sa.BigInteger, nullable=False),
     sa.Column("held_max", sa.Integer, nullable=False, server_default="0"),
+)
+
+# Quotas set at run time (`qmq limits set`; qmq.meta.limits): one row per app and pattern,
+# applied by every broker and delay server on top of its auth file's.
+limits_table = sa.Table(
+    "qmq_meta_limits",
+    metadata,
+    sa.Column("app", name_type(LIMIT_APP_CHARS), primary_key=True),
+    sa.Column("pattern", name_type(LIMIT_PATTERN_CHARS), primary_key=True),
+    sa.Column("produce_msgs_per_s", sa.Float, nullable=False),
+    sa.Column("produce_bytes_per_s", sa.Float, nullable=False),
+    sa.Column("consume_msgs_per_s", sa.Float, nullable=False),
+    sa.Column("updated_ms", sa.BigInteger, nullable=False),
 )
 
 

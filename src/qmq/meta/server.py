@@ -41,6 +41,7 @@ from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import MetaConfig
 from qmq.common.errors import ConfigError, QmqError
 from qmq.meta.leader import LeaderLease, default_owner
+from qmq.meta.limits import LimitsApi, LimitsStore
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
 from qmq.meta.payload import (
     REGISTER_BODY_BYTES_MAX,
@@ -65,6 +66,7 @@ from qmq.meta.registry import (
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 from qmq.serving.http_auth import HttpAuth, Need
+from qmq.serving.tls import server_context
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,7 @@ class MetaServer:
         self._store: MetaStore | None = None
         self._registry: Registry | None = None
         self._push: PushStore | None = None
+        self._limits: LimitsStore | None = None
         self._lease: LeaderLease | None = None
         self._runner: web.AppRunner | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -179,6 +182,7 @@ class MetaServer:
                 owner=self.owner,
             )
             self._push = PushStore(self._store)
+            self._limits = LimitsStore(self._store)
         except BaseException:
             self._store.close()
             self._store = None
@@ -206,6 +210,7 @@ class MetaServer:
         app.router.add_get(CLUSTER_PATH, self._cluster)
         app.router.add_post(PROMOTE_PATH, self._promote)
         PushApi(self._call, self._push_now, self.clock).add_routes(app)
+        LimitsApi(self._call, self._limits_now, self.clock.now_ms).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
@@ -214,11 +219,15 @@ class MetaServer:
         await self._runner.setup()
         host, port = self.config.host, self.config.port
         try:
-            await web.TCPSite(self._runner, host, port).start()
+            tls = server_context(self.config)
+        except ConfigError as exc:
+            raise MetaStartupError(str(exc)) from None
+        try:
+            await web.TCPSite(self._runner, host, port, ssl_context=tls).start()
         except OSError as exc:
             raise MetaStartupError(_bind_problem(host, port, exc)) from None
         self.port = int(self._runner.addresses[0][1])
-        self.url = f"http://{_url_host(host)}:{self.port}"
+        self.url = f"{'https' if tls is not None else 'http'}://{_url_host(host)}:{self.port}"
         self.meta_server_url = self.url + ADDRESS_PATH
 
     def reload_auth(self) -> None:
@@ -245,6 +254,7 @@ class MetaServer:
         if self._executor is not None:
             executor, self._executor = self._executor, None
             store, self._store, self._registry, self._push = self._store, None, None, None
+            self._limits = None
             lease, self._lease = self._lease, None
             loop = asyncio.get_running_loop()
             if lease is not None:
@@ -266,6 +276,11 @@ class MetaServer:
         if self._registry is None:
             raise MetaStoreError("the meta server is stopped")
         return self._registry
+
+    def _limits_now(self) -> LimitsStore:
+        if self._limits is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._limits
 
     def _push_now(self) -> PushStore:
         if self._push is None:

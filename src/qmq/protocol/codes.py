@@ -52,6 +52,10 @@ class Status(IntEnum):
     NOT_MASTER = 22
     SHUTTING_DOWN = 23
     INTERNAL_ERROR = 24
+    # over the app's quota (docs/security.md): send again after the answer's retry_after_ms
+    THROTTLED = 25
 
 
-RETRIABLE_STATUSES = frozenset({Status.BUSY, Status.DISK_FULL, Status.NOT_MASTER, Status.SHUTTING_DOWN})
+RETRIABLE_STATUSES = frozenset(
+    {Status.BUSY, Status.DISK_FULL, Status.NOT_MASTER, Status.SHUTTING_DOWN, Status.THROTTLED}
+)

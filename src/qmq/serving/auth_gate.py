@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -36,8 +37,10 @@ from qmq.auth.failures import FailedHandshakes, address_of
 from qmq.auth.file import App, AuthConfig
 from qmq.auth.handshake import AuthFailed, HandshakeError, ServerHandshake
 from qmq.auth.permissions import Action
+from qmq.auth.quotas import BURST_S, Buckets, QuotaRule, quota_for
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
+from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import FrameConnection, Responder
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ _OPEN = frozenset({RequestCode.PING, RequestCode.SUBJECTS, RequestCode.LAG, Requ
 _BY_HANDLER = frozenset({RequestCode.SEND_MESSAGES})
 _CONSUME = frozenset({RequestCode.PULL, RequestCode.ACK, RequestCode.DEAD_LETTERS})
 _ACK_MANY_CHECKED_MAX = 10_000
+# a pull over its quota waits at most this long before it is looked at again
+_PULL_HELD_S_MAX = 1.0
 
 
 def _names(value: object) -> str | None:
@@ -79,6 +84,13 @@ def needs(frame: Frame) -> Iterable[Need]:
     return ((Action.ADMIN, None, None),)
 
 
+def _code_name(code: int) -> str:
+    try:
+        return RequestCode(code).name
+    except ValueError:
+        return f"request code {code}"
+
+
 def refusal_text(app: str, action: Action, subject: str | None) -> str:
     what = f"{action.value} {subject!r}" if subject is not None else action.value
     return f"app {app!r} may not {what}; ask for it in the auth file's [apps.{app}] (docs/security.md)"
@@ -91,6 +103,15 @@ class AuthGate:
         self.auth = auth
         self._decoy_key = os.urandom(32)
         self.failures = FailedHandshakes()
+        self.buckets = Buckets()
+        # quotas set at run time, by app (qmq.serving.limits)
+        self.runtime: dict[str, tuple[QuotaRule, ...]] = {}
+        self.throttled = Counter(
+            f"{prefix}_quota_throttled",
+            "requests over their app's quota, by kind: produce (answered THROTTLED), consume (a pull held back)",
+            ["kind"],
+            registry=registry,
+        )
         self.denials = Counter(
             f"{prefix}_auth_denials",
             "requests refused by the auth file, by reason: handshake (a wrong secret or unknown app), "
@@ -106,11 +127,15 @@ class AuthGate:
     def wrap(self, dispatch: Dispatch) -> Dispatch:
         def gated(conn: Responder, frame: Frame) -> None:
             assert isinstance(conn, FrameConnection)
+            if conn.closed:  # a pull held back over its quota whose connection went meanwhile
+                return
             code = frame.code
             if code == RequestCode.AUTH_HELLO:
                 self._hello(conn, frame)
             elif code == RequestCode.AUTH_PROOF:
                 self._proof(conn, frame)
+            elif conn.app_code is None and conn.cert_subject is not None and self._by_certificate(conn):
+                gated(conn, frame)
             elif conn.app_code is None or (app := self.auth.app(conn.app_code)) is None:
                 # no handshake yet, or the app left the auth file since (a reload)
                 self.denials.labels("unauthenticated").inc()
@@ -130,14 +155,105 @@ class AuthGate:
                         self.deny(conn, frame, action, subject)
                         return
                 conn.grants = app.grants
+                if code == RequestCode.PULL and self._held_back(conn, frame, app, gated):
+                    return
                 dispatch(conn, frame)
 
         return gated
 
+    def rules(self, app: App) -> tuple[QuotaRule, ...]:
+        """The app's quotas: those set at run time (qmq limits set) first, then the auth file's."""
+        runtime = self.runtime.get(app.code)
+        return runtime + app.quotas if runtime else app.quotas
+
+    def _by_certificate(self, conn: FrameConnection) -> bool:
+        """A client certificate (verified against --tls-ca) whose common name is an app of the
+        file stands for that app: the connection needs no handshake."""
+        app = self.auth.app(conn.cert_subject or "")
+        if app is None:
+            return False
+        conn.app_code = app.code
+        conn.grants = app.grants
+        return True
+
+    # -- quotas (qmq.auth.quotas) ---------------------------------------------------------
+
+    def _held_back(self, conn: FrameConnection, frame: Frame, app: App, gated: Dispatch) -> bool:
+        """A pull over the consume quota of its subject:group waits (then is handled again);
+        one under it asks for at most a tenth of a second's worth, which is charged."""
+        subject, group = _names(frame.header.get("subject")), _names(frame.header.get("group"))
+        if subject is None or group is None:
+            return False
+        rules = self.rules(app)
+        if not rules:
+            return False
+        quota = quota_for(rules, subject, group)
+        if quota is None or not quota.consume_msgs_per_s:
+            return False
+        rate = quota.consume_msgs_per_s
+        key = ("consume", app.code, subject, group)
+        now = time.monotonic()
+        wait_s = self.buckets.wait_s(key, rate, now)
+        if wait_s > 0:
+            self.throttled.labels("consume").inc()
+            asyncio.get_running_loop().call_later(min(wait_s, _PULL_HELD_S_MAX), gated, conn, frame)
+            return True
+        most = max(1, math.ceil(rate * BURST_S))
+        asked = frame.header.get("max")
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked > most:
+            frame.header["max"] = most
+        self.buckets.take(key, rate, frame.header["max"], now)
+        return False
+
+    def over_quota(self, conn: Responder, frame: Frame, scanned: Sequence[ScannedMessage]) -> bool:
+        """Answer a send THROTTLED (with retry_after_ms) when a subject of it is over its
+        app's produce quota; otherwise charge the quotas and return False."""
+        app_code = getattr(conn, "app_code", None)
+        app = self.auth.app(app_code) if app_code is not None else None
+        rules = self.rules(app) if app is not None else ()
+        if app is None or not rules:
+            return False
+        counts: dict[bytes, list[int]] = {}
+        for m in scanned:
+            c = counts.setdefault(m.subject, [0, 0])
+            c[0] += 1
+            c[1] += m.length
+        now = time.monotonic()
+        charges = []
+        for raw, (msgs, size) in counts.items():
+            subject = raw.decode("utf-8", "replace")
+            quota = quota_for(rules, subject)
+            if quota is None:
+                continue
+            for what, rate, amount in (
+                ("msgs", quota.produce_msgs_per_s, msgs),
+                ("bytes", quota.produce_bytes_per_s, size),
+            ):
+                if not rate:
+                    continue
+                key = ("produce", what, app.code, subject)
+                wait_s = self.buckets.wait_s(key, rate, now)
+                if wait_s > 0:
+                    self.throttled.labels("produce").inc()
+                    header = {
+                        "error": f"app {app.code!r} is over its quota of {rate:g} {what}/s for {subject!r}; "
+                        "send again after retry_after_ms",
+                        "retry_after_ms": math.ceil(wait_s * 1000),
+                        "app": app.code,
+                        "subject": subject,
+                    }
+                    conn.respond(frame.code, frame.request_id, header, status=Status.THROTTLED)
+                    return True
+                charges.append((key, rate, amount))
+        for key, rate, amount in charges:
+            self.buckets.take(key, rate, amount, now)
+        return False
+
     def deny(self, conn: Responder, frame: Frame, action: Action, subject: str | None) -> None:
         app = getattr(conn, "app_code", None) or "?"
         self.denials.labels("forbidden").inc()
-        log.warning("refused %s of app %r: %s %r", RequestCode(frame.code).name, app, action.value, subject)
+        what = f"{action.value} {subject!r}" if subject is not None else action.value
+        log.warning("refused %s of app %r: may not %s", _code_name(frame.code), app, what)
         header: dict[str, Any] = {
             "error": refusal_text(app, action, subject),
             "app": app,
@@ -147,11 +263,16 @@ class AuthGate:
         conn.respond(frame.code, frame.request_id, header, status=Status.FORBIDDEN)
 
     def _hello(self, conn: FrameConnection, frame: Frame) -> None:
+        if conn.handshake is not None:  # one handshake at a time: a held-back HELLO holds a timer
+            text = "a connection sends one AUTH_HELLO, then its AUTH_PROOF, before another"
+            conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BAD_REQUEST)
+            return
         handshake = ServerHandshake(self.auth, self._decoy_key)
         conn.handshake = handshake
         try:
             challenge = handshake.challenge(frame.header).to_wire()
         except HandshakeError as exc:
+            conn.handshake = None
             conn.respond(frame.code, frame.request_id, {"error": str(exc)}, status=Status.BAD_REQUEST)
             return
         delay_s = self.failures.delay_s(address_of(conn.peer), time.monotonic())

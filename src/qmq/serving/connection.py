@@ -90,6 +90,9 @@ class FrameConnection(asyncio.Protocol):
         self.app_code: str | None = None
         self.grants: Grants | None = None
         self.handshake: object | None = None
+        self._tls = False  # the connection speaks TLS (set when it is made)
+        # the common name of the client's certificate, verified against --tls-ca (None without one)
+        self.cert_subject: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCPTransport does not subclass asyncio.Transport but has its methods
@@ -97,6 +100,9 @@ class FrameConnection(asyncio.Protocol):
         peer = tr.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         tr.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
+        self._tls = tr.get_extra_info("sslcontext") is not None
+        if self._tls:
+            self.cert_subject = _common_name(tr.get_extra_info("peercert"))
         connections = self.host.connections
         refusal = connections.admit(self)
         loop = asyncio.get_running_loop()
@@ -177,7 +183,11 @@ class FrameConnection(asyncio.Protocol):
         body_len = sum(len(c) for c in chunks) if chunks else 0
         head = encode_frame_parts(code, request_id, header, body_len, status=status, response=True)
         if chunks:
-            self.transport.writelines([head, *chunks])
+            if self._tls:
+                # over TLS each buffer written is a record of its own: one per answer instead
+                self.transport.write(b"".join((head, *chunks)))
+            else:
+                self.transport.writelines([head, *chunks])
         else:
             self.transport.write(head)
         if self._flow_paused:
@@ -256,6 +266,17 @@ class FrameConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _common_name(peercert: object) -> str | None:
+    """The subject's commonName of a verified peer certificate (``SSLSocket.getpeercert()``), or None."""
+    if not isinstance(peercert, dict):
+        return None
+    for rdn in peercert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and isinstance(value, str):
+                return value
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,6 +138,8 @@ class RoleHandlers(ABC):
         self._clock = ctx.clock
         # set by a server with an auth file: answers a send to a subject its app may not produce to
         self.deny: Callable[[Responder, Frame, Action, str | None], None] | None = None
+        # and answers a send over its app's quota THROTTLED (True when it did)
+        self.over_quota: Callable[[Responder, Frame, list[ScannedMessage]], bool] | None = None
 
     def serve(self, handlers: Mapping[int, Handler], requests: Counter, unknown: Callable[[int], str]) -> None:
         self.requests = RequestTable({RequestCode.PING: self.ping, **handlers}, requests, unknown)
@@ -167,6 +169,8 @@ class RoleHandlers(ABC):
                 if not grants.allows(Action.PRODUCE, subject):
                     self.deny(conn, frame, Action.PRODUCE, subject)
                     return None
+            if self.over_quota is not None and self.over_quota(conn, frame, scanned):
+                return None
         return body, scanned, problems
 
     def storing(self, append: Callable[[], T]) -> T:

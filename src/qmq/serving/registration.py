@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
+from ssl import SSLContext
 from typing import Any
 
 import aiohttp
@@ -42,7 +43,9 @@ class Registration:
         interval_ms: int,
         on_answer: Callable[[dict[str, Any]], None] | None = None,
         authorization: str | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
+        self._ssl = ssl  # TLS to an https:// meta server
         self.url = register_url(meta_server)
         # the Authorization header of the server's own app, for a meta server with an auth file
         self._headers = {"Authorization": authorization} if authorization else {}
@@ -55,8 +58,9 @@ class Registration:
         self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
+        connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S), headers=self._headers
+            timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S), headers=self._headers, connector=connector
         )
         self._task = asyncio.get_running_loop().create_task(self._run())
 

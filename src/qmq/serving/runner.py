@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from ssl import SSLContext
 from typing import Protocol
 
 import uvloop
@@ -128,8 +129,11 @@ def listen_error(what: str, host: str, port: int, exc: OSError, option: str) -> 
     return f"cannot listen on {host}:{port}: {exc}"
 
 
-async def serve_http(app: web.Application, host: str, port: int, what: str, option: str) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on host:port (0 picks a free port); returns the runner and the port bound."""
+async def serve_http(
+    app: web.Application, host: str, port: int, what: str, option: str, ssl_context: SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on host:port (0 picks a free port), over TLS with ``ssl_context``; returns the
+    runner and the port bound."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -141,5 +145,5 @@ async def serve_http(app: web.Application, host: str, port: int, what: str, opti
         await runner.cleanup()
         raise StartupError(listen_error(what, host, port, exc, option)) from None
     bound = int(sock.getsockname()[1])
-    await web.SockSite(runner, sock).start()
+    await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     return runner, bound

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from qmq.auth.exposure import check_exposure
 from qmq.auth.file import load_auth_file
 from qmq.auth.handshake import ClientCredentials
 from qmq.auth.http import basic_authorization
-from qmq.client.options import SECRET_ENV
+from qmq.auth.secrets import SECRET_ENV
 from qmq.common.errors import ConfigError
 from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode
@@ -43,9 +44,11 @@ from qmq.serving.auth_gate import AuthGate
 from qmq.serving.connection import ConnectionLimits, Connections, FrameConnection, Responder
 from qmq.serving.dispatch import RoleHandlers
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.limits import LimitsPoller
 from qmq.serving.periodic import Periodic
 from qmq.serving.registration import Registration, server_payload
 from qmq.serving.runner import StartupError, listen_error, serve_http
+from qmq.serving.tls import outgoing_context, server_context
 from qmq.store.datadir import StoreError
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,12 @@ class ServingConfig(Protocol):
     def app_code(self) -> str: ...
     @property
     def insecure(self) -> bool: ...
+    @property
+    def tls_cert(self) -> str: ...
+    @property
+    def tls_key(self) -> str: ...
+    @property
+    def tls_ca(self) -> str: ...
 
 
 class RoleStore(Protocol):
@@ -144,11 +153,14 @@ class FrameServer(ABC):
         self._server: asyncio.Server | None = None
         self._http: web.AppRunner | None = None
         self._registration: Registration | None = None
+        self._limits: LimitsPoller | None = None
         # set once the store is open (start): from then on a shutdown writes a final checkpoint
         self.checkpointing: asyncio.Lock | None = None
         self.stop_failed: str | None = None  # what the last stop could not finish (exit status 4)
         self.checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix=checkpoint_thread)
         self.auth: AuthGate | None = None
+        # what the server connects to the other roles with (qmq.serving.tls); ConfigError for bad files
+        self.tls_out: ssl.SSLContext | None = outgoing_context(config)
 
     @property
     def address(self) -> str:
@@ -156,7 +168,8 @@ class FrameServer(ABC):
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.config.host}:{self.http_port}"
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{self.config.host}:{self.http_port}"
 
     def ready_line(self) -> str:
         return (
@@ -189,9 +202,10 @@ class FrameServer(ABC):
             print(f"qmq {self.kind}: {warning}", file=sys.stderr, flush=True)
         if cfg.auth_file:
             self._gate_requests(loop)
+        tls = server_context(cfg)
         try:
             self._server = await loop.create_server(
-                lambda: FrameConnection(self), cfg.host, cfg.port, backlog=_LISTEN_BACKLOG
+                lambda: FrameConnection(self), cfg.host, cfg.port, backlog=_LISTEN_BACKLOG, ssl=tls
             )
         except OSError as exc:
             raise StartupError(listen_error(self.title, cfg.host, cfg.port, exc, "--port")) from None
@@ -199,13 +213,14 @@ class FrameServer(ABC):
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
-        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
+        self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port", tls)
 
     def _gate_requests(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the auth file and put its gate in front of the request table; SIGHUP reloads it."""
         gate = self.auth = AuthGate(load_auth_file(Path(self.config.auth_file)), self.metrics.registry, "qmq")
         self.dispatch = gate.wrap(self.dispatch)
         self.handlers.deny = gate.deny
+        self.handlers.over_quota = gate.over_quota
         loop.add_signal_handler(signal.SIGHUP, self.reload_auth)
         log.info("%s: authentication on, %d app(s) in %s", self.title, len(gate.auth.apps), self.config.auth_file)
 
@@ -231,9 +246,20 @@ class FrameServer(ABC):
         secret = self.secret()
         authorization = basic_authorization(cfg.app_code, secret) if secret else None
         self._registration = Registration(
-            cfg.meta_server, payload, cfg.heartbeat_interval_ms, on_answer=on_answer, authorization=authorization
+            cfg.meta_server,
+            payload,
+            cfg.heartbeat_interval_ms,
+            on_answer=on_answer,
+            authorization=authorization,
+            ssl=self.tls_out,
         )
         self._registration.start()
+        if self.auth is not None:
+            gate = self.auth
+            self._limits = LimitsPoller(
+                cfg.meta_server, lambda rules: setattr(gate, "runtime", rules), authorization, self.tls_out
+            )
+            self._limits.start()
 
     def secret(self) -> str:
         """The secret of the server's own app (``app_code``), from $QMQ_SECRET; "" without an app code."""
@@ -279,6 +305,8 @@ class FrameServer(ABC):
             self._server.close()
         if self._registration is not None:
             await self._registration.stop()
+        if self._limits is not None:
+            await self._limits.stop()
 
     async def drain_writes(self, grace_s: float) -> None:
         """Answer the sends waiting for their fsync, for at most ``grace_s``."""
