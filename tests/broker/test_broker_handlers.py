@@ -44,6 +44,7 @@ class Context:
     epoch: int = 3
     address: str = "127.0.0.1:9999"
     stopping: bool = False
+    draining: bool = False
     replicator: Replicator | None = None
     release: Release = field(init=False)
 

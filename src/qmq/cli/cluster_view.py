@@ -42,7 +42,7 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
         soft_wrap=True,
     )
 
-    groups = Table("role", "group", "epoch", "master", "state", "writes", "slaves", title="groups")
+    groups = Table("role", "group", "epoch", "master", "state", "writes", "slaves", "operation", title="groups")
     for g in view["groups"]:
         groups.add_row(
             g["role"],
@@ -52,7 +52,11 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
             _state(g["state"]),
             _writes(g["write_state"]),
             str(g["slaves"]),
+            _operation(g),
         )
+    removed = view.get("removed_groups") or []
+    if removed:
+        groups.caption = "removed for good: " + ", ".join(f"{r['role']} {r['group']}" for r in removed)
     print_table(console, groups)
 
     by_pid: dict[int, Member] = {m.pid: m for m in local.members} if local else {}
@@ -112,11 +116,33 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
     print_table(console, servers)
 
     routes = Table("subject", "broker groups", title="routes")
+    retired = view.get("routes_retired") or {}
     for subject, names in view["routes"].items():
-        routes.add_row(subject, ", ".join(names))
+        gone = set(retired.get(subject, ()))
+        routes.add_row(subject, ", ".join(f"{n} (retiring)" if n in gone else n for n in names))
     shown, total = len(view["routes"]), int(view["subjects_total"])
     routes.caption = f"{shown:,} of {total:,} subject(s)" + ("; more with --routes N" if total > shown else "")
     print_table(console, routes)
+
+
+def _operation(g: dict[str, Any]) -> str:
+    """writable, draining with what is left (the largest subject and consumer group), or drained."""
+    state = g.get("operation")
+    if state is None:
+        return _NONE  # a meta server without operations
+    if state == "writable":
+        return "writable"
+    if state == "drained":
+        return "[green]drained[/green] (0 left)"
+    left = g.get("left")
+    if left is None:
+        return "[yellow]draining[/yellow] (left: not reported)"
+    top = g.get("left_top") or []
+    biggest = ""
+    if top:
+        subject, consumer_group, n = top[0]
+        biggest = f"; {n:,} of {subject} for {consumer_group or 'no consumer group'}"
+    return f"[yellow]draining[/yellow] ({left:,} left{biggest})"
 
 
 def _process(member: Member | None) -> str:

@@ -184,6 +184,7 @@ def register_commands() -> None:
         delay_commands,
         group_commands,
         listing_commands,
+        operations_commands,
         roles,
         spark_commands,
         tx_commands,

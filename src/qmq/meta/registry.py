@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -426,12 +426,13 @@ class Registry:
 
     # -- routes ----------------------------------------------------------------------------
 
-    def routes(self, subjects: Iterable[str]) -> dict[str, list[str]]:
-        """The broker groups of each subject (sorted), routing the ones not yet routed in full.
+    def routes(self, subjects: Iterable[str], exclude: Collection[str] = ()) -> dict[str, list[str]]:
+        """The broker groups of each subject (sorted), routing the ones not yet routed in full
+        to available groups not in ``exclude`` (groups draining: docs/cluster.md, "Operations").
 
         A subject stays unrouted (an empty list) while no broker group is available.
         """
-        available = [g.group for g in self.groups("broker") if g.state == "available"]
+        available = [g.group for g in self.groups("broker") if g.state == "available" and g.group not in exclude]
         return {s: self._route(s, available) for s in dict.fromkeys(subjects)}
 
     def _route(self, subject: str, available: list[str]) -> list[str]:
@@ -461,6 +462,12 @@ class Registry:
         if current:
             self._routes[subject] = current
         return list(current)
+
+    def reload_routes(self) -> None:
+        """Read every route from the store again (an operator added or removed one)."""
+        self._routes = self._store.routes()
+        self._route_read_at.clear()
+        self._subjects_per_group = Counter(g for gs in self._routes.values() for g in gs)
 
     def counts(self) -> RegistryCounts:
         groups = {(role, state): 0 for role in ROLES for state in STATES}
