@@ -1,5 +1,6 @@
 """``qmq admin drain|undrain|routes|remove-group|history``: cluster operations by hand, each one
-HTTP call of the meta server (``qmq.meta.operations_http``; docs/cluster.md, "Operations").
+HTTP call of the meta server (``qmq.meta.operations_http``; docs/cluster.md, "Operations"); and
+``qmq cluster rolling-restart`` (``qmq.cli.cluster_rolling``).
 
 Every change names who asked (``user@host`` of this machine) so ``qmq admin history`` can say.
 """
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import getpass
 import socket
+import time
+from dataclasses import asdict
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -16,8 +20,9 @@ import click
 from rich.table import Table
 
 from qmq.cli.client_commands import meta_server_option
-from qmq.cli.cluster_commands import _error_text, _http, admin
-from qmq.cli.cluster_launch import ClusterError
+from qmq.cli.cluster_commands import _error_text, _http, admin, cluster
+from qmq.cli.cluster_launch import Cluster, ClusterError, child_env
+from qmq.cli.cluster_rolling import RollingRestart
 from qmq.cli.output import echo_json, json_option, print_table, stdout_console
 from qmq.common.config import meta_base_url
 
@@ -121,3 +126,61 @@ def history(limit: int, meta_server: str, as_json: bool) -> None:
         when = datetime.fromtimestamp(e["at_ms"] / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
         table.add_row(when, e["who"], e["action"], e["target"], e["detail"])
     print_table(stdout_console(), table)
+
+
+@cluster.command(name="rolling-restart")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option(
+    "--step-timeout-ms",
+    type=click.IntRange(1_000, 3_600_000),
+    default=120_000,
+    show_default=True,
+    help="how long one process has to be back, registered and caught up before the restart stops",
+)
+@click.option(
+    "--stop-timeout-ms",
+    type=click.IntRange(0, 600_000),
+    default=30_000,
+    show_default=True,
+    help="how long a process has to stop after SIGTERM before it gets SIGKILL",
+)
+@json_option("document", "{restarted: [{name, role, group, before, after, old_pid, new_pid, how, took_s}], took_s}")
+@click.pass_context
+def rolling_restart(
+    ctx: click.Context, data_dir: Path, step_timeout_ms: int, stop_timeout_ms: int, as_json: bool
+) -> None:
+    """Restart every process of the cluster started from DATA_DIR, one at a time, while it serves:
+    slaves first, then delay servers and gateways, then each master after promoting its slave,
+    then the meta server; each waited for until ready and caught up. A table at the end says
+    what each was and is, its old and new pid, and how long it took."""
+    state = Cluster.load(data_dir)
+    began = time.monotonic()
+    echo = (lambda _text: None) if as_json else click.echo
+    restarted = RollingRestart(
+        state,
+        child_env(ctx.find_root().params.get("log_level")),
+        _http,
+        step_timeout_s=step_timeout_ms / 1000,
+        stop_timeout_s=stop_timeout_ms / 1000,
+        by=f"{operator()} (rolling-restart)",
+        echo=echo,
+    ).run()
+    took_s = time.monotonic() - began
+    if as_json:
+        echo_json({"restarted": [asdict(r) for r in restarted], "took_s": round(took_s, 3)})
+        return
+    table = Table("process", "role", "group", "before", "after", "old pid", "new pid", "took", "how", title="restarted")
+    for r in restarted:
+        table.add_row(
+            r.name,
+            r.role,
+            r.group or "–",
+            r.before,
+            r.after,
+            str(r.old_pid),
+            str(r.new_pid),
+            f"{r.took_s:.1f} s",
+            r.how,
+        )
+    print_table(stdout_console(), table)
+    click.echo(f"qmq cluster: restarted {len(restarted)} process(es) of {state.data_dir} in {took_s:.1f} s")

@@ -34,7 +34,7 @@ from qmq.meta.operations_store import Backlog, GroupState, HistoryEntry, Operati
 from qmq.meta.payload import PayloadError
 from qmq.meta.registry import READ_CACHE_MS, Registry, UnknownGroupError
 from qmq.meta.schema import SUBJECT_CHARS
-from qmq.meta.store import MetaStore
+from qmq.meta.store import MetaStore, MetaStoreError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class Operations:
         self._retired: dict[str, set[str]] = {}
         self._history_seen = 0
         self._loaded_at = -1e18
+        self._reload_failures = 0
         self._reload()
 
     # -- what clients and servers see ------------------------------------------------------
@@ -101,8 +102,20 @@ class Operations:
         self._loaded_at = self._clock.monotonic()
 
     def _fresh(self) -> None:
-        if self._clock.monotonic() - self._loaded_at >= self._cache_s:
+        now = self._clock.monotonic()
+        if now - self._loaded_at < self._cache_s:
+            return
+        try:
             self._reload()
+        except MetaStoreError as exc:
+            # Serve what memory holds through a database outage, as the registry does; tried
+            # again after another cache period.
+            self._loaded_at = now
+            self._reload_failures += 1
+            if self._reload_failures == 1 or self._reload_failures % 100 == 0:
+                log.warning("serving the group states read before: %s", exc)
+        else:
+            self._reload_failures = 0
 
     def unwritable(self) -> set[str]:
         """Broker groups that take no new sends: draining or removed."""

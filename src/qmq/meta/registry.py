@@ -170,6 +170,7 @@ class Registry:
         self._groups: dict[tuple[str, str], GroupRecord] = {}
         self._loaded_at = 0.0
         self._reload_failures = 0
+        self._started_ms = clock.now_ms()
         self.reload()
         self._routes: dict[str, list[str]] = store.routes()
         # When an incomplete route was last read from the store (another meta server may widen it).
@@ -207,6 +208,16 @@ class Registry:
         else:
             self._reload_failures = 0
 
+    def _heard_now_ms(self) -> int:
+        """Now, for telling who is silent. For the first ``heartbeat_timeout_ms`` after this
+        registry started, the time it started: a meta server just (re)started has heard nobody
+        yet, and the silence while it was away is not the servers' (a rolling restart must not
+        make clients drop every group, nor promote a slave whose heartbeat came first)."""
+        now_ms = self._clock.now_ms()
+        if now_ms - self._started_ms >= self.heartbeat_timeout_ms:
+            return now_ms
+        return min(now_ms, self._started_ms)
+
     def _members(self, role: str, group: str) -> list[ServerRecord]:
         members = self._by_group.get((role, group), {})
         return [members[a] for a in sorted(members)]
@@ -227,7 +238,7 @@ class Registry:
     def groups(self, role: Role) -> list[GroupView]:
         """Every group of ``role`` with a master, sorted by name."""
         self._fresh()
-        now_ms = self._clock.now_ms()
+        now_ms = self._heard_now_ms()
         out = []
         for (r, name), g in sorted(self._groups.items()):
             master = self._master_of(g)
@@ -331,7 +342,7 @@ class Registry:
         The caller makes sure this meta server leads and automatic promotion is on.
         """
         self.reload()  # decisions start from the store, not from a cache
-        now_ms = self._clock.now_ms()
+        now_ms = self._heard_now_ms()
         done = []
         for key, group in sorted(self._groups.items()):
             master = self._master_of(group)
