@@ -27,6 +27,7 @@ from qmq.meta.operations import HISTORY_LIMIT_MAX, Done, OperationRefusedError, 
 from qmq.meta.payload import PayloadError
 from qmq.meta.registry import UnknownGroupError
 from qmq.meta.schema import OWNER_CHARS
+from qmq.serving.http_auth import APP_KEY
 
 HISTORY_LIMIT_DEFAULT: Final = 100
 
@@ -65,14 +66,19 @@ def _subject(value: object) -> str:
 
 
 def _who(body: dict[str, Any], request: web.Request) -> str:
+    """Who asks: the ``by`` of the body, and the app it authenticated as when the meta server
+    has an auth file (what the history can vouch for)."""
     who = body.get("by")
+    app = request.get(APP_KEY)
+    shown = f" (app {app.code})" if app is not None else ""
     if who is None:
-        return f"unnamed@{request.remote or 'unknown'}"
-    if not isinstance(who, str) or not who.strip() or len(who) > OWNER_CHARS or not who.isprintable():
+        return f"unnamed@{request.remote or 'unknown'}{shown}"[:OWNER_CHARS]
+    if not isinstance(who, str) or not who.strip() or len(who) > OWNER_CHARS - 64 or not who.isprintable():
         raise PayloadError(
-            "by", f"by must name who asks (e.g. user@host), printable, up to {OWNER_CHARS} characters; got {who!r:.80}"
+            "by",
+            f"by must name who asks (e.g. user@host), printable, up to {OWNER_CHARS - 64} characters; got {who!r:.80}",
         )
-    return who.strip()
+    return f"{who.strip()}{shown}"
 
 
 def _done(done: Done, **extra: Any) -> web.Response:
