@@ -76,6 +76,7 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
         title="servers",
     )
     seen: set[int] = set()
+    masters = {(s["role"], s["group"]): s for s in view["servers"] if s["role_in_group"] == "master"}
     for s in view["servers"]:
         member = by_pid.get(s["pid"])
         if member is not None:
@@ -94,7 +95,7 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
             _state(s["state"]),
             _age(now_ms, s["last_heartbeat_ms"]),
             f"{s['log_end']:,}",
-            _NONE if s["lag"] is None else f"{s['lag']:,}",
+            _lag(s, masters.get((s["role"], s["group"]))),
             _writes(s["write_state"]),
         )
     for m in local.members if local else []:
@@ -123,6 +124,18 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
     shown, total = len(view["routes"]), int(view["subjects_total"])
     routes.caption = f"{shown:,} of {total:,} subject(s)" + ("; more with --routes N" if total > shown else "")
     print_table(console, routes)
+
+
+def _lag(s: dict[str, Any], master: dict[str, Any] | None) -> str:
+    """A slave's lag in bytes of the message log, and how much of its master's log it has copied
+    (a new slave catching up shows its progress here)."""
+    lag = s["lag"]
+    if lag is None:
+        return _NONE
+    if s["role_in_group"] != "slave" or master is None or not master["log_end"] or not lag:
+        return f"{lag:,}"
+    percent = min(s["log_end"], master["log_end"]) * 100 // master["log_end"]  # never 100 while behind
+    return f"{lag:,} ({percent}% copied)"
 
 
 def _operation(g: dict[str, Any]) -> str:
