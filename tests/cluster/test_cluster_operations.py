@@ -7,8 +7,6 @@ refused while anything in the group is unconsumed, then allowed; every change in
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,17 +17,14 @@ from clusterhelpers import LocalCluster, cluster_up, fast_config, run_qmq
 
 from qmq.aio import Consumer, Producer, PullConsumer
 from qmq.cli.admin import ask_every_broker
-from qmq.common.errors import QmqError
 from qmq.protocol.codes import RequestCode
+from qmq.testing.load import Load
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ORDERS = "ops.orders"  # routed to b1 first, then to b2 too
 KEPT = "ops.kept"  # routed to b2 alone: nothing consumes it until the end
 KEPT_MESSAGES = 200
-SENDERS = 4
-SEND_EVERY_S = 0.002
-OUTSTANDING_MAX = 1_000
 # A producer learns of a change at its next refresh (client_refresh_ms = 300 in fast_config) or,
 # for a drain, at the broker's first refusal (after its next heartbeat, 300 ms): settled well within.
 SETTLE_S = 3.0
@@ -60,79 +55,6 @@ async def _counts(meta_server: str, subject: str) -> dict[str, int]:
         assert isinstance(a, dict), f"{name}: {a}"
         out[name] = sum(int(s["messages"]) for s in a["subjects"] if s["subject"] == subject)
     return out
-
-
-class Load:
-    """Open-loop sends of ORDERS from SENDERS tasks and one consumer group taking them."""
-
-    def __init__(self, producer: Producer, pull: PullConsumer) -> None:
-        self.producer = producer
-        self.pull = pull
-        self.acked: set[str] = set()
-        self.failed: list[str] = []
-        self.received: set[str] = set()
-        self.stop_sending = asyncio.Event()
-        self.stop_pulling = asyncio.Event()
-        self.caught_up = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._send()) for _ in range(SENDERS)]
-        self._puller = asyncio.ensure_future(self._take())
-
-    def _settled(self, message_id: str, fut: asyncio.Future[None]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            self.failed.append(str(fut.exception()))
-        else:
-            self.acked.add(message_id)
-
-    async def _send(self) -> None:
-        outstanding: set[asyncio.Future[None]] = set()
-        while not self.stop_sending.is_set():
-            m = self.producer.generate_message(ORDERS)
-            m.body = b"o" * 100
-            fut = self.producer.send_nowait(m)
-            fut.add_done_callback(functools.partial(self._settled, m.message_id))
-            outstanding.add(fut)
-            fut.add_done_callback(outstanding.discard)
-            if len(outstanding) >= OUTSTANDING_MAX:
-                await asyncio.wait(outstanding, return_when=asyncio.FIRST_COMPLETED)
-            else:
-                await asyncio.sleep(SEND_EVERY_S)  # the load's pace
-        await asyncio.gather(*outstanding, return_exceptions=True)
-
-    async def _take(self) -> None:
-        while not self.stop_pulling.is_set():
-            try:
-                batch = await self.pull.pull(max_messages=500, timeout_ms=200)
-            except QmqError:
-                await asyncio.sleep(0.1)  # a group between masters: ask again shortly
-                continue
-            batch.ack_all()
-            self.received.update(m.message_id for m in batch)
-            self._check_caught_up()
-
-    async def until_acked(self, n: int, timeout_s: float = 60.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while len(self.acked) < n:
-            assert loop.time() < deadline, f"only {len(self.acked)} of {n} sends acknowledged in {timeout_s} s"
-            assert not self.failed, f"{len(self.failed)} sends failed, e.g. {self.failed[0]}"
-            await asyncio.sleep(0.05)  # polling a counter of this process, bounded by the deadline
-
-    async def stop(self, timeout_s: float = 60.0) -> None:
-        """Stop sending, then take until every acknowledged message came."""
-        self.stop_sending.set()
-        await asyncio.gather(*self._tasks)
-        self._check_caught_up()
-        with contextlib.suppress(TimeoutError):  # what is missing is reported by the caller
-            await asyncio.wait_for(self.caught_up.wait(), timeout_s)
-        self.stop_pulling.set()
-        await self._puller
-
-    def _check_caught_up(self) -> None:
-        if self.stop_sending.is_set() and self.acked <= self.received:
-            self.caught_up.set()
 
 
 async def _take_all(pull: PullConsumer, n: int, timeout_s: float = 60.0) -> set[str]:
@@ -173,7 +95,7 @@ async def test_routes_drain_and_remove_group_under_load(tmp_path: Path) -> None:
             await asyncio.gather(*(producer.send(m) for m in kept))
             assert (await _counts(c.meta_server, KEPT))["b2"] == KEPT_MESSAGES
 
-            load = Load(producer, consumer.pull_consumer(ORDERS, "billing", start_from="earliest"))
+            load = Load(producer, consumer.pull_consumer(ORDERS, "billing", start_from="earliest"), ORDERS)
             load.start()
             await load.until_acked(1_000)
 
@@ -182,7 +104,7 @@ async def test_routes_drain_and_remove_group_under_load(tmp_path: Path) -> None:
             assert _routes(c, ORDERS) == {"b1": "retiring", "b2": "active"}
             await asyncio.sleep(SETTLE_S)  # let every producer refresh: the behaviour after it is what is checked
             before = await _counts(c.meta_server, ORDERS)
-            await load.until_acked(len(load.acked) + 1_000)
+            await load.until_acked(len(load.record.acked) + 1_000)
             after = await _counts(c.meta_server, ORDERS)
             assert after["b1"] == before["b1"], f"b1 still takes sends of {ORDERS}: {before} -> {after}"
             assert after["b2"] > before["b2"]
@@ -200,12 +122,12 @@ async def test_routes_drain_and_remove_group_under_load(tmp_path: Path) -> None:
             await asyncio.to_thread(c.wait_view, "b2 draining", _operation("b2", "draining"))
             await asyncio.sleep(SETTLE_S)
             before = await _counts(c.meta_server, ORDERS)
-            await load.until_acked(len(load.acked) + 1_000)
+            await load.until_acked(len(load.record.acked) + 1_000)
             after = await _counts(c.meta_server, ORDERS)
             assert after["b2"] == before["b2"], f"b2 still takes sends while draining: {before} -> {after}"
             await load.stop()
-            assert not load.failed, f"{len(load.failed)} sends failed, e.g. {load.failed[0]}"
-            lost = load.acked - load.received
+            assert not load.record.failed, f"{len(load.record.failed)} sends failed, e.g. {load.record.failed[0]}"
+            lost = load.record.acked.keys() - load.record.received
             assert not lost, f"{len(lost)} acknowledged messages never came to the consumer group"
 
             # b2 still holds KEPT, which no consumer group has taken: removal is refused, naming it.

@@ -170,8 +170,12 @@ class Registry:
         self._groups: dict[tuple[str, str], GroupRecord] = {}
         self._loaded_at = 0.0
         self._reload_failures = 0
-        self._started_ms = clock.now_ms()
         self.reload()
+        # When this registry started, and when the store last heard from any server: the time
+        # the meta servers went away, if they did (see _heard_now_ms).
+        self._started_ms = clock.now_ms()
+        newest = max((r.last_heartbeat_ms for r in self._servers.values()), default=self._started_ms)
+        self._heard_until_ms = min(newest, self._started_ms)
         self._routes: dict[str, list[str]] = store.routes()
         # When an incomplete route was last read from the store (another meta server may widen it).
         self._route_read_at: dict[str, float] = {}
@@ -210,13 +214,14 @@ class Registry:
 
     def _heard_now_ms(self) -> int:
         """Now, for telling who is silent. For the first ``heartbeat_timeout_ms`` after this
-        registry started, the time it started: a meta server just (re)started has heard nobody
-        yet, and the silence while it was away is not the servers' (a rolling restart must not
-        make clients drop every group, nor promote a slave whose heartbeat came first)."""
+        registry started, the last time the store heard from any server: a meta server just
+        (re)started has heard nobody yet, and the silence while the meta servers were away is
+        not the servers' (a rolling restart must not make clients drop every group, nor promote
+        a slave whose heartbeat came before its master's). A server silent before that is silent."""
         now_ms = self._clock.now_ms()
         if now_ms - self._started_ms >= self.heartbeat_timeout_ms:
             return now_ms
-        return min(now_ms, self._started_ms)
+        return min(now_ms, self._heard_until_ms)
 
     def _members(self, role: str, group: str) -> list[ServerRecord]:
         members = self._by_group.get((role, group), {})
