@@ -227,7 +227,10 @@ class Operations:
                 )
         now_ms = self._clock.now_ms()
         self._rows.set_group_state("broker", group, DRAINING, now_ms, who)
-        done = Done("drain", group, f"no new sends; {len(subjects)} subject(s) routed to it go to their other groups")
+        checked = f" (the first {SUBJECTS_CHECKED_MAX:,} checked)" if len(subjects) >= SUBJECTS_CHECKED_MAX else ""
+        done = Done(
+            "drain", group, f"no new sends; {len(subjects)} subject(s) routed to it go to their other groups{checked}"
+        )
         return self._record(now_ms, who, done)
 
     def undrain(self, group: str, who: str) -> Done:
