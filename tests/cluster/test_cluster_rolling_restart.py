@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from clusterhelpers import cluster_up, fast_config
+from clusterhelpers import cluster_up, fast_config, run_qmq
 
 from qmq.aio import Consumer, Producer
+from qmq.cli.cluster_launch import Cluster, Member
 from qmq.testing.load import Load
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -84,3 +85,15 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_every_pro
         ]
         assert {s["pid"] for s in view["servers"] if s["state"] == "available"} == set(after.values()) - {after["meta"]}
         assert len(view["servers"]) == len(after) - 1, "a restarted server left a row behind at an old address"
+
+
+def test_a_rolling_restart_is_refused_while_a_process_of_the_cluster_is_not_running(tmp_path: Path) -> None:
+    data_dir = tmp_path / "cluster"
+    data_dir.mkdir()
+    gone = Member("b1-m", "broker", "b1", "master", str(data_dir / "b1-m"), ["qmq", "broker"], str(tmp_path / "b1.log"))
+    Cluster(str(data_dir), "http://127.0.0.1:9/meta/address", [gone], 0).save()
+    done = run_qmq("cluster", "rolling-restart", "--data-dir", str(data_dir))
+    assert done.returncode == 1, done.stdout
+    assert "b1-m of" in done.stderr
+    assert "not running" in done.stderr
+    assert "start what is missing" in done.stderr

@@ -117,14 +117,14 @@ class RollingRestart:
     # -- steps -----------------------------------------------------------------------------
 
     def run(self) -> list[Restarted]:
-        view = self.view()
-        members = [m for m in self.state.members if m.role != "meta"]
         missing = [m.name for m in self.state.members if not is_running(m)]
         if missing:
             raise ClusterError(
                 f"{', '.join(missing)} of {self.state.data_dir} not running; a rolling restart keeps the cluster "
                 "serving only when every process runs: start what is missing (or `qmq cluster up` anew) first"
             )
+        view = self.view()
+        members = [m for m in self.state.members if m.role != "meta"]
 
         def role_now(m: Member) -> str:
             row = self._row(view, m.pid)
