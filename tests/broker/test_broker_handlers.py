@@ -44,6 +44,7 @@ class Context:
     epoch: int = 3
     address: str = "127.0.0.1:9999"
     stopping: bool = False
+    draining: bool = False
     replicator: Replicator | None = None
     release: Release = field(init=False)
 
@@ -120,6 +121,24 @@ def test_a_slave_refuses_what_only_a_master_does_naming_its_group(context: Conte
     }
     assert ping[3] == Status.OK  # what a slave may serve, it serves
     assert "s.a" not in context.store.subjects
+
+
+def test_a_draining_master_refuses_sends_so_the_sdk_goes_to_another_group_and_still_serves_pulls(
+    context: Context,
+) -> None:
+    conn = RecordingResponder()
+    handlers = Handlers(context)
+    handlers.dispatch(conn, Frame(RequestCode.SEND_MESSAGES, 11, {}, message("s.a", "id-3")))
+    context.draining = True
+    handlers.dispatch(conn, Frame(RequestCode.SEND_MESSAGES, 12, {}, message("s.a", "id-4")))
+    pull = {"subject": "s.a", "group": "g", "consumer_id": "c", "session": "x", "max": 10}
+    handlers.dispatch(conn, Frame(RequestCode.PULL, 13, pull))
+    stored, refused, pulled = conn.answers
+    assert stored[3] == Status.OK
+    assert (refused[0], refused[1], refused[3]) == (RequestCode.SEND_MESSAGES, 12, Status.NOT_MASTER)
+    assert "broker group g-7 is draining" in refused[2]["error"]
+    assert context.store.subjects["s.a"].visible_seq == 1  # id-4 was not stored
+    assert (pulled[1], pulled[3]) == (13, Status.OK)  # consumers keep pulling what it holds
 
 
 def test_a_failing_store_costs_one_request(context: Context, monkeypatch: pytest.MonkeyPatch) -> None:

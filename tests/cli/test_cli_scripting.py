@@ -112,7 +112,7 @@ def test_piped_tables_print_whole_values(meta_server: str, subject: str) -> None
     assert any(row[0] == f"%RETRY%{long_subject}%g" for row in piped("subjects", "--all"))
     routes = piped("cluster", "status", "--routes", "10000")
     assert any(row[0] == f"%RETRY%{long_subject}%g" for row in routes)  # the routes table, tab-separated
-    assert ["role", "group", "epoch", "master", "state", "writes", "slaves"] in routes
+    assert ["role", "group", "epoch", "master", "state", "writes", "slaves", "operation"] in routes
     stats = piped("delay-stats")
     assert ["bucket start (UTC)", "messages", "dispatched", "pending", "next due (UTC)", "loaded"] in stats
 

@@ -28,6 +28,9 @@ class _Meta:
     def route(self, subject: str) -> RouteKey | None:
         return self.routes.get(subject)
 
+    def send_route(self, subject: str) -> RouteKey | None:
+        return self.routes.get(subject)
+
     def delay_route(self) -> RouteKey:
         return self.delay_groups
 

@@ -109,6 +109,7 @@ async def test_registered_groups_are_discovered_with_their_state_and_routes(
                 "http": "127.0.0.1:21881",
                 "state": "available",
                 "role": "master",
+                "writable": True,
             },
             {
                 "group": "b2",
@@ -116,6 +117,7 @@ async def test_registered_groups_are_discovered_with_their_state_and_routes(
                 "http": "127.0.0.1:21891",
                 "state": "available",
                 "role": "master",
+                "writable": True,
             },
         ],
         "delay_groups": [
@@ -128,6 +130,7 @@ async def test_registered_groups_are_discovered_with_their_state_and_routes(
             },
         ],
         "routes": {},
+        "send_routes": {},
         "refresh_ms": MetaConfig().client_refresh_ms,
     }
 

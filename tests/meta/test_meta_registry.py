@@ -149,6 +149,7 @@ def test_routes_skip_unavailable_groups_and_are_kept_across_restarts(
     reopened = MetaStore(store_url)
     try:
         again = _registry(reopened, clock)
+        clock.advance(TIMEOUT_MS / 1000)  # past its first timeout, in which it counts nobody silent
         assert set(_states(again).values()) == {"unavailable"}
         assert again.routes(["s"]) == {"s": ["b3", "b4"]}
     finally:
@@ -235,3 +236,24 @@ def test_bad_settings_are_refused(store: MetaStore, clock: ManualClock) -> None:
         Registry(store, clock, heartbeat_timeout_ms=0, route_groups=2)
     with pytest.raises(ValueError, match="route_groups must be positive, got 0"):
         Registry(store, clock, heartbeat_timeout_ms=1, route_groups=0)
+
+
+def test_a_registry_just_started_counts_nobody_silent_for_the_time_the_meta_server_was_away(
+    store: MetaStore, clock: ManualClock
+) -> None:
+    before = _registry(store, clock)
+    before.register(_broker("b1", 20881))
+    clock.advance(TIMEOUT_MS / 1000 + 1)
+    before.register(_broker("b2", 20891))
+    clock.advance(100)  # the meta server was away, far past the timeout
+
+    restarted = _registry(store, clock)
+    # b2 was heard last, just before the meta server went away; b1 was silent past the timeout by then.
+    assert _states(restarted) == {"b1": "unavailable", "b2": "available"}
+    clock.advance(5)
+    assert _states(restarted) == {"b1": "unavailable", "b2": "available"}  # b2 not silent yet: the grace
+    restarted.register(_broker("b1", 20881))
+    assert _states(restarted) == {"b1": "available", "b2": "available"}
+    assert restarted.check_promotions() == []
+    clock.advance(TIMEOUT_MS / 1000)  # the grace is over: real time again, and b2 said nothing
+    assert _states(restarted) == {"b1": "available", "b2": "unavailable"}

@@ -88,6 +88,8 @@ class BrokerContext(RoleContext, Protocol):
     def epoch(self) -> int: ...
     @property
     def address(self) -> str: ...
+    @property
+    def draining(self) -> bool: ...
 
 
 class Handlers(RoleHandlers):
@@ -141,6 +143,13 @@ class Handlers(RoleHandlers):
         broker = self.broker
         if broker.source.write_state() == "read-only":
             return Status.NOT_MASTER, broker.source.read_only_text()
+        if broker.draining:
+            # NOT_MASTER: the SDK sends the frame again to the subject's next group at once
+            return (
+                Status.NOT_MASTER,
+                f"broker group {broker.config.group} is draining (`qmq admin drain`): it takes no new sends; "
+                "send to the subject's other broker groups (the meta server lists them)",
+            )
         if broker.stopping:
             return Status.SHUTTING_DOWN, "the broker is shutting down; send to another broker group or retry"
         # Refused before anything is written: BUSY, so producers (and delay servers handing

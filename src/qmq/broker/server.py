@@ -14,6 +14,7 @@ import logging
 import time
 from pathlib import Path
 
+from qmq.broker.backlog import unconsumed
 from qmq.broker.handlers import Handlers
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPulls
@@ -63,6 +64,8 @@ class BrokerServer(FrameServer):
             self._disk_failed,
         )
         self.role: str = config.role
+        # told by the meta server's heartbeat answer (`qmq admin drain`): sends are refused
+        self.draining = False
         self.epoch = _read_epoch(self.store.dir)
         self.source = ReplicationSource(lambda: self.store, config)
         self.store.on_grow = self.source.grew
@@ -113,6 +116,7 @@ class BrokerServer(FrameServer):
         )
         if self.role == "master":
             payload["write_state"] = self.write_state()
+            payload["unconsumed"] = {**unconsumed(self.store), "draining": self.draining}
         elif self.replicator is not None:
             payload["replicated_ms"] = self.replicator.last_ms
         return payload
@@ -122,6 +126,8 @@ class BrokerServer(FrameServer):
         epoch = answer.get("epoch")
         if role not in ("master", "slave") or not isinstance(epoch, int) or self.stopping:
             return  # a meta server that does not manage roles: stay as started
+        # draining (docs/cluster.md, "Operations"): no new sends; pulls and acks go on
+        self.draining = answer.get("draining") is True
         slaves = answer.get("slaves")
         self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
         master = answer.get("master")

@@ -8,7 +8,9 @@ from the meta server's ``GET /meta/cluster`` (docs/cluster.md).
 
 from __future__ import annotations
 
+import getpass
 import json
+import socket
 import sys
 import time
 import urllib.error
@@ -290,7 +292,7 @@ def admin() -> None:
 def promote(group: str, role: str, meta_server: str) -> None:
     """Make GROUP's freshest slave its master now, in a new epoch; its old master is told to
     cut what it never replicated and follow. Refused when no slave is fresh."""
-    body = {"group": group, "role": role}
+    body = {"group": group, "role": role, "by": f"{getpass.getuser()}@{socket.gethostname()}"}
     url = f"{meta_base_url(meta_server)}/meta/promote"
     code, answer = _http(url, body)
     if code == 421 and isinstance(answer, dict) and answer.get("leader"):

@@ -42,7 +42,7 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
         soft_wrap=True,
     )
 
-    groups = Table("role", "group", "epoch", "master", "state", "writes", "slaves", title="groups")
+    groups = Table("role", "group", "epoch", "master", "state", "writes", "slaves", "operation", title="groups")
     for g in view["groups"]:
         groups.add_row(
             g["role"],
@@ -52,7 +52,11 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
             _state(g["state"]),
             _writes(g["write_state"]),
             str(g["slaves"]),
+            _operation(g),
         )
+    removed = view.get("removed_groups") or []
+    if removed:
+        groups.caption = "removed for good: " + ", ".join(f"{r['role']} {r['group']}" for r in removed)
     print_table(console, groups)
 
     by_pid: dict[int, Member] = {m.pid: m for m in local.members} if local else {}
@@ -72,6 +76,7 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
         title="servers",
     )
     seen: set[int] = set()
+    masters = {(s["role"], s["group"]): s for s in view["servers"] if s["role_in_group"] == "master"}
     for s in view["servers"]:
         member = by_pid.get(s["pid"])
         if member is not None:
@@ -90,7 +95,7 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
             _state(s["state"]),
             _age(now_ms, s["last_heartbeat_ms"]),
             f"{s['log_end']:,}",
-            _NONE if s["lag"] is None else f"{s['lag']:,}",
+            _lag(s, masters.get((s["role"], s["group"]))),
             _writes(s["write_state"]),
         )
     for m in local.members if local else []:
@@ -112,11 +117,45 @@ def render(console: Console, view: dict[str, Any], local: Cluster | None) -> Non
     print_table(console, servers)
 
     routes = Table("subject", "broker groups", title="routes")
+    retired = view.get("routes_retired") or {}
     for subject, names in view["routes"].items():
-        routes.add_row(subject, ", ".join(names))
+        gone = set(retired.get(subject, ()))
+        routes.add_row(subject, ", ".join(f"{n} (retiring)" if n in gone else n for n in names))
     shown, total = len(view["routes"]), int(view["subjects_total"])
     routes.caption = f"{shown:,} of {total:,} subject(s)" + ("; more with --routes N" if total > shown else "")
     print_table(console, routes)
+
+
+def _lag(s: dict[str, Any], master: dict[str, Any] | None) -> str:
+    """A slave's lag in bytes of the message log, and how much of its master's log it has copied
+    (a new slave catching up shows its progress here)."""
+    lag = s["lag"]
+    if lag is None:
+        return _NONE
+    if s["role_in_group"] != "slave" or master is None or not master["log_end"] or not lag:
+        return f"{lag:,}"
+    percent = min(s["log_end"], master["log_end"]) * 100 // master["log_end"]  # never 100 while behind
+    return f"{lag:,} ({percent}% copied)"
+
+
+def _operation(g: dict[str, Any]) -> str:
+    """writable, draining with what is left (the largest subject and consumer group), or drained."""
+    state = g.get("operation")
+    if state is None:
+        return _NONE  # a meta server without operations
+    if state == "writable":
+        return "writable"
+    if state == "drained":
+        return "[green]drained[/green] (0 left)"
+    left = g.get("left")
+    if left is None:
+        return "[yellow]draining[/yellow] (left: not reported)"
+    top = g.get("left_top") or []
+    biggest = ""
+    if top:
+        subject, consumer_group, n = top[0]
+        biggest = f"; {n:,} of {subject} for {consumer_group or 'no consumer group'}"
+    return f"[yellow]draining[/yellow] ({left:,} left{biggest})"
 
 
 def _process(member: Member | None) -> str:

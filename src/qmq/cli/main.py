@@ -205,6 +205,7 @@ def register_commands() -> None:
         group_commands,
         limits_commands,
         listing_commands,
+        operations_commands,
         push_commands,
         roles,
         spark_commands,

@@ -73,6 +73,10 @@ class MetaAnswer:
     refresh_ms: int
     # available delay groups, keyed (and named) DELAY_TARGET_PREFIX + group
     delay_groups: dict[str, BrokerGroup] = field(default_factory=dict)
+    # available broker groups that take sends (a draining group does not: docs/cluster.md, "Operations")
+    writable: frozenset[str] = frozenset()
+    # each subject's groups to send to, when the meta server says (else: its routes' writable groups)
+    send_routes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def parse_answer(url: str, doc: object) -> MetaAnswer:
@@ -89,11 +93,14 @@ def parse_answer(url: str, doc: object) -> MetaAnswer:
     if not isinstance(raw_groups, list):
         raise bad("no 'broker_groups' list")
     groups: dict[str, BrokerGroup] = {}
+    writable: set[str] = set()
     for g in raw_groups:
         if not isinstance(g, dict) or not isinstance(g.get("group"), str) or not isinstance(g.get("address"), str):
             raise bad(f"a broker group without a 'group' name and an 'address': {g!r:.200}")
         if g.get("state") == "available" and g.get("role", "master") == "master":
             groups[g["group"]] = BrokerGroup(g["group"], g["address"])
+            if g.get("writable", True) is not False:
+                writable.add(g["group"])
     delay_groups: dict[str, BrokerGroup] = {}
     raw_delay = doc.get("delay_groups", [])
     if not isinstance(raw_delay, list):
@@ -113,10 +120,26 @@ def parse_answer(url: str, doc: object) -> MetaAnswer:
             raise bad(f"a route of {subject!r} that is not a list of group names: {names!r:.200}")
         if names:  # an empty route means "not routed yet": no broker group was available
             routes[subject] = tuple(names)
+    send_routes: dict[str, tuple[str, ...]] = {}
+    raw_send = doc.get("send_routes", {})
+    if not isinstance(raw_send, dict):
+        raise bad(f"'send_routes' that is a {type(raw_send).__name__}, not an object")
+    for subject, names in raw_send.items():
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise bad(f"a send route of {subject!r} that is not a list of group names: {names!r:.200}")
+        if subject in routes:
+            send_routes[subject] = tuple(names)
     refresh_ms = doc.get("refresh_ms", _REFRESH_MS_DEFAULT)
     if isinstance(refresh_ms, bool) or not isinstance(refresh_ms, int):
         raise bad(f"'refresh_ms' = {refresh_ms!r}, not a whole number")
-    return MetaAnswer(groups, routes, min(max(refresh_ms, _REFRESH_MS_MIN), _REFRESH_MS_MAX), delay_groups)
+    return MetaAnswer(
+        groups,
+        routes,
+        min(max(refresh_ms, _REFRESH_MS_MIN), _REFRESH_MS_MAX),
+        delay_groups,
+        frozenset(writable),
+        send_routes,
+    )
 
 
 def _chunks(subjects: list[str]) -> Iterable[list[str]]:
@@ -162,7 +185,10 @@ class MetaClient:
         # available delay groups, keyed DELAY_TARGET_PREFIX + group (see describe_target)
         self.delay_groups: dict[str, BrokerGroup] = {}
         self._all_groups: tuple[str, ...] = ()
+        self._writable: frozenset[str] = frozenset()
+        self._all_writable: tuple[str, ...] = ()
         self._routes: dict[str, tuple[str, ...]] = {}
+        self._send_routes: dict[str, tuple[str, ...]] = {}
         # Subjects whose route was asked for (routed or not): kept fresh by each refresh.
         self._subjects: set[str] = set()
         # Subjects the meta server refused to route (4xx): every available group, never asked again.
@@ -220,6 +246,19 @@ class MetaClient:
         if groups is not None:
             return groups
         return self._all_groups if subject in self._subjects or subject in self._refused else None
+
+    def send_route(self, subject: str) -> tuple[str, ...] | None:
+        """The broker groups a message of ``subject`` goes to: its route less the groups that take
+        no sends (draining, or a route being retired); None when its route was never asked for."""
+        groups = self._send_routes.get(subject)
+        if groups is not None:
+            return groups
+        route = self.route(subject)
+        if route is None:
+            return None
+        if route is self._all_groups:
+            return self._all_writable
+        return tuple(g for g in route if g in self._writable)
 
     def available(self, names: Iterable[str]) -> list[BrokerGroup]:
         """The available groups among ``names`` (broker or delay groups), in order."""
@@ -394,10 +433,12 @@ class MetaClient:
 
     def _apply(self, answer: MetaAnswer, subjects: list[str]) -> None:
         self._refresh_ms = answer.refresh_ms
-        changed = answer.groups != self.groups
+        changed = answer.groups != self.groups or answer.writable != self._writable
         if changed:
             self.groups = answer.groups
             self._all_groups = tuple(sorted(answer.groups))
+            self._writable = answer.writable
+            self._all_writable = tuple(g for g in self._all_groups if g in answer.writable)
         if answer.delay_groups != self.delay_groups:
             self.delay_groups = answer.delay_groups
             changed = True
@@ -409,6 +450,13 @@ class MetaClient:
                     self._routes.pop(s, None)
                 else:
                     self._routes[s] = route
+            send = answer.send_routes.get(s)
+            if self._send_routes.get(s) != send:
+                changed = True
+                if send is None:
+                    self._send_routes.pop(s, None)
+                else:
+                    self._send_routes[s] = send
         self._subjects.update(subjects)
         if changed:
             for callback in self._listeners:

@@ -34,6 +34,7 @@ class Routes(Protocol):
     @property
     def url(self) -> str: ...
     def route(self, subject: str) -> RouteKey | None: ...
+    def send_route(self, subject: str) -> RouteKey | None: ...
     def delay_route(self) -> RouteKey: ...
     async def resolve(self, subject: str) -> RouteKey: ...
     def refresh_soon(self) -> None: ...
@@ -84,7 +85,7 @@ class Router:
 
     def _first_route(self, subject: str, entry: Entry) -> RouteKey | None:
         """The route of a subject not in the cache; None when ``entry`` is held instead."""
-        key = self._meta.route(subject)
+        key = self._meta.send_route(subject)
         if not key:
             self._acc.hold(subject, entry)
             if key is None and subject not in self._lookups:
@@ -108,10 +109,10 @@ class Router:
 
     async def _look_up(self, subject: str) -> None:
         try:
-            key = await self._meta.resolve(subject)
+            await self._meta.resolve(subject)
         finally:
             self._lookups.pop(subject, None)
-        self._route_held(subject, key)
+        self._route_held(subject, self._meta.send_route(subject) or ())
 
     def _route_held(self, subject: str, key: RouteKey) -> None:
         # Without any broker group the messages stay held until one appears or they expire.
@@ -120,7 +121,8 @@ class Router:
 
     async def resolve(self, subject: str) -> RouteKey:
         """The route of ``subject``, asking the meta server now if it was never asked for."""
-        key = await self._meta.resolve(subject)
+        await self._meta.resolve(subject)
+        key = self._meta.send_route(subject) or ()
         if key:
             self._routes.setdefault(subject, key)
         return key
@@ -132,7 +134,7 @@ class Router:
         self._delay_route = None
         self._sender.reconcile()
         for subject in self._acc.held_subjects():
-            key = self._meta.route(subject)
+            key = self._meta.send_route(subject)
             if key:
                 self._route_held(subject, key)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -171,6 +171,11 @@ class Registry:
         self._loaded_at = 0.0
         self._reload_failures = 0
         self.reload()
+        # When this registry started, and when the store last heard from any server: the time
+        # the meta servers went away, if they did (see _heard_now_ms).
+        self._started_ms = clock.now_ms()
+        newest = max((r.last_heartbeat_ms for r in self._servers.values()), default=self._started_ms)
+        self._heard_until_ms = min(newest, self._started_ms)
         self._routes: dict[str, list[str]] = store.routes()
         # When an incomplete route was last read from the store (another meta server may widen it).
         self._route_read_at: dict[str, float] = {}
@@ -207,6 +212,17 @@ class Registry:
         else:
             self._reload_failures = 0
 
+    def _heard_now_ms(self) -> int:
+        """Now, for telling who is silent. For the first ``heartbeat_timeout_ms`` after this
+        registry started, the last time the store heard from any server: a meta server just
+        (re)started has heard nobody yet, and the silence while the meta servers were away is
+        not the servers' (a rolling restart must not make clients drop every group, nor promote
+        a slave whose heartbeat came before its master's). A server silent before that is silent."""
+        now_ms = self._clock.now_ms()
+        if now_ms - self._started_ms >= self.heartbeat_timeout_ms:
+            return now_ms
+        return min(now_ms, self._heard_until_ms)
+
     def _members(self, role: str, group: str) -> list[ServerRecord]:
         members = self._by_group.get((role, group), {})
         return [members[a] for a in sorted(members)]
@@ -227,7 +243,7 @@ class Registry:
     def groups(self, role: Role) -> list[GroupView]:
         """Every group of ``role`` with a master, sorted by name."""
         self._fresh()
-        now_ms = self._clock.now_ms()
+        now_ms = self._heard_now_ms()
         out = []
         for (r, name), g in sorted(self._groups.items()):
             master = self._master_of(g)
@@ -331,7 +347,7 @@ class Registry:
         The caller makes sure this meta server leads and automatic promotion is on.
         """
         self.reload()  # decisions start from the store, not from a cache
-        now_ms = self._clock.now_ms()
+        now_ms = self._heard_now_ms()
         done = []
         for key, group in sorted(self._groups.items()):
             master = self._master_of(group)
@@ -426,12 +442,13 @@ class Registry:
 
     # -- routes ----------------------------------------------------------------------------
 
-    def routes(self, subjects: Iterable[str]) -> dict[str, list[str]]:
-        """The broker groups of each subject (sorted), routing the ones not yet routed in full.
+    def routes(self, subjects: Iterable[str], exclude: Collection[str] = ()) -> dict[str, list[str]]:
+        """The broker groups of each subject (sorted), routing the ones not yet routed in full
+        to available groups not in ``exclude`` (groups draining: docs/cluster.md, "Operations").
 
         A subject stays unrouted (an empty list) while no broker group is available.
         """
-        available = [g.group for g in self.groups("broker") if g.state == "available"]
+        available = [g.group for g in self.groups("broker") if g.state == "available" and g.group not in exclude]
         return {s: self._route(s, available) for s in dict.fromkeys(subjects)}
 
     def _route(self, subject: str, available: list[str]) -> list[str]:
@@ -461,6 +478,12 @@ class Registry:
         if current:
             self._routes[subject] = current
         return list(current)
+
+    def reload_routes(self) -> None:
+        """Read every route from the store again (an operator added or removed one)."""
+        self._routes = self._store.routes()
+        self._route_read_at.clear()
+        self._subjects_per_group = Counter(g for gs in self._routes.values() for g in gs)
 
     def counts(self) -> RegistryCounts:
         groups = {(role, state): 0 for role in ROLES for state in STATES}

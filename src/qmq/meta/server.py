@@ -6,6 +6,8 @@ Routes:
                                        the answer says what it must be (docs/cluster.md)
     GET  /meta/cluster[?routes_max=N]  every group and server, routes, the leading meta server
     POST /meta/promote                 {"group": G, "role": "broker"}: make G's freshest slave master
+    /meta/drain, /meta/undrain, /meta/routes, /meta/remove-group, /meta/history: cluster
+                                       operations (qmq.meta.operations_http)
     /meta/push...                      push subscriptions and their leases (qmq.meta.push_http)
     GET  /health                       {"ok": true}
     GET  /metrics                      Prometheus text
@@ -43,6 +45,8 @@ from qmq.common.errors import ConfigError, QmqError
 from qmq.meta.leader import LeaderLease, default_owner
 from qmq.meta.limits import LimitsApi, LimitsStore
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
+from qmq.meta.operations import GroupRemovedError, Operations, parse_unconsumed
+from qmq.meta.operations_http import OperationsApi
 from qmq.meta.payload import (
     REGISTER_BODY_BYTES_MAX,
     REQUEST_LINE_BYTES_MAX,
@@ -59,10 +63,13 @@ from qmq.meta.registry import (
     ROLES,
     Promotion,
     PromotionRefusedError,
+    Registration,
     Registry,
     RegistryFullError,
+    Reported,
     UnknownGroupError,
 )
+from qmq.meta.schema import OWNER_CHARS
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 from qmq.serving.http_auth import HttpAuth, Need
@@ -144,6 +151,7 @@ class MetaServer:
         self._executor: ThreadPoolExecutor | None = None
         self._store: MetaStore | None = None
         self._registry: Registry | None = None
+        self._operations: Operations | None = None
         self._push: PushStore | None = None
         self._limits: LimitsStore | None = None
         self._lease: LeaderLease | None = None
@@ -181,6 +189,9 @@ class MetaServer:
                 route_groups=self.config.route_groups,
                 owner=self.owner,
             )
+            self._operations = Operations(
+                self._store, self._registry, self.clock, heartbeat_timeout_ms=self.config.heartbeat_timeout_ms
+            )
             self._push = PushStore(self._store)
             self._limits = LimitsStore(self._store)
         except BaseException:
@@ -209,6 +220,7 @@ class MetaServer:
         app.router.add_post(REGISTER_PATH, self._register)
         app.router.add_get(CLUSTER_PATH, self._cluster)
         app.router.add_post(PROMOTE_PATH, self._promote)
+        OperationsApi(self._call, self._json_body, self._operations_now).add_to(app)
         PushApi(self._call, self._push_now, self.clock).add_routes(app)
         LimitsApi(self._call, self._limits_now, self.clock.now_ms).add_routes(app)
         app.router.add_get("/health", self._health)
@@ -253,8 +265,8 @@ class MetaServer:
             await runner.cleanup()
         if self._executor is not None:
             executor, self._executor = self._executor, None
-            store, self._store, self._registry, self._push = self._store, None, None, None
-            self._limits = None
+            store, self._store, self._registry = self._store, None, None
+            self._operations, self._push, self._limits = None, None, None
             lease, self._lease = self._lease, None
             loop = asyncio.get_running_loop()
             if lease is not None:
@@ -282,6 +294,11 @@ class MetaServer:
             raise MetaStoreError("the meta server is stopped")
         return self._limits
 
+    def _operations_now(self) -> Operations:
+        if self._operations is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._operations
+
     def _push_now(self) -> PushStore:
         if self._push is None:
             raise MetaStoreError("the meta server is stopped")
@@ -306,7 +323,11 @@ class MetaServer:
             return []
         registry = self._registry_now()
         registry.forget_silent()
-        return registry.check_promotions() if self.config.auto_promote else []
+        promotions = registry.check_promotions() if self.config.auto_promote else []
+        for p in promotions:
+            detail = f"{p.group.master} master in epoch {p.group.epoch} (was {p.previous_master}, silent)"
+            self._operations_now().record_promotion(p.group.role, p.group.group, self.owner, detail)
+        return promotions
 
     async def _tick_forever(self) -> None:
         failures = 0
@@ -358,9 +379,12 @@ class MetaServer:
 
     def _address_view(self, subjects: list[str]) -> dict[str, Any]:
         registry = self._registry_now()
+        operations = self._operations_now()
         groups = {role: registry.groups(role) for role in ROLES}
-        routes = registry.routes(subjects) if subjects else {}
-        return address_json(groups, routes, self.config.client_refresh_ms)
+        routes = registry.routes(subjects, operations.unwritable()) if subjects else {}
+        body = address_json(groups, routes, self.config.client_refresh_ms)
+        operations.decorate_address(body)
+        return body
 
     async def _json_body(self, request: web.Request, what: str) -> object:
         raw = await request.read()
@@ -375,10 +399,15 @@ class MetaServer:
 
     async def _register(self, request: web.Request) -> web.Response:
         try:
-            reg = parse_registration(await self._json_body(request, "register"))
+            body = await self._json_body(request, "register")
+            reg = parse_registration(body)
+            unconsumed = parse_unconsumed(body)
         except PayloadError as exc:
             return _error(400, str(exc), exc.field)
-        reported = await self._call(lambda: self._registry_now().register(reg))
+        try:
+            reported, draining = await self._call(self._register_now, reg, unconsumed)
+        except GroupRemovedError as exc:
+            return _error(410, str(exc), "group")
         answer = reported.answer
         if reported.is_new:
             log.info(
@@ -395,7 +424,18 @@ class MetaServer:
             self.metrics.registrations.labels(role=reg.role).inc()
         else:
             self.metrics.heartbeats.labels(role=reg.role).inc()
-        return web.json_response(heartbeat_json(answer, self.interval_ms))
+        doc = heartbeat_json(answer, self.interval_ms)
+        if draining:  # absent otherwise: the answer of a meta server without operations
+            doc["draining"] = True
+        return web.json_response(doc)
+
+    def _register_now(self, reg: Registration, unconsumed: dict[str, Any] | None) -> tuple[Reported, bool]:
+        operations = self._operations_now()
+        operations.check_registration(reg.role, reg.group)
+        reported = self._registry_now().register(reg)
+        if unconsumed is not None and reported.answer.role_in_group == "master":
+            operations.record_backlog(reg.role, reg.group, reg.address, unconsumed)
+        return reported, operations.is_draining(reg.role, reg.group)
 
     async def _cluster(self, request: web.Request) -> web.Response:
         text = request.query.get("routes_max", str(CLUSTER_ROUTES_DEFAULT))
@@ -419,7 +459,7 @@ class MetaServer:
             auto_promote=self.config.auto_promote,
             route_groups=self.config.route_groups,
         )
-        return cluster_json(
+        view = cluster_json(
             me,
             now_ms,
             registry.servers(),
@@ -428,14 +468,19 @@ class MetaServer:
             store.routes(routes_max) if routes_max else {},
             store.subjects_routed(),
         )
+        self._operations_now().decorate_cluster(view)
+        return view
 
     async def _promote(self, request: web.Request) -> web.Response:
         try:
-            role, group = parse_promote(await self._json_body(request, "promote"))
+            body = await self._json_body(request, "promote")
+            role, group = parse_promote(body)
+            by = body.get("by") if isinstance(body, dict) else None
+            who = by[:OWNER_CHARS] if isinstance(by, str) and by.strip() else f"unnamed@{request.remote or 'unknown'}"
         except PayloadError as exc:
             return _error(400, str(exc), exc.field)
         try:
-            promotion = await self._call(self._promote_now, role, group)
+            promotion = await self._call(self._promote_now, role, group, who)
         except UnknownGroupError as exc:
             return _error(404, str(exc), "group")
         except PromotionRefusedError as exc:
@@ -457,7 +502,7 @@ class MetaServer:
             }
         )
 
-    def _promote_now(self, role: Any, group: str) -> Promotion:
+    def _promote_now(self, role: Any, group: str, who: str) -> Promotion:
         lease = self._lease_now()
         if not lease.acquire(self.clock.now_ms()):
             holder = lease.holder()
@@ -468,7 +513,11 @@ class MetaServer:
                 url,
             )
         self.metrics.leader.set(1)
-        return self._registry_now().promote(role, group)
+        promotion = self._registry_now().promote(role, group)
+        g = promotion.group
+        detail = f"{g.master} master in epoch {g.epoch} (was {promotion.previous_master}), by hand"
+        self._operations_now().record_promotion(role, group, who, detail)
+        return promotion
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
