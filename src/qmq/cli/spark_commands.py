@@ -37,8 +37,28 @@ spark_master_option = click.option(
 )
 
 
+def _conf_pair(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for value in values:
+        key, sep, text = value.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE, e.g. spark.executor.memory=2g")
+        out[key.strip()] = text
+    return out
+
+
+spark_conf_option = click.option(
+    "--spark-conf",
+    "spark_conf",
+    multiple=True,
+    metavar="KEY=VALUE",
+    callback=_conf_pair,
+    help="a Spark setting for this job, as spark-submit's --conf (repeatable), e.g. spark.executor.memory=2g",
+)
+
+
 @contextmanager
-def _session(master: str, app: str) -> Iterator[SparkSession]:
+def _session(master: str, app: str, conf: dict[str, str] | None = None) -> Iterator[SparkSession]:
     try:
         from qmq.spark.session import build_session
     except ImportError as exc:
@@ -47,7 +67,7 @@ def _session(master: str, app: str) -> Iterator[SparkSession]:
         ) from None
     console = Console(stderr=True)
     with console.status(f"starting Spark ({master})"):
-        spark = build_session(master, app_name=f"qmq {app}")
+        spark = build_session(master, app_name=f"qmq {app}", conf=conf)
     try:
         yield spark
     finally:
@@ -79,6 +99,7 @@ def _short(value: object) -> str:
 @click.option("--broker-group", default=None, metavar="NAME", help="broker group named in rows read from --data-dir")
 @click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="archive directory")
 @spark_master_option
+@spark_conf_option
 @json_option(
     "document",
     "what was archived: {archive, messages, subjects, per_subject, dead_letters, groups, skipped, seconds}",
@@ -89,6 +110,7 @@ def archive(
     broker_group: str | None,
     to: Path,
     spark_master: str,
+    spark_conf: dict[str, str],
     as_json: bool,
 ) -> None:
     """Export stored messages to Parquet, partitioned by subject and date; a re-run adds only what is new.
@@ -98,7 +120,7 @@ def archive(
     from qmq.spark.archive import run_archive, source_options
 
     source = source_options(meta_server, str(data_dir) if data_dir else None, broker_group)
-    with _session(spark_master, "archive") as spark, _progress(spark, f"archiving into {to}") as bar:
+    with _session(spark_master, "archive", spark_conf) as spark, _progress(spark, f"archiving into {to}") as bar:
         result = run_archive(spark, source, to, on_plan=lambda n: bar.describe(f"archiving {n:,} messages"))
     if as_json:
         echo_json(
@@ -158,6 +180,7 @@ _QUERY_COLUMNS = ("subject", "sequence", "message_id", "created_at", "stored_at"
 @click.option("--limit", default=100, show_default=True, help="most messages to show (with --subject)")
 @json_option("lines", "each message found: {" + ", ".join(_QUERY_COLUMNS) + "}")
 @spark_master_option
+@spark_conf_option
 def query(
     archive_dir: Path,
     message_id: str | None,
@@ -168,6 +191,7 @@ def query(
     limit: int,
     as_json: bool,
     spark_master: str,
+    spark_conf: dict[str, str],
 ) -> None:
     """Find messages in an archive: by --message-id, or by --subject with times and properties."""
     from qmq.spark.query import SubjectQuery, body_text, find_by_id, find_by_subject, json_ready
@@ -177,7 +201,7 @@ def query(
     if message_id is not None and (since or until or props):
         raise click.UsageError("--since, --until and --property go with --subject")
     pairs = tuple(_prop(p) for p in props)
-    with _session(spark_master, "query") as spark:
+    with _session(spark_master, "query", spark_conf) as spark:
         t0 = time.monotonic()
         with _progress(spark, "searching the archive"):
             if message_id is not None:
@@ -219,6 +243,7 @@ def query(
 @click.option("--broker-group", default="broker-1", show_default=True, help="the broker group of --data-dir")
 @json_option("document", "the trace: {message_id, stored, deliveries, dead, notes}")
 @spark_master_option
+@spark_conf_option
 def trace(
     message_id: str,
     data_dir: Path | None,
@@ -227,6 +252,7 @@ def trace(
     broker_group: str,
     as_json: bool,
     spark_master: str,
+    spark_conf: dict[str, str],
 ) -> None:
     """The life of MESSAGE_ID: stored, pulled by which consumer of which group, acked or retried
     (attempts, errors), dead-lettered.
@@ -236,7 +262,7 @@ def trace(
     """
     from qmq.spark.trace import trace as run_trace
 
-    with _session(spark_master, "trace") as spark, _progress(spark, f"tracing {message_id}"):
+    with _session(spark_master, "trace", spark_conf) as spark, _progress(spark, f"tracing {message_id}"):
         result = run_trace(
             spark,
             message_id,
@@ -283,12 +309,13 @@ def trace(
     "--out", type=click.Path(file_okay=False, path_type=Path), help="where to write [default: ARCHIVE/_report]"
 )
 @spark_master_option
+@spark_conf_option
 @json_option("document", "{written_to, rows: [{subject, date, messages, bytes, retries, retry_rate, ...}]}")
-def report(archive_dir: Path, out: Path | None, spark_master: str, as_json: bool) -> None:
+def report(archive_dir: Path, out: Path | None, spark_master: str, spark_conf: dict[str, str], as_json: bool) -> None:
     """Per subject and day: messages, bytes, retry and dead-letter rates, consumer lag (Parquet and a table)."""
     from qmq.spark.report import COLUMNS, run_report
 
-    with _session(spark_master, "report") as spark, _progress(spark, "building the report"):
+    with _session(spark_master, "report", spark_conf) as spark, _progress(spark, "building the report"):
         target, rows = run_report(spark, archive_dir, out)
     if as_json:
         echo_json({"written_to": str(target), "rows": rows})
