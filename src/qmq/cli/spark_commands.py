@@ -98,17 +98,41 @@ def _short(value: object) -> str:
 )
 @click.option("--broker-group", default=None, metavar="NAME", help="broker group named in rows read from --data-dir")
 @click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="archive directory")
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="keep archiving as messages arrive (a Spark stream, one commit per micro-batch) until Ctrl-C or SIGTERM",
+)
+@click.option(
+    "--trigger-interval",
+    default="10s",
+    show_default=True,
+    metavar="DURATION",
+    help="with --follow: how often a micro-batch starts (10s, 500ms, 2m)",
+)
+@click.option(
+    "--max-per-batch",
+    default=1_000_000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="with --follow: most messages one micro-batch archives",
+)
 @spark_master_option
 @spark_conf_option
 @json_option(
     "document",
-    "what was archived: {archive, messages, subjects, per_subject, dead_letters, groups, skipped, seconds}",
+    "what was archived: {archive, messages, subjects, per_subject, dead_letters, groups, skipped, seconds}; "
+    "with --follow, one JSON line per micro-batch instead: "
+    "{batch, manifest, messages, subjects, per_subject, lag, groups, dead_letters, seconds}",
 )
 def archive(
     meta_server: str | None,
     data_dir: Path | None,
     broker_group: str | None,
     to: Path,
+    follow: bool,
+    trigger_interval: str,
+    max_per_batch: int,
     spark_master: str,
     spark_conf: dict[str, str],
     as_json: bool,
@@ -116,10 +140,14 @@ def archive(
     """Export stored messages to Parquet, partitioned by subject and date; a re-run adds only what is new.
 
     Also records each consumer group's lag and the new dead letters (for `qmq report`).
+    With --follow it keeps the archive up to date as messages arrive, a line per micro-batch.
     """
     from qmq.spark.archive import run_archive, source_options
 
     source = source_options(meta_server, str(data_dir) if data_dir else None, broker_group)
+    if follow:
+        _follow(source, to, trigger_interval, max_per_batch, spark_master, spark_conf, as_json)
+        return
     with _session(spark_master, "archive", spark_conf) as spark, _progress(spark, f"archiving into {to}") as bar:
         result = run_archive(spark, source, to, on_plan=lambda n: bar.describe(f"archiving {n:,} messages"))
     if as_json:
@@ -149,6 +177,89 @@ def archive(
         f"{result.messages:,} messages of {result.subjects} subjects in {result.seconds:.1f} s ({rate:,.0f}/s); "
         f"{result.dead_letters} new dead letters; lag of {result.groups} consumer groups"
         + (f"; {result.skipped:,} messages were removed by retention before being archived" if result.skipped else "")
+    )
+
+
+def _follow(
+    source: dict[str, str],
+    to: Path,
+    trigger_interval: str,
+    max_per_batch: int,
+    spark_master: str,
+    spark_conf: dict[str, str],
+    as_json: bool,
+) -> None:
+    """``qmq archive --follow``: runs until SIGINT or SIGTERM, then exits 0 after the micro-batch under way."""
+    import signal
+    import threading
+
+    from qmq.spark.follow import BatchReport, Follower, parse_interval
+
+    interval_s = parse_interval(trigger_interval)
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
+    out = stdout_console()
+
+    def line(report: BatchReport) -> None:
+        if as_json:
+            echo_json(
+                {
+                    "batch": report.batch,
+                    "manifest": report.manifest,
+                    "messages": report.messages,
+                    "subjects": report.subjects,
+                    "per_subject": dict(sorted(report.per_subject.items())),
+                    "lag": report.lag,
+                    "groups": report.groups,
+                    "dead_letters": report.dead_letters,
+                    "seconds": report.seconds,
+                }
+            )
+            return
+        extra = ""
+        if report.groups or report.dead_letters:
+            extra = f"; lag of {report.groups} consumer groups, {report.dead_letters} new dead letters"
+        out.print(
+            f"batch {report.batch}: {report.messages:,} messages of {report.subjects} subject(s) "
+            f"in {report.seconds:.1f} s; {report.lag:,} behind the brokers{extra}",
+            markup=False,
+            highlight=False,
+        )
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            err.print(f"{signal.Signals(signum).name}: stopping after the micro-batch under way", markup=False)
+        stop.set()
+
+    # before Spark starts (a signal while it starts stops the run before its first micro-batch),
+    # and SIGINT again after: PySpark's SparkContext puts its own (cancel every job) in place
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with _session(spark_master, "archive --follow", spark_conf) as spark:
+            signal.signal(signal.SIGINT, on_signal)
+            follower = Follower(
+                spark,
+                source,
+                to,
+                trigger_interval_s=interval_s,
+                max_per_batch=max_per_batch,
+                on_batch=line,
+                stop=stop,
+            )
+            err.print(
+                f"archiving into {to} as messages arrive, a micro-batch every {interval_s:g} s; "
+                "Ctrl-C or SIGTERM stops it",
+                markup=False,
+            )
+            result = follower.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    err.print(
+        f"stopped: {result.messages:,} messages of {len(result.per_subject)} subjects "
+        f"in {result.batches} micro-batches",
+        markup=False,
     )
 
 

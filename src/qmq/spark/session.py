@@ -6,6 +6,7 @@ quiet, so a job run from the command line shows only its progress and its summar
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -49,5 +50,8 @@ def build_session(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    # py4j logs every callback (a stream's micro-batches) at INFO: only its warnings show
+    py4j_log = logging.getLogger("py4j")
+    py4j_log.setLevel(max(py4j_log.getEffectiveLevel(), logging.WARNING))
     qmq.spark.register(spark)
     return spark
