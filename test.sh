@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/venv.sh
 ensure_venv .venv "${PYTHON:-}" test
-.venv/bin/ruff check src tests bench
+.venv/bin/ruff check src tests bench chaos
 .venv/bin/mypy
 exec .venv/bin/pytest "$@"

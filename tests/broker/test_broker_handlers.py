@@ -248,3 +248,33 @@ def test_a_cursor_that_is_not_one_is_refused(context: Context) -> None:
     assert status == Status.BAD_REQUEST
     assert header is not None
     assert "pass back the 'next' of the last page" in header["error"]
+
+
+async def test_a_read_that_fails_while_slaves_wait_answers_them_busy(context: Context) -> None:
+    # Found by the fault campaign (chaos/, failing disk): the read error escaped the wake-up of
+    # waiting slaves, which dropped every waiting REPLICATE unanswered; the group went read-only.
+    import asyncio
+
+    from qmq.store import fileio
+
+    slaves = [RecordingResponder(), RecordingResponder()]
+    ask = {"from": 0, "action_from": 0, "max_bytes": 65536, "timeout_ms": 30_000}
+    for i, conn in enumerate(slaves):
+        context.source.request(conn, RequestCode.REPLICATE, i, dict(ask), f"slave:{i}")
+    assert [conn.answers for conn in slaves] == [[], []]  # nothing to copy yet: they wait
+    Handlers(context).dispatch(RecordingResponder(), Frame(RequestCode.SEND_MESSAGES, 8, {}, message("s.a", "id-1")))
+    try:
+        with fileio.faults({"op": "read", "path": "log/*.log", "errno": "EIO"}):
+            context.source.grew()
+            await asyncio.sleep(0)  # the wake-up runs on the next loop turn
+    finally:
+        fileio.install(None)
+    for i, conn in enumerate(slaves):
+        [(code, request_id, header, status)] = conn.answers
+        assert (code, request_id, status) == (RequestCode.REPLICATE, i, Status.BUSY)
+        assert "reading the log to replicate failed" in header["error"]
+    again = RecordingResponder()
+    context.source.request(again, RequestCode.REPLICATE, 9, dict(ask), "slave:0")
+    [(_code, _rid, header, status)] = again.answers
+    assert status == Status.OK
+    assert header["count"] > 0

@@ -148,6 +148,33 @@ def test_recovery_cuts_schedule_logs_written_after_the_checkpoint_and_rebuilds_t
     store.close()
 
 
+@pytest.mark.parametrize("damaged", [INDEX, MESSAGES])
+def test_a_schedule_log_cut_below_its_checkpoint_is_rebuilt_from_the_write_ahead_log(
+    tmp_path: Path, damaged: str
+) -> None:
+    # Found by the fault campaign (chaos/, corruption): a cut index was trusted to hold what the
+    # checkpoint counted, so the messages past the cut were never handed over.
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    append(store, [("s", f"m{i}", T0_MS + 1000 * (i + 1)) for i in range(6)])
+    job = store.checkpoint_job()
+    job.run()
+    store.after_checkpoint(job)
+    b = store.buckets[T0_MS]
+    b.append_dispatch(struct.pack("<I", 0))  # m0 was handed over
+    bucket_dir = b.directory
+    store.close()
+    with open(bucket_dir / damaged, "r+b") as fh:
+        fh.truncate((bucket_dir / damaged).stat().st_size // 3)
+    store = open_store(tmp_path, clock)
+    b = store.buckets[T0_MS]
+    assert b.count == 6
+    assert b.dispatched == 1
+    assert store.pending_total == 5
+    assert b.load_index(6)["due"].tolist() == [T0_MS + 1000 * (i + 1) for i in range(6)]
+    store.close()
+
+
 def test_a_torn_wal_tail_is_cut_and_its_dispatch_entries_dropped(tmp_path: Path) -> None:
     clock = manual_clock()
     store = open_store(tmp_path, clock)

@@ -215,3 +215,29 @@ def test_a_held_record_whose_segment_is_gone_is_dropped_and_the_rest_released(
     assert decode_message(record[RECORD_HEADER_BYTES:]).message_id == "kept"
     assert len(store.held) == 0
     assert "is no longer in the message log; it is dropped" in caplog.text
+
+
+def test_a_release_whose_read_fails_keeps_the_messages_held_for_the_next_try(
+    open_store: Callable[..., BrokerStore], clock: ManualClock
+) -> None:
+    # Found by the fault campaign (chaos/, failing disk): a read error while releasing dropped
+    # the due messages from the held set, so they were never released, nor after a restart.
+    from qmq.store import fileio
+    from qmq.store.datadir import StoreError
+
+    store = open_store(flush="periodic")
+    append(store, due_batch(clock, ("a", 40), ("b", 40)))
+    clock.advance(0.05)
+    try:
+        with fileio.faults({"op": "read", "path": "log/*.log", "times": 1, "errno": "EIO"}):
+            with pytest.raises(StoreError, match="they stay held and are tried again"):
+                release_due(store, clock.now_ms())
+            assert len(store.held) == 2
+            assert len(store.held.snapshot()) == 2  # in the next checkpoint too
+            released = release_due(store, clock.now_ms())
+    finally:
+        fileio.install(None)
+    assert released is not None
+    assert released[0].stored == 2
+    assert len(store.held) == 0
+    assert pulled_ids(store) == ["a", "b"]

@@ -22,6 +22,8 @@ from qmq.store.held import release_due
 
 log = logging.getLogger(__name__)
 
+RETRY_MS = 1_000  # after a release failed on a read: the next try
+
 
 class ReleaseContext(Protocol):
     """What the release timer reads and calls of the broker."""
@@ -79,8 +81,10 @@ class Release:
         now = broker.clock.now_ms()  # re-read: the loop's timers round
         try:
             released = release_due(store, now)
-        except QmqError as exc:
-            log.critical("held messages could not be released (%s); they stay held until a restart", exc)
+        except QmqError as exc:  # a read that failed: the disk may come back
+            log.error("held messages could not be released (%s); trying again in %d ms", exc, RETRY_MS)
+            self._at_ms = now + RETRY_MS
+            self._handle = asyncio.get_running_loop().call_later(RETRY_MS / 1000, self._fire)
             return
         if released is not None:
             result, visible = released

@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import click
 
+from qmq.cli.auth_commands import cli_authorization
 from qmq.cli.client_commands import meta_server_option, meta_server_url
 from qmq.cli.cluster_launch import (
     CLUSTER_FILE,
@@ -41,6 +42,7 @@ from qmq.common.config import meta_base_url
 BROKER_GROUPS_MAX: Final = 32
 SLAVES_MAX: Final = 8
 DELAY_GROUPS_MAX: Final = 32
+GATEWAYS_MAX: Final = 16
 EXIT_STARTUP_FAILED: Final = 3
 EXIT_INTERRUPTED: Final = 130  # as a shell reports a command ended by SIGINT
 _HTTP_TIMEOUT_S: Final = 10.0
@@ -58,6 +60,13 @@ def cluster() -> None:
     "--slaves", type=click.IntRange(0, SLAVES_MAX), default=1, show_default=True, help="slaves per broker group"
 )
 @click.option("--delay-groups", type=click.IntRange(0, DELAY_GROUPS_MAX), default=1, show_default=True)
+@click.option(
+    "--gateways",
+    type=click.IntRange(0, GATEWAYS_MAX),
+    default=0,
+    show_default=True,
+    help="HTTP gateways (qmq gateway), each on a free port; the ready line lists their URLs",
+)
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -86,6 +95,7 @@ def up(
     broker_groups: int,
     slaves: int,
     delay_groups: int,
+    gateways: int,
     data_dir: Path,
     host: str,
     meta_port: int,
@@ -115,6 +125,7 @@ def up(
         host=host,
         meta_port=meta_port,
         config_file=config_file,
+        gateways=gateways,
     )
     state = Cluster(str(data_dir.resolve()), "", [], int(time.time() * 1000))
     try:
@@ -131,23 +142,29 @@ def up(
         _abandon(state)
         raise
     for m in state.members:
-        where = m.ready.get("address") or m.ready.get("http", "")
+        where = m.ready.get("address") or m.ready.get("gateway") or m.ready.get("http", "")
         what = " ".join(x for x in (m.role, m.group, m.role_in_group) if x)
         click.echo(f"  {m.name:<8} {what:<20} pid {m.pid:<8} {where:<22} log {m.log}")
     meta = state.members[0]
+    gateway_urls = ",".join(m.ready["gateway"] for m in state.members if m.role == "gateway")
     click.echo(
         f"qmq ready meta_server={state.meta_server} meta_pid={meta.pid} "
         f"broker_groups={','.join(f'b{i}' for i in range(1, broker_groups + 1))} slaves_per_group={slaves} "
         f"delay_groups={','.join(f'd{i}' for i in range(1, delay_groups + 1)) or '-'} "
-        f"processes={len(state.members)} data_dir={state.data_dir}"
+        f"processes={len(state.members)} data_dir={state.data_dir}" + (f" gateways={gateway_urls}" if gateways else "")
     )
 
 
 def _start_all(state: Cluster, members: list[Member], env: dict[str, Any], ready_timeout_ms: int) -> None:
-    """The meta server, then masters and delay servers together, then slaves together."""
+    """The meta server, then masters and delay servers together, then slaves together, then gateways."""
     deadline = time.monotonic() + ready_timeout_ms / 1000
-    meta, rest = members[0], members[1:]
-    waves = [[meta], [m for m in rest if m.role_in_group != "slave"], [m for m in rest if m.role_in_group == "slave"]]
+    meta, rest = members[0], [m for m in members[1:] if m.role != "gateway"]
+    waves = [
+        [meta],
+        [m for m in rest if m.role_in_group != "slave"],
+        [m for m in rest if m.role_in_group == "slave"],
+        [m for m in members if m.role == "gateway"],
+    ]
     procs = {}
     for wave in waves:
         if not wave:
@@ -260,7 +277,11 @@ def promote(group: str, role: str, meta_server: str) -> None:
 def _http(url: str, body: object | None = None) -> tuple[int, Any]:
     """(status, decoded JSON answer) of a GET, or of a POST of ``body``; ClusterError when unreachable."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    authorization = cli_authorization()
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    request = urllib.request.Request(url, data=data, headers=headers)
     # Proxies from the environment never apply: the meta server is addressed directly.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:

@@ -115,8 +115,9 @@ def plan(
     host: str,
     meta_port: int,
     config_file: Path | None,
+    gateways: int = 0,
 ) -> list[Member]:
-    """The processes of a cluster, in start order: meta, masters, delay servers, slaves.
+    """The processes of a cluster, in start order: meta, masters, delay servers, slaves, gateways.
 
     Every process but the meta server gets ``--meta-server URL`` added once the meta server is ready.
     """
@@ -125,13 +126,15 @@ def plan(
 
     def member(name: str, role: str, group: str | None, role_in_group: str | None, args: list[str]) -> Member:
         d = data_dir / name
+        # a gateway keeps no data: its directory holds nothing, it is named for `cluster status`
+        data = [] if role == "gateway" else ["--data-dir", str(d)]
         return Member(
             name=name,
             role=role,
             group=group,
             role_in_group=role_in_group,
             data_dir=str(d),
-            argv=[*qmq, role, *args, "--data-dir", str(d), *common],
+            argv=[*qmq, role, *args, *data, *common],
             log=str(data_dir / LOG_DIR / f"{name}.log"),
         )
 
@@ -143,6 +146,8 @@ def plan(
     for i in range(1, broker_groups + 1):
         for j in range(1, slaves + 1):
             members.append(member(f"b{i}-s{j}", "broker", f"b{i}", "slave", ["--group", f"b{i}", "--role", "slave"]))
+    for i in range(1, gateways + 1):
+        members.append(member(f"g{i}", "gateway", None, None, ["--port", "0"]))
     return members
 
 

@@ -10,7 +10,7 @@ import click
 
 from qmq.cli.main import cli
 from qmq.cli.options import config_file_option, config_options, load
-from qmq.common.config import BrokerConfig, DelayConfig, MetaConfig, StandaloneConfig
+from qmq.common.config import BrokerConfig, DelayConfig, GatewayConfig, MetaConfig, StandaloneConfig
 
 
 @cli.command()
@@ -49,13 +49,13 @@ def delay(config_file: Path | None, **values: Any) -> None:
 
 @cli.command()
 @config_file_option(
-    "[standalone] for this command (the options below), and [meta], [broker] and [delay] for the roles "
+    "[standalone] for this command (the options below), and [meta], [broker], [delay] and [gateway] for the roles "
     "it starts, each reading its own table (their data_dir, host and port come from here)"
 )
 @config_options(StandaloneConfig)
 @click.option("--demo", is_flag=True, help="once ready, send a message and consume it, printing both")
 def standalone(config_file: Path | None, demo: bool, **values: Any) -> None:
-    """Run a meta server, a broker and a delay server, each its own process, supervised as one.
+    """Run a meta server, a broker, a delay server and an HTTP gateway, each its own process, supervised as one.
 
     Prints `qmq ready ... meta_server=URL` once every role serves; SIGTERM or Ctrl-C stops
     them in order. Children exit when this process dies, even by kill -9.
@@ -64,3 +64,17 @@ def standalone(config_file: Path | None, demo: bool, **values: Any) -> None:
 
     config = load(StandaloneConfig, config_file, "standalone", values)
     sys.exit(Supervisor(config, config_file, demo=demo).run())
+
+
+@cli.command()
+@config_file_option("its [gateway] table")
+@config_options(GatewayConfig)
+def gateway(config_file: Path | None, **values: Any) -> None:
+    """Run an HTTP gateway: JSON over HTTP/1.1 for any language, the SDK inside (docs/gateway.md).
+
+    Prints `qmq ready role=gateway gateway=URL ...` once it serves. It keeps no data: run as
+    many as you like behind a load balancer.
+    """
+    from qmq.gateway import run_gateway
+
+    sys.exit(run_gateway(load(GatewayConfig, config_file, "gateway", values)))

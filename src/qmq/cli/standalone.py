@@ -1,12 +1,13 @@
 """The standalone supervisor: one child process per role, started in order, stopped in order.
 
 The meta server starts first; the broker starts with its URL and registers, then the delay
-server (data in ``DATA_DIR/delay``) does the same. When all have printed their ready lines,
-the supervisor prints its own::
+server (data in ``DATA_DIR/delay``) does the same, then the HTTP gateway (no data). When all
+have printed their ready lines, the supervisor prints its own::
 
     qmq ready meta_server=http://HOST:PORT/meta/address broker=HOST:PORT meta_pid=N broker_pid=N
               delay=HOST:PORT delay_pid=N data_dir=DIR
-              broker_http=http://HOST:PORT delay_http=http://HOST:PORT      (one line)
+              broker_http=http://HOST:PORT delay_http=http://HOST:PORT
+              gateway=http://HOST:PORT gateway_pid=N                        (one line)
 
 ``broker_http`` and ``delay_http`` serve each role's Prometheus ``/metrics``.
 
@@ -141,9 +142,13 @@ class Supervisor:
         self.demo = demo
         data = Path(config.data_dir)
         common = ["--host", config.host] + (["--config", str(config_file)] if config_file else [])
+        # the roles with auth (the gateway keeps its own options): the file, the servers' own app, --insecure
+        auth = [*(["--auth-file", config.auth_file] if config.auth_file else []), *(["--insecure"] * config.insecure)]
+        servers = [*auth, *(["--app-code", config.app_code] if config.app_code else [])]
         qmq = [sys.executable, "-m", "qmq"]
         self.meta = Child(
-            "meta server", [*qmq, "meta", "--data-dir", str(data / "meta"), "--port", str(config.meta_port), *common]
+            "meta server",
+            [*qmq, "meta", "--data-dir", str(data / "meta"), "--port", str(config.meta_port), *common, *auth],
         )
         self.broker_argv = [
             *qmq,
@@ -153,6 +158,7 @@ class Supervisor:
             "--port",
             str(config.broker_port),
             *common,
+            *servers,
         ]
         self.broker = Child("broker", [])
         self.delay_argv = [
@@ -163,9 +169,12 @@ class Supervisor:
             "--port",
             str(config.delay_port),
             *common,
+            *servers,
         ]
         self.delay = Child("delay server", [])
-        self.children = [self.meta, self.broker, self.delay]
+        self.gateway_argv = [*qmq, "gateway", "--port", str(config.gateway_port), *common]
+        self.gateway = Child("gateway", [])
+        self.children = [self.meta, self.broker, self.delay, self.gateway]
 
     def run(self) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
@@ -178,6 +187,8 @@ class Supervisor:
             # after the broker: due messages are handed to it as soon as the delay server runs
             self.delay.argv = [*self.delay_argv, "--meta-server", meta_url]
             self.delay.start(deadline)
+            self.gateway.argv = [*self.gateway_argv, "--meta-server", meta_url]
+            self.gateway.start(deadline)
         except StartupFailed as exc:
             print(f"qmq standalone: cannot start: {exc}", file=sys.stderr, flush=True)
             self._stop_all()
@@ -185,12 +196,14 @@ class Supervisor:
         assert self.meta.proc is not None
         assert self.broker.proc is not None
         assert self.delay.proc is not None
+        assert self.gateway.proc is not None
         print(
             f"qmq ready meta_server={meta_url} broker={self.broker.ready.get('address', '?')} "
             f"meta_pid={self.meta.proc.pid} broker_pid={self.broker.proc.pid} "
             f"delay={self.delay.ready.get('address', '?')} delay_pid={self.delay.proc.pid} "
             f"data_dir={self.config.data_dir} broker_http={self.broker.ready.get('http', '?')} "
-            f"delay_http={self.delay.ready.get('http', '?')}",
+            f"delay_http={self.delay.ready.get('http', '?')} "
+            f"gateway={self.gateway.ready.get('gateway', '?')} gateway_pid={self.gateway.proc.pid}",
             flush=True,
         )
         if self.demo:
@@ -233,8 +246,9 @@ class Supervisor:
         return True
 
     def _stop_all(self) -> list[int | None]:
-        # the delay server first (it hands over what is due while the broker still takes it),
-        # then the broker (it finishes writes and checkpoints), then the meta server
+        # the gateway first (its consumer sends its last acks while the broker takes them), the
+        # delay server next (it hands over what is due while the broker still takes it), then
+        # the broker (it finishes writes and checkpoints), then the meta server
         return [child.stop() for child in reversed(self.children)]
 
 

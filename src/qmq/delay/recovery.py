@@ -9,6 +9,10 @@
    CRC; the first record that does not check out is a torn tail, cut and logged. Replaying in
    the original order gives every message the entry number it had, so the dispatch logs stay
    right.
+   A cancel record (cancel.py) is applied where it stands: the messages replayed before it
+   are in their buckets then, the ones after it not yet.
+   A bucket whose files hold less than its mark (damaged) makes recovery rebuild every bucket
+   from the write-ahead log's start, or, when that is gone, refuse to start naming it.
 4. Drop dispatch-log entries naming messages that are no longer there (a torn tail's), and
    delete buckets left empty.
 
@@ -34,11 +38,13 @@ import numpy as np
 
 from qmq.common.clock import Clock
 from qmq.common.config import DelayConfig
+from qmq.delay import cancel
 from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket
 from qmq.delay.checkpoint import BucketMark, read_delay_checkpoint
 from qmq.delay.schedule import Schedule
 from qmq.protocol.message import HEADER_BYTES
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
+from qmq.store.datadir import StoreError
 from qmq.store.message_log import MessageLog, ScanResult
 
 log = logging.getLogger(__name__)
@@ -83,6 +89,21 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
             )
     else:
         replay_from = wal.start
+    short = [b for b in (schedule.bucket(s) for s in schedule.existing_bucket_starts()) if _short(b, marks)]
+    if short:
+        # Damaged (cut) schedule-log files: they are rebuilt from the write-ahead log if it still
+        # holds everything; otherwise what the damage took is gone, which the operator must accept.
+        names = ", ".join(str(b.directory) for b in short[:3])
+        if wal.start > 0:
+            raise StoreError(
+                f"schedule log(s) {names} hold less than the checkpoint says (damaged) and the write-ahead log "
+                f"no longer begins at 0 (it begins at {wal.start}), so they cannot be rebuilt: move the damaged "
+                "bucket directories out of schedule/ to start without the messages they held"
+            )
+        log.error("schedule log(s) %s hold less than the checkpoint says: rebuilding every bucket from the "
+                  "write-ahead log", names)
+        marks, replay_from = {}, wal.start
+        schedule.checkpointed_offset = replay_from
     trust_files = checkpoint is None and wal.start > 0
     if trust_files:
         log.error(
@@ -104,9 +125,13 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
             b.wal_end = mark.wal_end
         else:
             b.truncate(0, 0)
+        filled = b.fill_ids()
+        if filled:
+            log.info("bucket %d: rebuilt %d entries of its id file from its records", start, filled)
         rebuilt.append(b)
 
     replayed = 0
+    cancels = 0  # entries cancelled by cancel records replayed
     result: list[ScanResult] = []
     chunk = _Chunk()
     for rec in wal.scan(replay_from, result):
@@ -114,9 +139,15 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         if len(msg) < HEADER_BYTES:
             result.append(ScanResult(rec.offset, wal.end - rec.offset))
             break
-        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
         parts.wal_messages = max(parts.wal_messages, rec.sequence + 1)
         replayed += 1
+        if cancel.is_cancel(msg):
+            chunk.replay_into(schedule)
+            schedule.flush_deferred()
+            stops = cancel.pending_entries(list(schedule.iter_buckets()), cancel.cancelled_id(msg), None)
+            cancels += cancel.apply(stops, None, lambda _n: None)
+            continue
+        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
         if len(chunk.records) >= _CHUNK_BYTES:
             chunk.replay_into(schedule)
     chunk.replay_into(schedule)
@@ -146,6 +177,7 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         "from_checkpoint": checkpoint is not None,
         "replayed_from": replay_from,
         "records_replayed": replayed,
+        "entries_cancelled": cancels,
         "torn_bytes": torn,
         "buckets": len(schedule.buckets),
         "buckets_rebuilt": len(rebuilt),
@@ -191,6 +223,15 @@ class _Chunk:
             )
             schedule.after_replay()
         self.reset()
+
+
+def _short(b: Bucket, marks: dict[int, BucketMark]) -> bool:
+    """Whether a bucket's files hold less than its checkpoint mark says (damaged, cut)."""
+    mark = marks.get(b.start_ms)
+    if mark is None:
+        return False
+    sizes = [p.stat().st_size if p.exists() else 0 for p in b.file_paths()[:2]]
+    return sizes[0] < mark.nbytes or sizes[1] < mark.entries * INDEX_ENTRY_BYTES
 
 
 def _adopt_files(b: Bucket) -> None:

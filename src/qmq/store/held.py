@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from qmq.common.errors import QmqError
 from qmq.protocol.message import scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.store.datadir import StoreError
 from qmq.store.dedup import dedup_key
 from qmq.store.intake import Appending
 
@@ -136,8 +137,16 @@ def release_due(store: Releasing, now_ms: int, max_n: int = RELEASE_BATCH_MAX) -
     due = store.held.take_due(now_ms, max_n)
     if not due:
         return None
+    try:
+        records = read_spans(store.mlog, [(h.offset, h.size) for h in due])
+    except OSError as exc:  # a failing disk: they stay held (and in the next checkpoint), tried again later
+        for h in due:
+            store.held.add(h)
+        raise StoreError(
+            f"reading {len(due)} held message(s) to release them failed ({exc}); they stay held and are tried again"
+        ) from exc
     messages: list[bytes] = []
-    for h, record in zip(due, read_spans(store.mlog, [(h.offset, h.size) for h in due]), strict=True):
+    for h, record in zip(due, records, strict=True):
         if record is None:
             # only if the broker was down past the retention and its segment was deleted
             log.error("held message at offset %d is no longer in the message log; it is dropped", h.offset)

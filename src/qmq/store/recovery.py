@@ -13,6 +13,8 @@
    first record that fails its CRC (or is cut short) marks a torn tail, which is cut and
    logged. A record that passes its CRC but does not decode is another version's: recovery
    refuses to start (StoreError naming the file, offset and format version), cutting nothing.
+   A consume log holding fewer entries than the checkpoint says (damaged, cut) is rebuilt
+   from the message log's start instead.
 3. Cut consume-log entries that point past the end of the message log.
 4. Replay the action log from the checkpoint into consumer progress (cutting its torn tail).
 
@@ -159,9 +161,17 @@ def recover(
     for unnamed in subjects.open_all():
         log.warning("consume log directory %s has no subject file; ignoring it", unnamed)
 
-    scan_from = max(mlog.start, min(index_from, dedup.rebuild_from(index_from)))
+    # A consume log shorter than the checkpoint says was damaged: its entries are rebuilt from
+    # the start of the message log (they are derived from it), not given up.
+    short = [st.name for st in subjects if st.clog.next_seq < known_seqs.get(st.name, 0)]
+    short += [name for name in known_seqs if known_seqs[name] and subjects.get(name) is None]
+    reindex_from = mlog.start if short else index_from
+    if short:
+        log.error("consume log(s) of %s hold fewer entries than the checkpoint says: rebuilt from the message log",
+                  ", ".join(repr(n) for n in short[:5]))
+    scan_from = max(mlog.start, min(index_from, reindex_from, dedup.rebuild_from(index_from)))
     scanned = 0
-    indexer = RecordIndexer(subjects, dedup, held, dead, index_from)
+    indexer = RecordIndexer(subjects, dedup, held, dead, index_from, reindex_from)
     result: list[ScanResult] = []
     for rec in mlog.scan(scan_from, result):
         scanned += 1

@@ -31,6 +31,11 @@ class ReadyProcess:
         return self.ready["meta_server"]
 
     @property
+    def gateway(self) -> str:
+        """``http://HOST:PORT`` of the HTTP gateway (``qmq gateway``, or the one of ``qmq standalone``)."""
+        return self.ready["gateway"]
+
+    @property
     def pid(self) -> int:
         return self.proc.pid
 
@@ -148,3 +153,13 @@ def running_role(args: Sequence[str], env: Mapping[str, str] | None = None) -> I
             proc.stop()
         elif proc.proc.stdout is not None:
             proc.proc.stdout.close()
+
+
+@contextmanager
+def running_gateway(meta_server: str, env: Mapping[str, str] | None = None, *args: str) -> Iterator[ReadyProcess]:
+    """``qmq gateway`` on 127.0.0.1, port 0, for the meta server at ``meta_server``; its URL is
+    ``.gateway`` once it printed its ready line. ``args`` are more options (``--ack-timeout-ms``)."""
+    with running_role(
+        ["gateway", "--meta-server", meta_server, "--host", "127.0.0.1", "--port", "0", *args], env=env
+    ) as proc:
+        yield proc

@@ -1,0 +1,1 @@
+"""One module per fault scenario; each has ``run(settings) -> list[Result]``."""

@@ -1,0 +1,45 @@
+"""``POST /v1/subjects/{subject}/messages``: one message or a batch, answered once stored.
+
+The answer comes when ``Producer.send`` returns, so under the broker's flush policy exactly
+as for a Python producer; a ``message_id`` sent again is dropped by the broker's duplicate
+window, so a client may repeat a send whose answer it never got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from qmq.aio import Producer
+from qmq.common.errors import QmqError
+from qmq.gateway.errors import ApiError, api_error_of
+from qmq.gateway.payload import parse_send
+
+
+async def send(producer: Producer, subject: str, raw: bytes) -> dict[str, Any]:
+    """The answer document of a send (raises ApiError for the whole request)."""
+    request = parse_send(subject, raw)
+    results = await asyncio.gather(*(producer.send(m) for m in request.messages), return_exceptions=True)
+    if not request.batch:
+        [result] = results
+        if isinstance(result, QmqError):
+            raise api_error_of(result)
+        if isinstance(result, BaseException):
+            raise result
+        return {"message_id": request.messages[0].message_id}
+    out: list[dict[str, Any]] = []
+    for m, result in zip(request.messages, results, strict=True):
+        if isinstance(result, QmqError):
+            err = api_error_of(result)
+            out.append({"message_id": m.message_id, "error": {"code": err.code, "message": err.message}})
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            out.append({"message_id": m.message_id})
+    if all("error" in r for r in out):
+        # nothing stored: answer as for one message, with the first reason
+        first = results[0]
+        assert isinstance(first, QmqError)
+        err = api_error_of(first)
+        raise ApiError(err.status, err.code, f"no message of the batch was stored: {err.message}")
+    return {"results": out}
