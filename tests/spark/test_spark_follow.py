@@ -23,8 +23,15 @@ from qmq.testing import ReadyProcess, running_standalone
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 GROUP = "broker-1"
-# two cores for the command's Spark, micro-batches every second
-FOLLOW_ARGS = ("--spark-master", "local[2]", "--trigger-interval", "1s")
+# two cores for the command's Spark, micro-batches every second, a JVM quick to start
+FOLLOW_ARGS = (
+    "--spark-master",
+    "local[2]",
+    "--trigger-interval",
+    "1s",
+    "--spark-conf",
+    "spark.driver.extraJavaOptions=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+)
 
 
 @pytest.fixture(scope="module")
