@@ -14,7 +14,7 @@ import pytest
 
 from qmq.common.errors import ConfigError
 from qmq.spark.follow import lag_of, parse_interval
-from qmq.spark.ledger import LEGACY_STATE_FILE, ArchiveState, ConflictError, Ledger, Workspace
+from qmq.spark.ledger import LEGACY_STATE_FILE, MANIFESTS_KEPT, ArchiveState, ConflictError, Ledger, Workspace
 
 PAIR = ("broker-1", "order.paid")
 
@@ -123,3 +123,17 @@ def test_trigger_intervals_and_lag() -> None:
             parse_interval(bad)
     # stored 0..99 (10.. kept) archived to 50: 50 behind; a subject never archived: all it keeps
     assert lag_of({PAIR: (10, 100), ("broker-1", "b"): (5, 8)}, {PAIR: 50}) == 50 + 3
+
+
+def test_old_manifests_are_removed_once_their_files_are_in_place(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    for i in range(MANIFESTS_KEPT + 5):
+        state = ledger.load()
+        with ledger.workspace() as ws:
+            stage(ws, f"part-{i}")
+            ledger.commit(state, ArchiveState({PAIR: i + 1}, {}, state.number), ws, {})
+    kept = sorted(os.listdir(tmp_path / "_qmq" / "manifests"))
+    assert len(kept) == MANIFESTS_KEPT
+    assert kept[-1] == f"{MANIFESTS_KEPT + 5:012d}.json"
+    assert Ledger(tmp_path).load().offsets == {PAIR: MANIFESTS_KEPT + 5}
+    assert len(files(tmp_path)) == MANIFESTS_KEPT + 5

@@ -31,7 +31,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from qmq.common.errors import ConfigError
+from qmq.common.errors import ConfigError, QmqError
 from qmq.spark.archive import COMMIT_TRIES, stage_lag_and_dead, with_date
 from qmq.spark.ledger import ArchiveState, ConflictError, Ledger, Workspace
 from qmq.spark.offsets import Pair, Positions, parse_options, to_json
@@ -45,6 +45,10 @@ MAX_PER_BATCH_DEFAULT = 1_000_000
 TRIGGER_INTERVAL_DEFAULT_S = 10.0
 # How often the driver looks whether it was told to stop, or the query ended.
 _STOP_POLL_S = 0.25
+
+
+class FollowError(QmqError):
+    """The streaming query failed (its error is in the text)."""
 
 
 @dataclass(frozen=True)
@@ -154,12 +158,19 @@ class Follower:
                     if not query.isActive:
                         break
             finally:
-                with self._batch_lock:  # the micro-batch under way finishes first
-                    self.stop.set()
-                    query.stop()
+                # a micro-batch that starts from here returns at once; the one under way
+                # commits first. The query stops outside the lock: stopping waits for the
+                # stream's thread, which may be calling the sink.
+                self.stop.set()
+                with self._batch_lock:
+                    pass
+                query.stop()
             error = query.exception()
             if error is not None:
-                raise RuntimeError(f"the continuous archive into {self.to} failed: {error}")
+                raise FollowError(
+                    f"the continuous archive into {self.to} stopped on an error: {error}; "
+                    "what was committed stays, and a new run goes on from there"
+                )
         return self.result
 
     # -- the sink, on the driver, once per micro-batch -----------------------------------------

@@ -123,11 +123,20 @@ class Ledger:
             raise ConfigError(f"{path} is not an archive manifest of version {_MANIFEST_VERSION}")
         return doc
 
+    def _read_kept(self, number: int) -> dict[str, Any] | None:
+        """Manifest ``number``, or None when another writer removed it (an old one) meanwhile."""
+        try:
+            return self._read(number)
+        except FileNotFoundError:
+            return None
+
     def load(self) -> ArchiveState:
         """Recover (roll forward, clean up), then the newest committed state."""
         numbers = self._numbers()
         for number in numbers:
-            self._roll_forward(number, self._read(number))
+            doc = self._read_kept(number)
+            if doc is not None:
+                self._roll_forward(number, doc)
         self.clean_workspaces()
         if numbers:
             doc = self._read(numbers[-1])
@@ -303,7 +312,7 @@ class Ledger:
         for number in self._numbers():
             if number > newest - MANIFESTS_KEPT:
                 break
-            doc = self._read(number)
-            if not (self.work / str(doc.get("workspace", ""))).is_dir():
+            doc = self._read_kept(number)
+            if doc is not None and not (self.work / str(doc.get("workspace", ""))).is_dir():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.manifests / _manifest_name(number))
