@@ -17,14 +17,16 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from followhelpers import FollowProcess, committed_offsets
 from pyspark.sql import SparkSession
 from sparkcluster import SparkCluster, running_spark_cluster
 from sparkhelpers import send_messages
 
+from qmq.spark.archive import run_archive
 from qmq.testing import ReadyProcess, running_standalone
 from qmq.testing.processes import qmq_argv
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.spark_cluster, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.spark_cluster, pytest.mark.timeout(900)]
 
 _COMMAND_TIMEOUT_S = 300
 SUBJECTS = ("cluster.orders", "cluster.refunds", "cluster.audit")
@@ -151,3 +153,23 @@ def test_archive_report_and_query_on_the_cluster_equal_the_local_run(
     apps = [a["name"] for a in cluster.status()["completedapps"]]
     for name in ("qmq archive", "qmq report", "qmq query"):
         assert name in apps, apps
+
+
+def test_the_continuous_archive_on_the_cluster_equals_a_local_batch_archive(
+    cluster: SparkCluster, server: ReadyProcess, sent: Sent, spark: SparkSession, tmp_path: Path
+) -> None:
+    """A stream through the meta server, read by the cluster's executors, micro-batch by micro-batch."""
+    meta = server.meta_server
+    followed = tmp_path / "followed"
+    args = ("--trigger-interval", "1s", *cluster.conf_args())
+    follow = FollowProcess(followed, ("--meta-server", meta), args, env=cluster.env())
+    follow.wait_for(lambda: len(follow.lines) > 0, "a first micro-batch")
+    late = send_messages(meta, "cluster.late", 40)  # sent while it runs
+    want = {("broker-1", s): len(ids) for s, ids in sent.ids.items()} | {("broker-1", "cluster.late"): len(late)}
+    follow.wait_for(lambda: committed_offsets(followed) == want, f"commit of {want}")
+    assert follow.terminate() == 0, follow.stderr()
+    assert sum(line["messages"] for line in follow.lines) == sum(want.values())
+    here = tmp_path / "local"
+    run_archive(spark, {"meta_server": meta}, here)
+    assert archived_rows(spark, followed) == archived_rows(spark, here)
+    assert "qmq archive --follow" in [a["name"] for a in cluster.status()["completedapps"]]
