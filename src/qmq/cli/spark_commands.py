@@ -119,10 +119,12 @@ def _short(value: object) -> str:
 )
 @spark_master_option
 @spark_conf_option
-@json_option(
-    "document",
-    "what was archived: {archive, messages, subjects, per_subject, dead_letters, groups, skipped, seconds}; "
-    "with --follow, one JSON line per micro-batch instead: "
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="print what was archived as one JSON document: {archive, messages, subjects, per_subject, "
+    "dead_letters, groups, skipped, seconds}; with --follow, a JSON line per micro-batch: "
     "{batch, manifest, messages, subjects, per_subject, lag, groups, dead_letters, seconds}",
 )
 def archive(
