@@ -129,7 +129,7 @@ def test_the_commands_print_summaries_and_json(
     from qmq.cli.main import cli
 
     @contextmanager
-    def test_session(master: str, app: str) -> Iterator[SparkSession]:
+    def test_session(master: str, app: str, conf: dict[str, str] | None = None) -> Iterator[SparkSession]:
         yield spark  # the suite's session, not stopped by the command
 
     monkeypatch.setattr(spark_commands, "_session", test_session)

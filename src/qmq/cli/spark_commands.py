@@ -37,8 +37,28 @@ spark_master_option = click.option(
 )
 
 
+def _conf_pair(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for value in values:
+        key, sep, text = value.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE, e.g. spark.executor.memory=2g")
+        out[key.strip()] = text
+    return out
+
+
+spark_conf_option = click.option(
+    "--spark-conf",
+    "spark_conf",
+    multiple=True,
+    metavar="KEY=VALUE",
+    callback=_conf_pair,
+    help="a Spark setting for this job, as spark-submit's --conf (repeatable), e.g. spark.executor.memory=2g",
+)
+
+
 @contextmanager
-def _session(master: str, app: str) -> Iterator[SparkSession]:
+def _session(master: str, app: str, conf: dict[str, str] | None = None) -> Iterator[SparkSession]:
     try:
         from qmq.spark.session import build_session
     except ImportError as exc:
@@ -47,7 +67,7 @@ def _session(master: str, app: str) -> Iterator[SparkSession]:
         ) from None
     console = Console(stderr=True)
     with console.status(f"starting Spark ({master})"):
-        spark = build_session(master, app_name=f"qmq {app}")
+        spark = build_session(master, app_name=f"qmq {app}", conf=conf)
     try:
         yield spark
     finally:
@@ -78,27 +98,59 @@ def _short(value: object) -> str:
 )
 @click.option("--broker-group", default=None, metavar="NAME", help="broker group named in rows read from --data-dir")
 @click.option("--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path), help="archive directory")
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="keep archiving as messages arrive (a Spark stream, one commit per micro-batch) until Ctrl-C or SIGTERM",
+)
+@click.option(
+    "--trigger-interval",
+    default="10s",
+    show_default=True,
+    metavar="DURATION",
+    help="with --follow: how often a micro-batch starts (10s, 500ms, 2m)",
+)
+@click.option(
+    "--max-per-batch",
+    default=1_000_000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="with --follow: most messages one micro-batch archives",
+)
 @spark_master_option
-@json_option(
-    "document",
-    "what was archived: {archive, messages, subjects, per_subject, dead_letters, groups, skipped, seconds}",
+@spark_conf_option
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="print what was archived as one JSON document: {archive, messages, subjects, per_subject, "
+    "dead_letters, groups, skipped, seconds}; with --follow, a JSON line per micro-batch: "
+    "{batch, manifest, messages, subjects, per_subject, lag, groups, dead_letters, seconds}",
 )
 def archive(
     meta_server: str | None,
     data_dir: Path | None,
     broker_group: str | None,
     to: Path,
+    follow: bool,
+    trigger_interval: str,
+    max_per_batch: int,
     spark_master: str,
+    spark_conf: dict[str, str],
     as_json: bool,
 ) -> None:
     """Export stored messages to Parquet, partitioned by subject and date; a re-run adds only what is new.
 
     Also records each consumer group's lag and the new dead letters (for `qmq report`).
+    With --follow it keeps the archive up to date as messages arrive, a line per micro-batch.
     """
     from qmq.spark.archive import run_archive, source_options
 
     source = source_options(meta_server, str(data_dir) if data_dir else None, broker_group)
-    with _session(spark_master, "archive") as spark, _progress(spark, f"archiving into {to}") as bar:
+    if follow:
+        _follow(source, to, trigger_interval, max_per_batch, spark_master, spark_conf, as_json)
+        return
+    with _session(spark_master, "archive", spark_conf) as spark, _progress(spark, f"archiving into {to}") as bar:
         result = run_archive(spark, source, to, on_plan=lambda n: bar.describe(f"archiving {n:,} messages"))
     if as_json:
         echo_json(
@@ -130,6 +182,89 @@ def archive(
     )
 
 
+def _follow(
+    source: dict[str, str],
+    to: Path,
+    trigger_interval: str,
+    max_per_batch: int,
+    spark_master: str,
+    spark_conf: dict[str, str],
+    as_json: bool,
+) -> None:
+    """``qmq archive --follow``: runs until SIGINT or SIGTERM, then exits 0 after the micro-batch under way."""
+    import signal
+    import threading
+
+    from qmq.spark.follow import BatchReport, Follower, parse_interval
+
+    interval_s = parse_interval(trigger_interval)
+    err = Console(stderr=True, soft_wrap=True, highlight=False)
+    out = stdout_console()
+
+    def line(report: BatchReport) -> None:
+        if as_json:
+            echo_json(
+                {
+                    "batch": report.batch,
+                    "manifest": report.manifest,
+                    "messages": report.messages,
+                    "subjects": report.subjects,
+                    "per_subject": dict(sorted(report.per_subject.items())),
+                    "lag": report.lag,
+                    "groups": report.groups,
+                    "dead_letters": report.dead_letters,
+                    "seconds": report.seconds,
+                }
+            )
+            return
+        extra = ""
+        if report.groups or report.dead_letters:
+            extra = f"; lag of {report.groups} consumer groups, {report.dead_letters} new dead letters"
+        out.print(
+            f"batch {report.batch}: {report.messages:,} messages of {report.subjects} subject(s) "
+            f"in {report.seconds:.1f} s; {report.lag:,} behind the brokers{extra}",
+            markup=False,
+            highlight=False,
+        )
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            err.print(f"{signal.Signals(signum).name}: stopping after the micro-batch under way", markup=False)
+        stop.set()
+
+    # before Spark starts (a signal while it starts stops the run before its first micro-batch),
+    # and SIGINT again after: PySpark's SparkContext puts its own (cancel every job) in place
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with _session(spark_master, "archive --follow", spark_conf) as spark:
+            signal.signal(signal.SIGINT, on_signal)
+            follower = Follower(
+                spark,
+                source,
+                to,
+                trigger_interval_s=interval_s,
+                max_per_batch=max_per_batch,
+                on_batch=line,
+                stop=stop,
+            )
+            err.print(
+                f"archiving into {to} as messages arrive, a micro-batch every {interval_s:g} s; "
+                "Ctrl-C or SIGTERM stops it",
+                markup=False,
+            )
+            result = follower.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    err.print(
+        f"stopped: {result.messages:,} messages of {len(result.per_subject)} subjects "
+        f"in {result.batches} micro-batches",
+        markup=False,
+    )
+
+
 def _prop(value: str) -> tuple[str, str]:
     key, sep, text = value.partition("=")
     if not sep or not key:
@@ -158,6 +293,7 @@ _QUERY_COLUMNS = ("subject", "sequence", "message_id", "created_at", "stored_at"
 @click.option("--limit", default=100, show_default=True, help="most messages to show (with --subject)")
 @json_option("lines", "each message found: {" + ", ".join(_QUERY_COLUMNS) + "}")
 @spark_master_option
+@spark_conf_option
 def query(
     archive_dir: Path,
     message_id: str | None,
@@ -168,6 +304,7 @@ def query(
     limit: int,
     as_json: bool,
     spark_master: str,
+    spark_conf: dict[str, str],
 ) -> None:
     """Find messages in an archive: by --message-id, or by --subject with times and properties."""
     from qmq.spark.query import SubjectQuery, body_text, find_by_id, find_by_subject, json_ready
@@ -177,7 +314,7 @@ def query(
     if message_id is not None and (since or until or props):
         raise click.UsageError("--since, --until and --property go with --subject")
     pairs = tuple(_prop(p) for p in props)
-    with _session(spark_master, "query") as spark:
+    with _session(spark_master, "query", spark_conf) as spark:
         t0 = time.monotonic()
         with _progress(spark, "searching the archive"):
             if message_id is not None:
@@ -219,6 +356,7 @@ def query(
 @click.option("--broker-group", default="broker-1", show_default=True, help="the broker group of --data-dir")
 @json_option("document", "the trace: {message_id, stored, deliveries, dead, notes}")
 @spark_master_option
+@spark_conf_option
 def trace(
     message_id: str,
     data_dir: Path | None,
@@ -227,6 +365,7 @@ def trace(
     broker_group: str,
     as_json: bool,
     spark_master: str,
+    spark_conf: dict[str, str],
 ) -> None:
     """The life of MESSAGE_ID: stored, pulled by which consumer of which group, acked or retried
     (attempts, errors), dead-lettered.
@@ -236,7 +375,7 @@ def trace(
     """
     from qmq.spark.trace import trace as run_trace
 
-    with _session(spark_master, "trace") as spark, _progress(spark, f"tracing {message_id}"):
+    with _session(spark_master, "trace", spark_conf) as spark, _progress(spark, f"tracing {message_id}"):
         result = run_trace(
             spark,
             message_id,
@@ -283,12 +422,13 @@ def trace(
     "--out", type=click.Path(file_okay=False, path_type=Path), help="where to write [default: ARCHIVE/_report]"
 )
 @spark_master_option
+@spark_conf_option
 @json_option("document", "{written_to, rows: [{subject, date, messages, bytes, retries, retry_rate, ...}]}")
-def report(archive_dir: Path, out: Path | None, spark_master: str, as_json: bool) -> None:
+def report(archive_dir: Path, out: Path | None, spark_master: str, spark_conf: dict[str, str], as_json: bool) -> None:
     """Per subject and day: messages, bytes, retry and dead-letter rates, consumer lag (Parquet and a table)."""
     from qmq.spark.report import COLUMNS, run_report
 
-    with _session(spark_master, "report") as spark, _progress(spark, "building the report"):
+    with _session(spark_master, "report", spark_conf) as spark, _progress(spark, "building the report"):
         target, rows = run_report(spark, archive_dir, out)
     if as_json:
         echo_json({"written_to": str(target), "rows": rows})

@@ -6,15 +6,14 @@ Layout of an archive directory::
                                                          but subject; date is created_at's UTC date)
     _groups/part-<run ms>.parquet    consumer groups' lag at each run (subject, group, …)
     _dead/part-<run ms>.parquet      dead letters found since the last run
-    _qmq_archive.json                what the last successful run reached (below)
+    _qmq/manifests/<n>.json          the bookkeeping: one manifest per committed batch
+    _qmq/work/                       batches being written (ledger.py)
 
-``_qmq_archive.json`` holds, per (broker group, subject), the next sequence to archive and,
-per dead-letter subject, the last letter archived. A run reads from there to what is
-stored when it starts, appends, and only then rewrites the file (write to a temporary file,
-rename), so a run that fails adds nothing the next run will not add again… except the
-Parquet files it wrote before failing: Spark commits a write job as a whole, so those are
-only the rare files of a job that failed while committing. Names starting with ``_`` are
-hidden from ``spark.read.parquet(archive)``.
+A run reads from where the newest manifest says to what is stored when it starts, writes
+its files into a workspace and commits them with a manifest (``ledger.py``): a run that
+stops at any point adds nothing, or everything, and the next run goes on from the last
+commit. Names starting with ``_`` are hidden from ``spark.read.parquet(archive)``.
+``qmq archive --follow`` (``follow.py``) commits the same way, once per micro-batch.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +40,8 @@ from qmq.common.naming import parse_internal_subject
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.message import decode_message, decode_properties
-from qmq.spark.offsets import Positions, SourceOptions, from_json, parse_options, to_json
+from qmq.spark.ledger import ArchiveState, ConflictError, Ledger, Workspace
+from qmq.spark.offsets import Positions, SourceOptions, parse_options, to_json
 from qmq.spark.records import property_text
 from qmq.spark.sources import broker_groups, fetch_bounds
 from qmq.store.dead_letters import ERROR_PROPERTY
@@ -50,10 +49,10 @@ from qmq.store.reader import StoreReader
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "_qmq_archive.json"
 GROUPS_DIR = "_groups"
 DEAD_DIR = "_dead"
-_STATE_VERSION = 1
+# Runs of one batch when another writer commits first (each reads the new state again).
+COMMIT_TRIES = 3
 _DEAD_PAGE = 1000
 _REQUEST_TIMEOUT_S = 60.0
 
@@ -80,36 +79,6 @@ DEAD_SCHEMA = pa.schema(
         ("dead_at", pa.timestamp("us", tz="UTC")),
     ]
 )
-
-
-@dataclass
-class ArchiveState:
-    offsets: Positions = field(default_factory=dict)
-    dead: dict[str, int] = field(default_factory=dict)  # "<broker group>/<dead subject>" -> last letter
-
-    @classmethod
-    def load(cls, archive: Path) -> ArchiveState:
-        path = archive / STATE_FILE
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return cls()
-        except ValueError as exc:
-            raise ConfigError(
-                f"{path} is not valid JSON ({exc}); restore it, or archive into a new directory"
-            ) from None
-        if not isinstance(doc, dict) or doc.get("version") != _STATE_VERSION:
-            raise ConfigError(f"{path} is not an archive state file of version {_STATE_VERSION}; use a new directory")
-        return cls(from_json(doc.get("offsets", {})), {str(k): int(v) for k, v in doc.get("dead", {}).items()})
-
-    def save(self, archive: Path) -> None:
-        doc = {"version": _STATE_VERSION, "offsets": to_json(self.offsets), "dead": dict(sorted(self.dead.items()))}
-        tmp = archive / (STATE_FILE + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, archive / STATE_FILE)
 
 
 @dataclass
@@ -158,58 +127,77 @@ def run_archive(
     to: Path,
     on_plan: Callable[[int], None] | None = None,
 ) -> ArchiveResult:
-    """Archive what is new since the last run into ``to``; see the module docstring."""
+    """Archive what is new since the last commit into ``to``; see the module docstring."""
     t0 = time.monotonic()
     to.mkdir(parents=True, exist_ok=True)
-    state = ArchiveState.load(to)
+    ledger = Ledger(to)
     options = parse_options({**source, "subscribePattern": ".*"}, streaming=False)
-    found = fetch_bounds(options)
-    start, end, skipped = plan_run(state, found.bounds)
-    todo = {p: end[p] - start[p] for p in end if end[p] > start[p]}
-    if on_plan is not None:
-        on_plan(sum(todo.values()))
-    if todo:
-        df = (
-            spark.read.format("qmq")
-            .options(**source)
-            .option("subscribePattern", ".*")
-            .option("startingOffsets", json.dumps(to_json(start)))
-            .option("endingOffsets", json.dumps(to_json(end)))
-            .option("failOnDataLoss", "false")
-            .load()
+    for attempt in range(1, COMMIT_TRIES + 1):
+        state = ledger.load()
+        found = fetch_bounds(options)
+        start, end, skipped = plan_run(state, found.bounds)
+        todo = {p: end[p] - start[p] for p in end if end[p] > start[p]}
+        if on_plan is not None:
+            on_plan(sum(todo.values()))
+        with ledger.workspace() as ws:
+            if todo:
+                df = (
+                    spark.read.format("qmq")
+                    .options(**source)
+                    .option("subscribePattern", ".*")
+                    .option("startingOffsets", json.dumps(to_json(start)))
+                    .option("endingOffsets", json.dumps(to_json(end)))
+                    .option("failOnDataLoss", "false")
+                    .load()
+                )
+                with_date(df).write.mode("append").partitionBy("subject", "date").parquet(str(ws.path))
+            after = ArchiveState(dict(state.offsets), dict(state.dead), state.number)
+            groups, dead = stage_lag_and_dead(options, found.bounds, after, ws)
+            after.offsets.update(end)
+            try:
+                ledger.commit(state, after, ws, {"writer": "batch", "messages": sum(todo.values())})
+            except ConflictError:
+                if attempt == COMMIT_TRIES:
+                    raise
+                log.info("another archive run committed first; planning this run again")
+                continue
+        per_subject: dict[str, int] = {}
+        for (_g, subject), n in todo.items():
+            per_subject[subject] = per_subject.get(subject, 0) + n
+        return ArchiveResult(
+            messages=sum(todo.values()),
+            skipped=skipped,
+            subjects=len(per_subject),
+            dead_letters=dead,
+            groups=groups,
+            seconds=round(time.monotonic() - t0, 3),
+            per_subject=per_subject,
         )
-        with_date(df).write.mode("append").partitionBy("subject", "date").parquet(str(to))
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def stage_lag_and_dead(
+    options: SourceOptions, bounds: dict[tuple[str, str], tuple[int, int]], state: ArchiveState, ws: Workspace
+) -> tuple[int, int]:
+    """Write the consumer groups' lag now and the dead letters new since ``state`` into the
+    workspace, and note the letters in ``state``; how many rows of each."""
     run_ms = time.time_ns() // 1_000_000
-    groups = _lag_rows(options, found.bounds, run_ms)
+    groups = _lag_rows(options, bounds, run_ms)
     dead = _dead_rows(options, state)
     if groups:
-        _write_table(to / GROUPS_DIR, run_ms, pa.Table.from_pylist(groups, GROUPS_SCHEMA))
+        _write_table(ws.path / GROUPS_DIR, run_ms, pa.Table.from_pylist(groups, GROUPS_SCHEMA))
     if dead:
-        _write_table(to / DEAD_DIR, run_ms, pa.Table.from_pylist(dead, DEAD_SCHEMA))
+        _write_table(ws.path / DEAD_DIR, run_ms, pa.Table.from_pylist(dead, DEAD_SCHEMA))
     for row in dead:
         key = f"{row['broker_group']}/%DEAD_RETRY%{row['subject']}%{row['consumer_group']}"
         state.dead[key] = max(state.dead.get(key, -1), int(row["letter"]))
-    state.offsets.update(end)
-    state.save(to)
-    per_subject: dict[str, int] = {}
-    for (_g, subject), n in todo.items():
-        per_subject[subject] = per_subject.get(subject, 0) + n
-    return ArchiveResult(
-        messages=sum(todo.values()),
-        skipped=skipped,
-        subjects=len(per_subject),
-        dead_letters=len(dead),
-        groups=len(groups),
-        seconds=round(time.monotonic() - t0, 3),
-        per_subject=per_subject,
-    )
+    return len(groups), len(dead)
 
 
 def _write_table(directory: Path, run_ms: int, table: pa.Table) -> None:
+    """Into a workspace: the manifest's commit makes it part of the archive."""
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".part-{run_ms}.parquet.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, directory / f"part-{run_ms}.parquet")
+    pq.write_table(table, directory / f"part-{run_ms}.parquet")
 
 
 def _ts(ms: int) -> Any:
