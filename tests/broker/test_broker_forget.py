@@ -87,4 +87,3 @@ async def test_a_slave_moves_nothing_to_retry_on_its_own(broker: BrokerServer) -
     broker.role = "master"
     await broker._expire_silent()
     assert broker.store.mlog.end > end  # the master does move it
-

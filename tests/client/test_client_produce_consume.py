@@ -263,6 +263,7 @@ async def test_the_acks_of_many_subjects_go_in_one_request(shared_standalone: Re
     async with Consumer(app_code="billing", meta_server=meta_server, ack_flush_ms=60_000) as consumer:
         for s in subjects:
             await pull_until(consumer.pull_consumer(s, group, start_from="earliest"), 1)  # acked, not yet sent
+
         def requests(command: str) -> float:
             return metric_value(broker_http, "qmq_requests_total", command=command)
 

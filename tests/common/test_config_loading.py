@@ -129,8 +129,16 @@ def test_literal_choices_are_listed() -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(True, True), (False, False), ("true", True), ("FALSE", False), ("Yes", True), ("no", False),
-     ("1", True), ("0", False)],
+    [
+        (True, True),
+        (False, False),
+        ("true", True),
+        ("FALSE", False),
+        ("Yes", True),
+        ("no", False),
+        ("1", True),
+        ("0", False),
+    ],
 )
 def test_bools_and_bool_strings(value: object, expected: bool) -> None:
     assert build_config(Toy, {"verbose": value}).verbose is expected

@@ -96,7 +96,7 @@ def test_a_broker_command_is_refused_naming_what_a_delay_server_takes(context: C
             2,
             {
                 "error": "command code 3 is not served by a delay server (group delay-9); it takes PING, "
-                "SEND_MESSAGES and DELAY_STATS: pull from a broker"
+                "SEND_MESSAGES, DELAY_STATS, CANCEL_DELAY and DELAY_LIST: pull from a broker"
             },
             Status.UNKNOWN_COMMAND,
         )

@@ -105,7 +105,7 @@ def test_a_schedule_alone_takes_records_counts_them_and_knows_what_is_finished(t
     assert schedule.pending_total == 3
     assert schedule.created_bucket
     written = schedule.flush_buffers()
-    assert written == len(records) + 3 * 20  # records and index entries
+    assert written == len(records) + 3 * 20 + 3 * 4  # records, index entries and id-file entries
     assert schedule.buffered_bytes == 0
     paths = schedule.take_written_paths()
     assert schedule.directory in paths  # new bucket directories are fsynced with the checkpoint

@@ -214,10 +214,7 @@ def _without(name: str) -> dict[str, Any]:
         (b"\xff\xfe", "body", "not JSON"),
         (b"[" * 5000 + b"]" * 5000, "body", "nests JSON arrays or objects too deeply"),
         (b"[1, 2]", "body", "must be a JSON object, got list"),
-        *[
-            (_without(name), name, f"{name} is missing")
-            for name in ("role", "group", "address", "http", "pid")
-        ],
+        *[(_without(name), name, f"{name} is missing") for name in ("role", "group", "address", "http", "pid")],
         (_body(role="consumer"), "role", "role 'consumer' is not allowed; use one of 'broker', 'delay'"),
         (_body(group=""), "group", "group must not be empty"),
         (_body(group="a/b"), "group", "group 'a/b' contains '/'"),
@@ -361,9 +358,7 @@ def busy_port() -> Iterator[int]:
 
 async def test_start_fails_clearly_when_the_port_is_in_use(tmp_path: Path, busy_port: int) -> None:
     s = MetaServer(_config(tmp_path / "meta", port=busy_port))
-    with pytest.raises(
-        MetaStartupError, match=rf"cannot listen on 127.0.0.1:{busy_port}: the port is in use"
-    ):
+    with pytest.raises(MetaStartupError, match=rf"cannot listen on 127.0.0.1:{busy_port}: the port is in use"):
         await s.start()
     await s.stop()
 

@@ -81,12 +81,8 @@ def test_a_group_is_unavailable_once_its_master_is_silent_past_the_timeout(
     reg.register(_broker("b1", 20881))
     reg.register(_broker("b2", 20891))
     assert reg.groups("broker") == [
-        GroupView(
-            role="broker", group="b1", address="127.0.0.1:20881", http="127.0.0.1:21881", state="available"
-        ),
-        GroupView(
-            role="broker", group="b2", address="127.0.0.1:20891", http="127.0.0.1:21891", state="available"
-        ),
+        GroupView(role="broker", group="b1", address="127.0.0.1:20881", http="127.0.0.1:21881", state="available"),
+        GroupView(role="broker", group="b2", address="127.0.0.1:20891", http="127.0.0.1:21891", state="available"),
     ]
 
     clock.advance(TIMEOUT_MS / 1000)
@@ -101,9 +97,7 @@ def test_a_group_is_unavailable_once_its_master_is_silent_past_the_timeout(
     assert reg.groups("delay") == []
 
 
-def test_a_group_is_shown_by_its_latest_master_and_never_by_a_slave(
-    store: MetaStore, clock: ManualClock
-) -> None:
+def test_a_group_is_shown_by_its_latest_master_and_never_by_a_slave(store: MetaStore, clock: ManualClock) -> None:
     reg = _registry(store, clock)
     reg.register(_broker("b1", 20881))
     reg.register(_broker("b1", 20882, role_in_group="slave"))
@@ -183,9 +177,7 @@ def test_a_subject_short_of_groups_gains_more_as_they_appear_and_never_loses_one
 
 def test_delay_groups_are_listed_but_never_routed_to(store: MetaStore, clock: ManualClock) -> None:
     reg = _registry(store, clock)
-    reg.register(
-        Registration(role="delay", group="d1", address="127.0.0.1:30881", http="127.0.0.1:31881", pid=7)
-    )
+    reg.register(Registration(role="delay", group="d1", address="127.0.0.1:30881", http="127.0.0.1:31881", pid=7))
     assert [g.group for g in reg.groups("delay")] == ["d1"]
     assert reg.routes(["s"]) == {"s": []}
 

@@ -73,8 +73,16 @@ def _fresh_venv(path: Path) -> Path:
 
 def _pip_install(bin_dir: Path, requirement: str) -> None:
     _check(
-        [bin_dir / "python", "-m", "pip", "install", "--disable-pip-version-check", "-c", ROOT / "constraints.txt",
-         requirement],
+        [
+            bin_dir / "python",
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-c",
+            ROOT / "constraints.txt",
+            requirement,
+        ],
         _PIP_S,
         bin_dir.parent,
     )
@@ -157,8 +165,17 @@ def test_each_command_names_its_missing_extra_and_all_extras_run_the_demo(wheel:
     _pip_install(bin_dir, f"{wheel}[all]")
     data_dir = tmp_path / "qmq-data"
     proc = start_ready(
-        [str(bin_dir / "qmq"), "standalone", "--data-dir", str(data_dir), "--meta-port", "0", "--broker-port", "0",
-         "--demo"]
+        [
+            str(bin_dir / "qmq"),
+            "standalone",
+            "--data-dir",
+            str(data_dir),
+            "--meta-port",
+            "0",
+            "--broker-port",
+            "0",
+            "--demo",
+        ]
     )
     try:
         assert proc.proc.stdout is not None

@@ -122,9 +122,7 @@ def test_round_trip_keeps_every_field(frame: Frame) -> None:
 
 def test_request_and_response_keep_their_own_flag_status_and_code() -> None:
     request = Frame(RequestCode.SEND_MESSAGES, 42, {"a": 1}, b"body")
-    response = Frame(
-        RequestCode.SEND_MESSAGES, 42, {"error": "x"}, b"", status=Status.DISK_FULL, response=True
-    )
+    response = Frame(RequestCode.SEND_MESSAGES, 42, {"error": "x"}, b"", status=Status.DISK_FULL, response=True)
 
     frames = decode_chunks([encode_frame(request) + encode_frame(response)], LARGE)
 

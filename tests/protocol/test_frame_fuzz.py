@@ -49,12 +49,8 @@ def check_stream(data: bytes) -> Outcome:
     return whole
 
 
-scalars = (
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8)
-)
-header_values = (
-    scalars | st.lists(scalars, max_size=3) | st.dictionaries(st.text(max_size=4), scalars, max_size=2)
-)
+scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8)
+header_values = scalars | st.lists(scalars, max_size=3) | st.dictionaries(st.text(max_size=4), scalars, max_size=2)
 frames = st.builds(
     Frame,
     code=st.integers(0, 0xFFFF),

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from qmq.common.errors import (
+    AuthError,
     BrokerError,
     InvalidMessageError,
     InvalidSubjectError,
     MessageTooLargeError,
 )
 from qmq.protocol.codes import RETRIABLE_STATUSES, RequestCode, Status
-from qmq.protocol.errors import error_for_status, status_name
+from qmq.protocol.errors import AUTH_STATUSES, auth_error, error_for_status, status_name
 
 MESSAGE_STATUSES = {
     Status.MESSAGE_TOO_LARGE: MessageTooLargeError,
@@ -19,7 +20,9 @@ MESSAGE_STATUSES = {
     Status.INVALID_MESSAGE: InvalidMessageError,
 }
 OTHER_REFUSALS = [
-    s for s in Status if s != Status.OK and s not in RETRIABLE_STATUSES and s not in MESSAGE_STATUSES
+    s
+    for s in Status
+    if s != Status.OK and s not in RETRIABLE_STATUSES and s not in MESSAGE_STATUSES and s not in AUTH_STATUSES
 ]
 
 
@@ -39,6 +42,16 @@ def test_other_refusals_are_broker_errors_that_are_not_retriable(status: Status)
     assert isinstance(err, BrokerError)
     assert (err.status, err.status_name, err.retriable) == (status, status.name, False)
     assert str(err) == f"{status.name}: why"
+
+
+@pytest.mark.parametrize("status", sorted(AUTH_STATUSES))
+def test_auth_statuses_are_auth_errors_never_retried(status: Status) -> None:
+    err = error_for_status(status, "app 'shop' may not produce to 'x'")
+
+    assert type(err) is AuthError
+    assert not err.retriable
+    named = auth_error({"error": "no", "app": "shop", "action": "produce", "subject": "x"})
+    assert (named.app_code, named.action, named.subject, str(named)) == ("shop", "produce", "x", "no")
 
 
 @pytest.mark.parametrize("status", sorted(RETRIABLE_STATUSES))

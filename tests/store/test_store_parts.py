@@ -249,7 +249,7 @@ def test_indexed_records_are_pulled_through_the_parts_alone(tmp_path: Path) -> N
     st.visible_seq = st.next_seq
 
     plog = ProgressLog(ActionLog(tmp_path / "action"), Progress(), dead.remove)
-    pulls = Pulls(mlog, plog, bytes_max=1 << 20)
+    pulls = Pulls(mlog, plog, bytes_max=1 << 20, ordered_lease_ms=20_000)
     gp = plog.create_group("s", "g", 0)
     got = pulls.pull(st, gp, gp.consumer("c"), "session", 10, None)
     assert got is not None

@@ -6,6 +6,7 @@ all.
 """
 
 from qmq.client.consumer import Consumer, PullConsumer
+from qmq.client.delays import PendingDelay
 from qmq.client.message import Message
 from qmq.client.producer import Producer
 from qmq.client.received import Batch, ReceivedMessage
@@ -13,5 +14,14 @@ from qmq.client.sender import ProducerStats
 from qmq.common import errors as _errors
 from qmq.common.errors import *  # noqa: F403 (every error class: errors.__all__)
 
-__all__ = ["Batch", "Consumer", "Message", "Producer", "ProducerStats", "PullConsumer", "ReceivedMessage"]
+__all__ = [
+    "Batch",
+    "Consumer",
+    "Message",
+    "PendingDelay",
+    "Producer",
+    "ProducerStats",
+    "PullConsumer",
+    "ReceivedMessage",
+]
 __all__ += _errors.__all__

@@ -256,8 +256,13 @@ class Handlers(RoleHandlers):
         ack_ranges = get_ranges(header, "ack", required=False)
         tag_filter = self._tag_filter(*get_tags(header, limits.tags_max))
         max_retries = get_int(header, "max_retries", 0, 1000, default=DEFAULT_MAX_RETRIES)
+        ordered = get_bool(header, "ordered")
+        if ordered and tag_filter is not None:
+            raise BadRequest("an ordered pull cannot filter by tags; pull without 'tags', or without 'ordered'")
         gp, cp = self._group_and_consumer(frame, create=True)
         gp.max_retries = max_retries
+        if ordered:
+            gp.ordered = True  # from now on every consumer of the group is served by slot (ordered_take)
         if ack_ranges:
             self._ack(gp, cp, ack_ranges)
         code, request_id = frame.code, frame.request_id
@@ -288,6 +293,8 @@ class Handlers(RoleHandlers):
             conn.respond(code, request_id, header, result.chunks)
 
         result = self.store.pull(gp, cp, session, max_n, tag_filter)
+        if self.store.dispatched:
+            self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
         if result is not None or timeout_ms == 0 or self.broker.stopping:
             answer(result)
             return

@@ -4,6 +4,10 @@ A parked pull is retried when a flush makes messages of its subject visible, and
 empty when its timeout passes or its connection goes. No task per pull: a timer handle and
 an entry in a per-subject list. A retry that fails (a read error) answers that pull with the
 error; the others, and the flush that woke them, go on.
+
+A pull of an ordered group may hand messages to other consumers of the group (the owners of
+their slots, ``store/ordered_take.py``): their parked pulls are then tried again, at most
+``_ORDERED_PASSES_MAX`` rounds a notification.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Protocol
 from qmq.store.broker_store import BrokerStore, PullResult
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.tags import TagFilter
+
+_ORDERED_PASSES_MAX = 3
 
 
 class PullAnswer(Protocol):
@@ -56,6 +62,7 @@ class ParkedPulls:
 
     def park(self, parked: ParkedPull, timeout_ms: int) -> None:
         self._by_subject.setdefault(parked.gp.subject, []).append(parked)
+        parked.cp.parked += 1
         parked.timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, self._expire, parked)
         self._count += 1
         self.on_count(self._count)
@@ -64,6 +71,7 @@ class ParkedPulls:
         lst = self._by_subject.get(parked.gp.subject)
         if lst is not None and parked in lst:
             lst.remove(parked)
+            parked.cp.parked -= 1
             if not lst:
                 del self._by_subject[parked.gp.subject]
             self._count -= 1
@@ -80,19 +88,33 @@ class ParkedPulls:
     def notify(self, subjects: set[str]) -> None:
         """New messages became visible on ``subjects``: answer the parked pulls that can now get some."""
         for subject in subjects:
-            lst = self._by_subject.get(subject)
-            if not lst:
+            for _ in range(_ORDERED_PASSES_MAX):
+                if not self._pass(subject):
+                    break
+
+    def notify_soon(self, subject: str) -> None:
+        """A pull handed messages to other consumers of an ordered group: try their parked pulls."""
+        if subject in self._by_subject:
+            asyncio.get_running_loop().call_soon(self.notify, {subject})
+
+    def _pass(self, subject: str) -> bool:
+        """Try the parked pulls of ``subject`` once; True if one handed messages to other consumers."""
+        lst = self._by_subject.get(subject)
+        if not lst:
+            return False
+        dispatched = False
+        for parked in list(lst):
+            try:
+                result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n, parked.tag_filter)
+            except Exception as exc:  # fails this pull only, as a handler's failure would
+                self._remove(parked)
+                parked.fail(exc)
                 continue
-            for parked in list(lst):
-                try:
-                    result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n, parked.tag_filter)
-                except Exception as exc:  # fails this pull only, as a handler's failure would
-                    self._remove(parked)
-                    parked.fail(exc)
-                    continue
-                if result is not None:
-                    self._remove(parked)
-                    parked.answer(result)
+            dispatched = dispatched or self.store.dispatched
+            if result is not None:
+                self._remove(parked)
+                parked.answer(result)
+        return dispatched
 
     def drop_owner(self, owner: object) -> None:
         """The connection went: forget its parked pulls without answering."""

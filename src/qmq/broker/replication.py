@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
+from qmq.auth.handshake import ClientCredentials
 from qmq.client.connection import Connection
 from qmq.common.config import BrokerConfig
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
@@ -213,8 +214,10 @@ class Replicator:
         epoch: int,
         me: str,
         on_data: Callable[[set[str]], None],
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.store_of = store_of
+        self.credentials = credentials
         self.master = master
         self.epoch = epoch
         self.me = me
@@ -225,7 +228,7 @@ class Replicator:
         self._conn: Connection | None = None
 
     def start(self) -> None:
-        self._conn = Connection(self.master, connect_timeout_ms=_CONNECT_TIMEOUT_MS)
+        self._conn = Connection(self.master, connect_timeout_ms=_CONNECT_TIMEOUT_MS, credentials=self.credentials)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

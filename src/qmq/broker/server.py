@@ -193,7 +193,9 @@ class BrokerServer(FrameServer):
                 async with self.checkpointing:
                     rewind(self.store, message_offset, action_offset)
         self._set_epoch(epoch, "slave")
-        self.replicator = Replicator(lambda: self.store, master, epoch, self.address, lambda _subjects: None)
+        self.replicator = Replicator(
+            lambda: self.store, master, epoch, self.address, lambda _subjects: None, self.credentials()
+        )
         self.replicator.start()
         if self._registration is not None:
             self._registration.beat_now()

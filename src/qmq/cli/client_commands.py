@@ -94,10 +94,17 @@ def parse_at(text: str) -> datetime:
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="a tag (repeatable, at most 10)")
 @click.option("--body", "body_text", metavar="TEXT", help="the body, as UTF-8 text")
 @click.option("--body-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="the body, from a file")
-@click.option("--app-code", default="qmq-cli", show_default=True, help="the producer's application code")
+@click.option("--app-code", default=None, help="the producer's application code [default: qmq --app-code, or qmq-cli]")
 @click.option("--delay", "delay_text", metavar="DURATION", help="deliver after this long: 90s, 5m, 2h, 1d, or seconds")
 @click.option(
     "--at", "at_text", metavar="TIME", help="deliver at this ISO 8601 time with offset: 2026-12-24T18:00:00+08:00"
+)
+@click.option(
+    "--repeat-every", "repeat_text", metavar="DURATION", help="deliver copies this far apart (at least 1s): 90s, 5m, 1d"
+)
+@click.option("--repeat-times", type=click.IntRange(1, 10_000), help="with --repeat-every: this many copies")
+@click.option(
+    "--repeat-until", "until_text", metavar="TIME", help="with --repeat-every: copies until this ISO 8601 time"
 )
 def send(
     subject: str,
@@ -107,13 +114,19 @@ def send(
     tags: tuple[str, ...],
     body_text: str | None,
     body_file: Path | None,
-    app_code: str,
+    app_code: str | None,
     delay_text: str | None,
     at_text: str | None,
+    repeat_text: str | None,
+    repeat_times: int | None,
+    until_text: str | None,
 ) -> None:
     """Send one message to SUBJECT; `-` reads the body from standard input. Prints its id.
 
     With --delay or --at the message goes to a delay server and consumers receive it when due.
+    With --repeat-every and --repeat-times (or --repeat-until) it is delivered that many times,
+    the first copy one interval after the send (or at --delay/--at); cancel it with
+    `qmq cancel-delay ID`.
     """
     from qmq.client.sync import Producer
 
@@ -121,6 +134,16 @@ def send(
         raise click.UsageError("give the due time once: --delay or --at")
     delay_s = parse_duration_s(delay_text) if delay_text is not None else None
     at = parse_at(at_text) if at_text is not None else None
+    if (repeat_times is not None or until_text is not None) and repeat_text is None:
+        raise click.UsageError("--repeat-times and --repeat-until need --repeat-every")
+    if repeat_text is not None and (repeat_times is None) == (until_text is None):
+        raise click.UsageError("give --repeat-every one end: --repeat-times N or --repeat-until TIME")
+    repeat_s = parse_duration_s(repeat_text) if repeat_text is not None else None
+    try:
+        until = parse_at(until_text) if until_text is not None else None
+    except click.BadParameter as exc:
+        exc.param_hint = "--repeat-until"
+        raise
     if stdin_marker not in (None, "-"):
         raise click.BadParameter(f"{stdin_marker!r}: only '-' (read the body from stdin) may follow the subject")
     sources = [s for s in (body_text is not None, body_file is not None, stdin_marker == "-") if s]
@@ -135,7 +158,9 @@ def send(
     else:
         body = b""
     pairs = [_prop(p) for p in props]
-    with Producer(app_code=app_code, meta_server=meta_server) as producer:
+    from qmq.cli.auth_commands import cli_app_code
+
+    with Producer(app_code=app_code or cli_app_code("qmq-cli"), meta_server=meta_server) as producer:
         msg = producer.generate_message(subject)
         for key, value in pairs:
             msg.set_property(key, value)
@@ -146,6 +171,8 @@ def send(
             msg.set_delay(delay_s)
         elif at is not None:
             msg.set_deliver_at(at)
+        if repeat_s is not None:
+            msg.set_repeat(every=repeat_s, times=repeat_times, until=until)
         producer.send(msg)
     click.echo(msg.message_id)
 
@@ -221,7 +248,11 @@ def consume(
         )
     seen = 0
     idle_since = time.monotonic()
-    with Consumer(app_code="qmq-cli", meta_server=meta_server, consumer_id=consumer_id or None) as consumer:
+    from qmq.cli.auth_commands import cli_app_code
+
+    with Consumer(
+        app_code=cli_app_code("qmq-cli"), meta_server=meta_server, consumer_id=consumer_id or None
+    ) as consumer:
         pull = consumer.pull_consumer(subject, group=group, start_from=check_start_from(start_from))
         try:
             while count is None or seen < count:

@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import click
 
+from qmq.cli.auth_commands import cli_authorization
 from qmq.cli.client_commands import meta_server_option, meta_server_url
 from qmq.cli.cluster_launch import (
     CLUSTER_FILE,
@@ -150,8 +151,7 @@ def up(
         f"qmq ready meta_server={state.meta_server} meta_pid={meta.pid} "
         f"broker_groups={','.join(f'b{i}' for i in range(1, broker_groups + 1))} slaves_per_group={slaves} "
         f"delay_groups={','.join(f'd{i}' for i in range(1, delay_groups + 1)) or '-'} "
-        f"processes={len(state.members)} data_dir={state.data_dir}"
-        + (f" gateways={gateway_urls}" if gateways else "")
+        f"processes={len(state.members)} data_dir={state.data_dir}" + (f" gateways={gateway_urls}" if gateways else "")
     )
 
 
@@ -277,7 +277,11 @@ def promote(group: str, role: str, meta_server: str) -> None:
 def _http(url: str, body: object | None = None) -> tuple[int, Any]:
     """(status, decoded JSON answer) of a GET, or of a POST of ``body``; ClusterError when unreachable."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    authorization = cli_authorization()
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    request = urllib.request.Request(url, data=data, headers=headers)
     # Proxies from the environment never apply: the meta server is addressed directly.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:

@@ -152,12 +152,31 @@ class QmqGroup(click.Group):
     help=f"log to this file instead of stderr, rotated at {LOG_FILE_BYTES_MAX // MiB} MiB with "
     f"{LOG_FILES_KEPT} old files kept (FILE.1 ...) [or $QMQ_LOG_FILE]",
 )
-def cli(log_level: str, log_file: str | None) -> None:
+@click.option(
+    "--app-code",
+    "cli_app_code",
+    envvar="QMQ_APP_CODE",
+    default=None,
+    help="the app the client commands act as, on servers with an auth file [or $QMQ_APP_CODE]",
+)
+@click.option(
+    "--secret",
+    "cli_secret",
+    envvar="QMQ_SECRET",
+    default=None,
+    help="the app's secret [or $QMQ_SECRET, which keeps it out of the process list]",
+)
+def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secret: str | None) -> None:
     """qmq: a message queue in the shape of Qunar's QMQ.
 
     Start everything on one machine with `qmq standalone`; it prints a `qmq ready` line with
     the meta_server URL every other command takes.
     """
+    # the client commands and the SDK they use read the identity from the environment
+    if cli_app_code:
+        os.environ["QMQ_APP_CODE"] = cli_app_code
+    if cli_secret:
+        os.environ["QMQ_SECRET"] = cli_secret
     handler: logging.Handler = logging.StreamHandler(sys.stderr)
     if log_file:
         try:
@@ -179,11 +198,13 @@ def cli(log_level: str, log_file: str | None) -> None:
 def register_commands() -> None:
     """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
+        auth_commands,
         client_commands,
         cluster_commands,
         delay_commands,
         group_commands,
         listing_commands,
+        push_commands,
         roles,
         spark_commands,
         tx_commands,

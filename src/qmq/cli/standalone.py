@@ -142,9 +142,13 @@ class Supervisor:
         self.demo = demo
         data = Path(config.data_dir)
         common = ["--host", config.host] + (["--config", str(config_file)] if config_file else [])
+        # the roles with auth (the gateway keeps its own options): the file, the servers' own app, --insecure
+        auth = [*(["--auth-file", config.auth_file] if config.auth_file else []), *(["--insecure"] * config.insecure)]
+        servers = [*auth, *(["--app-code", config.app_code] if config.app_code else [])]
         qmq = [sys.executable, "-m", "qmq"]
         self.meta = Child(
-            "meta server", [*qmq, "meta", "--data-dir", str(data / "meta"), "--port", str(config.meta_port), *common]
+            "meta server",
+            [*qmq, "meta", "--data-dir", str(data / "meta"), "--port", str(config.meta_port), *common, *auth],
         )
         self.broker_argv = [
             *qmq,
@@ -154,6 +158,7 @@ class Supervisor:
             "--port",
             str(config.broker_port),
             *common,
+            *servers,
         ]
         self.broker = Child("broker", [])
         self.delay_argv = [
@@ -164,6 +169,7 @@ class Supervisor:
             "--port",
             str(config.delay_port),
             *common,
+            *servers,
         ]
         self.delay = Child("delay server", [])
         self.gateway_argv = [*qmq, "gateway", "--port", str(config.gateway_port), *common]

@@ -13,12 +13,15 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from qmq.common.errors import ConnectionLostError, QmqError
 from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
-from qmq.protocol.codes import Status
-from qmq.protocol.errors import RemoteProtocolError, error_for_status, status_name
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.errors import AUTH_STATUSES, RemoteProtocolError, auth_error, error_for_status, status_name
+
+if TYPE_CHECKING:
+    from qmq.auth.handshake import ClientCredentials
 from qmq.protocol.frame import REQUEST_ID_MAX, Frame, FrameDecoder, encode_frame_parts
 
 log = logging.getLogger(__name__)
@@ -29,6 +32,8 @@ _WRITE_HIGH_BYTES = 16 * MiB
 _WRITE_LOW_BYTES = 4 * MiB
 _BACKOFF_MS_MIN = 50
 _BACKOFF_MS_MAX = 2_000
+# a server holds the handshake of an address with many failed ones for up to 1 s (qmq.auth.failures)
+_HANDSHAKE_HELD_S_MAX = 1.0
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -84,6 +89,8 @@ class _FrameProtocol(asyncio.Protocol):
             return  # otherwise the requester gave up (timeout or cancellation)
         if frame.status == Status.OK:
             fut.set_result(frame)
+        elif frame.status in AUTH_STATUSES:
+            fut.set_exception(auth_error(frame.header))
         else:
             header = frame.header
             fut.set_exception(
@@ -132,8 +139,16 @@ class _FrameProtocol(asyncio.Protocol):
 class Connection:
     """Requests to one broker address over one connection, reopened on the next use after a loss."""
 
-    def __init__(self, address: str, *, connect_timeout_ms: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout_ms: int,
+        limits: Limits = DEFAULT_LIMITS,
+        credentials: ClientCredentials | None = None,
+    ) -> None:
         self.address = address
+        self._credentials = credentials
         self._host, self._port = parse_address(address)
         self._connect_timeout_s = connect_timeout_ms / 1000
         self._limits = limits
@@ -196,11 +211,40 @@ class Connection:
         self._failures = 0
         self._retry_at = 0.0
         self.incarnations += 1
+        if self._credentials is not None:
+            try:
+                await self._authenticate(proto, self._credentials)
+            except BaseException:
+                proto.transport.close()  # type: ignore[union-attr]
+                raise
         if self._closed:
             proto.transport.close()  # type: ignore[union-attr]
             raise ConnectionLostError(f"connection to broker {self.address} is closed")
         self._proto = proto
         return proto
+
+    async def _authenticate(self, p: _FrameProtocol, credentials: ClientCredentials) -> None:
+        """The handshake of a new connection (qmq.auth.handshake); AuthError when refused."""
+        from qmq.auth.handshake import HandshakeError
+
+        hello, client_nonce = credentials.hello()
+        timeout_s = self._connect_timeout_s + _HANDSHAKE_HELD_S_MAX
+        try:
+            async with asyncio.timeout(timeout_s):
+                challenge = await self._write_request(p, RequestCode.AUTH_HELLO, hello, (), False)
+            # scrypt takes tens of milliseconds: off the loop (and once per salt, then cached)
+            loop = asyncio.get_running_loop()
+            proof = await loop.run_in_executor(None, credentials.proof, challenge.header, client_nonce)
+            async with asyncio.timeout(timeout_s):
+                await self._write_request(p, RequestCode.AUTH_PROOF, proof, (), False)
+        except TimeoutError:
+            raise ConnectionLostError(
+                f"broker {self.address} did not finish the handshake within {timeout_s:.1f} s", outcome_unknown=False
+            ) from None
+        except HandshakeError as exc:
+            raise ConnectionLostError(
+                f"broker {self.address} sent a bad challenge: {exc}", outcome_unknown=False
+            ) from None
 
     async def start_request(
         self,
@@ -312,8 +356,15 @@ class Connection:
 class ConnectionPool:
     """One ``Connection`` per broker address, made on first use."""
 
-    def __init__(self, *, connect_timeout_ms: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_ms: int,
+        limits: Limits = DEFAULT_LIMITS,
+        credentials: ClientCredentials | None = None,
+    ) -> None:
         self._connect_timeout_ms = connect_timeout_ms
+        self._credentials = credentials
         self._limits = limits
         self._connections: dict[str, Connection] = {}
         self._closed = False
@@ -323,7 +374,9 @@ class ConnectionPool:
         if conn is None:
             if self._closed:
                 raise ConnectionLostError(f"the client is closed; cannot reach broker {address}")
-            conn = Connection(address, connect_timeout_ms=self._connect_timeout_ms, limits=self._limits)
+            conn = Connection(
+                address, connect_timeout_ms=self._connect_timeout_ms, limits=self._limits, credentials=self._credentials
+            )
             self._connections[address] = conn
         return conn
 

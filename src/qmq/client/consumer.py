@@ -30,11 +30,16 @@ from qmq.client.options import (
     ConsumerOptions,
     StartFrom,
     TagType,
+    authorization_of,
     check_identifier,
     check_int,
     check_start_from,
     check_url,
+    credentials_of,
+    secret_of,
 )
+from qmq.client.ordered_listener import OrderedListener
+from qmq.client.ordered_pull import KeyHold
 from qmq.client.producer import Producer
 from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
@@ -168,6 +173,40 @@ class PullConsumer(PullConsumerBase):
         return batch
 
 
+class OrderedPullConsumer(PullConsumer):
+    """A pull consumer of ``ordered=True``: at most one unsettled message per order key
+    (``ordered_pull.KeyHold``); a nacked message comes back in place after the back-off."""
+
+    def __init__(self, main: SubjectPuller[Any], retry: SubjectPuller[Any] | None, retry_interval_ms: int) -> None:
+        super().__init__(main, None, retry_interval_ms)
+        self._hold: KeyHold[Any] = KeyHold(main.subscription, main.on_nack)
+        main.on_nack = self._hold.nacked
+
+    async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
+        """Up to ``max_messages`` messages, at most one of each order key that has none unsettled,
+        waiting up to ``timeout_ms`` for the first. Ack each (``m.ack()``) to get its key's next."""
+        max_messages, timeout_ms = check_pull_args(max_messages, timeout_ms)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        hold = self._hold
+        make_batch = self._main._batch_cls
+        while True:
+            now = loop.time()
+            out = hold.take(max_messages, now)
+            if out or now >= deadline:
+                return make_batch(out)
+            wait_until = deadline
+            due = hold.next_due()
+            if due is not None:
+                wait_until = min(wait_until, due)
+            wait_ms = max(0, int((wait_until - now) * 1000))
+            room = min(hold.room, DEFAULT_LIMITS.pull_messages_max)
+            if room <= 0:
+                await asyncio.sleep(min(wait_ms, 50) / 1000)  # everything held waits for acks: look again soon
+                continue
+            hold.accept(list(await self._main.pull(room, wait_ms)))
+
+
 class Consumer:
     """Consumes messages of a qmq cluster (asyncio), as one consumer id.
 
@@ -189,6 +228,7 @@ class Consumer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
@@ -202,7 +242,7 @@ class Consumer:
             retry_pull_interval_ms=retry_pull_interval_ms,
             check_crc=check_crc,
         )
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.consumer_id = self.options.consumer_id
         self._ctx = ConsumerContext(
             self.app_code, self.consumer_id, self.options, self.connect_options, self._fail_message
@@ -220,9 +260,16 @@ class Consumer:
             return
         if self._state != "new":
             raise QmqError("this consumer is closed; make a new one")
-        meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+        meta = MetaClient(
+            self.meta_server,
+            timeout_ms=self.connect_options.meta_timeout_ms,
+            authorization=authorization_of(self.app_code, self.connect_options),
+        )
         await meta.start()
-        pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+        pool = ConnectionPool(
+            connect_timeout_ms=self.connect_options.connect_timeout_ms,
+            credentials=credentials_of(self.app_code, self.connect_options),
+        )
         self._ctx.meta, self._ctx.pool = meta, pool
         self._producer = Producer._sharing(self.app_code, self.meta_server, meta, pool, self.connect_options)
         await self._producer.start()
@@ -251,6 +298,7 @@ class Consumer:
         broadcast: bool = False,
         max_retries: int | None = None,
         retry_backoff: Sequence[float] | None = None,
+        ordered: bool = False,
     ) -> PullConsumer:
         """A pull consumer of ``subject`` in consumer ``group`` (the same one for the same pair).
 
@@ -258,11 +306,20 @@ class Consumer:
         sent ("latest") or the oldest one kept ("earliest"). With ``tags`` only messages
         carrying any (``tag_type="or"``) or all (``"and"``) of them are pulled; the broker
         filters. With ``broadcast`` every consumer gets every message, from the latest.
+        With ``ordered`` a pull returns at most one unsettled message per order key: the key's
+        next one comes once it is acked, and a nacked one comes back in place after the back-off
+        (docs/ordered.md).
         """
         sub = make_subscription(
-            tags, tag_type, broadcast, self.options.max_retries if max_retries is None else max_retries, retry_backoff
+            tags,
+            tag_type,
+            broadcast,
+            self.options.max_retries if max_retries is None else max_retries,
+            retry_backoff,
+            ordered,
         )
-        pc = self._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumer, sub)
+        cls = OrderedPullConsumer if ordered else PullConsumer
+        pc = self._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, cls, sub)
         assert isinstance(pc, PullConsumer)
         return pc
 
@@ -303,9 +360,10 @@ class Consumer:
         sub: Subscription,
     ) -> tuple[SubjectPuller[M], SubjectPuller[M] | None]:
         main = SubjectPuller(self._ctx, subject, group, start_from, subject, make, batch_cls, sub)
-        if is_internal(subject) or sub.broadcast:
+        if is_internal(subject) or sub.broadcast or sub.ordered:
             # A retry or dead-letter subject read directly: its failures go back to it.
-            # Broadcast messages are never retried (each consumer is its own group).
+            # Broadcast messages are never retried (each consumer is its own group); ordered
+            # ones are retried in place (ordered_listener.py, ordered_pull.py).
             return main, None
         # Every message ever failed must come back, however late the group started. Retried
         # messages passed the tag filter once already: the retry subject is pulled unfiltered.
@@ -332,6 +390,7 @@ class Consumer:
         auto_ack: bool = True,
         idempotent_checker: AsyncIdempotentChecker | None = None,
         filters: Sequence[Any] = (),
+        ordered: bool = False,
     ) -> Callable[[F], F]:
         """Decorate an ``async def handler(message)`` called for every message of ``subject``.
 
@@ -346,7 +405,9 @@ class Consumer:
         ``qmq.idempotency``); ``filters`` are objects with ``pre(m) -> bool`` (False: skip
         and acknowledge) and ``post(m, exc)``. At most ``concurrency`` handlers run at once
         and at most ``prefetch`` messages (default: the larger of 256 and twice
-        ``concurrency``) are pulled ahead.
+        ``concurrency``) are pulled ahead. With ``ordered`` the messages of one order key run one
+        at a time in the order they were sent, and a failing one is retried in place, holding its
+        key, rather than through the retry subject (docs/ordered.md).
         """
 
         def register(handler: F) -> F:
@@ -371,6 +432,7 @@ class Consumer:
                 auto_ack=auto_ack,
                 idempotent_checker=idempotent_checker,
                 filters=filters,
+                ordered=ordered,
             )
             return handler
 
@@ -426,7 +488,13 @@ class Consumer:
             broadcast,
             self.options.max_retries if max_retries is None else max_retries,
             options.get("retry_backoff"),
+            options.get("ordered", False),
         )
+        if sub.ordered and not options.get("auto_ack", True):
+            raise ConfigError(
+                "ordered=True needs auto_ack=True: a key's next message runs once its handler returned "
+                "(raise to fail a message)"
+            )
         behaviour = ListenerBehaviour.make(
             options.get("consume_most_once", False),
             options.get("auto_ack", True),
@@ -437,7 +505,8 @@ class Consumer:
         if self._state in ("closing", "closed"):
             raise QmqError("this consumer is closed; make a new one")
         main, retry = self._pullers(subject, group, start_from, make, batch_cls, sub)
-        listener: Listener[M] = Listener(
+        listener_cls = OrderedListener if sub.ordered else Listener
+        listener: Listener[M] = listener_cls(
             subject,
             group,
             handler,

@@ -32,6 +32,7 @@ class ListenerKeywords(TypedDict, total=False):
     retry_backoff: Sequence[float] | None
     auto_ack: bool
     filters: Sequence[Any]
+    ordered: bool
 
 
 class AsyncListenerKeywords(ListenerKeywords, total=False):

@@ -24,7 +24,7 @@ from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.options import StartFrom
 from qmq.client.puller import SubjectPuller
 from qmq.client.received import M
-from qmq.common.errors import AlreadyProcessedError, InvalidMessageError, QmqError, error_text
+from qmq.common.errors import AlreadyProcessedError, AuthError, InvalidMessageError, QmqError, error_text
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,7 @@ class Listener(Generic[M]):
         for _ in range(self.concurrency):
             self._watch(self._work, "worker", self._workers)
 
-    def _watch(
-        self, job: Callable[[], Coroutine[Any, Any, None]], what: str, tasks: list[asyncio.Task[None]]
-    ) -> None:
+    def _watch(self, job: Callable[[], Coroutine[Any, Any, None]], what: str, tasks: list[asyncio.Task[None]]) -> None:
         task = asyncio.ensure_future(job())
         task.add_done_callback(functools.partial(self._ended, job, what, tasks))
         tasks.append(task)
@@ -136,6 +134,16 @@ class Listener(Generic[M]):
         log.critical("listener %s/%s: a %s %s; a new one takes its place", self.subject, self.group, what, why)
         self._watch(job, what, tasks)
 
+    def _stop_on(self, error: str) -> None:
+        """Stop the listener on its own for ``error`` (``Consumer.errors`` reports it)."""
+        self.error = error
+        log.error("%s", error)
+        self._stopping = True
+        for t in [*self._loops, *self._workers]:
+            if t is not asyncio.current_task():
+                t.cancel()
+        self._loops, self._workers = [], []
+
     def _free(self) -> int:
         return self.prefetch - self._in_app - self._reserved
 
@@ -159,6 +167,10 @@ class Listener(Generic[M]):
             self._reserved += room
             try:
                 batch = await puller.pull(room, _POLL_MS)
+            except AuthError as exc:
+                # the app may not consume here (or its secret is wrong): retrying cannot help
+                self._stop_on(f"listener {self.subject}/{self.group} stopped: {exc}")
+                return
             except Exception as exc:
                 failures += 1
                 if failures == 1 or failures % 20 == 0:
@@ -183,9 +195,13 @@ class Listener(Generic[M]):
             if not batch:
                 continue
             self._in_app += len(batch)
-            put = self._queue.put_nowait
-            for m in batch:
-                put(m)
+            self._accept(batch)
+
+    def _accept(self, batch: list[M]) -> None:
+        """Queue a pulled batch for the workers."""
+        put = self._queue.put_nowait
+        for m in batch:
+            put(m)
 
     async def _work(self) -> None:
         me = asyncio.current_task()
@@ -296,4 +312,8 @@ class Listener(Generic[M]):
                 await t
         while not self._queue.empty():
             self._queue.get_nowait()
+        self._drop_queued()
         self._in_app = 0
+
+    def _drop_queued(self) -> None:
+        """Forget what is queued beyond ``_queue`` (unacknowledged: re-delivered to the next session)."""

@@ -19,9 +19,14 @@ from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 
 from qmq.common.errors import InvalidMessageError, MessageTooLargeError
-from qmq.common.limits import DEFAULT_LIMITS
+from qmq.common.limits import DEFAULT_LIMITS, REPEAT_COPIES_MAX, REPEAT_EVERY_MS_MIN
 from qmq.common.naming import check_subject
+from qmq.common.ordering import ORDER_KEY_PROPERTY, OrderMode, check_order_key, check_order_mode, slot_of
 from qmq.protocol.message import (
+    FLAG_REPEAT,
+    FLAGS_POS,
+    REPEAT_EVERY_PROPERTY,
+    REPEAT_TIMES_PROPERTY,
     PropertyValue,
     check_property,
     check_tag,
@@ -146,6 +151,10 @@ _DELIVER_AT_MS_MAX = 253_402_300_799_999
 _SECONDS_MAX = 1e12
 
 
+def _iso_ms(epoch_ms: int) -> str:
+    return datetime.fromtimestamp(epoch_ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+
+
 def _ceil_ms(seconds: float) -> int:
     """Epoch seconds as whole milliseconds, rounded up (a due time is never moved earlier).
 
@@ -192,7 +201,10 @@ class Message:
         "_created_ms",
         "_deliver_at_ms",
         "_message_id",
+        "_order",
+        "_order_key",
         "_properties",
+        "_repeat",
         "_subject",
         "_subject_raw",
         "_tags",
@@ -218,6 +230,9 @@ class Message:
         self._properties: dict[str, PropertyValue] = _NO_PROPERTIES
         self._tags: list[str] = _NO_TAGS
         self._deliver_at_ms = 0
+        self._repeat: tuple[int, int, int] | None = None  # (every_ms, times or 0, until_ms or 0)
+        self._order_key: str | None = None
+        self._order: OrderMode = "strict"
         if properties:
             for key, value in properties.items():
                 self.set_property(key, value)
@@ -235,6 +250,9 @@ class Message:
         m._properties = _NO_PROPERTIES
         m._tags = _NO_TAGS
         m._deliver_at_ms = 0
+        m._repeat = None
+        m._order_key = None
+        m._order = "strict"
         return m
 
     @property
@@ -311,6 +329,70 @@ class Message:
         """Due time in epoch milliseconds; 0 for a message delivered as soon as stored."""
         return self._deliver_at_ms
 
+    def set_repeat(self, every: float | timedelta, times: int | None = None, until: datetime | None = None) -> None:
+        """Deliver the message again and again: ``times`` copies (or as many as fit up to
+        ``until``, an aware datetime), ``every`` apart (seconds or a ``timedelta``).
+
+        The first copy is due one interval after the send, or at ``set_delay``/``set_deliver_at``
+        when given. Every copy has the same message id and its number (1, 2, ...) in the
+        property named "qmq.repeat.copy"; ``producer.cancel_delay(message_id)`` cancels every copy
+        still pending. Bounds: ``every`` at least 1 s, at most 10,000 copies, the last within
+        the delay server's horizon (730 days by default); past one the send is refused.
+        """
+        seconds = every.total_seconds() if isinstance(every, timedelta) else _seconds("repeat every", every)
+        every_ms = _ceil_ms(seconds) if seconds > 0 else 0
+        if every_ms < REPEAT_EVERY_MS_MIN:
+            raise InvalidMessageError(
+                f"repeat every {every!r} is under the least interval, {REPEAT_EVERY_MS_MIN // 1000} s: "
+                "repeat less often"
+            )
+        if (times is None) == (until is None):
+            raise InvalidMessageError("give set_repeat one end: times=N copies, or until= an aware datetime")
+        if times is not None:
+            if isinstance(times, bool) or not isinstance(times, int) or not 1 <= times <= REPEAT_COPIES_MAX:
+                raise InvalidMessageError(
+                    f"repeat times={times!r} is outside 1..{REPEAT_COPIES_MAX}, the copies a message may have"
+                )
+            self._repeat = (every_ms, times, 0)
+            return
+        assert until is not None
+        if not isinstance(until, datetime) or until.tzinfo is None or until.utcoffset() is None:
+            raise InvalidMessageError(
+                f"repeat until={until!r} must be an aware datetime, e.g. datetime.now(timezone.utc) + timedelta(days=1)"
+            )
+        self._repeat = (every_ms, 0, -((_EPOCH - until) // _ONE_MS))
+
+    @property
+    def repeat(self) -> tuple[timedelta, int | None, datetime | None] | None:
+        """``(every, times, until)`` as given to ``set_repeat``, or None for a message sent once."""
+        if self._repeat is None:
+            return None
+        every_ms, times, until_ms = self._repeat
+        until = datetime.fromtimestamp(until_ms / 1000, tz=UTC) if until_ms else None
+        return timedelta(milliseconds=every_ms), times or None, until
+
+    def set_order_key(self, key: str, *, order: OrderMode = "strict") -> None:
+        """Keep this message in order with the other messages of ``key`` (a str of 1–128
+        characters) from this producer: stored in send order, handled one at a time in that order
+        by ordered consumers (see docs/ordered.md).
+
+        ``order="strict"`` (the default) sends it only to the key's broker group, waiting for that
+        group and failing the send rather than writing it elsewhere; ``"best_effort"`` fails over
+        to another group, which may break the key's order while its group is down.
+        """
+        self._order_key = check_order_key(key)
+        self._order = check_order_mode(order)
+
+    @property
+    def order_key(self) -> str | None:
+        """The order key, or None for a message without one."""
+        return self._order_key
+
+    @property
+    def order(self) -> OrderMode:
+        """How an ordered message is placed when its broker group is down: "strict" or "best_effort"."""
+        return self._order
+
     def set_property(self, key: str, value: PropertyValue) -> None:
         """Set a property: a str, int (64-bit), float, bool or bytes value under a string key."""
         check_property(key, value, _LIMITS)
@@ -353,6 +435,18 @@ class Message:
         ``times`` (1: a first send); checks the total size."""
         tags = self._tags
         props = self._properties
+        deliver_at_ms = self._deliver_at_ms
+        if self._repeat is not None:
+            if self._order_key is not None:
+                raise InvalidMessageError(
+                    f"message {self._message_id} has an order key and repeats; an ordered message is delivered "
+                    "in its key's order, not at times: drop set_repeat, or the order key"
+                )
+            props, deliver_at_ms = self._repeating(props)
+        order_slot = 0
+        if self._order_key is not None:
+            props = {**props, ORDER_KEY_PROPERTY: self._order_key}
+            order_slot = slot_of(self._order_key) + 1
         raw = encode_message(
             self._subject_raw,
             self._message_id.encode("utf-8"),
@@ -361,15 +455,37 @@ class Message:
             encode_properties(props) if props else b"",
             self._body,
             self._created_ms,
-            self._deliver_at_ms,
+            deliver_at_ms,
             times,
+            order_slot,
         )
+        if self._repeat is not None:
+            raw = raw[:FLAGS_POS] + bytes([raw[FLAGS_POS] | FLAG_REPEAT]) + raw[FLAGS_POS + 1 :]
         if len(raw) > _LIMITS.message_bytes_max:
             raise MessageTooLargeError(
                 f"message {self._message_id} encodes to {len(raw)} bytes, over message_bytes_max "
                 f"{_LIMITS.message_bytes_max}; make the body or the properties smaller"
             )
         return raw
+
+    def _repeating(self, props: dict[str, PropertyValue]) -> tuple[dict[str, PropertyValue], int]:
+        """The properties and first due time a repeating message is sent with (now: the first copy
+        is one interval after the send unless a due time was set)."""
+        assert self._repeat is not None
+        every_ms, times, until_ms = self._repeat
+        first_ms = self._deliver_at_ms or time.time_ns() // 1_000_000 + every_ms
+        if not times:
+            if until_ms < first_ms:
+                raise InvalidMessageError(
+                    f"repeat until {_iso_ms(until_ms)} is before the first copy, due {_iso_ms(first_ms)}"
+                )
+            times = (until_ms - first_ms) // every_ms + 1
+            if times > REPEAT_COPIES_MAX:
+                raise InvalidMessageError(
+                    f"repeating every {every_ms / 1000:g} s until {_iso_ms(until_ms)} makes {times:,} copies; "
+                    f"the most is {REPEAT_COPIES_MAX:,}: repeat less often or end sooner"
+                )
+        return {**props, REPEAT_EVERY_PROPERTY: every_ms, REPEAT_TIMES_PROPERTY: times}, first_ms
 
     def __repr__(self) -> str:
         return (

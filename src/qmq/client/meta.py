@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import aiohttp
 from yarl import URL
 
 from qmq.client.options import check_url
-from qmq.common.errors import MetaServerError
+from qmq.common.errors import AuthError, MetaServerError
 from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
 
 log = logging.getLogger(__name__)
@@ -129,11 +130,28 @@ def _chunks(subjects: list[str]) -> Iterable[list[str]]:
     yield chunk
 
 
+def _auth_refusal(url: str, text: str) -> AuthError:
+    """The AuthError of a 401 or 403 of the meta server, from its JSON body."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        return AuthError(f"meta server {url} refused the app: {text[:_ERROR_TEXT_CHARS_MAX]}")
+    return AuthError(
+        f"meta server {url}: {doc.get('error', '')}",
+        app_code=str(doc.get("app", "")),
+        action=str(doc.get("action", "")),
+    )
+
+
 class MetaClient:
     """The last known answer of the meta server, kept fresh by a background task."""
 
-    def __init__(self, url: str, *, timeout_ms: int) -> None:
+    def __init__(self, url: str, *, timeout_ms: int, authorization: str | None = None) -> None:
         self.url = check_url("meta_server", url)
+        # the app's Authorization header, for a meta server with an auth file (qmq.auth.http)
+        self._headers = {"Authorization": authorization} if authorization else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_ms / 1000)
         self._session: aiohttp.ClientSession | None = None
         self.groups: dict[str, BrokerGroup] = {}
@@ -157,7 +175,7 @@ class MetaClient:
     async def start(self) -> None:
         """Fetch the first answer; MetaServerError naming the URL if the meta server is unreachable."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         try:
             self._apply(await self._fetch([]), [])
         except BaseException:
@@ -289,7 +307,7 @@ class MetaClient:
             log.warning("the meta server refused to route %r; using every available broker group: %s", subjects[0], exc)
             self._refused.add(subjects[0])
             return
-        except MetaServerError as exc:
+        except (MetaServerError, AuthError) as exc:
             log.warning(
                 "cannot look up the route of %s, using every available broker group: %s",
                 ", ".join(map(repr, subjects[:3])) + (f" and {len(subjects) - 3} more" if len(subjects) > 3 else ""),
@@ -314,7 +332,7 @@ class MetaClient:
             started = loop.time()
             try:
                 await self.refresh()
-            except MetaServerError as exc:
+            except (MetaServerError, AuthError) as exc:
                 failures += 1
                 # Logged on the first failure and then rarely, so an outage does not flood the log.
                 if failures == 1 or failures % 30 == 0:
@@ -355,11 +373,13 @@ class MetaClient:
             url = url.extend_query([("subject", s) for s in subjects])
         try:
             async with session.get(url) as resp:
+                if resp.status in (401, 403):
+                    raise _auth_refusal(self.url, await resp.text(errors="replace"))
                 if resp.status != 200:
                     text = (await resp.text(errors="replace"))[:_ERROR_TEXT_CHARS_MAX]
                     raise MetaRefusedError(f"meta server {self.url} answered HTTP {resp.status}: {text}", resp.status)
                 doc: Any = await resp.json(content_type=None)
-        except MetaServerError:
+        except (MetaServerError, AuthError):
             raise
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             reason = "no answer in time" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"

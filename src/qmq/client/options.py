@@ -7,13 +7,16 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from qmq.common.errors import ConfigError, InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, MiB
 from qmq.common.naming import check_name
+
+if TYPE_CHECKING:
+    from qmq.auth.handshake import ClientCredentials
 
 StartFrom = Literal["latest", "earliest"]
 START_FROM: tuple[str, ...] = ("latest", "earliest")
@@ -94,6 +97,9 @@ class ConnectOptions:
     connect_timeout_ms: int = 3_000
     meta_timeout_ms: int = 5_000
     close_timeout_ms: int = 10_000
+    # the app's secret, for servers with an auth file (empty: connect without authenticating);
+    # never shown (repr), never sent (qmq.auth.handshake)
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         check_int("connect_timeout_ms", self.connect_timeout_ms, 1, _TIMEOUT_MS_MAX)
@@ -170,3 +176,33 @@ class ConsumerOptions:
 DEFAULT_CONNECT = ConnectOptions()
 DEFAULT_PRODUCER = ProducerOptions()
 DEFAULT_CONSUMER = ConsumerOptions(consumer_id="default")
+
+
+SECRET_ENV = "QMQ_SECRET"
+
+
+def secret_of(secret: str | None) -> str:
+    """The app's secret: ``secret`` when given, else ``$QMQ_SECRET``, else none ("")."""
+    if secret is None:
+        return os.environ.get(SECRET_ENV, "")
+    if not isinstance(secret, str):
+        raise ConfigError(f"secret must be a string, got {type(secret).__name__} (its value is not shown)")
+    return secret
+
+
+def credentials_of(app_code: str, options: ConnectOptions) -> ClientCredentials | None:
+    """What a connection authenticates with: the app code and secret, or None without a secret."""
+    if not options.secret:
+        return None
+    from qmq.auth.handshake import ClientCredentials
+
+    return ClientCredentials(app_code, options.secret)
+
+
+def authorization_of(app_code: str, options: ConnectOptions) -> str | None:
+    """The Authorization header for the meta server's HTTP, or None without a secret."""
+    if not options.secret:
+        return None
+    from qmq.auth.http import basic_authorization
+
+    return basic_authorization(app_code, options.secret)

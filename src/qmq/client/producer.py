@@ -33,32 +33,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from types import TracebackType
 from typing import Literal
 
 from qmq.client.accumulator import Accumulator, Waiter
 from qmq.client.connection import ConnectionPool
-from qmq.client.message import Message
-from qmq.client.meta import MetaClient
+from qmq.client.delays import PendingDelay, cancel_everywhere, pending_everywhere, time_ms
+from qmq.client.message import Message, subject_bytes
+from qmq.client.meta import DELAY_TARGET_PREFIX, MetaClient
 from qmq.client.options import (
     DEFAULT_CONNECT,
     DEFAULT_PRODUCER,
     ConnectOptions,
     ProducerOptions,
+    authorization_of,
     check_identifier,
     check_url,
+    credentials_of,
+    secret_of,
 )
+from qmq.client.ordering import OrderedSends
 from qmq.client.routing import Router
 from qmq.client.sender import ProducerStats, Sender
-from qmq.common.errors import BufferFullError, SendError
+from qmq.common.errors import BufferFullError, InvalidMessageError, SendError
+from qmq.common.ordering import OrderMode
+from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS, ORDER_SLOT_POS
 
 log = logging.getLogger(__name__)
 
 _State = Literal["new", "open", "closing", "closed"]
 _DELIVER_AT = struct.Struct("<q")
 _DELIVER_AT_POS = 16  # of deliver_at_ms in an encoded message (qmq.protocol.message)
+_FAR_FUTURE_MS = 253_402_300_799_999  # the end of the year 9999
+_LIST_LIMIT_MAX = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +80,7 @@ class _Open:
     pool: ConnectionPool
     sender: Sender
     router: Router
+    ordered: OrderedSends
 
 
 class Producer:
@@ -97,10 +108,11 @@ class Producer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self.app_code = check_identifier("app_code", app_code)
         self.meta_server = check_url("meta_server", meta_server)
-        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms)
+        self.connect_options = ConnectOptions(connect_timeout_ms, meta_timeout_ms, close_timeout_ms, secret_of(secret))
         self.options = ProducerOptions(
             buffer_messages_max=buffer_messages_max,
             buffer_bytes_max=buffer_bytes_max,
@@ -119,6 +131,7 @@ class Producer:
         self._shared: tuple[MetaClient, ConnectionPool] | None = None
         # Set by start; None again from the moment close begins, which refuses new sends.
         self._open: _Open | None = None
+        self._ordered: OrderedSends | None = None  # kept while closing, for flush
 
     @classmethod
     def _sharing(
@@ -142,16 +155,26 @@ class Producer:
                 return
             raise SendError("this producer is closed; make a new one")
         if self._shared is None:
-            meta = MetaClient(self.meta_server, timeout_ms=self.connect_options.meta_timeout_ms)
+            meta = MetaClient(
+                self.meta_server,
+                timeout_ms=self.connect_options.meta_timeout_ms,
+                authorization=authorization_of(self.app_code, self.connect_options),
+            )
             await meta.start()
-            pool = ConnectionPool(connect_timeout_ms=self.connect_options.connect_timeout_ms)
+            pool = ConnectionPool(
+                connect_timeout_ms=self.connect_options.connect_timeout_ms,
+                credentials=credentials_of(self.app_code, self.connect_options),
+            )
         else:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)
         router = Router(meta, self._acc, sender)
         meta.on_change(router.on_meta_change)
         sender.start()
-        self._open = _Open(asyncio.get_running_loop(), meta, pool, sender, router)
+        loop = asyncio.get_running_loop()
+        ordered = OrderedSends(meta, sender.submit, loop, self.options.buffer_messages_max)
+        self._open = _Open(loop, meta, pool, sender, router, ordered)
+        self._ordered = ordered
         self._state = "open"
 
     async def __aenter__(self) -> Producer:
@@ -180,7 +203,12 @@ class Producer:
         encoded = message.encode()
         fut: asyncio.Future[None] = path.loop.create_future()
         entry = (encoded, fut, message.message_id, path.loop.time(), self._acc.epoch)
-        path.router.enqueue(message.subject, message._deliver_at_ms, entry)
+        (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
+        if message.order_key is not None:
+            _check_ordered(message.message_id, deliver_at_ms)
+            path.ordered.enqueue(message.subject, message.order_key, _slot(encoded), message.order, entry)
+            return fut
+        path.router.enqueue(message.subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
         return fut
 
     async def send(self, message: Message) -> None:
@@ -189,12 +217,26 @@ class Producer:
         Waits up to ``send_timeout_ms`` for room in a full buffer, then raises
         ``qmq.BufferFullError``.
         """
-        await self.send_encoded(message.subject, message.encode(), message.message_id)
+        if message.order_key is None:
+            await self.send_encoded(message.subject, message.encode(), message.message_id)
+            return
+        await self.send_encoded(
+            message.subject, message.encode(), message.message_id, order_key=message.order_key, order=message.order
+        )
 
-    async def send_encoded(self, subject: str, encoded: bytes, message_id: str) -> None:
+    async def send_encoded(
+        self,
+        subject: str,
+        encoded: bytes,
+        message_id: str,
+        *,
+        order_key: str | None = None,
+        order: OrderMode = "strict",
+    ) -> None:
         """Send a message already encoded (``Message.encode`` or a received message's bytes).
 
-        Its ``deliver_at_ms`` decides where it goes: a delay group when it is due later.
+        Its ``deliver_at_ms`` decides where it goes: a delay group when it is due later. With
+        ``order_key`` (the key ``encoded`` was made with) it is sent in order with that key's others.
         """
         path = self._open
         if path is None:
@@ -206,10 +248,19 @@ class Producer:
             if self._open is None:
                 raise self._not_open()
         fut: asyncio.Future[None] = path.loop.create_future()
-        self.enqueue_encoded(subject, encoded, message_id, fut)
+        self.enqueue_encoded(subject, encoded, message_id, fut, order_key=order_key, order=order)
         await fut
 
-    def enqueue_encoded(self, subject: str, encoded: bytes, message_id: str, waiter: Waiter) -> None:
+    def enqueue_encoded(
+        self,
+        subject: str,
+        encoded: bytes,
+        message_id: str,
+        waiter: Waiter,
+        *,
+        order_key: str | None = None,
+        order: OrderMode = "strict",
+    ) -> None:
         """Buffer an encoded message whose outcome resolves ``waiter`` (for the blocking SDK).
 
         Runs on the producer's event loop. Raises BufferFullError when there is no room.
@@ -219,7 +270,64 @@ class Producer:
             raise self._not_open()
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
         entry = (encoded, waiter, message_id, path.loop.time(), self._acc.epoch)
-        path.router.enqueue(subject, deliver_at_ms, entry)
+        if order_key is not None:
+            _check_ordered(message_id, deliver_at_ms)
+            path.ordered.enqueue(subject, order_key, _slot(encoded), order, entry)
+            return
+        path.router.enqueue(subject, deliver_at_ms, entry, bool(encoded[FLAGS_POS] & FLAG_REPEAT))
+
+    async def cancel_delay(self, message_id: str) -> bool:
+        """Cancel the delay message ``message_id`` (every copy still pending of a repeating one).
+
+        True: it was pending and will now never be delivered (the cancel is durable on the
+        delay server, as a send is). False: it was already handed to a broker (or is being
+        handed over now), or no delay group knows it. Every available delay group is asked
+        (qmq.client.delays); ``qmq.QmqError`` (retriable) when one that did not answer may hold it.
+        """
+        path = self._open
+        if path is None:
+            raise self._not_open()
+        conns = {
+            g.name.removeprefix(DELAY_TARGET_PREFIX): path.pool.get(g.address) for g in path.meta.delay_groups.values()
+        }
+        return await cancel_everywhere(conns, message_id, self.options.send_timeout_ms)
+
+    def delay_pending(
+        self, subject: str, start: datetime | float | None = None, end: datetime | float | None = None
+    ) -> AsyncGenerator[PendingDelay, None]:
+        """The delay messages of ``subject`` due in ``[start, end)`` (aware datetimes or epoch
+        seconds; None: no bound) that no delay group has handed over yet, by due time.
+
+        ``async for p in producer.delay_pending("order.remind", end=tomorrow): ...``. Every
+        available delay group is read page by page, so memory holds one page per group however
+        long the backlog. A message due already when it was sent may be missing (it is being
+        handed over at once).
+        """
+        path = self._open
+        if path is None:
+            raise self._not_open()
+        subject_bytes(subject)
+        from_ms = time_ms("start", start, 0)
+        to_ms = time_ms("end", end, _FAR_FUTURE_MS)
+        conns = {
+            g.name.removeprefix(DELAY_TARGET_PREFIX): path.pool.get(g.address) for g in path.meta.delay_groups.values()
+        }
+        return pending_everywhere(conns, subject, from_ms, to_ms)
+
+    async def delay_list(
+        self, subject: str, start: datetime | float | None = None, end: datetime | float | None = None, limit: int = 100
+    ) -> list[PendingDelay]:
+        """The first ``limit`` (1..10,000) of ``delay_pending(subject, start, end)``."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= _LIST_LIMIT_MAX:
+            raise InvalidMessageError(f"limit = {limit!r} is outside 1..{_LIST_LIMIT_MAX}; use delay_pending for more")
+        out: list[PendingDelay] = []
+        pending = self.delay_pending(subject, start, end)
+        async for item in pending:
+            out.append(item)
+            if len(out) >= limit:
+                break
+        await pending.aclose()
+        return out
 
     def write_now(self) -> None:
         """Write every buffered message whose route is known now, rather than at the sender loops'
@@ -253,6 +361,8 @@ class Producer:
         done = self._acc.begin_flush()
         try:
             async with asyncio.timeout(limit_ms / 1000):
+                if self._ordered is not None:
+                    await self._ordered.wait_idle()
                 await done
         except TimeoutError:
             raise SendError(
@@ -276,6 +386,8 @@ class Producer:
             await self.flush(self.connect_options.close_timeout_ms)
         except SendError as exc:
             log.warning("closing the producer: %s; those messages fail", exc)
+        path.ordered.fail_waiting("the producer closed before the message was sent")
+        await path.ordered.close()
         left = self._acc.take_all()
         if left:
             path.sender.fail(left, "the producer closed before the message was sent", retriable=True)
@@ -303,3 +415,16 @@ class Producer:
         if self._state == "new":
             return SendError("the producer is not started; use `async with Producer(...)` or `await producer.start()`")
         return SendError("the producer is closed; make a new one")
+
+
+def _check_ordered(message_id: str, deliver_at_ms: int) -> None:
+    if deliver_at_ms:
+        raise InvalidMessageError(
+            f"message {message_id} has an order key and a delay; an ordered message is delivered in its "
+            "key's order, not at a time: drop set_delay/set_deliver_at, or the order key"
+        )
+
+
+def _slot(encoded: bytes) -> int:
+    """The order-key slot written in an encoded message's header (its order_slot - 1)."""
+    return int.from_bytes(encoded[ORDER_SLOT_POS : ORDER_SLOT_POS + 2], "little") - 1

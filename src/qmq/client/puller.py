@@ -98,13 +98,15 @@ class SubjectPuller(Generic[M]):
         self._failures: dict[str, int] = {}
         self.pulls = 0
         self.messages = 0
+        # what a nack of its messages calls (an ordered pull consumer retries in place instead)
+        self.on_nack = ctx.on_nack
         ctx.pullers.append(self)
 
     def _tracker(self, broker_group: str) -> AckTracker:
         t = self.trackers.get(broker_group)
         if t is None:
             t = AckTracker(
-                broker_group, self.subject, self.group, self.origin_subject, self._ctx.on_nack, self.subscription
+                broker_group, self.subject, self.group, self.origin_subject, self.on_nack, self.subscription
             )
             t.loop = asyncio.get_running_loop()
             self.trackers[broker_group] = t

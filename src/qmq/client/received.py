@@ -18,8 +18,10 @@ from typing import Any, Generic, TypeVar
 import crc32c
 
 from qmq.client.acks import AckTracker
+from qmq.common.ordering import ORDER_KEY_PROPERTY
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.message import (
+    FLAG_ORDERED,
     HEADER,
     HEADER_BYTES,
     VERSION,
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 _HEADERS = struct.Struct("<" + RECORD_HEADER.format.lstrip("<") + HEADER.format.lstrip("<"))
 # Fields of that tuple: the record's, then the message's (qmq.protocol.message.HEADER).
 _MAGIC, _CRC, _LENGTH, _SEQUENCE, _STORED = 0, 1, 2, 3, 4
-_VERSION, _SLEN, _ILEN, _TLEN, _CREATED, _TIMES, _PLEN, _BLEN = 5, 7, 8, 10, 11, 13, 15, 16
+_VERSION, _FLAGS, _SLEN, _ILEN, _TLEN, _CREATED, _TIMES, _ORDER_SLOT, _PLEN, _BLEN = 5, 6, 7, 8, 10, 11, 13, 14, 15, 16
 
 
 class Acked:
@@ -145,6 +147,28 @@ class ReceivedBase:
     def times(self) -> int:
         """Delivery attempt: 1 for a first delivery, n + 1 after n failures (as on the wire)."""
         return delivery_attempt(self._h[_TIMES])
+
+    @property
+    def order_key(self) -> str | None:
+        """The order key it was sent with (``Message.set_order_key``), or None."""
+        if self.order_slot is None:
+            return None
+        key = self.properties.get(ORDER_KEY_PROPERTY)
+        return key if isinstance(key, str) else None
+
+    @property
+    def order_slot(self) -> int | None:
+        """The logical slot of its order key (0–1023), or None without one."""
+        h = self._h
+        if not h[_FLAGS] & FLAG_ORDERED:  # the field is a repeat's copy number, or 0
+            return None
+        slot: int = h[_ORDER_SLOT]
+        return slot - 1 if slot else None
+
+    def _count_attempt(self) -> None:
+        """One more attempt of this copy, retried in place by an ordered consumer: ``times`` + 1."""
+        h = self._h
+        self._h = (*h[:_TIMES], delivery_attempt(h[_TIMES]) + 1, *h[_TIMES + 1 :])
 
     @property
     def created_ms(self) -> int:

@@ -60,13 +60,14 @@ class Router:
         self._delay_route: RouteKey | None = None
         self._lookups: dict[str, asyncio.Task[None]] = {}
 
-    def enqueue(self, subject: str, deliver_at_ms: int, entry: Entry) -> None:
+    def enqueue(self, subject: str, deliver_at_ms: int, entry: Entry, repeating: bool = False) -> None:
         """Queue ``entry`` on its route, or hold it until the route is known.
 
         Raises BufferFullError when the buffer has no room; fails the entry's waiter at once
-        when it is due later and no delay group is available.
+        when it is due later (or repeats: only a delay server makes the copies) and no delay
+        group is available.
         """
-        if deliver_at_ms and is_delayed(deliver_at_ms):
+        if repeating or (deliver_at_ms and is_delayed(deliver_at_ms)):
             key = self._delay_route
             if key is None:
                 key = self._delay_route = self._meta.delay_route()

@@ -32,7 +32,7 @@ from qmq.client.accumulator import ENCODED, ENQUEUED_AT, MESSAGE_ID, WAITER, Acc
 from qmq.client.connection import ConnectionPool
 from qmq.client.meta import DELAY_TARGET_PREFIX, MetaClient, describe_target
 from qmq.client.options import ProducerOptions
-from qmq.common.errors import BrokerError, ConnectionLostError, QmqError, SendError
+from qmq.common.errors import AuthError, BrokerError, ConnectionLostError, QmqError, SendError
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError, status_name
@@ -267,6 +267,9 @@ class Sender:
                     if not pinned:
                         target = self._next_group(key, target)
                     continue
+                except AuthError as exc:
+                    self.fail_with(entries, exc)  # as itself, never retried (the app lacks a right)
+                    return
                 except QmqError as exc:
                     self.fail(entries, f"{describe_target(target)} refused the batch: {exc}", retriable=False)
                     return
@@ -307,6 +310,15 @@ class Sender:
             if not w.done():
                 with contextlib.suppress(*_INVALID_STATE):
                     w.set_exception(SendError(reason, e[MESSAGE_ID], retriable=retriable))
+
+    def fail_with(self, entries: list[Entry], error: QmqError) -> None:
+        """Fail the waiters of ``entries`` with ``error`` itself (an AuthError), and count them."""
+        self.stats.messages_failed += len(entries)
+        for e in entries:
+            w = e[WAITER]
+            if not w.done():
+                with contextlib.suppress(*_INVALID_STATE):
+                    w.set_exception(error)
 
     def _complete(self, entries: list[Entry], answer: dict[str, object], group: str) -> None:
         errors = answer.get("errors") or []

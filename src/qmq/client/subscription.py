@@ -29,6 +29,7 @@ class Subscription:
     broadcast: bool = False
     max_retries: int = 16
     retry_backoff_ms: tuple[int, ...] = tuple(s * 1000 for s in DEFAULT_RETRY_BACKOFF_S)
+    ordered: bool = False  # each order key's messages one at a time, retried in place (docs/ordered.md)
 
     def pull_header(self) -> dict[str, Any]:
         """Keys a PULL carries for this subscription (none for the plain default)."""
@@ -38,6 +39,8 @@ class Subscription:
             header["tag_type"] = self.tag_type
         if self.broadcast:
             header["broadcast"] = True
+        if self.ordered:
+            header["ordered"] = True
         return header
 
     def backoff_ms(self, attempt: int) -> int:
@@ -53,6 +56,7 @@ def make_subscription(
     broadcast: bool = False,
     max_retries: int = 16,
     retry_backoff: Sequence[float] | None = None,
+    ordered: bool = False,
 ) -> Subscription:
     """A checked Subscription; ConfigError naming the bad value."""
     if tags is None:
@@ -69,6 +73,12 @@ def make_subscription(
     if tag_type not in ("or", "and"):
         raise ConfigError(f"tag_type={tag_type!r} is not allowed; use 'or' (any tag) or 'and' (all tags)")
     check_bool("broadcast", broadcast)
+    check_bool("ordered", ordered)
+    if ordered and tags:
+        raise ConfigError(
+            f"ordered=True cannot be combined with tags={list(tags)!r}: a key's messages are handed out whole; "
+            "filter in the handler, or consume unordered"
+        )
     check_int("max_retries", max_retries, 0, _RETRIES_MAX)
     backoff = DEFAULT_RETRY_BACKOFF_S if retry_backoff is None else tuple(retry_backoff)
     for s in backoff:
@@ -77,5 +87,5 @@ def make_subscription(
                 f"retry_backoff={list(backoff)!r}: each wait must be seconds between 0 and {_BACKOFF_S_MAX}"
             )
     return Subscription(
-        tuple(sorted(set(tags))), tag_type, broadcast, max_retries, tuple(round(s * 1000) for s in backoff)
+        tuple(sorted(set(tags))), tag_type, broadcast, max_retries, tuple(round(s * 1000) for s in backoff), ordered
     )

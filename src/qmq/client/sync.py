@@ -17,11 +17,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 from qmq.client.consumer import Consumer as AsyncConsumer
-from qmq.client.consumer import PullConsumerBase, check_pull_args
+from qmq.client.consumer import OrderedPullConsumer, PullConsumerBase, check_pull_args
+from qmq.client.delays import PendingDelay
 from qmq.client.keywords import BLOCKING_LISTENER_KEYS, BlockingListenerKeywords, check_keywords
 from qmq.client.message import Message
 from qmq.client.options import (
@@ -37,6 +39,7 @@ from qmq.client.received import BatchBase, ReceivedBase
 from qmq.client.sender import ProducerStats
 from qmq.client.subscription import make_subscription
 from qmq.common.errors import ConfigError, QmqError, QmqTimeoutError, SendError
+from qmq.common.ordering import OrderMode
 
 __all__ = ["Batch", "Consumer", "Message", "Producer", "PullConsumer", "ReceivedMessage"]
 
@@ -133,6 +136,7 @@ class Producer:
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
+        secret: str | None = None,
     ) -> None:
         self._async = AsyncProducer(
             app_code=app_code,
@@ -149,12 +153,14 @@ class Producer:
             connect_timeout_ms=connect_timeout_ms,
             meta_timeout_ms=meta_timeout_ms,
             close_timeout_ms=close_timeout_ms,
+            secret=secret,
         )
         opts = self._async.options
         self._send_wait_s = 2 * opts.send_timeout_ms / 1000 + _MARGIN_S
         self._close_wait_s = 2 * self._async.connect_options.close_timeout_ms / 1000 + _MARGIN_S
         self._lock = threading.Lock()
-        self._handoff: deque[tuple[str, bytes, str, concurrent.futures.Future[None]]] = deque()
+        # (subject, encoded, message id, future, order key, order)
+        self._handoff: deque[tuple[str, bytes, str, concurrent.futures.Future[None], str | None, OrderMode]] = deque()
         self._handoff_bytes = 0
         self._wake_pending = False
         self._closed = False
@@ -202,7 +208,7 @@ class Producer:
             # Messages handed over but not yet in the buffer count against its bounds too.
             if not self._async.has_room(n, len(self._handoff), self._handoff_bytes):
                 raise self._async.full_error(n, message.message_id)
-            self._handoff.append((message.subject, encoded, message.message_id, fut))
+            self._handoff.append((message.subject, encoded, message.message_id, fut, message.order_key, message.order))
             self._handoff_bytes += n
             wake = not self._wake_pending
             self._wake_pending = True
@@ -216,14 +222,30 @@ class Producer:
             self._handoff_bytes = 0
             self._wake_pending = False
         enqueue = self._async.enqueue_encoded
-        for subject, encoded, message_id, fut in items:
+        for subject, encoded, message_id, fut, order_key, order in items:
             if fut.done():
                 continue  # cancelled by its caller
             try:
-                enqueue(subject, encoded, message_id, fut)
+                enqueue(subject, encoded, message_id, fut, order_key=order_key, order=order)
             except QmqError as exc:
                 with contextlib.suppress(*_INVALID_STATE):
                     fut.set_exception(exc)
+
+    def cancel_delay(self, message_id: str) -> bool:
+        """Cancel the delay message ``message_id``: True when it was pending and will now never be
+        delivered, False when it was already handed over or is unknown (``qmq.aio.Producer.cancel_delay``)."""
+        if self._closed:
+            raise SendError("the producer is closed; make a new one")
+        return self._io.call(self._async.cancel_delay(message_id), self._send_wait_s)
+
+    def delay_list(
+        self, subject: str, start: datetime | float | None = None, end: datetime | float | None = None, limit: int = 100
+    ) -> list[PendingDelay]:
+        """The first ``limit`` (1..10,000) delay messages of ``subject`` due in ``[start, end)``
+        that no delay group has handed over yet, by due time (``qmq.aio.Producer.delay_pending``)."""
+        if self._closed:
+            raise SendError("the producer is closed; make a new one")
+        return self._io.call(self._async.delay_list(subject, start, end, limit), self._send_wait_s)
 
     def flush(self, timeout_ms: int | None = None) -> None:
         """Wait until every message sent before this call is stored or failed."""
@@ -346,6 +368,7 @@ class Consumer:
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
         listener_threads: int = LISTENER_THREADS_DEFAULT,
+        secret: str | None = None,
     ) -> None:
         self.listener_threads = check_int("listener_threads", listener_threads, 1, 1024)
         self._async = AsyncConsumer(
@@ -360,6 +383,7 @@ class Consumer:
             connect_timeout_ms=connect_timeout_ms,
             meta_timeout_ms=meta_timeout_ms,
             close_timeout_ms=close_timeout_ms,
+            secret=secret,
         )
         self.consumer_id = self._async.consumer_id
         self._pool = concurrent.futures.ThreadPoolExecutor(listener_threads, thread_name_prefix="qmq-listener")
@@ -384,16 +408,20 @@ class Consumer:
         broadcast: bool = False,
         max_retries: int | None = None,
         retry_backoff: Sequence[float] | None = None,
+        ordered: bool = False,
     ) -> PullConsumer:
-        """A pull consumer of ``subject`` in consumer ``group`` (see ``qmq.aio.Consumer.pull_consumer``)."""
+        """A pull consumer of ``subject`` in consumer ``group`` (see ``qmq.aio.Consumer.pull_consumer``;
+        with ``ordered``, at most one unsettled message per order key)."""
         sub = make_subscription(
             tags,
             tag_type,
             broadcast,
             self._async.options.max_retries if max_retries is None else max_retries,
             retry_backoff,
+            ordered,
         )
-        inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, PullConsumerBase, sub)
+        cls = OrderedPullConsumer if ordered else PullConsumerBase
+        inner = self._async._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, cls, sub)
         return PullConsumer(inner, self._io, self._async.options.request_timeout_ms)
 
     def listener(self, subject: str, group: str, **options: Unpack[BlockingListenerKeywords]) -> Callable[[F], F]:
@@ -405,7 +433,8 @@ class Consumer:
         The keywords of ``qmq.aio.Consumer.listener`` apply: ``start_from``, ``prefetch``,
         ``tags``, ``tag_type``, ``broadcast``, ``consume_most_once``, ``max_retries``,
         ``retry_backoff``, ``auto_ack``, ``idempotent_checker`` (its blocking ``run``, in the
-        handler's thread) and ``filters``.
+        handler's thread), ``filters`` and ``ordered`` (one message of an order key at a time, in
+        send order, retried in place: docs/ordered.md).
         """
 
         def register(handler: F) -> F:

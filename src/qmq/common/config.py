@@ -51,6 +51,30 @@ def _first_request_timeout_ms() -> Any:
     )
 
 
+def _auth_file() -> Any:
+    return _opt(
+        "TOML file of the apps that may connect, their secret hashes and what each may do "
+        "(docs/security.md); empty: no authentication. Reloaded on SIGHUP",
+        "",
+    )
+
+
+def _insecure() -> Any:
+    return _opt(
+        "listen on an address other than loopback without an auth file (anyone who can reach it may do "
+        "anything); without it such a server refuses to start",
+        False,
+    )
+
+
+def _server_app_code() -> Any:
+    return _opt(
+        "the app this server authenticates as to the other roles of a cluster with auth files (an app "
+        "with cluster = true there; docs/security.md); its secret comes from $QMQ_SECRET. Empty: none",
+        "",
+    )
+
+
 def _reply_backlog_bytes_max() -> Any:
     return _opt(
         "bytes of replies one connection may hold that its client has not read; past it the connection is "
@@ -130,6 +154,9 @@ class BrokerConfig:
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
     first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
+    auth_file: str = _auth_file()
+    insecure: bool = _insecure()
+    app_code: str = _server_app_code()
     heartbeat_interval_ms: int = _opt(
         "how often the broker reports itself to the meta server",
         10_000,
@@ -139,6 +166,13 @@ class BrokerConfig:
         "a consumer silent this long is offline; its unacked messages go to retry",
         180_000,
         _range(10, 86_400_000),
+    )
+    ordered_lease_ms: int = _opt(
+        "a consumer of an ordered group silent this long (no pull, no long poll waiting) loses its "
+        "order-key slots, with its unacknowledged messages, to the group's live consumers; keep it "
+        "above any pause a live consumer can have (docs/ordered.md)",
+        20_000,
+        _range(100, 3_600_000),
     )
     consumer_forget_ms: int = _opt(
         "a consumer silent this long with nothing unacknowledged is forgotten (it leaves LAG; if it "
@@ -281,6 +315,9 @@ class DelayConfig:
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
     first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
+    auth_file: str = _auth_file()
+    insecure: bool = _insecure()
+    app_code: str = _server_app_code()
     heartbeat_interval_ms: int = _opt(
         "how often the delay server reports itself to the meta server",
         10_000,
@@ -332,6 +369,9 @@ class MetaConfig:
         _range(100, 600_000),
     )
 
+    auth_file: str = _auth_file()
+    insecure: bool = _insecure()
+
 
 @dataclass(slots=True)
 class GatewayConfig:
@@ -358,6 +398,15 @@ class GatewayConfig:
         10_000,
         _range(1, 1_000_000),
     )
+    push_lease_ms: int = _opt(
+        "how long this gateway's lease of a push subscription lasts (renewed every third of it): another "
+        "gateway takes a subscription over about this long after this one dies",
+        6_000,
+        _range(1_000, 600_000),
+    )
+    push_subscriptions_max: int = _opt(
+        "most push subscriptions this gateway runs at once (0: none; the others run them)", 1_000, _range(0, 10_000)
+    )
     shutdown_grace_ms: int = _opt("how long shutdown waits for requests in flight", 5_000, _range(0, 600_000))
 
 
@@ -371,6 +420,9 @@ class StandaloneConfig:
     broker_port: int = _opt("TCP port of the broker (0 picks a free one)", 0, _port)
     delay_port: int = _opt("TCP port of the delay server (0 picks a free one)", 0, _port)
     gateway_port: int = _opt("HTTP port of the gateway (0 picks a free one)", 0, _port)
+    auth_file: str = _opt("the auth file of every role (docs/security.md); empty: no authentication, loopback only", "")
+    app_code: str = _server_app_code()
+    insecure: bool = _insecure()
     ready_timeout_ms: int = _opt(
         "how long to wait for every role to report ready",
         60_000,

@@ -9,6 +9,7 @@ from __future__ import annotations
 # Every error class, which ``qmq`` and ``qmq.aio`` export (the helpers below are qmq's own).
 __all__ = [
     "AlreadyProcessedError",
+    "AuthError",
     "BrokerError",
     "BufferFullError",
     "ConfigError",
@@ -63,6 +64,21 @@ class BufferFullError(SendError):
 
     def __init__(self, reason: str, message_id: str | None = None) -> None:
         super().__init__(reason, message_id, retriable=True)
+
+
+class AuthError(QmqError):
+    """A server refused the app: a wrong secret (or none), or an action it may not do.
+
+    ``app_code``, ``action`` ("authenticate", "produce", "consume", "admin", "cluster") and
+    ``subject`` (None when the action has none) say which; nothing else is told. Never retried:
+    ``send``, ``pull`` and a listener's start raise it as itself.
+    """
+
+    def __init__(self, text: str, *, app_code: str = "", action: str = "", subject: str | None = None) -> None:
+        self.app_code = app_code
+        self.action = action
+        self.subject = subject
+        super().__init__(text)
 
 
 class BrokerError(QmqError):

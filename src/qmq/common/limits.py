@@ -21,6 +21,14 @@ HOLD_MS_MAX = 1000
 # Subjects one meta server request (GET /meta/address) may ask routes for: the server refuses
 # more, and a client asks for more in several requests.
 META_SUBJECTS_PER_REQUEST_MAX = 256
+# A repeating delay message (Message.set_repeat): copies at least a second apart (the delay
+# server's timer is finer, but a tighter loop is a realtime stream, not a schedule), at most
+# this many copies, and the last within the delay server's horizon. A delay server stores each
+# copy as a message of its own, written with one write as the send arrives: so the copies of
+# one send also stay within REPEAT_BYTES_MAX in all (10,000 copies of a 6 KiB message).
+REPEAT_EVERY_MS_MIN = 1_000
+REPEAT_COPIES_MAX = 10_000
+REPEAT_BYTES_MAX = 64 * MiB
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,8 +70,7 @@ def parse_internal_subject(name: str, limits: Limits = DEFAULT_LIMITS) -> tuple[
     """Split a retry or dead-letter subject into (kind, subject, group); kind is "retry" or "dead"."""
     if len(name) > limits.internal_subject_chars_max:
         raise InvalidSubjectError(
-            f"subject {name[:40]!r}… has {len(name)} characters; "
-            f"the limit is {limits.internal_subject_chars_max}"
+            f"subject {name[:40]!r}… has {len(name)} characters; the limit is {limits.internal_subject_chars_max}"
         )
     for kind, prefix in (("dead", DEAD_PREFIX), ("retry", RETRY_PREFIX)):
         if name.startswith(prefix):

@@ -7,12 +7,16 @@ loaded into the timer shortly before the bucket starts (scheduler.py, timer.py) 
 broker when due (dispatcher.py) → its entry number in the bucket's dispatch log (bucket.py).
 
     server.py      the process: connections, group commit, checkpoints on their thread, shutdown
-    handlers.py    what each request code does (PING, SEND_MESSAGES, DELAY_STATS)
+    handlers.py    what each request code does (PING, SEND_MESSAGES, DELAY_STATS, CANCEL_DELAY, DELAY_LIST)
     store.py       DelayStore: the data directory, the write-ahead log, a send's checks, checkpoints
     recovery.py    builds the store's parts again from its files after any stop
     schedule.py    the time buckets together: replay of records into them, buffers, writes, fsyncs
     far.py         messages of far buckets waiting for the next flush, sorted into buckets in bulk
     bucket.py      one bucket's schedule log: messages, index and dispatch log, and their layouts
+    ids.py         a bucket's id file: a hash of each message id, so a cancel finds a message
+    cancel.py      cancels: what one stops, its write-ahead log record, keeping it from the hand-over
+    repeat.py      the copies a repeating message becomes as it arrives
+    listing.py     DELAY_LIST: a page of a subject's pending messages by due time
     checkpoint.py  the checkpoint's contents and layout, and the job that writes it
     scheduler.py   which buckets are loaded, what is due, reading due records, acknowledgements
     timer.py       the in-memory timer: rows of loaded buckets' messages sorted by due time

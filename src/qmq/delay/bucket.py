@@ -3,7 +3,9 @@ in three append-only files under ``schedule/<start_ms as 16 digits>/``.
 
 This module is the one home of the three files' layouts (format version 1; the version is
 not written in the files, which hold entries only: a new layout needs a new version here and
-a migration). What a checkpoint keeps of a bucket is in checkpoint.py.
+a migration). A fourth file, ``ids``, holds a hash of each entry's message id for cancels; it
+begins with the store's versioned file header and has its own module (ids.py). What a
+checkpoint keeps of a bucket is in checkpoint.py.
 
 ``messages``: records exactly as in the write-ahead log (``qmq.protocol.record``: a 28-byte
 header with CRC32C, then the message as the producer encoded it, ``deliver_at_ms`` included).
@@ -20,7 +22,8 @@ sits at ``n × 20`` (little-endian)::
     offset   u64  where its record starts in ``messages``
     size     u32  bytes of the record (header and message)
 
-``dispatch``: one 4-byte entry per message a broker acknowledged, in the order acknowledged::
+``dispatch``: one 4-byte entry per message done with: acknowledged by a broker, or cancelled
+(a cancelled message is never loaded again, so its bytes never reach memory), in that order::
 
     0         4
     +---------+
@@ -49,7 +52,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from qmq.delay.ids import (
+    ID_ENTRY,
+    ID_ENTRY_BYTES,
+    IDS_DTYPE,
+    IDS_KIND,
+    id_hash,
+    read_ids,
+    record_id_hashes,
+    record_message_id,
+)
 from qmq.store import fileio
+from qmq.store.file_header import HEAD_BYTES, header
 from qmq.store.segments import cut_back
 
 FORMAT_VERSION = 1
@@ -64,6 +78,7 @@ ENTRIES_MAX = 0xFFFF_FFFF  # entry numbers are u32 in the dispatch log
 MESSAGES = "messages"
 INDEX = "index"
 DISPATCH = "dispatch"
+IDS = "ids"
 _NAME_DIGITS = 16
 
 assert INDEX_DTYPE.itemsize == INDEX_ENTRY_BYTES
@@ -88,6 +103,7 @@ class Bucket:
 
     __slots__ = (
         "_dispatch_fd",
+        "_ids_wfd",
         "_index_wfd",
         "_messages_fd",
         "_messages_wfd",
@@ -100,6 +116,7 @@ class Bucket:
         "loaded",
         "min_due_ms",
         "nbytes",
+        "pending_ids",
         "pending_index",
         "pending_messages",
         "start_ms",
@@ -122,11 +139,13 @@ class Bucket:
         self.unsynced_bytes = 0  # written since its files were last fsynced (or sent to be)
         self.pending_messages = bytearray()
         self.pending_index = bytearray()
+        self.pending_ids = bytearray()
         self._messages_fd = -1
         self._dispatch_fd = -1
         # append-only descriptors of the replayer's writes, kept while the schedule's cache says so
         self._messages_wfd = -1
         self._index_wfd = -1
+        self._ids_wfd = -1
 
     @property
     def pending(self) -> int:
@@ -140,20 +159,24 @@ class Bucket:
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self.pending_messages) + len(self.pending_index)
+        return len(self.pending_messages) + len(self.pending_index) + len(self.pending_ids)
 
     def create(self) -> None:
         with contextlib.suppress(FileExistsError):
             fileio.mkdir(self.directory)
 
-    def add(self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int) -> tuple[int, int]:
-        """Buffer one record due at ``due_ms``; returns its entry number and its offset in ``messages``."""
+    def add(
+        self, record: bytes | bytearray | memoryview, due_ms: int, wal_end: int, id_hash_: int | None = None
+    ) -> tuple[int, int]:
+        """Buffer one record due at ``due_ms`` (``id_hash_``: of its id, when known); returns its
+        entry number and its offset in ``messages``."""
         entry = self.count
         if entry >= ENTRIES_MAX:
             raise OverflowError(f"time bucket {self.start_ms} holds {entry} messages, the most one can")
         offset = self.nbytes
         size = len(record)
         self.pending_index += INDEX_ENTRY.pack(due_ms, offset, size)
+        self.pending_ids += ID_ENTRY.pack(id_hash(record_message_id(record)) if id_hash_ is None else id_hash_)
         self.pending_messages += record
         if not entry or due_ms < self.min_due_ms:
             self.min_due_ms = due_ms
@@ -168,8 +191,10 @@ class Bucket:
         dues: npt.NDArray[np.int64],
         sizes: npt.NDArray[np.int64],
         wal_end: int,
+        id_hashes: npt.NDArray[np.uint32] | None = None,
     ) -> tuple[int, npt.NDArray[np.int64]]:
-        """Buffer records (back to back, due at ``dues``, ``sizes`` bytes each).
+        """Buffer records (back to back, due at ``dues``, ``sizes`` bytes each; ``id_hashes`` of
+        their ids, when known).
 
         Returns the entry number of the first and the offset of each in ``messages``.
         """
@@ -183,6 +208,10 @@ class Bucket:
         index["offset"] = offsets
         index["size"] = sizes
         self.pending_index += index.tobytes()
+        if id_hashes is None:
+            self.pending_ids += record_id_hashes(records, sizes)
+        else:
+            self.pending_ids += id_hashes.astype(IDS_DTYPE, copy=False).tobytes()
         self.pending_messages += records
         lowest = int(dues.min())
         if not entry or lowest < self.min_due_ms:
@@ -196,21 +225,26 @@ class Bucket:
         """Write what is buffered (messages first, then their index entries); returns bytes written."""
         if not self.pending_messages:
             return 0
-        written = len(self.pending_messages) + len(self.pending_index)
+        written = self.buffered_bytes
         if self._messages_wfd < 0:
             self._messages_wfd = _open_append(self.directory / MESSAGES)
         if self._index_wfd < 0:
             self._index_wfd = _open_append(self.directory / INDEX)
+        if self._ids_wfd < 0:
+            self._ids_wfd = _open_ids_append(self.directory / IDS)
         try:
             fileio.write_all(self._messages_wfd, self.pending_messages)
             fileio.write_all(self._index_wfd, self.pending_index)
+            fileio.write_all(self._ids_wfd, self.pending_ids)
         except OSError as exc:
             # index entries hold offsets counted from the flushed size: a retry must start there
             cut_back(self._messages_wfd, self.flushed_bytes, exc)
             cut_back(self._index_wfd, self.flushed_count * INDEX_ENTRY_BYTES, exc)
+            cut_back(self._ids_wfd, HEAD_BYTES + self.flushed_count * ID_ENTRY_BYTES, exc)
             raise
         self.pending_messages = bytearray()
         self.pending_index = bytearray()
+        self.pending_ids = bytearray()
         self.flushed_count = self.count
         self.flushed_bytes = self.nbytes
         self.dirty = True
@@ -270,9 +304,10 @@ class Bucket:
         self.dispatched = len(entries)
 
     def truncate(self, nbytes: int, entries: int) -> None:
-        """Cut ``messages`` and ``index`` back to a checkpointed size (recovery)."""
+        """Cut ``messages``, ``index`` and ``ids`` back to a checkpointed size (recovery)."""
         self.close()
-        for name, size in ((MESSAGES, nbytes), (INDEX, entries * INDEX_ENTRY_BYTES)):
+        sizes = ((MESSAGES, nbytes), (INDEX, entries * INDEX_ENTRY_BYTES), (IDS, HEAD_BYTES + entries * ID_ENTRY_BYTES))
+        for name, size in sizes:
             path = self.directory / name
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_size > size:
@@ -281,10 +316,66 @@ class Bucket:
         self.nbytes = self.flushed_bytes = nbytes
 
     def file_paths(self) -> list[Path]:
-        return [self.directory / MESSAGES, self.directory / INDEX, self.directory / DISPATCH]
+        return [self.directory / MESSAGES, self.directory / INDEX, self.directory / DISPATCH, self.directory / IDS]
+
+    # -- cancels -------------------------------------------------------------------------
+
+    def fill_ids(self) -> int:
+        """Make the id file hold one entry per written index entry (recovery): entries missing
+        from it (a bucket written before id files existed, or an id file cut short by a crash)
+        are rebuilt from the records, extra ones cut; returns how many were rebuilt."""
+        have = read_ids(self.directory, IDS)
+        entries = self.flushed_count
+        if len(have) == entries:
+            return 0
+        path = self.directory / IDS
+        if len(have) > entries:
+            fileio.truncate(path, HEAD_BYTES + entries * ID_ENTRY_BYTES)
+            return 0
+        self.close()
+        index = read_index(self.directory, entries)
+        fd = fileio.open(self.directory / MESSAGES, os.O_RDONLY)
+        try:
+            out = bytearray(header(IDS_KIND)) + have.tobytes()
+            for offset, size in zip(
+                index["offset"][len(have) :].tolist(), index["size"][len(have) :].tolist(), strict=True
+            ):
+                out += ID_ENTRY.pack(id_hash(record_message_id(fileio.pread(fd, size, offset))))
+        finally:
+            fileio.close(fd)
+        fileio.replace_file(path, bytes(out))
+        return entries - len(have)
+
+    def find(self, message_id: bytes) -> list[int]:
+        """Entry numbers of the messages with ``message_id``, written or buffered, in entry order."""
+        h = id_hash(message_id)
+        on_disk = read_ids(self.directory, IDS)[: self.flushed_count]
+        found = np.flatnonzero(on_disk == h).tolist()
+        buffered = np.frombuffer(self.pending_ids, dtype=IDS_DTYPE)
+        found += (np.flatnonzero(buffered == h) + self.flushed_count).tolist()
+        out = []
+        for entry in found:  # a hash narrows; the record's own id decides
+            offset, size = self._entry(entry)
+            if record_message_id(self.read(offset, size)) == message_id:
+                out.append(entry)
+        return out
+
+    def _entry(self, entry: int) -> tuple[int, int]:
+        """``(offset, size)`` of index entry ``entry``, written or buffered."""
+        if entry >= self.flushed_count:
+            _due, offset, size = INDEX_ENTRY.unpack_from(
+                self.pending_index, (entry - self.flushed_count) * INDEX_ENTRY_BYTES
+            )
+        else:
+            fd = fileio.open(self.directory / INDEX, os.O_RDONLY)
+            try:
+                _due, offset, size = INDEX_ENTRY.unpack(fileio.pread(fd, INDEX_ENTRY_BYTES, entry * INDEX_ENTRY_BYTES))
+            finally:
+                fileio.close(fd)
+        return int(offset), int(size)
 
     def close_writers(self) -> None:
-        for name in ("_messages_wfd", "_index_wfd"):
+        for name in ("_messages_wfd", "_index_wfd", "_ids_wfd"):
             fd = getattr(self, name)
             if fd >= 0:
                 fileio.close(fd)
@@ -301,7 +392,7 @@ class Bucket:
     def remove(self) -> None:
         """Delete the bucket's files and directory."""
         self.close()
-        for path in [*self.file_paths(), self.directory / (DISPATCH + ".tmp")]:
+        for path in [*self.file_paths(), self.directory / (DISPATCH + ".tmp"), self.directory / (IDS + ".tmp")]:
             fileio.unlink(path, missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             fileio.rmdir(self.directory)
@@ -320,6 +411,18 @@ def read_index(directory: Path, entries: int) -> npt.NDArray[Any]:
 
 def _open_append(path: Path) -> int:
     return fileio.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+
+def _open_ids_append(path: Path) -> int:
+    """The id file for appending, its header written first when it is new (or empty)."""
+    fd = _open_append(path)
+    try:
+        if fileio.size(fd) == 0:
+            fileio.write_all(fd, header(IDS_KIND))
+    except OSError:
+        fileio.close(fd)
+        raise
+    return fd
 
 
 def fsync_paths(paths: list[Path]) -> None:

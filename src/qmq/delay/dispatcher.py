@@ -72,10 +72,11 @@ class _Waiter:
 
 
 class _Batch:
-    __slots__ = ("buckets", "dispatcher", "entries", "rows", "sizes")
+    __slots__ = ("buckets", "dispatcher", "entries", "left", "rows", "sizes")
 
     def __init__(self, dispatcher: Dispatcher, rows: Rows) -> None:
         self.dispatcher = dispatcher
+        self.left = 0  # messages of it the producer has not settled
         self.rows = rows
         self.buckets: list[int] = rows["bucket"].tolist()
         self.entries: list[int] = rows["entry"].tolist()
@@ -125,6 +126,20 @@ class Dispatcher:
         self._idle: asyncio.Event | None = None
         self._load_executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-delay-load")
         self._loading: set[asyncio.Future[None]] = set()
+        self._batches: set[_Batch] = set()  # batches with messages in flight (for cancels)
+        scheduler.in_flight_of = self.in_flight_entries
+
+    def in_flight_entries(self, start_ms: int) -> set[int]:
+        """Entries of one bucket handed over and not yet in its dispatch log: a cancel cannot stop
+        them (O(messages in flight), which ``handover_messages_max`` bounds)."""
+        out: set[int] = set()
+        for batch in self._batches:
+            rows = batch.rows
+            out.update(rows["entry"][rows["bucket"] == start_ms].tolist())
+        acks = self._acks.get(start_ms)
+        if acks is not None:
+            out.update(acks)
+        return out
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -227,6 +242,9 @@ class Dispatcher:
     # -- hand-over -------------------------------------------------------------------------
 
     def _hand_over(self, rows: Rows, now_ms: int) -> None:
+        rows = self.scheduler.drop_cancelled(rows)
+        if not len(rows):
+            return
         handover = self.scheduler.read(rows)
         if len(handover.corrupt):
             self.corrupt_total += len(handover.corrupt)
@@ -248,9 +266,13 @@ class Dispatcher:
                 # the producer's buffer is sized above the hand-over bounds; this is a closing producer
                 self.scheduler.requeue(rows[i:])
                 self._pause(exc)
-                return
+                break
+            batch.left += 1
             self.in_flight += 1
             self.in_flight_bytes += sizes[i]
+        if not batch.left:
+            return
+        self._batches.add(batch)
         # on the wire before the loop turns: it may turn through a long intake of new sends first
         self.producer.write_now()
         if self._idle is not None:
@@ -281,6 +303,9 @@ class Dispatcher:
         self._settled(batch, i)
 
     def _settled(self, batch: _Batch, i: int) -> None:
+        batch.left -= 1
+        if not batch.left:
+            self._batches.discard(batch)
         self.in_flight -= 1
         self.in_flight_bytes -= batch.sizes[i]
         if not self._flush_scheduled:

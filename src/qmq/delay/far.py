@@ -39,6 +39,7 @@ class FarRun(NamedTuple):
     dues: Int64s
     sizes: Int64s
     wal_end: int  # end offset in the write-ahead log of the last of them
+    id_hashes: npt.NDArray[np.uint32] | None  # of their ids (ids.py); None: read from the records
 
 
 class _Waiting(NamedTuple):
@@ -48,6 +49,7 @@ class _Waiting(NamedTuple):
     sizes: Int64s
     ends: Int64s  # of each waiting record within ``records``
     starts: Int64s  # of each waiting record's bucket
+    id_hashes: npt.NDArray[np.uint32] | None
 
 
 class FarMessages:
@@ -71,9 +73,18 @@ class FarMessages:
             self.from_ms = self._clock.now_ms() + self.margin_ms
         return self.from_ms
 
-    def add(self, records: memoryview, base: int, dues: Int64s, sizes: Int64s, ends: Int64s, starts: Int64s) -> None:
+    def add(
+        self,
+        records: memoryview,
+        base: int,
+        dues: Int64s,
+        sizes: Int64s,
+        ends: Int64s,
+        starts: Int64s,
+        id_hashes: npt.NDArray[np.uint32] | None = None,
+    ) -> None:
         """Hold messages of a batch (``records`` from log offset ``base``; ``ends`` within ``records``)."""
-        self._waiting.append(_Waiting(records, base, dues, sizes, ends, starts))
+        self._waiting.append(_Waiting(records, base, dues, sizes, ends, starts, id_hashes))
 
     def take_runs(self) -> Iterator[FarRun]:
         """Everything waiting, as one run per bucket in bucket order; the cut-off is reset."""
@@ -94,11 +105,16 @@ def _runs(waiting: list[_Waiting]) -> Iterator[FarRun]:
     dues = np.concatenate([w.dues for w in waiting])
     sizes = np.concatenate([w.sizes for w in waiting])
     starts = np.concatenate([w.starts for w in waiting])
+    hashes = None
+    if all(w.id_hashes is not None for w in waiting):
+        hashes = np.concatenate([w.id_hashes for w in waiting if w.id_hashes is not None])
     order = np.argsort(starts, kind="stable")
+    if hashes is not None:
+        hashes = hashes[order]
     ends, log_ends, dues, sizes, starts = ends[order], log_ends[order], dues[order], sizes[order], starts[order]
     unique, first, counts = np.unique(starts, return_index=True, return_counts=True)
     ends_l, sizes_l = ends.tolist(), sizes.tolist()
     for start, i, k in zip(unique.tolist(), first.tolist(), counts.tolist(), strict=True):
         j = i + k
         run = b"".join([buf[e - z : e] for e, z in zip(ends_l[i:j], sizes_l[i:j], strict=True)])
-        yield FarRun(start, run, dues[i:j], sizes[i:j], int(log_ends[j - 1]))
+        yield FarRun(start, run, dues[i:j], sizes[i:j], int(log_ends[j - 1]), None if hashes is None else hashes[i:j])

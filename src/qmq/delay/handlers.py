@@ -1,5 +1,7 @@
 """What the delay server does for each request code: PING, SEND_MESSAGES (the broker's contract,
-answered once the write-ahead log is durable) and DELAY_STATS. Other commands are a broker's
+answered once the write-ahead log is durable), DELAY_STATS, CANCEL_DELAY (answered, when it
+cancelled something, once the cancel's write-ahead log record is durable) and DELAY_LIST
+(listing.py). Other commands are a broker's
 and are refused with UNKNOWN_COMMAND saying so."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from typing import Protocol
 
 from qmq.common.config import DelayConfig
 from qmq.delay.dispatcher import Dispatcher
+from qmq.delay.listing import LIST_ITEMS_MAX, list_pending
 from qmq.delay.metrics import DelayMetrics
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
@@ -20,13 +23,15 @@ from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replies import guarded
-from qmq.serving.requests import BadRequest
+from qmq.serving.requests import BadRequest, get_int, get_str
 from qmq.store import fileio
+from qmq.store.datadir import StoreError
 
 STATS_BUCKETS_DEFAULT = 100
 # Every bucket of the default horizon (730 days of one-hour buckets: 17,520). A bucket row is
 # < 100 bytes of the answer document, in the body: 2 MB at most, far inside frame_bytes_max.
 STATS_BUCKETS_MAX = 20_000
+_TIME_MS_MAX = 253_402_300_799_999  # the end of the year 9999, as a due time may be
 
 
 class DelayContext(RoleContext, Protocol):
@@ -63,13 +68,18 @@ class Handlers(RoleHandlers):
     def __init__(self, server: DelayContext) -> None:
         super().__init__(server)
         self.server, self.store, self.metrics = server, server.store, server.metrics
-        table: dict[int, Handler] = {RequestCode.SEND_MESSAGES: self.send, RequestCode.DELAY_STATS: self.delay_stats}
+        table: dict[int, Handler] = {
+            RequestCode.SEND_MESSAGES: self.send,
+            RequestCode.DELAY_STATS: self.delay_stats,
+            RequestCode.CANCEL_DELAY: self.cancel_delay,
+            RequestCode.DELAY_LIST: self.delay_list,
+        }
         self.serve(table, self.metrics.requests, self._unknown)
 
     def _unknown(self, code: int) -> str:
         return (
             f"command code {code} is not served by a delay server (group "
-            f"{self.server.config.group}); it takes PING, SEND_MESSAGES and DELAY_STATS: "
+            f"{self.server.config.group}); it takes PING, SEND_MESSAGES, DELAY_STATS, CANCEL_DELAY and DELAY_LIST: "
             "pull from a broker"
         )
 
@@ -130,6 +140,61 @@ class Handlers(RoleHandlers):
                 server.release_durable()
 
         server.flusher.after_write(end, guarded(conn, code, request_id, durable))
+
+    def cancel_delay(self, conn: Responder, frame: Frame) -> None:
+        """``{"message_id"}`` → ``{"cancelled": bool, "copies": n}``: whether pending messages
+        with that id were stopped (all of a repeating message's copies still pending)."""
+        refusal = self.refusal()
+        if refusal is not None:
+            conn.respond(frame.code, frame.request_id, {"error": refusal[1]}, status=refusal[0])
+            return
+        id_max = self.limits.message_id_chars_max
+        message_id = get_str(frame.header, "message_id", max_chars=id_max)
+        server, store = self.server, self.store
+        stopped = self.storing(lambda: store.cancel(message_id, server.scheduler))
+        answer = {"cancelled": stopped > 0, "copies": stopped}
+        code, request_id = frame.code, frame.request_id
+        if not stopped or not store.sync_policy:
+            self.metrics.cancelled.inc(stopped)
+            conn.respond(code, request_id, answer)
+            return
+
+        def durable(error: str | None) -> None:
+            if error is None:
+                self.metrics.cancelled.inc(stopped)
+                conn.respond(code, request_id, answer)
+            else:  # written, fsync failed: it may or may not be kept
+                conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.INTERNAL_ERROR)
+
+        server.flusher.after_write(store.wal.end, guarded(conn, code, request_id, durable))
+
+    def delay_list(self, conn: Responder, frame: Frame) -> None:
+        """``{"subject", "from_ms"?, "to_ms"?, "limit"?, "after"?}`` → one page of the subject's
+        pending messages by due time (listing.py)."""
+        header = frame.header
+        subject = get_str(header, "subject", max_chars=self.limits.internal_subject_chars_max)
+        from_ms = get_int(header, "from_ms", 0, _TIME_MS_MAX, default=0)
+        to_ms = get_int(header, "to_ms", 0, _TIME_MS_MAX, default=_TIME_MS_MAX)
+        limit = get_int(header, "limit", 1, LIST_ITEMS_MAX, default=100)
+        after = header.get("after")
+        if after is not None and not (
+            isinstance(after, list) and len(after) == 3 and all(type(x) is int for x in after)
+        ):
+            raise BadRequest(
+                f"'after' = {after!r:.200} is not a DELAY_LIST cursor; pass back the 'next' of the last page"
+            )
+        store = self.store
+        store.flush_deferred()  # messages of far buckets waiting for the flush are listed too
+        try:
+            page, following = list_pending(
+                list(store.iter_buckets()), store.bucket_ms, subject.encode("utf-8"), from_ms, to_ms, limit, after
+            )
+        except OSError as exc:
+            raise StoreError(f"cannot read the schedule logs to list pending messages: {exc}") from exc
+        fields: dict[str, object] = {"subject": subject}
+        if following is not None:
+            fields["next"] = following
+        conn.respond(frame.code, frame.request_id, None, (encode_answer(fields, {"messages": page.items}),))
 
     def delay_stats(self, conn: Responder, frame: Frame) -> None:
         buckets_max = frame.header.get("buckets_max", STATS_BUCKETS_DEFAULT)

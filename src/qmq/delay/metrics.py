@@ -79,6 +79,9 @@ class DelayMetrics:
         self.messages_in = Counter("qmq_delay_messages_in", "delay messages stored", registry=r)
         self.bytes_in = Counter("qmq_delay_bytes_in", "bytes of delay messages stored", registry=r)
         self.refused = Counter("qmq_delay_messages_refused", "messages of a send refused", ["status"], registry=r)
+        self.cancelled = Counter(
+            "qmq_delay_cancelled_messages", "pending delay messages (copies) cancelled", registry=r
+        )
         self.requests = Counter("qmq_delay_requests", "requests by command", ["command"], registry=r)
         self.connections = Gauge("qmq_delay_connections", "open client connections", registry=r)
         self.connections_refused, self.connections_dropped = connection_counters("qmq_delay", r)

@@ -9,6 +9,8 @@
    CRC; the first record that does not check out is a torn tail, cut and logged. Replaying in
    the original order gives every message the entry number it had, so the dispatch logs stay
    right.
+   A cancel record (cancel.py) is applied where it stands: the messages replayed before it
+   are in their buckets then, the ones after it not yet.
    A bucket whose files hold less than its mark (damaged) makes recovery rebuild every bucket
    from the write-ahead log's start, or, when that is gone, refuse to start naming it.
 4. Drop dispatch-log entries naming messages that are no longer there (a torn tail's), and
@@ -36,6 +38,7 @@ import numpy as np
 
 from qmq.common.clock import Clock
 from qmq.common.config import DelayConfig
+from qmq.delay import cancel
 from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket
 from qmq.delay.checkpoint import BucketMark, read_delay_checkpoint
 from qmq.delay.schedule import Schedule
@@ -122,9 +125,13 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
             b.wal_end = mark.wal_end
         else:
             b.truncate(0, 0)
+        filled = b.fill_ids()
+        if filled:
+            log.info("bucket %d: rebuilt %d entries of its id file from its records", start, filled)
         rebuilt.append(b)
 
     replayed = 0
+    cancels = 0  # entries cancelled by cancel records replayed
     result: list[ScanResult] = []
     chunk = _Chunk()
     for rec in wal.scan(replay_from, result):
@@ -132,9 +139,15 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         if len(msg) < HEADER_BYTES:
             result.append(ScanResult(rec.offset, wal.end - rec.offset))
             break
-        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
         parts.wal_messages = max(parts.wal_messages, rec.sequence + 1)
         replayed += 1
+        if cancel.is_cancel(msg):
+            chunk.replay_into(schedule)
+            schedule.flush_deferred()
+            stops = cancel.pending_entries(list(schedule.iter_buckets()), cancel.cancelled_id(msg), None)
+            cancels += cancel.apply(stops, None, lambda _n: None)
+            continue
+        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
         if len(chunk.records) >= _CHUNK_BYTES:
             chunk.replay_into(schedule)
     chunk.replay_into(schedule)
@@ -164,6 +177,7 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         "from_checkpoint": checkpoint is not None,
         "replayed_from": replay_from,
         "records_replayed": replayed,
+        "entries_cancelled": cancels,
         "torn_bytes": torn,
         "buckets": len(schedule.buckets),
         "buckets_rebuilt": len(rebuilt),

@@ -38,6 +38,7 @@ from qmq.common.clock import Clock
 from qmq.common.config import DelayConfig
 from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket, bucket_start_of
 from qmq.delay.far import FarMessages
+from qmq.delay.ids import IDS_DTYPE, record_id_hashes
 from qmq.delay.timer import ROW, Rows, make_rows
 from qmq.store import fileio
 from qmq.store.datadir import StoreError, clears_by_itself, store_error
@@ -150,16 +151,30 @@ class Schedule:
         self.pending_total -= n
         return n
 
+    def note_cancelled(self, n: int) -> None:
+        """``n`` pending entries were cancelled (written to their dispatch logs)."""
+        self.pending_total -= n
+
     # -- replay ------------------------------------------------------------------------
 
     def replay(
-        self, records: bytearray, dues: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], stored_ms: Any, base: int
+        self,
+        records: bytearray,
+        dues: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        stored_ms: Any,
+        base: int,
+        id_hashes: npt.NDArray[np.uint32] | None = None,
     ) -> Rows:
         """Add write-ahead log records (``records``, back to back, from offset ``base``) to their
         buckets, each bucket's in log order; returns the timer rows of those in loaded buckets.
 
-        ``stored_ms`` is the records' stored time, one for all or an array of one per record.
+        ``stored_ms`` is the records' stored time, one for all or an array of one per record;
+        ``id_hashes`` the hashes of their ids for the id files (ids.py), read from the records
+        when not given.
         """
+        if id_hashes is None:
+            id_hashes = np.frombuffer(record_id_hashes(records, sizes), dtype=IDS_DTYPE)
         n = len(dues)
         ends = np.cumsum(sizes)
         due_or_stored = np.maximum(dues, stored_ms)
@@ -171,7 +186,7 @@ class Schedule:
         if n == 1 or bool((starts == first).all()):
             # the common case (a batch due within one bucket): one run, numpy all the way
             b = self.bucket(first)
-            entry, offsets = b.add_run(view, dues, sizes, base + int(ends[-1]))
+            entry, offsets = b.add_run(view, dues, sizes, base + int(ends[-1]), id_hashes)
             if not b.loaded:
                 return np.empty(0, dtype=ROW)
             rows = make_rows(first, dues, offsets, np.arange(entry, entry + n), sizes)
@@ -179,12 +194,12 @@ class Schedule:
             return rows
         far = starts > self.far.cutoff_ms()
         if far.any():
-            self.far.add(view, base, dues[far], sizes[far], ends[far], starts[far])
+            self.far.add(view, base, dues[far], sizes[far], ends[far], starts[far], id_hashes[far])
             if far.all():
                 return np.empty(0, dtype=ROW)
             near = ~far
-            dues, sizes, ends, starts = dues[near], sizes[near], ends[near], starts[near]
-        return self._replay_spread(view, dues, sizes, ends, starts, base)
+            dues, sizes, ends, starts, id_hashes = dues[near], sizes[near], ends[near], starts[near], id_hashes[near]
+        return self._replay_spread(view, dues, sizes, ends, starts, base, id_hashes)
 
     def _replay_spread(
         self,
@@ -194,6 +209,7 @@ class Schedule:
         ends: npt.NDArray[np.int64],
         starts: npt.NDArray[np.int64],
         base: int,
+        id_hashes: npt.NDArray[np.uint32],
     ) -> Rows:
         """A batch due across many buckets (few messages in each): plain Python per message."""
         by_bucket: dict[int, list[int]] = {}
@@ -203,14 +219,14 @@ class Schedule:
                 by_bucket[start] = [i]
             else:
                 at.append(i)
-        dues_l, sizes_l, ends_l = dues.tolist(), sizes.tolist(), ends.tolist()
+        dues_l, sizes_l, ends_l, hashes_l = dues.tolist(), sizes.tolist(), ends.tolist(), id_hashes.tolist()
         arrivals: list[tuple[int, int, int, int, int]] = []
         for start, members in by_bucket.items():
             b = self.bucket(start)
             if len(members) >= _RUN_ROWS_MIN:
                 idx = np.array(members, dtype=np.intp)
                 run = b"".join([view[e - z : e] for z, e in zip(sizes[idx].tolist(), ends[idx].tolist(), strict=True)])
-                entry, offsets = b.add_run(run, dues[idx], sizes[idx], base + ends_l[members[-1]])
+                entry, offsets = b.add_run(run, dues[idx], sizes[idx], base + ends_l[members[-1]], id_hashes[idx])
                 if b.loaded:
                     rows = make_rows(start, dues[idx], offsets, np.arange(entry, entry + len(idx)), sizes[idx])
                     arrivals.extend(rows.tolist())
@@ -219,7 +235,7 @@ class Schedule:
             for i in members:
                 end = ends_l[i]
                 size = sizes_l[i]
-                entry, offset = b.add(view[end - size : end], dues_l[i], base + end)
+                entry, offset = b.add(view[end - size : end], dues_l[i], base + end, hashes_l[i])
                 if b.loaded:
                     arrivals.append((dues_l[i], start, offset, entry, size))
             if b.loaded:
@@ -232,7 +248,7 @@ class Schedule:
             b = self.bucket(run.start_ms)
             if b.loaded:  # never: a bucket is loaded only after a flush (the scheduler's begin_load)
                 raise StoreError(f"time bucket {run.start_ms} was loaded while messages for it waited to be written")
-            b.add_run(run.records, run.dues, run.sizes, run.wal_end)
+            b.add_run(run.records, run.dues, run.sizes, run.wal_end, run.id_hashes)
 
     @property
     def deferred_from_ms(self) -> int | None:

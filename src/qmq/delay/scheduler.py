@@ -16,7 +16,7 @@ may build one alone), or the delay store, which passes its own on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import crc32c
@@ -102,6 +102,30 @@ class Scheduler:
         self.preload_ms = preload_ms
         self.timer = Timer()
         self._subject_names: dict[bytes, str] = {}
+        # entries of loaded buckets cancelled since they were loaded: their rows may still be in
+        # the timer (or on their way there) and are dropped at hand-over (qmq.delay.cancel)
+        self.cancelled: dict[int, set[int]] = {}
+        # entries of a bucket in flight to a broker (the dispatcher's, once it runs)
+        self.in_flight_of: Callable[[int], set[int]] = lambda _start_ms: set()
+
+    # -- cancels (qmq.delay.cancel.Live) -----------------------------------------------
+
+    def in_flight(self, start_ms: int) -> set[int]:
+        return self.in_flight_of(start_ms)
+
+    def cancel_loaded(self, start_ms: int, entries: list[int]) -> None:
+        self.cancelled.setdefault(start_ms, set()).update(entries)
+
+    def drop_cancelled(self, rows: Rows) -> Rows:
+        """``rows`` without those of cancelled entries (already in their dispatch logs)."""
+        if not self.cancelled or not len(rows):
+            return rows
+        keep = np.ones(len(rows), dtype=bool)
+        for start, entries in self.cancelled.items():
+            mine = rows["bucket"] == start
+            if mine.any():
+                keep &= ~(mine & np.isin(rows["entry"], np.fromiter(entries, dtype=np.uint32, count=len(entries))))
+        return rows if keep.all() else rows[keep]
 
     # -- loading -----------------------------------------------------------------------
 
@@ -151,14 +175,22 @@ class Scheduler:
         b = job.bucket
         if job.error is not None:
             b.loaded = False
+            self.cancelled.pop(b.start_ms, None)  # in the dispatch log: the next load skips them
             raise StoreError(f"cannot load time bucket {b.start_ms}: {job.error}")
-        self.timer.add_sorted_main(job.rows)
+        rows = job.rows
+        # entries cancelled while the job read: in the dispatch log (counted in b.dispatched
+        # since), whether or not the job saw them there
+        late = [e for e in self.cancelled.get(b.start_ms, ()) if e < job.entries]
+        if late:
+            rows = rows[~np.isin(rows["entry"], np.asarray(late, dtype=np.uint32))]
+        self.timer.add_sorted_main(rows)
         # the dispatch log is the truth for what was there; acks of later arrivals came on top
-        b.dispatched = job.entries - len(job.rows) + (b.dispatched - job.dispatched_before)
-        log.debug("loaded time bucket %d: %d of %d messages still due", b.start_ms, len(job.rows), job.entries)
-        return len(job.rows)
+        b.dispatched = job.entries - len(rows) + (b.dispatched - job.dispatched_before - len(late))
+        log.debug("loaded time bucket %d: %d of %d messages still due", b.start_ms, len(rows), job.entries)
+        return len(rows)
 
     def unload(self, b: Bucket) -> None:
+        self.cancelled.pop(b.start_ms, None)
         if b.loaded:
             self.timer.drop_bucket(b.start_ms)
             b.loaded = False

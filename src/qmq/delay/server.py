@@ -86,7 +86,8 @@ class DelayServer(FrameServer):
         self.flusher.flushed_offset = self.store.wal.end
         self.checkpointing = asyncio.Lock()
         producer = Producer(
-            app_code=_PRODUCER_APP_CODE,
+            app_code=cfg.app_code or _PRODUCER_APP_CODE,
+            secret=self.secret(),
             meta_server=cfg.meta_server,
             buffer_messages_max=cfg.handover_messages_max + _HANDOVER_BATCH_MESSAGES,
             buffer_bytes_max=cfg.handover_bytes_max + 8 * MiB,

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import crc32c
 import numpy as np
 import numpy.typing as npt
 
@@ -38,12 +39,14 @@ from qmq.common.config import DelayConfig
 from qmq.common.errors import InvalidSubjectError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import check_subject
+from qmq.delay import cancel, repeat
 from qmq.delay.bucket import Bucket
 from qmq.delay.checkpoint import BucketMark, CheckpointJob, DelayCheckpoint
+from qmq.delay.ids import IDS_DTYPE
 from qmq.delay.recovery import DelayParts, empty_parts, recover
 from qmq.delay.timer import ROW, Rows
 from qmq.protocol.codes import Status
-from qmq.protocol.message import ScannedMessage
+from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS, ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import fileio
 from qmq.store.datadir import DataDirLock, StoreError, store_error
@@ -138,6 +141,9 @@ class DelayStore:
         known = self._subjects
         errors: list[list[Any]] = []
         accepted: list[ScannedMessage] = []
+        # copies of repeating messages (repeat.py), by the index of the message in ``accepted``
+        copies: dict[int, list[tuple[bytes, int]]] = {}
+        view = memoryview(body)
         total = 0
         for i, sm in enumerate(scanned):
             if refused and i in refused:
@@ -161,6 +167,15 @@ class DelayStore:
             if sm.tags and _tag_count(sm.tags) > limits.tags_max:
                 errors.append([i, Status.INVALID_MESSAGE, f"message has more than tags_max {limits.tags_max} tags"])
                 continue
+            if body[sm.pos + FLAGS_POS] & FLAG_REPEAT:
+                made = repeat.copies(view[sm.pos : sm.pos + length], now, horizon_end, self.config.horizon_days, limits)
+                if isinstance(made, str):
+                    errors.append([i, Status.INVALID_MESSAGE, made])
+                    continue
+                copies[len(accepted)] = made
+                accepted.append(sm)
+                total += sum(RECORD_HEADER_BYTES + len(c) for c, _due in made)
+                continue
             if sm.deliver_at_ms > horizon_end:
                 errors.append([i, Status.INVALID_MESSAGE, self.beyond_horizon(sm.deliver_at_ms, now)])
                 continue
@@ -170,27 +185,74 @@ class DelayStore:
             return AppendResult(errors, 0, 0, np.empty(0, dtype=ROW))
         base = self.wal.offset_for_append(total)
         out = bytearray(total)
-        view = memoryview(body)
         pos = 0
         seq = self.wal_messages
-        for sm in accepted:
-            p = sm.pos
-            pos = pack_record_into(out, pos, view[p : p + sm.length], seq, now)
-            seq += 1
+        due_list: list[int] = []
+        size_list: list[int] = []
+        hash_list: list[int] = []  # of each id, for the buckets' id files (ids.py)
+        crc = crc32c.crc32c
+        for k, sm in enumerate(accepted):
+            these = copies.get(k) if copies else None
+            if these is None:
+                p = sm.pos
+                pos = pack_record_into(out, pos, view[p : p + sm.length], seq, now)
+                seq += 1
+                due_list.append(sm.deliver_at_ms)
+                size_list.append(sm.length)
+                hash_list.append(crc(sm.message_id))
+                continue
+            h = crc(sm.message_id)
+            for copy, due in these:
+                pos = pack_record_into(out, pos, copy, seq, now)
+                seq += 1
+                due_list.append(due)
+                size_list.append(len(copy))
+                hash_list.append(h)
         try:
             self.wal.append(out)
         except OSError as exc:
             raise store_error(exc, self.dir) from exc
+        n = seq - self.wal_messages
         self.wal_messages = seq
-        n = len(accepted)
-        dues = np.fromiter([sm.deliver_at_ms for sm in accepted], dtype=np.int64, count=n)
-        sizes = np.fromiter([sm.length for sm in accepted], dtype=np.int64, count=n) + RECORD_HEADER_BYTES
-        rows = self.replay(out, dues, sizes, now, base)
+        dues = np.fromiter(due_list, dtype=np.int64, count=n)
+        sizes = np.fromiter(size_list, dtype=np.int64, count=n) + RECORD_HEADER_BYTES
+        rows = self.replay(out, dues, sizes, now, base, np.array(hash_list, dtype=IDS_DTYPE))
         # a schedule-log write failing here loses nothing: the write-ahead log holds the messages and
         # a later flush writes them (schedule.py); the send is stored and answered as such
         with contextlib.suppress(StoreError):
             self.schedule.after_replay()
         return AppendResult(errors, n, total, rows)
+
+    def cancel(self, message_id: str, live: cancel.Live | None) -> int:
+        """Cancel the pending messages with ``message_id`` (cancel.py); returns how many entries
+        it stopped (0: none pending, nothing written). Once it returns more, the cancel is in the
+        write-ahead log: answer it once that is durable, as for a send."""
+        mid = message_id.encode("utf-8")
+        schedule = self.schedule
+        schedule.flush_deferred()  # messages of far buckets waiting for the flush are searched too
+        try:
+            stops = cancel.pending_entries(list(schedule.iter_buckets()), mid, live)
+        except OSError as exc:
+            raise store_error(exc, self.dir) from exc
+        if not stops:
+            return 0
+        now = self.clock.now_ms()
+        message = cancel.cancel_record(mid, now)
+        record = bytearray(RECORD_HEADER_BYTES + len(message))
+        pack_record_into(record, 0, message, self.wal_messages, now)
+        self.wal.offset_for_append(len(record))
+        try:
+            self.wal.append(record)
+        except OSError as exc:
+            raise store_error(exc, self.dir) from exc
+        self.wal_messages += 1
+        try:
+            return cancel.apply(stops, live, schedule.note_cancelled)
+        except OSError as exc:
+            # the write-ahead log holds the cancel: a restart's recovery applies it again
+            raise StoreError(
+                f"cannot write the dispatch log of a cancelled message: {exc}; restart the delay server"
+            ) from exc
 
     def beyond_horizon(self, deliver_at_ms: int, now_ms: int) -> str:
         when = _iso(deliver_at_ms)
@@ -201,11 +263,17 @@ class DelayStore:
         )
 
     def replay(
-        self, records: bytearray, dues: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64], stored_ms: Any, base: int
+        self,
+        records: bytearray,
+        dues: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        stored_ms: Any,
+        base: int,
+        id_hashes: npt.NDArray[np.uint32] | None = None,
     ) -> Rows:
         """Add write-ahead log records to their buckets (``Schedule.replay``). ``append`` calls it
         through the store so ``bench.delay_intake`` can time the replay step alone."""
-        return self.schedule.replay(records, dues, sizes, stored_ms, base)
+        return self.schedule.replay(records, dues, sizes, stored_ms, base, id_hashes)
 
     # -- checkpoints -------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from qmq.gateway.push import PushService
+
 if TYPE_CHECKING:
     from qmq.gateway.server import Gateway
 
@@ -24,4 +26,12 @@ class BackgroundService(Protocol):
 
 def background_services(gateway: Gateway) -> list[BackgroundService]:
     """The services of ``gateway``, in start order."""
-    return []
+    config = gateway.config
+    return [
+        PushService(
+            config.meta_server,
+            app_code=config.app_code,
+            lease_ms=config.push_lease_ms,
+            held_max=config.push_subscriptions_max,
+        )
+    ]

@@ -37,6 +37,27 @@ behind ``db_url`` may be shared with other applications):
         owner             the meta server holding it
         url               that meta server's base URL
         expires_ms        when it ends unless renewed
+
+    qmq_meta_push     key (subject, group_name): an HTTP push subscription (qmq.meta.push_store)
+        url               where each message is POSTed
+        concurrency       most deliveries in flight at once
+        rate_per_s        most deliveries started per second (0: no bound)
+        timeout_ms        an answer later than this is a failure
+        secret            key of the X-Qmq-Signature HMAC ("" : no signature)
+        tags, tag_type    JSON list of tags the broker filters on, "or" | "and"
+        start_from        "latest" | "earliest": where the group began when it was added
+        max_retries       failures before a message goes to the dead letters
+        retry_backoff_ms  JSON list: wait after the n-th failure, the last repeating
+        created_at_ms     when it was added
+        owner             the gateway holding its lease ("" : none ever)
+        owner_url         that gateway's base URL, for people
+        lease_expires_ms  when the lease ends unless renewed
+        lease_generation  raised each time the lease changes hands
+
+    qmq_meta_push_gateways   key owner: the gateways asking for push leases, to share them out
+        url               the gateway's base URL, for people
+        last_seen_ms      when it last asked (a row silent for a few leases is deleted)
+        held_max          most subscriptions it runs
 """
 
 from __future__ import annotations
@@ -54,6 +75,11 @@ SUBJECT_CHARS: Final = 255
 ADDRESS_CHARS_MAX: Final = 300
 OWNER_CHARS: Final = 200
 URL_CHARS: Final = 400
+# A push subscription's callback URL, its secret and its JSON lists (10 tags of up to 100
+# bytes, or the back-off waits) fit in these.
+PUSH_URL_CHARS: Final = 2_000
+PUSH_SECRET_CHARS: Final = 200
+PUSH_LIST_CHARS: Final = 2_000
 # A promotion needs a failure, so a group sees few; a server absent across more than this many
 # is cut at the oldest one kept (never too late: see MetaStore.offsets_after).
 EPOCHS_KEPT: Final = 1000
@@ -128,6 +154,37 @@ leases_table = sa.Table(
     sa.Column("owner", name_type(OWNER_CHARS), nullable=False),
     sa.Column("url", name_type(URL_CHARS), nullable=False),
     sa.Column("expires_ms", sa.BigInteger, nullable=False),
+)
+
+push_table = sa.Table(
+    "qmq_meta_push",
+    metadata,
+    sa.Column("subject", name_type(SUBJECT_CHARS), primary_key=True),
+    sa.Column("group_name", name_type(GROUP_CHARS), primary_key=True),
+    sa.Column("url", sa.String(PUSH_URL_CHARS), nullable=False),
+    sa.Column("concurrency", sa.Integer, nullable=False),
+    sa.Column("rate_per_s", sa.Integer, nullable=False),
+    sa.Column("timeout_ms", sa.Integer, nullable=False),
+    sa.Column("secret", sa.String(PUSH_SECRET_CHARS), nullable=False),
+    sa.Column("tags", sa.String(PUSH_LIST_CHARS), nullable=False),
+    sa.Column("tag_type", name_type(ROLE_CHARS), nullable=False),
+    sa.Column("start_from", name_type(ROLE_CHARS), nullable=False),
+    sa.Column("max_retries", sa.Integer, nullable=False),
+    sa.Column("retry_backoff_ms", sa.String(PUSH_LIST_CHARS), nullable=False),
+    sa.Column("created_at_ms", sa.BigInteger, nullable=False),
+    sa.Column("owner", name_type(OWNER_CHARS), nullable=False, server_default=""),
+    sa.Column("owner_url", sa.String(URL_CHARS), nullable=False, server_default=""),
+    sa.Column("lease_expires_ms", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("lease_generation", sa.BigInteger, nullable=False, server_default="0"),
+)
+
+push_gateways_table = sa.Table(
+    "qmq_meta_push_gateways",
+    metadata,
+    sa.Column("owner", name_type(OWNER_CHARS), primary_key=True),
+    sa.Column("url", sa.String(URL_CHARS), nullable=False),
+    sa.Column("last_seen_ms", sa.BigInteger, nullable=False),
+    sa.Column("held_max", sa.Integer, nullable=False, server_default="0"),
 )
 
 

@@ -6,6 +6,7 @@ Routes:
                                        the answer says what it must be (docs/cluster.md)
     GET  /meta/cluster[?routes_max=N]  every group and server, routes, the leading meta server
     POST /meta/promote                 {"group": G, "role": "broker"}: make G's freshest slave master
+    /meta/push...                      push subscriptions and their leases (qmq.meta.push_http)
     GET  /health                       {"ok": true}
     GET  /metrics                      Prometheus text
 
@@ -27,14 +28,18 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import uvloop
 from aiohttp import web
 
+from qmq.auth.exposure import check_exposure
+from qmq.auth.file import load_auth_file
+from qmq.auth.permissions import Action
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import MetaConfig
-from qmq.common.errors import QmqError
+from qmq.common.errors import ConfigError, QmqError
 from qmq.meta.leader import LeaderLease, default_owner
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
 from qmq.meta.payload import (
@@ -45,6 +50,8 @@ from qmq.meta.payload import (
     parse_registration,
     parse_subjects,
 )
+from qmq.meta.push_http import PushApi
+from qmq.meta.push_store import PushStore
 from qmq.meta.registry import (
     ROLES,
     Promotion,
@@ -55,6 +62,7 @@ from qmq.meta.registry import (
 )
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
+from qmq.serving.http_auth import HttpAuth, Need
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +136,11 @@ class MetaServer:
             ),
         )
         self.owner = default_owner()
+        self.http_auth: HttpAuth | None = None  # with an auth file (config.auth_file)
         self._executor: ThreadPoolExecutor | None = None
         self._store: MetaStore | None = None
         self._registry: Registry | None = None
+        self._push: PushStore | None = None
         self._lease: LeaderLease | None = None
         self._runner: web.AppRunner | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -166,17 +176,34 @@ class MetaServer:
                 route_groups=self.config.route_groups,
                 owner=self.owner,
             )
+            self._push = PushStore(self._store)
         except BaseException:
             self._store.close()
             self._store = None
             raise
 
     async def _listen(self) -> None:
-        app = web.Application(middlewares=[self._observe], client_max_size=REGISTER_BODY_BYTES_MAX)
+        middlewares = [self._observe]
+        try:
+            warning = check_exposure("meta server", self.config.host, self.config.auth_file, self.config.insecure)
+        except ConfigError as exc:
+            raise MetaStartupError(str(exc)) from None
+        if warning is not None:
+            log.warning("%s", warning)
+            print(f"qmq meta: {warning}", file=sys.stderr, flush=True)
+        if self.config.auth_file:
+            try:
+                auth = load_auth_file(Path(self.config.auth_file))
+            except ConfigError as exc:
+                raise MetaStartupError(str(exc)) from None
+            self.http_auth = HttpAuth(auth, _needs, self.metrics.registry)
+            middlewares.append(self.http_auth.middleware)
+        app = web.Application(middlewares=middlewares, client_max_size=REGISTER_BODY_BYTES_MAX)
         app.router.add_get(ADDRESS_PATH, self._address)
         app.router.add_post(REGISTER_PATH, self._register)
         app.router.add_get(CLUSTER_PATH, self._cluster)
         app.router.add_post(PROMOTE_PATH, self._promote)
+        PushApi(self._call, self._push_now, self.clock).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
@@ -192,6 +219,18 @@ class MetaServer:
         self.url = f"http://{_url_host(host)}:{self.port}"
         self.meta_server_url = self.url + ADDRESS_PATH
 
+    def reload_auth(self) -> None:
+        """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
+        if self.http_auth is None:
+            return
+        try:
+            auth = load_auth_file(Path(self.config.auth_file))
+        except ConfigError as exc:
+            log.error("SIGHUP: kept the auth file in use, the new one is wrong: %s", exc)
+            return
+        self.http_auth.reload(auth)
+        log.info("SIGHUP: reloaded %s, %d app(s)", self.config.auth_file, len(auth.apps))
+
     async def stop(self) -> None:
         """Stop listening, let requests in flight finish (bounded), give up the lease, close the store."""
         if self._ticker is not None:
@@ -203,7 +242,7 @@ class MetaServer:
             await runner.cleanup()
         if self._executor is not None:
             executor, self._executor = self._executor, None
-            store, self._store, self._registry = self._store, None, None
+            store, self._store, self._registry, self._push = self._store, None, None, None
             lease, self._lease = self._lease, None
             loop = asyncio.get_running_loop()
             if lease is not None:
@@ -225,6 +264,11 @@ class MetaServer:
         if self._registry is None:
             raise MetaStoreError("the meta server is stopped")
         return self._registry
+
+    def _push_now(self) -> PushStore:
+        if self._push is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._push
 
     def _lease_now(self) -> LeaderLease:
         if self._lease is None:
@@ -417,6 +461,20 @@ class MetaServer:
         return web.Response(body=self.metrics.render(counts), headers={"Content-Type": CONTENT_TYPE})
 
 
+def _needs(request: web.Request) -> Need:
+    """What a request needs its app to be allowed, with an auth file: registration (and its
+    heartbeats) only the cluster's own servers; promotion and any other change an admin; reading
+    any known app; /health nobody."""
+    path = request.path
+    if path == "/health":
+        return "open"
+    if path == REGISTER_PATH:
+        return Action.CLUSTER
+    if request.method in ("GET", "HEAD") and path != PROMOTE_PATH:
+        return "authenticated"
+    return Action.ADMIN
+
+
 def _bind_problem(host: str, port: int, exc: OSError) -> str:
     where = f"{host}:{port}"
     if exc.errno == errno.EADDRINUSE:
@@ -453,6 +511,8 @@ async def _serve(config: MetaConfig) -> int:
         except MetaStartupError as exc:
             print(f"qmq meta: cannot start: {exc}", file=sys.stderr, flush=True)
             return EXIT_STARTUP_FAILED
+        if server.http_auth is not None:
+            loop.add_signal_handler(signal.SIGHUP, server.reload_auth)
         try:
             print(f"qmq ready role=meta meta_server={server.meta_server_url} http={server.url}", flush=True)
             await stop.wait()

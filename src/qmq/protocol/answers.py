@@ -36,6 +36,7 @@ ANSWERED_IN_BODY = frozenset(
         RequestCode.SUBJECTS,
         RequestCode.LAG,
         RequestCode.DELAY_STATS,
+        RequestCode.DELAY_LIST,
         RequestCode.DEAD_LETTERS,
         RequestCode.ACK_MANY,
     }

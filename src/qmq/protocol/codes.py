@@ -25,6 +25,14 @@ class RequestCode(IntEnum):
     REPLICATE = 13
     # the acks of many (subject, group) pairs of one consumer in one request (docs/protocol.md)
     ACK_MANY = 14
+    # answered by delay servers only (docs/protocol.md); numbered apart from the broker's commands
+    # so that codes other branches add next to them never collide
+    CANCEL_DELAY = 24
+    DELAY_LIST = 25
+    # a connection authenticates once, before any other request, on a server with an auth file
+    # (qmq.auth.handshake; docs/security.md): HELLO is answered with a challenge, PROOF with OK
+    AUTH_HELLO = 40
+    AUTH_PROOF = 41
 
 
 class Status(IntEnum):
@@ -35,6 +43,9 @@ class Status(IntEnum):
     MESSAGE_TOO_LARGE = 3
     INVALID_SUBJECT = 4
     UNKNOWN_COMMAND = 5
+    # auth: the connection has not authenticated, or failed to; the app may not do this
+    UNAUTHENTICATED = 30
+    FORBIDDEN = 31
     # The broker cannot take it now; the same request may succeed later or elsewhere.
     BUSY = 20
     DISK_FULL = 21

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from qmq.common.errors import (
+    AuthError,
     BrokerError,
     InvalidMessageError,
     InvalidSubjectError,
@@ -31,8 +34,24 @@ def status_name(status: int) -> str:
         return f"STATUS_{status}"
 
 
+AUTH_STATUSES = frozenset({Status.UNAUTHENTICATED, Status.FORBIDDEN})
+
+
+def auth_error(header: dict[str, Any]) -> AuthError:
+    """The AuthError of an UNAUTHENTICATED or FORBIDDEN answer, from its header's fields."""
+    subject = header.get("subject")
+    return AuthError(
+        str(header.get("error", "")),
+        app_code=str(header.get("app", "")),
+        action=str(header.get("action", "")),
+        subject=subject if isinstance(subject, str) else None,
+    )
+
+
 def error_for_status(status: int, text: str, outcome_unknown: bool = False) -> QmqError:
     """The exception a client raises for a non-OK response (``outcome_unknown``: see BrokerError)."""
+    if status in AUTH_STATUSES:
+        return AuthError(text)
     if status == Status.MESSAGE_TOO_LARGE:
         return MessageTooLargeError(text)
     if status == Status.INVALID_SUBJECT:

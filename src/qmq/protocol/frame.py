@@ -155,8 +155,7 @@ class FrameDecoder:
         self._check_len(frame_len)
         if magic != MAGIC:
             self._fail(
-                f"bad magic 0x{magic:04X} (expected 0x{MAGIC:04X}): "
-                "not a qmq peer, or the stream is out of step"
+                f"bad magic 0x{magic:04X} (expected 0x{MAGIC:04X}): not a qmq peer, or the stream is out of step"
             )
         if version != VERSION:
             self._fail(f"protocol version {version} is not supported (this side speaks {VERSION})")
@@ -212,4 +211,3 @@ class FrameDecoder:
     def _fail(self, text: str) -> NoReturn:
         self._broken = RemoteProtocolError(text)
         raise self._broken
-

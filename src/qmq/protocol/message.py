@@ -11,13 +11,16 @@ Layout of one encoded message (little-endian)::
     +----+----+---------+----+----+---------+-----------------+
     16                24        26        28        32        36
     +-----------------+---------+---------+---------+---------+
-    | deliver_at_ms   | times   |reserved |props_len|body_len |
+    | deliver_at_ms   | times   |slot/copy|props_len|body_len |
     +-----------------+---------+---------+---------+---------+
     then: subject (utf-8) | message id (utf-8) | tags (each: u8 length + utf-8)
           | properties (msgpack map) | body
 
     ver            u8   1
-    flg            u8   reserved, 0
+    flg            u8   flags: FLAG_REPEAT (0x01) asks a delay server to deliver copies of the
+                        message (properties REPEAT_EVERY_MS and REPEAT_TIMES say how); FLAG_CANCEL
+                        (0x02) marks a cancel in a delay server's write-ahead log, never sent;
+                        FLAG_ORDERED (0x04) says slot/copy holds an order slot; other bits 0
     subj_len       u16  bytes of the subject
     id_l           u8   bytes of the message id
     tags           u8   number of tags
@@ -26,7 +29,14 @@ Layout of one encoded message (little-endian)::
     deliver_at_ms  i64  when it is due (epoch ms); 0 = now
     times          u16  the delivery attempt this copy is for: 1 for a first send, n + 1 for the
                         copy made after n failed attempts (0, written by qmq before 0.2, reads as 1)
-    reserved       u16  0
+    slot/copy      u16  with FLAG_ORDERED: the message's order-key slot + 1 (qmq.common.ordering).
+                        Otherwise the copy of a repeating delay message (1..REPEAT_COPIES_MAX,
+                        also in the property REPEAT_COPY), 0 for any other message. Every
+                        message of qmq before 0.3 has 0 here and no flag (the field was
+                        reserved). An ordered message is never delayed, so never repeated: the
+                        two uses never meet in one message. Part of what makes a message a
+                        repeat in a broker's duplicate window (copies share an id; a key's
+                        messages always have the same slot)
     props_len      u32  bytes of the msgpack-encoded properties (0 = none)
     body_len       u32  bytes of the body
 """
@@ -48,6 +58,27 @@ HEADER = struct.Struct("<BBHBBHqqHHII")
 HEADER_BYTES = HEADER.size  # 36
 VERSION = 1
 TIMES_MAX = 0xFFFF
+FLAGS_POS = 1  # of flg in the header
+FLAG_REPEAT = 0x01
+FLAG_CANCEL = 0x02
+FLAG_ORDERED = 0x04
+COPY_POS = 26  # of slot/copy in the header
+
+# Properties of a repeating delay message (FLAG_REPEAT): set by the SDK, read by the delay
+# server, which writes REPEAT_COPY into each copy it makes; consumers see all three.
+REPEAT_EVERY_PROPERTY = "qmq.repeat.every_ms"
+REPEAT_TIMES_PROPERTY = "qmq.repeat.times"
+REPEAT_COPY_PROPERTY = "qmq.repeat.copy"
+ORDER_SLOT = struct.Struct("<H")
+ORDER_SLOT_POS = COPY_POS  # read only with FLAG_ORDERED (see the layout above)
+
+
+def order_slot_field(message: bytes | bytearray | memoryview, pos: int = 0) -> int:
+    """The slot/copy field of the encoded message at ``pos`` when it holds an order slot
+    (FLAG_ORDERED): the slot + 1; 0 for a message without an order key (a repeat's copy too)."""
+    if not message[pos + FLAGS_POS] & FLAG_ORDERED:
+        return 0
+    return int(message[pos + ORDER_SLOT_POS]) | int(message[pos + ORDER_SLOT_POS + 1]) << 8
 
 PropertyValue = str | int | float | bool | bytes
 
@@ -160,13 +191,15 @@ def encode_message(
     created_ms: int,
     deliver_at_ms: int = 0,
     times: int = 1,
+    order_slot: int = 0,
 ) -> bytes:
-    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``)."""
+    """Encode one message; arguments are already encoded (see ``encode_tags``, ``encode_properties``).
+    ``order_slot`` is the order key's slot + 1, or 0 without an order key."""
     return b"".join(
         (
             HEADER.pack(
                 VERSION,
-                0,
+                FLAG_ORDERED if order_slot else 0,
                 len(subject),
                 len(message_id),
                 tag_count,
@@ -174,7 +207,7 @@ def encode_message(
                 created_ms,
                 deliver_at_ms,
                 times,
-                0,
+                order_slot,
                 len(props),
                 len(body),
             ),
@@ -204,16 +237,10 @@ def decode_message(buf: bytes, pos: int = 0, length: int | None = None) -> Messa
     """Decode the message at ``buf[pos:]``; raise RemoteProtocolError if it is malformed."""
     end = len(buf) if length is None else pos + length
     if pos < 0 or end > len(buf):
-        raise RemoteProtocolError(
-            f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer"
-        )
+        raise RemoteProtocolError(f"message at {pos}..{end} does not lie inside the {len(buf)}-byte buffer")
     if end - pos < HEADER_BYTES:
-        raise RemoteProtocolError(
-            f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header"
-        )
-    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(
-        buf, pos
-    )
+        raise RemoteProtocolError(f"message of {end - pos} bytes is shorter than its {HEADER_BYTES}-byte header")
+    ver, _flags, slen, ilen, tcount, tlen, created, deliver, times, _res, plen, blen = HEADER.unpack_from(buf, pos)
     if ver != VERSION:
         raise RemoteProtocolError(f"message version {ver} is not supported")
     p = pos + HEADER_BYTES
@@ -246,6 +273,7 @@ class ScannedMessage(NamedTuple):
     tags: bytes  # the raw tag block, b"" without tags
     deliver_at_ms: int
     times: int  # delivery attempt: a retry of a message is a new message with the same id
+    copy: int  # copy of a repeating delay message (0: not one): copies share their id
 
 
 def scan_batch(
@@ -277,11 +305,9 @@ def scan_batch(
             raise RemoteProtocolError(
                 f"message {len(out)} of the batch has {end - pos} bytes, fewer than its {hb}-byte header"
             )
-        ver, _flags, slen, ilen, tcount, tlen, _created, deliver, times, _res, plen, blen = unpack(body, pos)
+        ver, _flags, slen, ilen, tcount, tlen, _created, deliver, times, copy, plen, blen = unpack(body, pos)
         if ver != VERSION:
-            raise RemoteProtocolError(
-                f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}"
-            )
+            raise RemoteProtocolError(f"message {len(out)} of the batch has version {ver}; this broker reads {VERSION}")
         p = pos + hb
         length = hb + slen + ilen + tlen + plen + blen
         if pos + length > end:
@@ -296,7 +322,7 @@ def scan_batch(
         message_id = body[p + slen : tstart]
         tags = body[tstart : tstart + tlen] if tlen else b""
         # tuple.__new__ skips NamedTuple's Python-level __new__: a quarter of the cost per message
-        append(new_tuple(ScannedMessage, (pos, length, body[p : p + slen], message_id, tags, deliver, times)))
+        append(new_tuple(ScannedMessage, (pos, length, body[p : p + slen], message_id, tags, deliver, times, copy)))
         if checking:
             texts.append(message_id)
             if tlen:
@@ -422,6 +448,21 @@ def with_times(
             encoded[props_at + old_plen :],
         )
     )
+
+
+def repeat_copy(encoded: bytes | memoryview, copy: int, deliver_at_ms: int, properties: bytes) -> bytes:
+    """Copy ``copy`` of a repeating delay message: due at ``deliver_at_ms``, with (encoded) new
+    ``properties``, ``FLAG_REPEAT`` cleared (a copy is never repeated again, even when a
+    consumer's retry sends it through a delay server) and ``FLAG_ORDERED`` too (its field now
+    holds the copy); id, tags and body stay as they are."""
+    fields = list(HEADER.unpack_from(encoded, 0))
+    slen, ilen, tlen, old_plen = fields[2], fields[3], fields[5], fields[10]
+    fields[1] &= ~(FLAG_REPEAT | FLAG_ORDERED)
+    fields[7] = deliver_at_ms
+    fields[9] = copy
+    fields[10] = len(properties)
+    props_at = HEADER_BYTES + slen + ilen + tlen
+    return b"".join((HEADER.pack(*fields), encoded[HEADER_BYTES:props_at], properties, encoded[props_at + old_plen :]))
 
 
 def properties_of(props: Mapping[str, Any]) -> dict[str, PropertyValue]:

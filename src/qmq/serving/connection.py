@@ -31,6 +31,7 @@ from typing import Any, Protocol, cast
 
 from prometheus_client import CollectorRegistry, Counter
 
+from qmq.auth.permissions import Grants
 from qmq.common.limits import KiB, Limits
 from qmq.protocol.codes import Status
 from qmq.protocol.errors import RemoteProtocolError
@@ -84,6 +85,11 @@ class FrameConnection(asyncio.Protocol):
         self._turn_paused = False  # frames left for the next loop turn
         # until the first request: the deadline for it; on a refused connection: the linger's end
         self._timer: asyncio.TimerHandle | None = None
+        # on a server with an auth file (qmq.serving.auth_gate): the app once authenticated, what
+        # it may do (kept current across reloads of the file), and the handshake under way
+        self.app_code: str | None = None
+        self.grants: Grants | None = None
+        self.handshake: object | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCPTransport does not subclass asyncio.Transport but has its methods

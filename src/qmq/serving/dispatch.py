@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 from prometheus_client import Counter
 
+from qmq.auth.permissions import Action, Grants
 from qmq.common.clock import Clock
 from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode, Status
@@ -135,6 +136,8 @@ class RoleHandlers(ABC):
         self.free_space = FreeSpace(ctx.store.dir, ctx.config.disk_free_bytes_min)
         self._group = ctx.config.group
         self._clock = ctx.clock
+        # set by a server with an auth file: answers a send to a subject its app may not produce to
+        self.deny: Callable[[Responder, Frame, Action, str | None], None] | None = None
 
     def serve(self, handlers: Mapping[int, Handler], requests: Counter, unknown: Callable[[int], str]) -> None:
         self.requests = RequestTable({RequestCode.PING: self.ping, **handlers}, requests, unknown)
@@ -157,6 +160,13 @@ class RoleHandlers(ABC):
             return None
         body = bytes(frame.body)
         scanned, problems = scan_send(body, self.limits)
+        grants: Grants | None = getattr(conn, "grants", None)
+        if grants is not None and self.deny is not None:
+            for raw in {m.subject for m in scanned}:
+                subject = raw.decode("utf-8", "replace")
+                if not grants.allows(Action.PRODUCE, subject):
+                    self.deny(conn, frame, Action.PRODUCE, subject)
+                    return None
         return body, scanned, problems
 
     def storing(self, append: Callable[[], T]) -> T:

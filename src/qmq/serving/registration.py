@@ -41,8 +41,11 @@ class Registration:
         payload: dict[str, Any] | Callable[[], dict[str, Any]],
         interval_ms: int,
         on_answer: Callable[[dict[str, Any]], None] | None = None,
+        authorization: str | None = None,
     ) -> None:
         self.url = register_url(meta_server)
+        # the Authorization header of the server's own app, for a meta server with an auth file
+        self._headers = {"Authorization": authorization} if authorization else {}
         self.payload = payload
         self.on_answer = on_answer
         self.interval_s = interval_ms / 1000
@@ -52,7 +55,9 @@ class Registration:
         self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S), headers=self._headers
+        )
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:

@@ -19,18 +19,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 
+from qmq.auth.exposure import check_exposure
+from qmq.auth.file import load_auth_file
+from qmq.auth.handshake import ClientCredentials
+from qmq.auth.http import basic_authorization
+from qmq.client.options import SECRET_ENV
+from qmq.common.errors import ConfigError
 from qmq.common.limits import Limits
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
+from qmq.serving.auth_gate import AuthGate
 from qmq.serving.connection import ConnectionLimits, Connections, FrameConnection, Responder
+from qmq.serving.dispatch import RoleHandlers
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.periodic import Periodic
 from qmq.serving.registration import Registration, server_payload
@@ -65,6 +76,12 @@ class ServingConfig(Protocol):
     def first_request_timeout_ms(self) -> int: ...
     @property
     def reply_backlog_bytes_max(self) -> int: ...
+    @property
+    def auth_file(self) -> str: ...
+    @property
+    def app_code(self) -> str: ...
+    @property
+    def insecure(self) -> bool: ...
 
 
 class RoleStore(Protocol):
@@ -82,6 +99,9 @@ class RoleMetrics(Protocol):
     @property
     def connections_dropped(self) -> Counter: ...
 
+    @property
+    def registry(self) -> CollectorRegistry: ...
+
     def render(self) -> bytes: ...
 
 
@@ -96,6 +116,7 @@ class FrameServer(ABC):
     config: ServingConfig  # a role narrows it to its own config
     # set by the role: the request table of its handlers, the store and what fsyncs its log
     dispatch: Callable[[Responder, Frame], None]
+    handlers: RoleHandlers
     store: RoleStore
     metrics: RoleMetrics
     flusher: GroupCommit
@@ -127,6 +148,7 @@ class FrameServer(ABC):
         self.checkpointing: asyncio.Lock | None = None
         self.stop_failed: str | None = None  # what the last stop could not finish (exit status 4)
         self.checkpoint_executor = ThreadPoolExecutor(1, thread_name_prefix=checkpoint_thread)
+        self.auth: AuthGate | None = None
 
     @property
     def address(self) -> str:
@@ -161,6 +183,12 @@ class FrameServer(ABC):
         """Listen for frames, then serve /metrics and /health; StartupError naming a port in use."""
         cfg = self.config
         loop = asyncio.get_running_loop()
+        warning = check_exposure(self.title, cfg.host, cfg.auth_file, cfg.insecure)
+        if warning is not None:
+            log.warning("%s", warning)
+            print(f"qmq {self.kind}: {warning}", file=sys.stderr, flush=True)
+        if cfg.auth_file:
+            self._gate_requests(loop)
         try:
             self._server = await loop.create_server(
                 lambda: FrameConnection(self), cfg.host, cfg.port, backlog=_LISTEN_BACKLOG
@@ -173,6 +201,26 @@ class FrameServer(ABC):
         app.router.add_get("/health", self._health)
         self._http, self.http_port = await serve_http(app, cfg.host, cfg.http_port, "metrics", "--http-port")
 
+    def _gate_requests(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the auth file and put its gate in front of the request table; SIGHUP reloads it."""
+        gate = self.auth = AuthGate(load_auth_file(Path(self.config.auth_file)), self.metrics.registry, "qmq")
+        self.dispatch = gate.wrap(self.dispatch)
+        self.handlers.deny = gate.deny
+        loop.add_signal_handler(signal.SIGHUP, self.reload_auth)
+        log.info("%s: authentication on, %d app(s) in %s", self.title, len(gate.auth.apps), self.config.auth_file)
+
+    def reload_auth(self) -> None:
+        """Read the auth file again (SIGHUP); connections stay open. A bad file keeps the old one."""
+        if self.auth is None:
+            return
+        try:
+            auth = load_auth_file(Path(self.config.auth_file))
+        except ConfigError as exc:
+            log.error("SIGHUP: kept the auth file in use, the new one is wrong: %s", exc)
+            return
+        self.auth.reload(auth)
+        log.info("SIGHUP: reloaded %s, %d app(s)", self.config.auth_file, len(auth.apps))
+
     def register(
         self,
         payload: dict[str, Any] | Callable[[], dict[str, Any]],
@@ -180,8 +228,21 @@ class FrameServer(ABC):
     ) -> None:
         """Start heartbeats to the meta server (``qmq.serving.registration``)."""
         cfg = self.config
-        self._registration = Registration(cfg.meta_server, payload, cfg.heartbeat_interval_ms, on_answer=on_answer)
+        secret = self.secret()
+        authorization = basic_authorization(cfg.app_code, secret) if secret else None
+        self._registration = Registration(
+            cfg.meta_server, payload, cfg.heartbeat_interval_ms, on_answer=on_answer, authorization=authorization
+        )
         self._registration.start()
+
+    def secret(self) -> str:
+        """The secret of the server's own app (``app_code``), from $QMQ_SECRET; "" without an app code."""
+        return os.environ.get(SECRET_ENV, "") if self.config.app_code else ""
+
+    def credentials(self) -> ClientCredentials | None:
+        """What the server authenticates with to the other roles' frame ports, or None."""
+        secret = self.secret()
+        return ClientCredentials(self.config.app_code, secret) if secret else None
 
     def registration_payload(self) -> dict[str, Any]:
         cfg = self.config

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import DEFAULT_LIMITS, Limits
-from qmq.protocol.message import ScannedMessage
+from qmq.protocol.message import ScannedMessage, order_slot_field
 from qmq.protocol.record import pack_record_into
 from qmq.store import fileio
 from qmq.store.action_log import ActionLog
@@ -101,7 +101,7 @@ class BrokerStore:
         self._progress = parts.progress
         self.dedup = parts.dedup
         self.held = parts.held
-        self._pulls = Pulls(self.mlog, parts.progress, self.limits.pull_bytes_max)
+        self._pulls = Pulls(self.mlog, parts.progress, self.limits.pull_bytes_max, self.config.ordered_lease_ms)
 
     def open(self) -> RecoveryReport:
         """Recover from whatever state the last stop left; see recovery.py."""
@@ -233,7 +233,8 @@ class BrokerStore:
             seq = st.next_seq
             st.next_seq = seq + 1
             end = pack_record_into(out, pos, message, seq, now)
-            st.pending += pack_entry(base + pos, end - pos, now, bloom, 0)
+            # the message's order slot + 1 (0 without an order key) goes into the entry's last field
+            st.pending += pack_entry(base + pos, end - pos, now, bloom, order_slot_field(message))
             pos = end
             counts = per_subject.get(st.name)
             if counts is None:
@@ -368,7 +369,14 @@ class BrokerStore:
     ) -> PullResult | None:
         """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
         st = self._subjects.get(gp.subject)
-        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter)
+        now_ms = self.clock.now_ms()
+        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms)
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether the last pull of an ordered group handed messages to consumers other than the
+        puller (their long polls may be answered now)."""
+        return self._pulls.ordered.dispatched
 
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""

@@ -8,7 +8,7 @@ Entry layout, format version 1 (little-endian, 32 bytes; entry N at log offset N
 
     0                 8         12                20                28        32
     +-----------------+---------+-----------------+-----------------+---------+
-    | log offset      | size    | stored_ms       | tag bloom       |reserved |
+    | log offset      | size    | stored_ms       | tag bloom       |ord_slot |
     +-----------------+---------+-----------------+-----------------+---------+
 
     | field      | type | bytes  | meaning                                               |
@@ -17,7 +17,9 @@ Entry layout, format version 1 (little-endian, 32 bytes; entry N at log offset N
     | size       | u32  | 8-11   | bytes of the record (28-byte header + message)        |
     | stored_ms  | i64  | 12-19  | when the broker stored it                             |
     | tag bloom  | u64  | 20-27  | two bits per tag (``tag_bloom``); 0 without tags      |
-    | reserved   | u32  | 28-31  | 0                                                     |
+    | order_slot | u32  | 28-31  | the message's order-key slot + 1; 0 without an order  |
+    |            |      |        | key (and in every entry written before ordered        |
+    |            |      |        | messages, when this field was reserved and 0)         |
 
 Each segment file begins with the header of ``file_header.py`` (kind ``CLOG``, the format
 version), then entries; files written before headers hold entries only. A new layout needs a

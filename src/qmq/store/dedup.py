@@ -1,14 +1,16 @@
 """The duplicate window: keys of recently stored messages, so a repeat is dropped; and the
 marks that say how far back the message log must be read to fill the window again.
 
-A message's key (``dedup_key``) is Python's 64-bit hash of its id, its subject and its
-attempt count (``times``): a producer's retry or a delay server's repeated hand-over repeats
-all three, while a retry of a failed message re-sends its id to a retry subject with a
-higher attempt count, which is a new message. A false match needs two keys with the same
-64-bit hash inside one window (about 1 in 10^7 with a million keys). The hash is seeded per
-process, so the window is rebuilt from the message log after a restart, never persisted:
-each checkpoint adds a mark ``[time_ms, message-log offset, messages stored so far]``, and
-recovery reads the log from the oldest mark the window still reaches.
+A message's key (``dedup_key``) is Python's 64-bit hash of its id, its subject, its
+attempt count (``times``) and its copy number (``copy``, of a repeating delay message): a
+producer's retry or a delay server's repeated hand-over repeats all four, while a retry of a
+failed message re-sends its id to a retry subject with a higher attempt count, and the copies
+of a repeating message share their id but not their copy number: each a new message. A
+false match needs two keys with the same 64-bit hash inside one window (about 1 in 10^7
+with a million keys). The hash is seeded per process, so the window is rebuilt from the
+message log after a restart, never persisted: each checkpoint adds a mark ``[time_ms,
+message-log offset, messages stored so far]``, and recovery reads the log from the oldest
+mark the window still reaches.
 
 Kept as a few generations of hash sets: a lookup checks each, a new generation begins every
 quarter of the window (or quarter of the entry bound), and the oldest goes when it falls out
@@ -28,8 +30,9 @@ _MARKS_MAX = 1000
 
 
 def dedup_key(sm: ScannedMessage) -> int:
-    """What makes two sends the same message: its id, on the same subject, at the same attempt."""
-    return hash((sm.message_id, sm.subject, sm.times))
+    """What makes two sends the same message: its id, on the same subject, at the same attempt,
+    the same copy of a repeating delay message."""
+    return hash((sm.message_id, sm.subject, sm.times, sm.copy))
 
 
 class DedupWindow:

@@ -14,7 +14,7 @@ import logging
 
 from qmq.common.naming import DEAD_PREFIX
 from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.message import scan_batch
+from qmq.protocol.message import order_slot_field, scan_batch
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, tag_bloom
 from qmq.store.dead_letters import DeadLetters
@@ -69,7 +69,7 @@ class RecordIndexer:
             self._keys = []
         if offset < self.index_from:
             if offset >= self.reindex_from and sequence != HELD_SEQUENCE and not sm.subject.startswith(_DEAD_RAW):
-                self._entry(sm.subject.decode("utf-8"), sm.tags, offset, sequence, stored_ms, len(message))
+                self._entry(sm.subject.decode("utf-8"), sm.tags, offset, sequence, stored_ms, message)
             return
         self.indexed += 1
         self.dedup.total_messages += 1
@@ -82,10 +82,13 @@ class RecordIndexer:
             return
         if self.held:
             self.held.copied(key)
-        self._entry(name, sm.tags, offset, sequence, stored_ms, len(message))
+        self._entry(name, sm.tags, offset, sequence, stored_ms, message)
 
-    def _entry(self, name: str, tags: bytes, offset: int, sequence: int, stored_ms: int, length: int) -> None:
-        """The consume-log entry of a record, if its consume log lacks it."""
+    def _entry(
+        self, name: str, tags: bytes, offset: int, sequence: int, stored_ms: int, message: bytes | memoryview
+    ) -> None:
+        """The consume-log entry of a record, if its consume log lacks it (with the message's
+        order slot, as BrokerStore.append writes it)."""
         st = self.subjects.state(name)
         expected = st.clog.next_seq + len(st.pending) // ENTRY_BYTES
         if sequence < expected:
@@ -100,7 +103,8 @@ class RecordIndexer:
                 expected,
             )
             return
-        st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + length, stored_ms, tag_bloom(tags), 0)
+        slot = order_slot_field(message)
+        st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + len(message), stored_ms, tag_bloom(tags), slot)
         self._pending.add(st)
         self.rebuilt += 1
         if len(st.pending) >= _FLUSH_ENTRIES * ENTRY_BYTES:

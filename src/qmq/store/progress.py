@@ -38,6 +38,7 @@ class ConsumerProgress:
     session: str | None = None
     cursor: int = 0
     last_seen_ms: int = 0
+    parked: int = 0  # long polls of this consumer waiting now (a live consumer of an ordered group)
 
     @property
     def unacked(self) -> int:
@@ -52,6 +53,7 @@ class GroupProgress:
     consumers: dict[str, ConsumerProgress] = field(default_factory=dict)
     # not persisted: what the group's consumers said in their last pull
     max_retries: int = 16
+    ordered: bool = False  # pulled with ``ordered``: slots are served to their owners (ordered_take)
 
     def consumer(self, consumer_id: str) -> ConsumerProgress:
         cp = self.consumers.get(consumer_id)

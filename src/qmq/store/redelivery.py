@@ -183,8 +183,8 @@ def expire_silent_consumers(store: Redelivering, now_ms: int, offline_ms: int) -
     """
     moved = 0
     for gp in list(store.progress.groups.values()):
-        if "%" in gp.group:
-            continue
+        if "%" in gp.group or gp.ordered:
+            continue  # an ordered group's silent consumers lose their slots instead (ordered_take)
         for cp in list(gp.consumers.values()):
             if now_ms - cp.last_seen_ms >= offline_ms and cp.unacked > 0:
                 try:

@@ -24,6 +24,7 @@ from qmq.store.action_log import ProgressLog
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE
 from qmq.store.datadir import StoreError
 from qmq.store.message_log import MessageLog
+from qmq.store.ordered_take import OrderedDispatch
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.subjects import SubjectState
 from qmq.store.tags import TagFilter
@@ -47,10 +48,11 @@ class Pulls:
     """Reads for pulls: records from the message log by a subject's consume-log entries, each
     pull logged and applied through ``progress``; at most ``bytes_max`` bytes of records a pull."""
 
-    def __init__(self, mlog: MessageLog, progress: ProgressLog, bytes_max: int) -> None:
+    def __init__(self, mlog: MessageLog, progress: ProgressLog, bytes_max: int, ordered_lease_ms: int) -> None:
         self.mlog = mlog
         self.progress = progress
         self.bytes_max = bytes_max
+        self.ordered = OrderedDispatch(mlog, progress, ordered_lease_ms)
         self._recorded = False  # the pull being made wrote the action log (see ``pull``)
 
     def pull(
@@ -61,10 +63,13 @@ class Pulls:
         session: str,
         max_n: int,
         tag_filter: TagFilter | None,
+        now_ms: int = 0,
     ) -> PullResult | None:
         """Hand ``cp`` up to ``max_n`` messages of ``st``, the subject ``gp`` consumes (None
         before its first message): first what it pulled before and never acked (when its session
-        changed), then the group's next visible messages (those matching ``tag_filter``, if any)."""
+        changed), then the group's next visible messages (those matching ``tag_filter``, if any).
+        For an ordered group (``gp.ordered``) the next messages are dispatched to their slots'
+        owners first (``ordered_take``), and ``cp`` is handed what its pull log holds for it."""
         was = cp.session, cp.cursor
         if cp.session != session:
             cp.session = session
@@ -72,7 +77,13 @@ class Pulls:
         if st is None:
             return None
         self._recorded = False
+        self.ordered.dispatched = False
         try:
+            if gp.ordered:
+                self._recorded = True  # a failed read after the dispatch is a failed pull, like any other
+                self.ordered.dispatch(st, gp, cp, now_ms)
+                self._recorded = False
+                return self._take_own(st, cp, max_n)
             return self._take(st, gp, cp, max_n, tag_filter)
         except OSError as exc:
             if self._recorded:
@@ -97,6 +108,14 @@ class Pulls:
                 out = self._take_next(gp, cp, st, left, budget, out)
             else:
                 out = self._take_matching(gp, cp, st, left, budget, tag_filter, out)
+        return out if out.messages else None
+
+    def _take_own(self, st: SubjectState, cp: ConsumerProgress, max_n: int) -> PullResult | None:
+        """What ``cp``'s pull log holds that it was not handed yet (an ordered group's pull)."""
+        out = PullResult([], [], 0, 0)
+        for poff, seq, k in Progress.take_redelivery(cp, max_n):
+            got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
+            out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
         return out if out.messages else None
 
     def _take_next(

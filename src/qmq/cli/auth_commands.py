@@ -1,0 +1,67 @@
+"""``qmq auth hash``: the ``secret_hash`` value of an app's secret, for the auth file.
+
+Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import click
+
+from qmq.cli.main import cli
+from qmq.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from qmq.auth.handshake import ClientCredentials
+
+
+def cli_app_code(default: str) -> str:
+    """The app a client command acts as: ``qmq --app-code`` or $QMQ_APP_CODE, else ``default``."""
+    return os.environ.get("QMQ_APP_CODE") or default
+
+
+def cli_credentials(default_app: str = "qmq-cli") -> ClientCredentials | None:
+    """What a client command's broker connections authenticate with, or None without a secret."""
+    secret = os.environ.get("QMQ_SECRET", "")
+    if not secret:
+        return None
+    from qmq.auth.handshake import ClientCredentials
+
+    return ClientCredentials(cli_app_code(default_app), secret)
+
+
+def cli_authorization(default_app: str = "qmq-cli") -> str | None:
+    """The Authorization header of a client command's meta server requests, or None without a secret."""
+    secret = os.environ.get("QMQ_SECRET", "")
+    if not secret:
+        return None
+    from qmq.auth.http import basic_authorization
+
+    return basic_authorization(cli_app_code(default_app), secret)
+
+
+@cli.group("auth")
+def auth_group() -> None:
+    """Secrets of the apps in an auth file (--auth-file)."""
+
+
+@auth_group.command("hash")
+@click.option(
+    "--secret",
+    default=None,
+    help="The secret to hash. Without it, the secret is read from stdin (its first line), "
+    "which keeps it out of the shell's history and the process list.",
+)
+def auth_hash(secret: str | None) -> None:
+    """Print the secret_hash of a secret, alone on one line: put it in the app's table of the auth file."""
+    from qmq.auth.secrets import hash_secret
+
+    if secret is None:
+        line = sys.stdin.readline(4096)
+        secret = line.rstrip("\r\n")
+        if not secret:
+            raise ConfigError("no secret on stdin; pipe one in (echo -n s3cret | qmq auth hash) or pass --secret")
+    click.echo(hash_secret(secret))
