@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import shutil
 import signal
 import sys
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}: choose from {', '.join(SCENARIOS)}")
     signal.signal(signal.SIGTERM, _interrupted)
+    logging.getLogger("qmq").setLevel(logging.ERROR)  # the SDK's notes of in-process steps: not the table's
+
     work = Path(tempfile.mkdtemp(prefix="qmq-chaos-"))
     settings = Settings(args.quick, work, _log)
     results: list[Result] = []
