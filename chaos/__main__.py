@@ -2,12 +2,14 @@
 
 Runs each selected fault scenario against real qmq processes (data under a temp dir), checks
 every worker's history, writes chaos/results/<stamp>.json and .md and prints the table. Exits
-1 when a scenario lost, repeated after an ack, or delivered early, or could not run."""
+3 when a scenario lost, repeated after an ack, delivered early, or could not run (a finding;
+the table says which); 1 when the campaign itself failed, 2 for a usage error."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import shutil
 import signal
 import sys
@@ -20,6 +22,7 @@ from chaos.results import table, write
 from chaos.scenario import Result, Settings
 
 SCENARIOS = ("process", "disk", "corruption", "power", "hostile", "network")
+EXIT_FINDINGS = 3
 
 
 def _log(message: str) -> None:
@@ -44,6 +47,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}: choose from {', '.join(SCENARIOS)}")
     signal.signal(signal.SIGTERM, _interrupted)
+    logging.getLogger("qmq").setLevel(logging.ERROR)  # the SDK's notes of in-process steps: not the table's
+
     work = Path(tempfile.mkdtemp(prefix="qmq-chaos-"))
     settings = Settings(args.quick, work, _log)
     results: list[Result] = []
@@ -70,7 +75,7 @@ def main(argv: list[str]) -> int:
     path = write(results, args.quick, command, *([args.results_dir] if args.results_dir else []))
     print(table(results))
     print(f"results: {path} and {path.with_suffix('.json')}")
-    return 0 if results and all(r.ok() for r in results) and len(results) >= len(only) else 1
+    return 0 if results and all(r.ok() for r in results) and len(results) >= len(only) else EXIT_FINDINGS
 
 
 if __name__ == "__main__":

@@ -84,7 +84,11 @@ def run(settings: Settings) -> list[Result]:
             return f"http://{netns.SUBNET}.1:{proxy.port}{parts.path}"
 
         placed = {name: (h.prefix(), h.ip) for name, h in hosts.items()}
-        cluster = ChaosCluster(settings.work_dir / "network", placed=placed, meta_url=through_proxy)
+        # the servers listen on their namespaces' addresses, without an auth file: --insecure
+        open_to_all = {section: {"insecure": True} for section in ("meta", "broker", "delay")}
+        cluster = ChaosCluster(
+            settings.work_dir / "network", placed=placed, meta_url=through_proxy, extra_config=open_to_all
+        )
         cluster.start()
         cluster.start_load()
         base = cluster.meta_server.removesuffix("/meta/address")

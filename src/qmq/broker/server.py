@@ -63,10 +63,21 @@ class BrokerServer(FrameServer):
             self.metrics.flush_seconds.observe,
             self._disk_failed,
         )
-        self.role: str = config.role
         # told by the meta server's heartbeat answer (`qmq admin drain`): sends are refused
         self.draining = False
-        self.epoch = _read_epoch(self.store.dir)
+        # --role decides a first start only: a broker that served in an epoch starts as what it
+        # was then, so a slave restarted with --role master never claims its group's epoch as its
+        # master (found by the fault campaign: the meta server took it for the master restarted,
+        # and the two copies diverged)
+        self.epoch, saved_role = _read_epoch(self.store.dir)
+        self.role: str = saved_role if self.epoch and saved_role in ("master", "slave") else config.role
+        self._saved_role = saved_role
+        if self.role != config.role:
+            log.warning(
+                "this broker was a %s of group %s in epoch %d when it stopped: it starts as one (--role %s "
+                "applies to a first start only)",
+                self.role, config.group, self.epoch, config.role,
+            )
         self.source = ReplicationSource(lambda: self.store, config)
         self.store.on_grow = self.source.grew
         self.replicator: Replicator | None = None
@@ -138,7 +149,7 @@ class BrokerServer(FrameServer):
             self._transition = asyncio.ensure_future(self._promote(epoch))
         elif role == "master":
             if epoch > self.epoch:
-                self._set_epoch(epoch)
+                self._set_epoch(epoch, "master")
         elif isinstance(master, str) and master != self.address:
             cut = truncate if isinstance(truncate, dict) else None
             if self.role == "master" or self.replicator is None or self.replicator.master != master:
@@ -149,7 +160,7 @@ class BrokerServer(FrameServer):
         if self.replicator is not None:
             await self.replicator.stop()
             self.replicator = None
-        self._set_epoch(epoch)
+        self._set_epoch(epoch, "master")
         self.source.started = time.monotonic()
         self.source.slaves.clear()
         self.source.replicated = self.store.mlog.end
@@ -187,7 +198,7 @@ class BrokerServer(FrameServer):
                 assert self.checkpointing is not None
                 async with self.checkpointing:
                     rewind(self.store, message_offset, action_offset)
-        self._set_epoch(epoch)
+        self._set_epoch(epoch, "slave")
         self.replicator = Replicator(
             lambda: self.store, master, epoch, self.address, lambda _subjects: None, self.credentials(), self.tls_out
         )
@@ -195,10 +206,10 @@ class BrokerServer(FrameServer):
         if self._registration is not None:
             self._registration.beat_now()
 
-    def _set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = epoch
-            _write_epoch(self.store.dir, epoch)
+    def _set_epoch(self, epoch: int, role: str) -> None:
+        if (epoch, role) != (self.epoch, self._saved_role):
+            self.epoch, self._saved_role = epoch, role
+            _write_epoch(self.store.dir, epoch, role)
 
     async def _check_slaves(self) -> None:
         if self.role == "master":
@@ -294,18 +305,22 @@ class BrokerServer(FrameServer):
         await self.close_store()
 
 
-def _read_epoch(directory: Path) -> int:
+def _read_epoch(directory: Path) -> tuple[int, str | None]:
+    """The epoch this broker last served in and its role then (None in files that predate it)."""
     try:
         value = json.loads(fileio.read_text(directory / _EPOCH_FILE))
     except (FileNotFoundError, ValueError):
-        return 0
-    return int(value.get("epoch", 0)) if isinstance(value, dict) else 0
+        return 0, None
+    if not isinstance(value, dict):
+        return 0, None
+    role = value.get("role")
+    return int(value.get("epoch", 0)), role if isinstance(role, str) else None
 
 
-def _write_epoch(directory: Path, epoch: int) -> None:
+def _write_epoch(directory: Path, epoch: int, role: str) -> None:
     # fsynced before the rename: a power loss must not leave an empty epoch file, which reads
     # as epoch 0 and would let an old master believe it may write
-    fileio.replace_file(directory / _EPOCH_FILE, json.dumps({"epoch": epoch}).encode())
+    fileio.replace_file(directory / _EPOCH_FILE, json.dumps({"epoch": epoch, "role": role}).encode())
 
 
 def run_broker(config: BrokerConfig) -> int:
