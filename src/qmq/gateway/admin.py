@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
+from ssl import SSLContext
 from typing import Any, Final
 
 from qmq.client.connection import ConnectionPool
 from qmq.client.consumer import is_internal
 from qmq.client.meta import MetaClient
+from qmq.client.options import ConnectOptions, authorization_of, credentials_of, secret_of
 from qmq.client.pages import pages
 from qmq.client.pages import subjects as subjects_of
 from qmq.common.errors import BrokerError, NoBrokerError, QmqError
@@ -34,9 +36,17 @@ _UNKNOWN_SUBJECT: Final = "is unknown here"
 
 
 class Admin:
-    def __init__(self, meta_server: str) -> None:
-        self.meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS)
-        self.pool = ConnectionPool(connect_timeout_ms=_TIMEOUT_MS)
+    """The gateway's listing and dead-letter calls, as its own app (``app_code`` and
+    $QMQ_SECRET, like its SDK clients) and over TLS when ``ssl`` is given."""
+
+    def __init__(self, meta_server: str, app_code: str, ssl: SSLContext | None = None) -> None:
+        options = ConnectOptions(secret=secret_of(None))
+        self.meta = MetaClient(
+            meta_server, timeout_ms=_TIMEOUT_MS, authorization=authorization_of(app_code, options), ssl=ssl
+        )
+        self.pool = ConnectionPool(
+            connect_timeout_ms=_TIMEOUT_MS, credentials=credentials_of(app_code, options), ssl=ssl
+        )
 
     async def start(self) -> None:
         await self.meta.start()

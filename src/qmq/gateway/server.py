@@ -79,7 +79,7 @@ class Gateway:
         ]
         self.receipts = Receipts(config.receipts_max)
         self.pulls = Pulls(self.consumers, self.receipts, config.ack_timeout_ms, config.pull_groups_max)
-        self.admin = Admin(config.meta_server)
+        self.admin = Admin(config.meta_server, config.app_code, self.tls_out)
         self.acks = AckRecorder(self.consumers)
 
 
