@@ -5,10 +5,11 @@ Every error qmq raises to a user is importable from here too, ``QmqError`` the b
 all.
 """
 
-from qmq.client.consumer import Consumer, PullConsumer
+from qmq.client.consumer import Consumer
 from qmq.client.delays import PendingDelay
 from qmq.client.message import Message
 from qmq.client.producer import Producer
+from qmq.client.pull_consumer import PullConsumer
 from qmq.client.received import Batch, ReceivedMessage
 from qmq.client.sender import ProducerStats
 from qmq.common import errors as _errors

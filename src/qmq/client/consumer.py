@@ -1,5 +1,5 @@
-"""The asyncio consumer: pull consumers, listeners, the ack flusher, and failing messages to
-their retry or dead-letter subject.
+"""The asyncio consumer: listeners, pull consumers (their classes in pull_consumer.py), the ack
+flusher, and failing messages to their retry or dead-letter subject.
 
 A ``Consumer`` is one consumer id: every pull it makes carries that id, so the broker keeps
 one pull log per (subject, consumer group, consumer id). No ordering is promised within a
@@ -40,8 +40,8 @@ from qmq.client.options import (
     secret_of,
 )
 from qmq.client.ordered_listener import OrderedListener
-from qmq.client.ordered_pull import KeyHold
 from qmq.client.producer import Producer
+from qmq.client.pull_consumer import OrderedPullConsumer, PullConsumer, PullConsumerBase
 from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
 from qmq.client.subscription import Subscription, make_subscription
@@ -74,14 +74,6 @@ LISTENER_CONCURRENCY_DEFAULT = 32
 _READABLE_ID_CHARS_MAX = 63
 ERROR_PROPERTY = "qmq.error"  # the failing handler's exception, on retried and dead messages
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-
-def check_pull_args(max_messages: object, timeout_ms: object) -> tuple[int, int]:
-    limits = DEFAULT_LIMITS
-    return (
-        check_int("max_messages", max_messages, 1, limits.pull_messages_max),
-        check_int("timeout_ms", timeout_ms, 0, limits.pull_timeout_ms_max),
-    )
 
 
 def is_internal(subject: str) -> bool:
@@ -123,96 +115,6 @@ def readable_copy(m: ReceivedBase, subject: bytes, attempt: int, reason: str) ->
 def is_async_function(fn: object) -> bool:
     # A plain bool (not the TypeGuard of inspect's), so the decorated type passes through.
     return inspect.iscoroutinefunction(fn)
-
-
-class PullConsumerBase:
-    """Pulls of one subject for one consumer group, with its retry subject looked at too."""
-
-    def __init__(self, main: SubjectPuller[Any], retry: SubjectPuller[Any] | None, retry_interval_ms: int) -> None:
-        self.subject = main.subject
-        self.group = main.group
-        self.start_from = main.start_from
-        self.subscription = main.subscription
-        self._main = main
-        self._retry = retry
-        self._retry_interval_s = retry_interval_ms / 1000
-        self._next_retry_check = 0.0
-
-    async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
-        max_messages, timeout_ms = check_pull_args(max_messages, timeout_ms)
-        loop = asyncio.get_running_loop()
-        if self._retry is not None and loop.time() >= self._next_retry_check:
-            # Retried messages are few: a look without waiting, every retry_pull_interval_ms
-            # (and again at once while it finds some).
-            try:
-                batch = await self._retry.pull(max_messages, 0)
-            except QmqError as exc:
-                log.debug("pull of retry subject %r failed: %s", self._retry.subject, exc)
-                batch = None
-            if batch:
-                return batch
-            self._next_retry_check = loop.time() + self._retry_interval_s
-        return await self._main.pull(max_messages, timeout_ms)
-
-    @property
-    def pulled(self) -> int:
-        """Messages returned by pulls so far."""
-        return self._main.messages + (self._retry.messages if self._retry is not None else 0)
-
-
-class PullConsumer(PullConsumerBase):
-    """``await pull()`` batches of one subject as one member of a consumer group."""
-
-    async def pull(self, max_messages: int = 100, timeout_ms: int = 1_000) -> Batch:
-        """Up to ``max_messages`` messages, waiting up to ``timeout_ms`` for the first (long poll).
-
-        Returns an empty ``Batch`` when none came in time. Acknowledge each message with
-        ``m.ack()`` (or the whole batch with ``batch.ack_all()``), or fail it with ``m.nack()``.
-        """
-        batch = await self._pull(max_messages, timeout_ms)
-        assert isinstance(batch, Batch)
-        return batch
-
-
-class OrderedPullConsumer(PullConsumer):
-    """A pull consumer of ``ordered=True``: at most one unsettled message per order key
-    (``ordered_pull.KeyHold``); a nacked message comes back in place after the back-off."""
-
-    def __init__(self, main: SubjectPuller[Any], retry: SubjectPuller[Any] | None, retry_interval_ms: int) -> None:
-        super().__init__(main, None, retry_interval_ms)
-        self._hold: KeyHold[Any] = KeyHold(main.subscription, main.on_nack)
-        main.on_nack = self._hold.nacked
-        main.on_lapse = self._hold.lapsed
-
-    async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
-        """Up to ``max_messages`` messages, at most one of each order key that has none unsettled,
-        waiting up to ``timeout_ms`` for the first. Ack each (``m.ack()``) to get its key's next."""
-        max_messages, timeout_ms = check_pull_args(max_messages, timeout_ms)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_ms / 1000
-        hold = self._hold
-        main = self._main
-        make_batch = main._batch_cls
-        now = loop.time()
-        if any(now >= until - min(1.0, main.lease_s.get(g, 0.0) / 4) for g, until in main.fresh_until.items()):
-            # silent for about the lease: ask the broker first, which keeps the slots or says they
-            # may be gone (the puller then drops what waits here from that broker group)
-            hold.accept(list(await main.pull(max(1, min(hold.room, DEFAULT_LIMITS.pull_messages_max)), 0)))
-        while True:
-            now = loop.time()
-            out = hold.take(max_messages, now)
-            if out or now >= deadline:
-                return make_batch(out)
-            wait_until = deadline
-            due = hold.next_due()
-            if due is not None:
-                wait_until = min(wait_until, due)
-            wait_ms = max(0, int((wait_until - now) * 1000))
-            room = min(hold.room, DEFAULT_LIMITS.pull_messages_max)
-            if room <= 0:
-                await asyncio.sleep(min(wait_ms, 50) / 1000)  # everything held waits for acks: look again soon
-                continue
-            hold.accept(list(await self._main.pull(room, wait_ms)))
 
 
 class Consumer:

@@ -23,7 +23,6 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 from qmq.client.consumer import Consumer as AsyncConsumer
-from qmq.client.consumer import OrderedPullConsumer, PullConsumerBase, check_pull_args
 from qmq.client.delays import PendingDelay
 from qmq.client.keywords import BLOCKING_LISTENER_KEYS, BlockingListenerKeywords, check_keywords
 from qmq.client.message import Message
@@ -36,6 +35,7 @@ from qmq.client.options import (
     check_int,
 )
 from qmq.client.producer import Producer as AsyncProducer
+from qmq.client.pull_consumer import OrderedPullConsumer, PullConsumerBase, check_pull_args
 from qmq.client.received import BatchBase, ReceivedBase
 from qmq.client.sender import ProducerStats
 from qmq.client.subscription import make_subscription
