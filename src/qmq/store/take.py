@@ -12,15 +12,26 @@ bounded work; the group's pull offset moves past what was scanned either way.
 A pull reads everything it hands out before it records the pull in the action log, so a read
 that fails (a failing disk) changes nothing: that pull is answered with ``PullReadError`` and
 the consumer pulls the same messages again; the store goes on.
+
+Every record read is checked against the consume-log entry that named it (clog_repair.py): an
+entry that disagrees (damaged) makes the pull rewrite its subject's disagreeing entries from
+the message log and start again, once; a record that fails its CRC (damaged in the message
+log) is never handed out: the group's offset moves past it, and a consumer that pulled it
+before the damage is done with it, as with a record retention removed. Both are logged and
+counted (``entries_repaired``, ``damaged_records``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import numpy as np
 
+from qmq.protocol.record import RECORD_HEADER_BYTES
+from qmq.store import clog_repair
 from qmq.store.action_log import ProgressLog
+from qmq.store.clog_repair import DAMAGED, GOOD, check_record
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE
 from qmq.store.datadir import StoreError
 from qmq.store.message_log import MessageLog
@@ -29,8 +40,11 @@ from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.subjects import SubjectState
 from qmq.store.tags import TagFilter
 
+log = logging.getLogger(__name__)
+
 _SCAN_ENTRIES_MAX = 20_000
 _SCAN_CHUNK_ENTRIES = 2048
+_UNREPAIRABLE_MAX = 10_000  # (subject, sequence) of damaged records remembered, so a repair is tried once
 
 
 class PullResult(NamedTuple):
@@ -44,6 +58,14 @@ class PullReadError(StoreError):
     """Reading what a pull would hand out failed; nothing of the pull was recorded."""
 
 
+class _Disagrees(Exception):
+    """An entry of ``subject`` from sequence ``seq`` disagrees with its record: repair and pull again."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(seq)
+        self.seq = seq
+
+
 class Pulls:
     """Reads for pulls: records from the message log by a subject's consume-log entries, each
     pull logged and applied through ``progress``; at most ``bytes_max`` bytes of records a pull."""
@@ -54,6 +76,11 @@ class Pulls:
         self.bytes_max = bytes_max
         self.ordered = OrderedDispatch(mlog, progress, ordered_lease_ms)
         self._recorded = False  # the pull being made wrote the action log (see ``pull``)
+        self.entries_repaired = 0  # consume-log entries rewritten from the message log
+        self.damaged_records = 0  # records that failed their check when read: never handed out
+        # records known damaged (an entry still disagreeing after a repair, or a failed CRC)
+        self._damaged: dict[tuple[str, int], None] = {}
+        self._repairing = False  # the pull being made follows a repair: disagreeing entries are damage
 
     def pull(
         self,
@@ -80,12 +107,20 @@ class Pulls:
         self.ordered.dispatched = False
         self.ordered.settling_ms = 0
         try:
-            if gp.ordered:
-                self._recorded = True  # a failed read after the dispatch is a failed pull, like any other
-                self.ordered.dispatch(st, gp, cp, now_ms)
-                self._recorded = False
-                return self._take_own(st, gp, cp, max_n)
-            return self._take(st, gp, cp, max_n, tag_filter)
+            try:
+                return self._pull(st, gp, cp, max_n, tag_filter, now_ms)
+            except _Disagrees as exc:
+                if self._recorded:
+                    raise StoreError(
+                        f"a consume-log entry of {st.name!r} disagreed after a pull was recorded"
+                    ) from None
+                cp.session, cp.cursor = session, was[1] if was[0] == session else cp.ack_offset  # as it began
+                self.repair(st, exc.seq)
+                self._repairing = True
+                try:
+                    return self._pull(st, gp, cp, max_n, tag_filter, now_ms)
+                finally:
+                    self._repairing = False
         except OSError as exc:
             if self._recorded:
                 raise  # writing the action log failed: the store's to judge
@@ -95,12 +130,62 @@ class Pulls:
                 "so pull again; if it goes on failing, the broker's disk is failing: see its log"
             ) from exc
 
+    def _pull(
+        self,
+        st: SubjectState,
+        gp: GroupProgress,
+        cp: ConsumerProgress,
+        max_n: int,
+        tag_filter: TagFilter | None,
+        now_ms: int,
+    ) -> PullResult | None:
+        if gp.ordered:
+            self._recorded = True  # a failed read after the dispatch is a failed pull, like any other
+            self.ordered.dispatch(st, gp, cp, now_ms)
+            self._recorded = False
+            return self._take_own(st, gp, cp, max_n)
+        return self._take(st, gp, cp, max_n, tag_filter)
+
+    def repair(self, st: SubjectState, seq: int) -> int:
+        """Rewrite the entries of ``st`` from ``seq`` on that disagree with their records (see
+        clog_repair.py); returns how many were."""
+        fixed = clog_repair.repair(st.clog, self.mlog, seq, st.clog.next_seq)
+        self.entries_repaired += fixed.rewritten
+        log.error(
+            "consume log of %r: entry %d disagreed with the message log (damaged): rewrote %d entries from %d on "
+            "from the message log (%d bytes scanned)%s",
+            st.name,
+            seq,
+            fixed.rewritten,
+            seq,
+            fixed.scanned_bytes,
+            f"; {fixed.missing} records were not found whole (damaged): skipped" if fixed.missing else "",
+        )
+        return fixed.rewritten
+
+    def _damage(self, st: SubjectState, seq: int, why: str) -> None:
+        """Record ``seq`` of ``st`` is damaged: never handed out, logged once."""
+        self.damaged_records += 1
+        key = (st.name, seq)
+        if key in self._damaged:
+            return
+        if len(self._damaged) >= _UNREPAIRABLE_MAX:
+            self._damaged.pop(next(iter(self._damaged)))
+        self._damaged[key] = None
+        log.error("message %d of %r is damaged in the message log (%s): not handed out", seq, st.name, why)
+
+    def _disagrees(self, st: SubjectState, seq: int) -> None:
+        """Entry ``seq`` of ``st`` disagrees with its record: a repair first, damage after one."""
+        if not self._repairing and (st.name, seq) not in self._damaged:
+            raise _Disagrees(seq)
+        self._damage(st, seq, "its record and its consume-log entry disagree, also after a repair")
+
     def _take(
         self, st: SubjectState, gp: GroupProgress, cp: ConsumerProgress, max_n: int, tag_filter: TagFilter | None
     ) -> PullResult | None:
         out = PullResult([], [], 0, 0)
         for poff, seq, k in Progress.take_redelivery(cp, max_n):
-            got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
+            got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs, st, seq)
             out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
         left = max_n - out.messages
         budget = self.bytes_max - out.nbytes
@@ -132,7 +217,7 @@ class Pulls:
                     kept.append((start, k))
             for a, b in kept:
                 got, size = self._read_records(
-                    entries[a * ENTRY_BYTES : b * ENTRY_BYTES], out.chunks, cp, poff + a, out.runs
+                    entries[a * ENTRY_BYTES : b * ENTRY_BYTES], out.chunks, cp, poff + a, out.runs, st, seq + a
                 )
                 out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
         return out if out.messages else None
@@ -165,8 +250,21 @@ class Pulls:
             return out
         chunks: list[bytes] = []
         runs: list[list[int]] = []
-        got, size = self._read_records(entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, 0, runs)
-        poff = self._record_pull(gp, cp, [[first, k]], first + k)  # after the reads: see the module docstring
+        skipped: list[int] = []
+        got, size = self._read_records(
+            entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, 0, runs, st, first, skipped
+        )
+        seq_runs = [[first, k]]
+        if skipped:  # damaged records: the group's offset moves past them, nobody is handed them
+            seq_runs = []
+            for i in range(k):
+                if i in skipped:
+                    continue
+                if seq_runs and seq_runs[-1][0] + seq_runs[-1][1] == first + i:
+                    seq_runs[-1][1] += 1
+                else:
+                    seq_runs.append([first + i, 1])
+        poff = self._record_pull(gp, cp, seq_runs, first + k)  # after the reads: see the module docstring
         for run in runs:
             run[0] += poff
         if out.runs and runs and out.runs[-1][0] + out.runs[-1][1] == runs[0][0]:
@@ -198,15 +296,27 @@ class Pulls:
         while seq < end and len(matched) < left and nbytes < budget:
             n = min(_SCAN_CHUNK_ENTRIES, end - seq)
             entries = st.clog.read(seq, n)
-            for i, (off, size, _ms, bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
+            for i, (off, size, ms, bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
                 if len(matched) >= left or (matched and nbytes + size > budget):
                     seq += i
                     break
                 if off < log_start or not tag_filter.maybe(bloom):
                     continue
+                if (st.name, seq + i) in self._damaged:
+                    continue
+                if size < RECORD_HEADER_BYTES or off + size > self.mlog.end:
+                    self._disagrees(st, seq + i)
+                    continue
                 chunk: list[bytes] = []
                 self.mlog.read_into(off, size, chunk)
                 record = chunk[0] if len(chunk) == 1 else b"".join(chunk)
+                found = check_record(record, 0, size, seq + i, ms)
+                if found != GOOD:
+                    if found == DAMAGED:
+                        self._damage(st, seq + i, "it fails its CRC")
+                    else:
+                        self._disagrees(st, seq + i)
+                    continue
                 if tag_filter.matches_record(record):
                     matched.append((seq + i, record))
                     nbytes += size
@@ -229,36 +339,98 @@ class Pulls:
         return out._replace(messages=out.messages + len(matched), nbytes=out.nbytes + nbytes)
 
     def _read_records(
-        self, entries: bytes, chunks: list[bytes], cp: ConsumerProgress, poff: int, runs: list[list[int]]
+        self,
+        entries: bytes,
+        chunks: list[bytes],
+        cp: ConsumerProgress,
+        poff: int,
+        runs: list[list[int]],
+        st: SubjectState,
+        seq: int,
+        skipped: list[int] | None = None,
     ) -> tuple[int, int]:
-        """Append the records of ``entries`` (pull-log offsets from ``poff``) to ``chunks`` and
-        their offsets to ``runs``, coalescing adjacent records into one read."""
+        """Append the records of ``entries`` (of ``st``, from sequence ``seq``; pull-log offsets
+        from ``poff``) to ``chunks`` and their offsets to ``runs``, coalescing adjacent records
+        into one read, each checked against its entry.
+
+        A damaged record is left out: with ``skipped`` (a pull not yet recorded) its index is
+        appended there and the pull-log offsets stay dense; without it (records in the pull log
+        already), the consumer is done with it, as with one retention removed.
+        """
         read_into = self.mlog.read_into
         log_start = self.mlog.start
+        log_end = self.mlog.end
+        first_chunk = len(chunks)
+        listed: list[tuple[int, int, int, int]] = []  # (index, size, stored_ms, the chunk its run begins at)
         run_off = -1
         run_end = -1
-        got = 0
-        nbytes = 0
-        for i, (off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
+        run_chunk = first_chunk
+        damaged = self._damaged
+        bad: list[int] = []
+        for i, (off, size, ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
             if off < log_start:
                 # removed by retention while pulled and unacked: nothing to send, so it is done
                 # (an ack the broker makes itself; replay reaches the same state by the same rule)
                 Progress.apply_ack(cp, [[poff + i, poff + i + 1]])
                 continue
-            if runs and runs[-1][0] + runs[-1][1] == poff + i:
-                runs[-1][1] += 1
-            else:
-                runs.append([poff + i, 1])
-            if off == run_end:
-                run_end += size
-            else:
+            if size < RECORD_HEADER_BYTES or off + size > log_end or (damaged and (st.name, seq + i) in damaged):
+                if (st.name, seq + i) not in damaged:
+                    self._disagrees(st, seq + i)  # raises, but after a repair
+                bad.append(i)
+                continue
+            if off != run_end:
                 if run_end > run_off >= 0:
                     read_into(run_off, run_end - run_off, chunks)
-                run_off, run_end = off, off + size
-            got += 1
-            nbytes += size
+                run_off, run_end = off, off
+                run_chunk = len(chunks)
+            run_end += size
+            listed.append((i, size, ms, run_chunk))
         if run_end > run_off >= 0:
             read_into(run_off, run_end - run_off, chunks)
+        # check each record against its entry; keep where each lies, in case some must go
+        places: list[tuple[int, int]] = []
+        ci = -1
+        p = 0
+        started = -1
+        for i, size, ms, at in listed:
+            if at != started:
+                started, ci, p = at, at, 0
+            if p >= len(chunks[ci]) and ci + 1 < len(chunks):
+                ci, p = ci + 1, 0
+            found = check_record(chunks[ci], p, size, seq + i, ms)
+            if found != GOOD:
+                if found == DAMAGED:
+                    self._damage(st, seq + i, "it fails its CRC")
+                else:
+                    self._disagrees(st, seq + i)
+                bad.append(i)
+            places.append((ci, p))
+            p += size
+        if bad:
+            kept = [
+                bytes(memoryview(chunks[ci])[p : p + size])
+                for (i, size, _ms, _at), (ci, p) in zip(listed, places, strict=True)
+                if i not in bad
+            ]
+            chunks[first_chunk:] = kept
+        got = 0
+        nbytes = 0
+        dense = skipped is not None
+        for i, size, _ms, _at in listed:
+            if bad and i in bad:
+                continue
+            at = poff + (got if dense else i)
+            if runs and runs[-1][0] + runs[-1][1] == at:
+                runs[-1][1] += 1
+            else:
+                runs.append([at, 1])
+            got += 1
+            nbytes += size
+        if bad:
+            if skipped is not None:
+                skipped.extend(bad)
+            else:
+                Progress.apply_ack(cp, [[poff + i, poff + i + 1] for i in sorted(bad)])
         return got, nbytes
 
     def read_range(self, st: SubjectState | None, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:

@@ -1,0 +1,120 @@
+"""Bytes flipped in a stopped broker's files: it starts, never hands out a damaged record, and
+keeps everything the damage did not touch (found by the fault campaign, chaos/, corruption)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from test_store_send_pull import records
+
+from conftest import append, batch, checkpoint, flush
+from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.store.broker_store import BrokerStore
+from qmq.store.consume_log import ENTRY_BYTES
+from qmq.store.file_header import HEAD_BYTES
+from qmq.store.tags import TagFilter
+
+IDS = [f"m{i:02d}" for i in range(20)]
+
+
+def _stored(open_store: Callable[..., BrokerStore], tags: tuple[str, ...] = ()) -> None:
+    store = open_store()
+    for k in range(4):  # four batches: records of one subject back to back
+        append(store, batch("s", IDS[k * 5 : k * 5 + 5], tags=tags))
+    flush(store)
+    checkpoint(store)
+    store.close()
+
+
+def _flip(path: Path, at: int, mask: int = 0x10) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def _all_good(chunks: list[bytes]) -> bool:
+    data = b"".join(chunks)
+    pos = 0
+    while pos < len(data):
+        h = read_record_header(data, pos)
+        if h is None or not record_crc_ok(data, pos, h):
+            return False
+        pos += RECORD_HEADER_BYTES + h.length
+    return True
+
+
+def test_a_flipped_consume_log_entry_is_rewritten_from_the_message_log_when_a_pull_meets_it(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    # Before: a pull that met the entry failed every time ("nothing was handed out, pull
+    # again"), so nothing after it reached a new group (538 of 538 in the campaign).
+    _stored(open_store)
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    before = clog.read_bytes()
+    _flip(clog, HEAD_BYTES + 10 * ENTRY_BYTES + 2)  # entry 10's message-log offset
+    store = open_store()
+    gp = store.group("s", "g", "earliest")
+    got = store.pull(gp, gp.consumer("c"), "x", 100)
+    assert got is not None
+    assert [i for _s, i in records(got)] == IDS
+    assert _all_good(got.chunks)
+    assert store._pulls.entries_repaired == 1
+    assert clog.read_bytes() == before  # the entry is what the store wrote
+
+
+def test_a_flipped_entry_of_a_message_pulled_before_is_repaired_when_it_is_handed_out_again(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    store = open_store()
+    append(store, batch("s", IDS[:10]))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    store.pull(gp, gp.consumer("c"), "x", 100)  # pulled, never acked
+    checkpoint(store)
+    store.close()
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    _flip(clog, HEAD_BYTES + 4 * ENTRY_BYTES + 8)  # entry 4's size
+    again = open_store()
+    gp = again.group("s", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "new-session", 100)
+    assert got is not None
+    assert [i for _s, i in records(got)] == IDS[:10]
+    assert _all_good(got.chunks)
+
+
+def test_a_flipped_entry_is_repaired_for_a_group_with_tags(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    _stored(open_store, tags=("t",))
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    _flip(clog, HEAD_BYTES + 7 * ENTRY_BYTES + 1)  # entry 7's message-log offset
+    store = open_store()
+    gp = store.group("s", "g", "earliest")
+    got = store.pull(gp, gp.consumer("c"), "x", 100, TagFilter(["t"], "or"))
+    assert got is not None
+    assert [i for _s, i in records(got)] == IDS
+
+
+def test_a_record_flipped_in_the_message_log_is_skipped_and_the_records_after_it_are_kept(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    # Before: recovery took the first record failing its CRC for a torn tail and cut the log
+    # there, good records after it included; a pull then handed out what was left.
+    _stored(open_store)
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = (seg.stat().st_size - HEAD_BYTES) // 20
+    _flip(seg, HEAD_BYTES + 10 * size + 60)  # inside the message of record 10
+    store = open_store()
+    assert store.subjects["s"].next_seq == 20
+    gp = store.group("s", "g", "earliest")
+    got = store.pull(gp, gp.consumer("c"), "x", 100)
+    assert got is not None
+    assert [i for _s, i in records(got)] == IDS[:10] + IDS[11:]  # the damaged one alone is gone
+    assert _all_good(got.chunks)
+    assert store._pulls.damaged_records == 1
+    append(store, batch("s", ["after"]))
+    flush(store)
+    more = store.pull(gp, gp.consumer("c"), "x", 100)
+    assert more is not None
+    assert records(more) == [(20, "after")]
