@@ -101,7 +101,9 @@ class BrokerStore:
         self._progress = parts.progress
         self.dedup = parts.dedup
         self.held = parts.held
-        self._pulls = Pulls(self.mlog, parts.progress, self.limits.pull_bytes_max, self.config.ordered_lease_ms)
+        self._pulls = Pulls(
+            self.mlog, parts.progress, self.limits.pull_bytes_max, self.config.ordered_lease_ms, parts.checked
+        )
 
     def open(self) -> RecoveryReport:
         """Recover from whatever state the last stop left; see recovery.py."""

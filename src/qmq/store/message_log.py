@@ -16,8 +16,10 @@ Format version 1: each segment file begins with the header of ``file_header.py``
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -64,6 +66,20 @@ class Damage(NamedTuple):
 
 
 _MAGIC_BYTES = RECORD_MAGIC.to_bytes(4, "little")
+
+
+@dataclass(slots=True)
+class Checked:
+    """What recovery learnt of the message log's records: those from ``crc_from`` on passed
+    their CRC (or were written since), except the ``damaged`` bytes (in order of offset)."""
+
+    crc_from: int = 0
+    damaged: list[Damage] = field(default_factory=list)
+
+    def is_damaged(self, offset: int) -> bool:
+        """Whether the record at ``offset`` lies in bytes recovery found damaged."""
+        at = bisect.bisect_right(self.damaged, offset, key=lambda d: d.offset) - 1
+        return at >= 0 and offset < self.damaged[at].offset + self.damaged[at].nbytes
 
 
 class MessageLog:

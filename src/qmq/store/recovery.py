@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.held import HeldMessages
 from qmq.store.indexer import RecordIndexer, UnreadableRecord
-from qmq.store.message_log import Damage, MessageLog, ScanResult
+from qmq.store.message_log import Checked, Damage, MessageLog, ScanResult
 from qmq.store.progress import Progress
 from qmq.store.subjects import Subjects
 
@@ -76,6 +76,7 @@ class StoreParts:
     progress: ProgressLog
     dedup: DedupWindow
     held: HeldMessages
+    checked: Checked = field(default_factory=Checked)  # what the recovery scan checked of the message log
 
 
 def empty_parts(
@@ -202,6 +203,7 @@ def recover(
         )
     if len(damaged) > _DAMAGE_LOGGED_MAX:
         log.error("message log: %d more damaged places skipped", len(damaged) - _DAMAGE_LOGGED_MAX)
+    parts.checked = Checked(scan_from, damaged)
     good_end, torn = result[-1] if result else (mlog.end, 0)
     if torn:
         mlog.truncate(good_end)

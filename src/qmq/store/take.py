@@ -23,18 +23,20 @@ counted (``entries_repaired``, ``damaged_records``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import NamedTuple
 
+import crc32c
 import numpy as np
 
-from qmq.protocol.record import RECORD_HEADER_BYTES
+from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
 from qmq.store import clog_repair
 from qmq.store.action_log import ProgressLog
 from qmq.store.clog_repair import DAMAGED, GOOD, check_record
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE
 from qmq.store.datadir import StoreError
-from qmq.store.message_log import MessageLog
+from qmq.store.message_log import RECORD_HEADER_DTYPE, Checked, MessageLog
 from qmq.store.ordered_take import OrderedDispatch
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.subjects import SubjectState
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 
 _SCAN_ENTRIES_MAX = 20_000
 _SCAN_CHUNK_ENTRIES = 2048
+_FAST_ENTRIES_MIN = 16  # from this many entries a pull's records are checked with numpy
+_HEADER_SPAN = np.arange(RECORD_HEADER_BYTES)
 _UNREPAIRABLE_MAX = 10_000  # (subject, sequence) of damaged records remembered, so a repair is tried once
 
 
@@ -70,8 +74,17 @@ class Pulls:
     """Reads for pulls: records from the message log by a subject's consume-log entries, each
     pull logged and applied through ``progress``; at most ``bytes_max`` bytes of records a pull."""
 
-    def __init__(self, mlog: MessageLog, progress: ProgressLog, bytes_max: int, ordered_lease_ms: int) -> None:
+    def __init__(
+        self,
+        mlog: MessageLog,
+        progress: ProgressLog,
+        bytes_max: int,
+        ordered_lease_ms: int,
+        checked: Checked | None = None,
+    ) -> None:
         self.mlog = mlog
+        # records recovery checked need no CRC check again, unless in bytes it found damaged
+        self.checked = Checked() if checked is None else checked
         self.progress = progress
         self.bytes_max = bytes_max
         self.ordered = OrderedDispatch(mlog, progress, ordered_lease_ms)
@@ -357,15 +370,22 @@ class Pulls:
         appended there and the pull-log offsets stay dense; without it (records in the pull log
         already), the consumer is done with it, as with one retention removed.
         """
+        if len(entries) >= _FAST_ENTRIES_MIN * ENTRY_BYTES and not self._damaged and not self.checked.damaged:
+            fast = self._read_fast(entries, chunks, poff, runs, seq)
+            if fast is not None:
+                return fast
         read_into = self.mlog.read_into
         log_start = self.mlog.start
         log_end = self.mlog.end
         first_chunk = len(chunks)
-        listed: list[tuple[int, int, int, int]] = []  # (index, size, stored_ms, the chunk its run begins at)
+        # (index, size, stored_ms, the chunk its run begins at, whether its CRC is checked)
+        listed: list[tuple[int, int, int, int, bool]] = []
         run_off = -1
         run_end = -1
         run_chunk = first_chunk
         damaged = self._damaged
+        crc_from = self.checked.crc_from
+        damaged_log = self.checked.is_damaged if self.checked.damaged else None
         bad: list[int] = []
         for i, (off, size, ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
             if off < log_start:
@@ -378,60 +398,149 @@ class Pulls:
                     self._disagrees(st, seq + i)  # raises, but after a repair
                 bad.append(i)
                 continue
+            if damaged_log is not None and damaged_log(off):
+                self._damage(st, seq + i, "recovery found its bytes damaged")
+                bad.append(i)
+                continue
             if off != run_end:
                 if run_end > run_off >= 0:
                     read_into(run_off, run_end - run_off, chunks)
                 run_off, run_end = off, off
                 run_chunk = len(chunks)
             run_end += size
-            listed.append((i, size, ms, run_chunk))
+            listed.append((i, size, ms, run_chunk, off < crc_from))
         if run_end > run_off >= 0:
             read_into(run_off, run_end - run_off, chunks)
-        # check each record against its entry; keep where each lies, in case some must go
-        places: list[tuple[int, int]] = []
+        # check each record against its entry (inline: this runs once per record handed out)
+        unpack = RECORD_HEADER.unpack_from
+        crc32 = crc32c.crc32c
+        dense = skipped is not None
+        got = 0
+        nbytes = 0
         ci = -1
         p = 0
         started = -1
-        for i, size, ms, at in listed:
+        chunk = b""
+        view = memoryview(chunk)
+        retry = False
+        for i, size, ms, at, check_crc in listed:
             if at != started:
                 started, ci, p = at, at, 0
-            if p >= len(chunks[ci]) and ci + 1 < len(chunks):
+                chunk = chunks[ci]
+                view = memoryview(chunk)
+            elif p >= len(chunk) and ci + 1 < len(chunks):
                 ci, p = ci + 1, 0
-            found = check_record(chunks[ci], p, size, seq + i, ms)
-            if found != GOOD:
-                if found == DAMAGED:
+                chunk = chunks[ci]
+                view = memoryview(chunk)
+            end = p + size
+            if end <= len(chunk):
+                magic, crc, length, sequence, stored = unpack(chunk, p)
+                ok = (
+                    magic == RECORD_MAGIC
+                    and length + RECORD_HEADER_BYTES == size
+                    and sequence == seq + i
+                    and stored == ms
+                    and (not check_crc or crc32(view[p + 8 : end]) == crc)
+                )
+            else:
+                ok = False
+            p = end
+            if not ok:
+                if check_record(chunk, end - size, size, seq + i, ms) == DAMAGED:
                     self._damage(st, seq + i, "it fails its CRC")
                 else:
                     self._disagrees(st, seq + i)
                 bad.append(i)
-            places.append((ci, p))
-            p += size
-        if bad:
-            kept = [
-                bytes(memoryview(chunks[ci])[p : p + size])
-                for (i, size, _ms, _at), (ci, p) in zip(listed, places, strict=True)
-                if i not in bad
-            ]
-            chunks[first_chunk:] = kept
-        got = 0
-        nbytes = 0
-        dense = skipped is not None
-        for i, size, _ms, _at in listed:
-            if bad and i in bad:
+                retry = True
                 continue
-            at = poff + (got if dense else i)
-            if runs and runs[-1][0] + runs[-1][1] == at:
+            at_log = poff + (got if dense else i)
+            if runs and runs[-1][0] + runs[-1][1] == at_log:
                 runs[-1][1] += 1
             else:
-                runs.append([at, 1])
+                runs.append([at_log, 1])
             got += 1
             nbytes += size
+        if retry:  # damaged records go: the good ones are copied out of the chunks one by one
+            chunks[first_chunk:] = self._without(chunks[first_chunk:], first_chunk, listed, set(bad))
         if bad:
             if skipped is not None:
                 skipped.extend(bad)
             else:
                 Progress.apply_ack(cp, [[poff + i, poff + i + 1] for i in sorted(bad)])
         return got, nbytes
+
+    def _read_fast(
+        self, entries: bytes, chunks: list[bytes], poff: int, runs: list[list[int]], seq: int
+    ) -> tuple[int, int] | None:
+        """``_read_records`` for many entries, checked with numpy, when nothing is out of the
+        ordinary; None (``chunks`` as it was) when something is: the caller goes one by one."""
+        e = np.frombuffer(entries, dtype=ENTRY_DTYPE)
+        n = len(e)
+        offsets = e["offset"].astype(np.int64)
+        sizes = e["size"].astype(np.int64)
+        ends = offsets + sizes
+        if (
+            int(offsets.min()) < self.mlog.start
+            or int(sizes.min()) < RECORD_HEADER_BYTES
+            or int(ends.max()) > self.mlog.end
+        ):
+            return None
+        breaks = np.flatnonzero(offsets[1:] != ends[:-1]) + 1
+        first_chunk = len(chunks)
+        crc_from = self.checked.crc_from
+        seqs = np.arange(seq, seq + n, dtype=np.uint64)
+        bounds = [0, *breaks.tolist(), n]
+        for a, b in itertools.pairwise(bounds):
+            start = int(offsets[a])
+            self.mlog.read_into(start, int(ends[b - 1]) - start, chunks)
+            chunk = chunks[-1]
+            rel = offsets[a:b] - start
+            if len(chunk) != int(ends[b - 1]) - start:  # split over two segments: one by one
+                del chunks[first_chunk:]
+                return None
+            heads = np.frombuffer(chunk, dtype=np.uint8)[rel[:, None] + _HEADER_SPAN].view(RECORD_HEADER_DTYPE)[:, 0]
+            ok = (
+                (heads["magic"] == RECORD_MAGIC)
+                & (heads["length"].astype(np.int64) + RECORD_HEADER_BYTES == sizes[a:b])
+                & (heads["sequence"] == seqs[a:b])
+                & (heads["stored_ms"] == e["stored_ms"][a:b])
+            )
+            if not ok.all():
+                del chunks[first_chunk:]
+                return None
+            if start < crc_from:  # before what recovery checked: the CRCs too
+                view = memoryview(chunk)
+                crc32 = crc32c.crc32c
+                crcs = heads["crc"].tolist()
+                for j, (r, size) in enumerate(zip(rel.tolist(), sizes[a:b].tolist(), strict=True)):
+                    if crc32(view[r + 8 : r + size]) != crcs[j]:
+                        del chunks[first_chunk:]
+                        return None
+        if runs and runs[-1][0] + runs[-1][1] == poff:
+            runs[-1][1] += n
+        else:
+            runs.append([poff, n])
+        return n, int(sizes.sum())
+
+    @staticmethod
+    def _without(
+        chunks: list[bytes], first: int, listed: list[tuple[int, int, int, int, bool]], bad: set[int]
+    ) -> list[bytes]:
+        """The records of ``chunks`` (read for ``listed``, whose chunk numbers count from
+        ``first``) less those of ``bad``."""
+        out: list[bytes] = []
+        ci = -1
+        p = 0
+        started = -1
+        for i, size, _ms, at, _crc in listed:
+            if at != started:
+                started, ci, p = at, at - first, 0
+            elif p >= len(chunks[ci]) and ci + 1 < len(chunks):
+                ci, p = ci + 1, 0
+            if i not in bad:
+                out.append(bytes(memoryview(chunks[ci])[p : p + size]))
+            p += size
+        return out
 
     def read_range(self, st: SubjectState | None, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Up to ``max_n`` visible records of ``st`` from sequence ``from_seq`` (or the first
