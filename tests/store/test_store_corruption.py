@@ -14,6 +14,7 @@ from qmq.store.broker_store import BrokerStore
 from qmq.store.consume_log import ENTRY_BYTES
 from qmq.store.file_header import HEAD_BYTES
 from qmq.store.tags import TagFilter
+from qmq.store.take import PullResult
 
 IDS = [f"m{i:02d}" for i in range(20)]
 
@@ -31,6 +32,10 @@ def _flip(path: Path, at: int, mask: int = 0x10) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= mask
     path.write_bytes(bytes(data))
+
+
+def records_of(chunks: list[bytes]) -> list[tuple[int, str]]:
+    return records(PullResult([], chunks, 0, 0))
 
 
 def _all_good(chunks: list[bytes]) -> bool:
@@ -146,3 +151,22 @@ def test_a_damaged_record_below_what_recovery_read_fails_its_crc_at_the_pull_and
     small = again.pull(other, other.consumer("c"), "x", 5)  # a pull of a few: checked one by one
     assert small is not None
     assert [i for _s, i in records(small)] == IDS[:3] + IDS[4:5]
+
+
+def test_a_read_by_sequence_repairs_a_flipped_entry_and_answers_after_a_damaged_record(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    _stored(open_store)
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    _flip(clog, HEAD_BYTES + 2 * ENTRY_BYTES + 3)  # entry 2's message-log offset
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = (seg.stat().st_size - HEAD_BYTES) // 20
+    _flip(seg, HEAD_BYTES + 12 * size + 50)  # record 12's message
+    store = open_store()
+    first, count, chunks = store.read_range("s", 0, 100)
+    assert (first, count) == (0, 12)
+    assert _all_good(chunks)
+    assert [i for _s, i in records_of(chunks)] == IDS[:12]
+    first, count, chunks = store.read_range("s", 12, 100)  # a reader sees the gap
+    assert (first, count) == (13, 7)
+    assert [i for _s, i in records_of(chunks)] == IDS[13:]

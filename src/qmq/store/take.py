@@ -355,7 +355,7 @@ class Pulls:
         self,
         entries: bytes,
         chunks: list[bytes],
-        cp: ConsumerProgress,
+        cp: ConsumerProgress | None,
         poff: int,
         runs: list[list[int]],
         st: SubjectState,
@@ -391,7 +391,8 @@ class Pulls:
             if off < log_start:
                 # removed by retention while pulled and unacked: nothing to send, so it is done
                 # (an ack the broker makes itself; replay reaches the same state by the same rule)
-                Progress.apply_ack(cp, [[poff + i, poff + i + 1]])
+                if cp is not None:
+                    Progress.apply_ack(cp, [[poff + i, poff + i + 1]])
                 continue
             if size < RECORD_HEADER_BYTES or off + size > log_end or (damaged and (st.name, seq + i) in damaged):
                 if (st.name, seq + i) not in damaged:
@@ -465,7 +466,7 @@ class Pulls:
         if bad:
             if skipped is not None:
                 skipped.extend(bad)
-            else:
+            elif cp is not None:
                 Progress.apply_ack(cp, [[poff + i, poff + i + 1] for i in sorted(bad)])
         return got, nbytes
 
@@ -546,8 +547,10 @@ class Pulls:
         """Up to ``max_n`` visible records of ``st`` from sequence ``from_seq`` (or the first
         one kept, if retention removed it), outside any consumer group: ``(first, count, chunks)``.
 
-        The entries are read as one numpy array: skipping removed records, the byte budget and
-        the runs of adjacent records (one read each) are found without a Python loop per record.
+        The entries are read as one numpy array: skipping removed records and the byte budget
+        are found without a Python loop per record, and the records are read and checked as a
+        pull's are. A damaged record is left out: the answer begins after it (a reader sees
+        the gap, as after retention) or ends before it.
         """
         if st is None:
             return from_seq, 0, []
@@ -562,11 +565,26 @@ class Pulls:
         sizes = entries["size"].astype(np.int64)
         within = np.cumsum(sizes) <= self.bytes_max
         count = max(1, int(np.count_nonzero(within)))
-        offsets = entries["offset"][:count].astype(np.int64)
-        sizes = sizes[:count]
-        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1
+        wanted = entries[:count].tobytes()
         chunks: list[bytes] = []
-        for run in np.split(np.arange(count), breaks):
-            start_off = int(offsets[run[0]])
-            self.mlog.read_into(start_off, int(offsets[run[-1]] + sizes[run[-1]]) - start_off, chunks)
+        skipped: list[int] = []
+        try:
+            self._read_records(wanted, chunks, None, 0, [], st, first + skip, skipped)
+        except _Disagrees as exc:
+            self.repair(st, exc.seq)
+            self._repairing = True
+            try:
+                chunks, skipped = [], []
+                wanted = st.clog.read(first + skip, count)
+                sizes = np.frombuffer(wanted, dtype=ENTRY_DTYPE)["size"].astype(np.int64)
+                self._read_records(wanted, chunks, None, 0, [], st, first + skip, skipped)
+            finally:
+                self._repairing = False
+        if skipped:  # damaged records: the answer is the good ones after the first run of them
+            bad = set(skipped)
+            good = [i for i in range(count) if i not in bad]
+            begin = good[0] if good else count
+            end = next((i for i in range(begin, count) if i in bad), count)
+            data = b"".join(chunks)[: int(sizes[begin:end].sum())]
+            return first + skip + begin, end - begin, [data] if data else []
         return first + skip, count, chunks
