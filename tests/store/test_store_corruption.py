@@ -9,6 +9,7 @@ from pathlib import Path
 from test_store_send_pull import records
 
 from conftest import append, batch, checkpoint, flush
+from qmq.broker.metrics import BrokerMetrics
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
 from qmq.store.broker_store import BrokerStore
 from qmq.store.consume_log import ENTRY_BYTES
@@ -64,7 +65,7 @@ def test_a_flipped_consume_log_entry_is_rewritten_from_the_message_log_when_a_pu
     assert got is not None
     assert [i for _s, i in records(got)] == IDS
     assert _all_good(got.chunks)
-    assert store._pulls.entries_repaired == 1
+    assert b"qmq_consume_log_entries_repaired_total 1.0" in BrokerMetrics(store).render()
     assert clog.read_bytes() == before  # the entry is what the store wrote
 
 
@@ -117,7 +118,7 @@ def test_a_record_flipped_in_the_message_log_is_skipped_and_the_records_after_it
     assert got is not None
     assert [i for _s, i in records(got)] == IDS[:10] + IDS[11:]  # the damaged one alone is gone
     assert _all_good(got.chunks)
-    assert store._pulls.damaged_records == 1
+    assert b"qmq_damaged_records_skipped_total 1.0" in BrokerMetrics(store).render()
     append(store, batch("s", ["after"]))
     flush(store)
     more = store.pull(gp, gp.consumer("c"), "x", 100)
@@ -140,7 +141,7 @@ def test_a_damaged_record_below_what_recovery_read_fails_its_crc_at_the_pull_and
     size = (seg.stat().st_size - HEAD_BYTES) // 20
     _flip(seg, HEAD_BYTES + 3 * size + 70)
     again = open_store(dedup_window_ms=0)
-    assert again._pulls.checked.crc_from > 3 * size  # recovery did not read it
+    assert again.pulls.checked.crc_from > 3 * size  # recovery did not read it
     gp = again.group("s", "g", "earliest")
     got = again.pull(gp, gp.consumer("c"), "x", 100)
     assert got is not None

@@ -124,6 +124,11 @@ class BrokerStore:
         return self._progress.progress
 
     @property
+    def pulls(self) -> Pulls:
+        """The reads for pulls, with what they found damaged (``entries_repaired``, ``damaged_records``)."""
+        return self._pulls
+
+    @property
     def consume_files(self) -> OpenFiles:
         """The consume logs' open files: how many (``len``), their bound, how many were closed to keep it."""
         return self._subjects.files
