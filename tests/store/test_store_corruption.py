@@ -171,3 +171,31 @@ def test_a_read_by_sequence_repairs_a_flipped_entry_and_answers_after_a_damaged_
     first, count, chunks = store.read_range("s", 12, 100)  # a reader sees the gap
     assert (first, count) == (13, 7)
     assert [i for _s, i in records_of(chunks)] == IDS[13:]
+
+
+def test_a_damaged_record_among_those_recovery_indexes_again_keeps_later_sequences_in_place(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    store = open_store()
+    append(store, batch("s", IDS[:5]))
+    checkpoint(store)
+    for k in range(1, 4):
+        append(store, batch("s", IDS[k * 5 : k * 5 + 5]))
+    store.close()
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    with open(clog, "r+b") as fh:
+        fh.truncate(HEAD_BYTES + 5 * ENTRY_BYTES)  # as if the entries after the checkpoint were lost
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = (seg.stat().st_size - HEAD_BYTES) // 20
+    _flip(seg, HEAD_BYTES + 8 * size + 40)
+    again = open_store()
+    assert again.subjects["s"].next_seq == 20
+    gp = again.group("s", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "x", 100)
+    assert got is not None
+    assert [i for _s, i in records(got)] == IDS[:8] + IDS[9:]
+    append(again, batch("s", ["after"]))
+    flush(again)
+    more = again.pull(gp, gp.consumer("c"), "x", 100)
+    assert more is not None
+    assert records(more) == [(20, "after")]  # no sequence taken twice
