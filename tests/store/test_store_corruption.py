@@ -199,3 +199,21 @@ def test_a_damaged_record_among_those_recovery_indexes_again_keeps_later_sequenc
     more = again.pull(gp, gp.consumer("c"), "x", 100)
     assert more is not None
     assert records(more) == [(20, "after")]  # no sequence taken twice
+
+
+def test_entries_flipped_in_different_ways_in_one_pull_are_all_repaired(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    # An entry found wrong before the reads (naming bytes past the log's end) was repaired from
+    # its own sequence on, and an earlier one found wrong by its record's header was then taken
+    # for damage and skipped (what lost 1 message of 430 in a campaign run after the first fix).
+    _stored(open_store)
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    _flip(clog, HEAD_BYTES + 5 * ENTRY_BYTES, 0x08)  # entry 5's offset, 8 bytes off
+    _flip(clog, HEAD_BYTES + 9 * ENTRY_BYTES + 5, 0x40)  # entry 9's offset, far past the log's end
+    store = open_store()
+    gp = store.group("s", "g", "earliest")
+    got = store.pull(gp, gp.consumer("c"), "x", 100)
+    assert got is not None
+    assert [i for _s, i in records(got)] == IDS
+    assert store.pulls.damaged_records == 0

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import crc32c
 import numpy as np
@@ -43,11 +44,13 @@ from qmq.store.subjects import SubjectState
 from qmq.store.tags import TagFilter
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _SCAN_ENTRIES_MAX = 20_000
 _SCAN_CHUNK_ENTRIES = 2048
 _FAST_ENTRIES_MIN = 16  # from this many entries a pull's records are checked with numpy
 _HEADER_SPAN = np.arange(RECORD_HEADER_BYTES)
+_REPAIRS_MAX = 4  # repairs of a subject's consume log one pull may make
 _UNREPAIRABLE_MAX = 10_000  # (subject, sequence) of damaged records remembered, so a repair is tried once
 
 
@@ -119,21 +122,15 @@ class Pulls:
         self._recorded = False
         self.ordered.dispatched = False
         self.ordered.settling_ms = 0
+        began = cp.cursor
+
+        def again() -> None:
+            if self._recorded:
+                raise StoreError(f"a consume-log entry of {st.name!r} disagreed after a pull was recorded")
+            cp.cursor = began
+
         try:
-            try:
-                return self._pull(st, gp, cp, max_n, tag_filter, now_ms)
-            except _Disagrees as exc:
-                if self._recorded:
-                    raise StoreError(
-                        f"a consume-log entry of {st.name!r} disagreed after a pull was recorded"
-                    ) from None
-                cp.session, cp.cursor = session, was[1] if was[0] == session else cp.ack_offset  # as it began
-                self.repair(st, exc.seq)
-                self._repairing = True
-                try:
-                    return self._pull(st, gp, cp, max_n, tag_filter, now_ms)
-                finally:
-                    self._repairing = False
+            return self._repairing_as_needed(st, lambda: self._pull(st, gp, cp, max_n, tag_filter, now_ms), again)
         except OSError as exc:
             if self._recorded:
                 raise  # writing the action log failed: the store's to judge
@@ -158,6 +155,25 @@ class Pulls:
             self._recorded = False
             return self._take_own(st, gp, cp, max_n)
         return self._take(st, gp, cp, max_n, tag_filter)
+
+    def _repairing_as_needed(self, st: SubjectState, attempt: Callable[[], _T], again: Callable[[], None]) -> _T:
+        """``attempt()``; when it meets entries of ``st`` that disagree with their records, repair
+        from the first of them and, after ``again()``, attempt again: at most ``_REPAIRS_MAX``
+        repairs, then what still disagrees is damage."""
+        repaired: set[int] = set()
+        try:
+            while True:  # bounded: each round repairs a new sequence, or is the last
+                try:
+                    return attempt()
+                except _Disagrees as exc:
+                    again()
+                    if exc.seq in repaired or len(repaired) >= _REPAIRS_MAX:
+                        self._repairing = True
+                    else:
+                        repaired.add(exc.seq)
+                        self.repair(st, exc.seq)
+        finally:
+            self._repairing = False
 
     def repair(self, st: SubjectState, seq: int) -> int:
         """Rewrite the entries of ``st`` from ``seq`` on that disagree with their records (see
@@ -384,6 +400,7 @@ class Pulls:
         run_end = -1
         run_chunk = first_chunk
         damaged = self._damaged
+        disagree: list[int] = []  # entries that disagree with their records
         crc_from = self.checked.crc_from
         damaged_log = self.checked.is_damaged if self.checked.damaged else None
         bad: list[int] = []
@@ -396,7 +413,7 @@ class Pulls:
                 continue
             if size < RECORD_HEADER_BYTES or off + size > log_end or (damaged and (st.name, seq + i) in damaged):
                 if (st.name, seq + i) not in damaged:
-                    self._disagrees(st, seq + i)  # raises, but after a repair
+                    disagree.append(i)
                 bad.append(i)
                 continue
             if damaged_log is not None and damaged_log(off):
@@ -450,7 +467,7 @@ class Pulls:
                 if check_record(chunk, end - size, size, seq + i, ms) == DAMAGED:
                     self._damage(st, seq + i, "it fails its CRC")
                 else:
-                    self._disagrees(st, seq + i)
+                    disagree.append(i)
                 bad.append(i)
                 retry = True
                 continue
@@ -461,6 +478,11 @@ class Pulls:
                 runs.append([at_log, 1])
             got += 1
             nbytes += size
+        if disagree:  # a repair from the first of them, or, after one, they are damage
+            if not self._repairing:
+                raise _Disagrees(seq + min(disagree))
+            for i in disagree:
+                self._disagrees(st, seq + i)
         if retry:  # damaged records go: the good ones are copied out of the chunks one by one
             chunks[first_chunk:] = self._without(chunks[first_chunk:], first_chunk, listed, set(bad))
         if bad:
@@ -568,18 +590,16 @@ class Pulls:
         wanted = entries[:count].tobytes()
         chunks: list[bytes] = []
         skipped: list[int] = []
-        try:
+
+        def attempt() -> None:
+            nonlocal wanted, sizes
+            chunks.clear()
+            skipped.clear()
+            wanted = st.clog.read(first + skip, count)  # again after a repair
+            sizes = np.frombuffer(wanted, dtype=ENTRY_DTYPE)["size"].astype(np.int64)
             self._read_records(wanted, chunks, None, 0, [], st, first + skip, skipped)
-        except _Disagrees as exc:
-            self.repair(st, exc.seq)
-            self._repairing = True
-            try:
-                chunks, skipped = [], []
-                wanted = st.clog.read(first + skip, count)
-                sizes = np.frombuffer(wanted, dtype=ENTRY_DTYPE)["size"].astype(np.int64)
-                self._read_records(wanted, chunks, None, 0, [], st, first + skip, skipped)
-            finally:
-                self._repairing = False
+
+        self._repairing_as_needed(st, attempt, lambda: None)
         if skipped:  # damaged records: the answer is the good ones after the first run of them
             bad = set(skipped)
             good = [i for i in range(count) if i not in bad]
