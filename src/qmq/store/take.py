@@ -13,12 +13,14 @@ A pull reads everything it hands out before it records the pull in the action lo
 that fails (a failing disk) changes nothing: that pull is answered with ``PullReadError`` and
 the consumer pulls the same messages again; the store goes on.
 
-Every record read is checked against the consume-log entry that named it (clog_repair.py): an
-entry that disagrees (damaged) makes the pull rewrite its subject's disagreeing entries from
-the message log and start again, once; a record that fails its CRC (damaged in the message
-log) is never handed out: the group's offset moves past it, and a consumer that pulled it
-before the damage is done with it, as with a record retention removed. Both are logged and
-counted (``entries_repaired``, ``damaged_records``).
+Every record read is checked against the consume-log entry that named it (clog_repair.py;
+with numpy for a pull of many), and its CRC below what recovery read (``Checked``): an entry
+that disagrees (damaged) makes the pull rewrite its subject's disagreeing entries from the
+message log, from the first of them on, and start again (a few times at most); a record that
+fails its CRC, that recovery found damaged, or whose entry still disagrees after a repair, is
+never handed out: the group's offset moves past it, and a consumer that pulled it before the
+damage is done with it, as with a record retention removed. Both are logged and counted
+(``entries_repaired``, ``damaged_records``).
 """
 
 from __future__ import annotations
