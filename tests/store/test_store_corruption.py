@@ -217,3 +217,31 @@ def test_entries_flipped_in_different_ways_in_one_pull_are_all_repaired(
     assert got is not None
     assert [i for _s, i in records(got)] == IDS
     assert store.pulls.damaged_records == 0
+
+
+def test_a_pull_of_many_checks_them_all_and_goes_one_by_one_when_one_is_wrong(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    many = [f"n{i:03d}" for i in range(300)]  # a pull of this many is checked with numpy first
+    store = open_store(dedup_window_ms=0)
+    for k in range(3):
+        append(store, batch("s", many[k * 100 : k * 100 + 100]))
+    flush(store)
+    checkpoint(store)
+    store.close()
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    _flip(clog, HEAD_BYTES + 150 * ENTRY_BYTES + 13)  # entry 150's stored time
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = (seg.stat().st_size - HEAD_BYTES) // 300
+    _flip(seg, HEAD_BYTES + 250 * size + 90)  # record 250's message, below what recovery read
+    again = open_store(dedup_window_ms=0)
+    gp = again.group("s", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "x", 1000)
+    assert got is not None
+    assert [i for _s, i in records(got)] == many[:250] + many[251:]
+    assert _all_good(got.chunks)
+    assert (again.pulls.entries_repaired, again.pulls.damaged_records) == (1, 1)
+    other = again.group("s", "g2", "earliest")
+    clean = again.pull(other, other.consumer("c"), "x", 200)  # all good: no one-by-one pass
+    assert clean is not None
+    assert [i for _s, i in records(clean)] == many[:200]
