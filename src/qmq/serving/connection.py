@@ -2,10 +2,12 @@
 and the set of them with what each may cost the server.
 
 Requests are handled as they are decoded, on the loop, without a task per request. After a
-frame whose code is in the host's ``yield_after`` set (sends), the rest of what arrived waits
-for the next loop turn (reading paused), so timers and other connections run between
-frames. A frame that cannot be decoded costs only its own connection: the peer gets an error
-frame, then the connection closes.
+frame whose code is in the host's ``yield_after`` set (sends), or after ``_FRAMES_PER_TURN``
+frames of any kind, the rest of what arrived waits for the next loop turn (reading paused),
+so timers, heartbeats and other connections run between frames however many requests one
+client pipelines. A frame that cannot be decoded costs only its own connection: the peer gets
+an error frame, then the connection closes. Once the connection is closing (the peer went
+away: a write failed), the requests it left decoded are dropped, not handled.
 
 What one client can hold of the server is bounded:
 - replies it does not read: once the transport's write buffer passes its high-water mark
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 # asyncio's and uvloop's defaults, set here so the bound does not hang on the loop's choice.
 _WRITE_HIGH_BYTES = 64 * KiB
 _WRITE_LOW_BYTES = 16 * KiB
+# Frames handled for one connection in one loop turn before the others get theirs: a client that
+# pipelines thousands of requests (each READ may read a thousand messages) waits its turn.
+_FRAMES_PER_TURN = 16
 # A refused connection is closed once the client has closed its side, or after this long: a close
 # with the client's request unread would reset the connection, and the reset can overtake the
 # error frame that says why.
@@ -112,7 +117,7 @@ class FrameConnection(asyncio.Protocol):
             self._timer = loop.call_later(connections.limits.first_request_timeout_ms / 1000, self._no_request)
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self._gone():
             return
         try:
             self.decoder.receive_data(data)
@@ -134,19 +139,26 @@ class FrameConnection(asyncio.Protocol):
         if decoder.buffered_bytes < before:
             self._stop_timer()
 
+    def _gone(self) -> bool:
+        """Closed, or closing: a write to the peer failed (it went away) and connection_lost is
+        on its way. What it left decoded is not worth handling: nobody reads the answers."""
+        return self.closed or self.transport is None or self.transport.is_closing()
+
     def _handle_frames(self) -> None:
         decoder = self.decoder
         host = self.host
         dispatch = host.dispatch
         yield_after = host.yield_after
+        handled = 0
         try:
             # a handler's answer may fill the write buffer (pause_writing): the frames after it
             # wait in the decoder until resume_writing
-            while not self.closed and not self._flow_paused and (frame := decoder.next_frame()) is not None:
+            while not self._gone() and not self._flow_paused and (frame := decoder.next_frame()) is not None:
                 if frame.response:
                     raise RemoteProtocolError("a client sent a response frame; only requests are accepted")
                 dispatch(self, frame)
-                if frame.code in yield_after and decoder.buffered_bytes:
+                handled += 1
+                if (frame.code in yield_after or handled >= _FRAMES_PER_TURN) and decoder.buffered_bytes:
                     self._next_turn()
                     return
         except RemoteProtocolError as exc:
@@ -163,7 +175,7 @@ class FrameConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_soon(self._handle_frames)
 
     def _set_reading(self) -> None:
-        if self.transport is None or self.closed:
+        if self.transport is None or self._gone():
             return
         if self._flow_paused or self._turn_paused:
             self.transport.pause_reading()
@@ -178,7 +190,7 @@ class FrameConnection(asyncio.Protocol):
         chunks: Sequence[bytes] = (),
         status: int = Status.OK,
     ) -> None:
-        if self.closed or self.transport is None:
+        if self.transport is None or self._gone():
             return
         body_len = sum(len(c) for c in chunks) if chunks else 0
         head = encode_frame_parts(code, request_id, header, body_len, status=status, response=True)
@@ -201,7 +213,7 @@ class FrameConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._flow_paused = False
-        if self.decoder.buffered_bytes and not self._turn_paused and not self.closed:
+        if self.decoder.buffered_bytes and not self._turn_paused and not self._gone():
             self._next_turn()  # the requests that waited for the client to read, from the next turn
         else:
             self._set_reading()
