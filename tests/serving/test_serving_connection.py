@@ -267,9 +267,12 @@ def test_a_delay_server_counts_the_connections_it_refuses_and_drops(tmp_path: Pa
     shell.metrics = metrics  # as a role sets it before the shell's __init__
     FrameServer.__init__(shell, config, DEFAULT_LIMITS, metrics.connections.set, "test-checkpoint")
     try:
-        text = shell.connections.refusal
+        text = shell.connections.refusal("connections_max", "127.0.0.9")
         assert "connections_max 3" in text
         assert "--connections-max, or connections_max in [delay]" in text
+        text = shell.connections.refusal("connections_per_host_max", "127.0.0.9")
+        assert "connections_per_host_max 1024 client connections open from 127.0.0.9" in text
+        assert "--connections-per-host-max, or connections_per_host_max in [delay]" in text
         shell.connections.on_refused("connections_max")
         shell.connections.on_dropped("no_request")
         shell.connections.on_dropped("no_request")

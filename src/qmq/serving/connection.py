@@ -19,8 +19,9 @@ What one client can hold of the server is bounded:
 - a connection that sends no complete request within ``first_request_timeout_ms`` of opening
   is closed (an SDK sends its first request as soon as it connects; a connection that has
   sent one stays open however long it is quiet, since clients idle between sends and polls);
-- past ``connections_max`` a new connection gets an error frame saying so, and the setting
-  to raise, before it is closed.
+- past ``connections_max``, or past ``connections_per_host_max`` from the same host (IP
+  address), a new connection gets an error frame saying so, and the setting to raise, before
+  it is closed: one host's idle or hostile connections cannot take every slot.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class FrameConnection(asyncio.Protocol):
         self.decoder = FrameDecoder(host.limits)
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
+        self.peer_host = "?"  # the IP address, what connections_per_host_max counts by
         self.closed = False
         self._flow_paused = False  # the client reads our answers too slowly
         self._turn_paused = False  # frames left for the next loop turn
@@ -104,6 +106,7 @@ class FrameConnection(asyncio.Protocol):
         self.transport = tr = cast(asyncio.Transport, transport)
         peer = tr.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.peer_host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         tr.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
         self._tls = tr.get_extra_info("sslcontext") is not None
         if self._tls:
@@ -298,46 +301,61 @@ class ConnectionLimits:
     connections_max: int
     first_request_timeout_ms: int
     reply_backlog_bytes_max: int
+    connections_per_host_max: int = 1_000_000
 
 
 class Connections:
-    """The open connections of a server, at most ``limits.connections_max`` (a new one past it is
-    refused with ``refusal``, the text its client is sent), and the counts of those it refused
-    and of those it closed on its own, by reason."""
+    """The open connections of a server, at most ``limits.connections_max`` in all and
+    ``limits.connections_per_host_max`` from one host (a new one past either is refused with
+    the text ``refusal`` gives for that setting, which its client is sent), and the counts of
+    those it refused and of those it closed on its own, by reason."""
 
     def __init__(
         self,
         limits: ConnectionLimits,
-        refusal: str,
+        refusal: str | Callable[[str, str], str],
         on_count: Callable[[int], None],
         on_refused: Callable[[str], None],
         on_dropped: Callable[[str], None],
     ) -> None:
         self.limits = limits
-        self.refusal = refusal
+        # (setting, host) -> the text a refused client is sent
+        self.refusal: Callable[[str, str], str] = refusal if callable(refusal) else (lambda _s, _h: refusal)
         self.on_count = on_count
         self.on_refused = on_refused
         self.on_dropped = on_dropped
         self._open: set[FrameConnection] = set()
+        self._per_host: dict[str, int] = {}  # open connections by peer host; no entry at 0
 
     def __len__(self) -> int:
         return len(self._open)
 
     def admit(self, conn: FrameConnection) -> str | None:
-        """Take a new connection: None, or the text that refuses it (past connections_max)."""
-        if len(self._open) >= self.limits.connections_max:
-            log.warning(
-                "refusing connection from %s: connections_max %d reached", conn.peer, self.limits.connections_max
-            )
-            self.on_refused("connections_max")
-            return self.refusal
-        self._open.add(conn)
-        self.on_count(len(self._open))
-        return None
+        """Take a new connection: None, or the text that refuses it (past connections_max, or
+        past connections_per_host_max from its host)."""
+        limits = self.limits
+        host = conn.peer_host
+        if len(self._open) >= limits.connections_max:
+            setting, value = "connections_max", limits.connections_max
+        elif self._per_host.get(host, 0) >= limits.connections_per_host_max:
+            setting, value = "connections_per_host_max", limits.connections_per_host_max
+        else:
+            self._open.add(conn)
+            self._per_host[host] = self._per_host.get(host, 0) + 1
+            self.on_count(len(self._open))
+            return None
+        log.warning("refusing connection from %s: %s %d reached", conn.peer, setting, value)
+        self.on_refused(setting)
+        return self.refusal(setting, host)
 
     def forget(self, conn: FrameConnection) -> None:
         if conn in self._open:
             self._open.discard(conn)
+            left = self._per_host.get(conn.peer_host, 1) - 1
+            if left > 0:
+                self._per_host[conn.peer_host] = left
+            else:
+                self._per_host.pop(conn.peer_host, None)
             self.on_count(len(self._open))
 
     def close_all(self) -> None:
