@@ -94,6 +94,7 @@ async def test_registered_groups_are_discovered_with_their_state_and_routes(
         "epoch": 1,
         "master": None,
         "slaves": 0,
+        "slave_addresses": [],
         "truncate": None,
     }
     await _register(http, server, group="b2", port=20891)

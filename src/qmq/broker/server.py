@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from pathlib import Path
 
 from qmq.broker.backlog import unconsumed
@@ -141,6 +140,8 @@ class BrokerServer(FrameServer):
         self.draining = answer.get("draining") is True
         slaves = answer.get("slaves")
         self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
+        named = answer.get("slave_addresses")
+        self.source.name_slaves([a for a in named if isinstance(a, str)] if isinstance(named, list) else None)
         master = answer.get("master")
         truncate = answer.get("truncate")
         if self._transition is not None and not self._transition.done():
@@ -161,10 +162,7 @@ class BrokerServer(FrameServer):
             await self.replicator.stop()
             self.replicator = None
         self._set_epoch(epoch, "master")
-        self.source.started = time.monotonic()
-        self.source.slaves.clear()
-        self.source.replicated = self.store.mlog.end
-        self.source.actions_replicated = self.store.alog.end
+        self.source.reset(self.store.mlog.end, self.store.alog.end)
         self.flusher.flushed_offset = self.store.mlog.end
         self.role = "master"
         self.release.schedule()

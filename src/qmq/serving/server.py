@@ -76,6 +76,8 @@ class ServingConfig(Protocol):
     @property
     def connections_max(self) -> int: ...
     @property
+    def connections_per_host_max(self) -> int: ...
+    @property
     def first_request_timeout_ms(self) -> int: ...
     @property
     def reply_backlog_bytes_max(self) -> int: ...
@@ -140,8 +142,13 @@ class FrameServer(ABC):
         self.config = config
         self.limits = limits
         self.connections = Connections(
-            ConnectionLimits(config.connections_max, config.first_request_timeout_ms, config.reply_backlog_bytes_max),
-            self._refusal(config.connections_max),
+            ConnectionLimits(
+                config.connections_max,
+                config.first_request_timeout_ms,
+                config.reply_backlog_bytes_max,
+                config.connections_per_host_max,
+            ),
+            self._refusal,
             on_connections,
             lambda reason: self.metrics.connections_refused.labels(reason).inc(),
             lambda reason: self.metrics.connections_dropped.labels(reason).inc(),
@@ -179,11 +186,17 @@ class FrameServer(ABC):
 
     # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
 
-    def _refusal(self, connections_max: int) -> str:
+    def _refusal(self, setting: str, host: str) -> str:
+        """What a client refused past ``setting`` (connections_max, connections_per_host_max) is told."""
+        cfg = self.config
+        if setting == "connections_per_host_max":
+            held = f"{cfg.connections_per_host_max} client connections open from {host}"
+        else:
+            held = f"{cfg.connections_max} client connections open"
+        flag = "--" + setting.replace("_", "-")
         return (
-            f"the {self.title} refuses the connection: it has connections_max {connections_max} client "
-            f"connections open; raise connections_max (--connections-max, or connections_max in "
-            f"[{self.kind}] of its config file), or close idle connections"
+            f"the {self.title} refuses the connection: it has {setting} {held}; raise {setting} ({flag}, or "
+            f"{setting} in [{self.kind}] of its config file), or close idle connections"
         )
 
     def forget(self, conn: FrameConnection) -> None:
