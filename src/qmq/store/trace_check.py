@@ -1,7 +1,8 @@
 """Checks an I/O trace (fileio.py) for answers that went out before they were durable.
 
 An ``answer`` line says a send was answered under ``flush = "sync"`` with its bytes ending at
-byte ``pos`` of a segment file. It is durable, so the answer was right, when before it:
+byte ``pos`` of a segment file; an ``ack`` line says the same of an ack, whose records end
+there in the broker's action log. Either is durable, so the answer was right, when before it:
 
 - an fsync (or fdatasync) of that file completed that began when the file held at least
   ``pos`` bytes (and began after the file was last created, when the trace saw that), and
@@ -40,6 +41,7 @@ class Answer:
     offset: int  # ... and here in the log
     path: str
     pid: int
+    what: str = "send"  # or "ack"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,8 @@ class Violation:
 
     def __str__(self) -> str:
         a = self.answer
-        return f"answer at {a.ns} ns (pid {a.pid}, log offset {a.offset}, {a.path} byte {a.pos}): {self.reason}"
+        where = f"pid {a.pid}, log offset {a.offset}, {a.path} byte {a.pos}"
+        return f"{a.what} answered at {a.ns} ns ({where}): {self.reason}"
 
 
 @dataclass(slots=True)
@@ -67,6 +70,7 @@ class Trace:
 class Report:
     answers: int
     syncs: int
+    acks: int
     failed_syncs: int
     stopped: bool
     unreadable: int
@@ -74,7 +78,8 @@ class Report:
 
     def summary(self) -> str:
         text = (
-            f"{self.answers} answers checked against {self.syncs} fsyncs ({self.failed_syncs} failed): "
+            f"{self.answers} answers ({self.acks} of them acks) checked against {self.syncs} fsyncs "
+            f"({self.failed_syncs} failed): "
             f"{len(self.violations)} answered before they were durable"
         )
         if self.stopped:
@@ -102,9 +107,10 @@ def parse(lines: Iterable[str]) -> Trace:
             elif event == "create" and len(fields) == 4:
                 _e, pid, ns, path = fields
                 trace.creates.setdefault(path, []).append(int(ns))
-            elif event == "answer" and len(fields) == 6:
+            elif event in ("answer", "ack") and len(fields) == 6:
                 _e, pid, ns, pos, offset, path = fields
-                trace.answers.append(Answer(int(ns), int(pos), int(offset), path, int(pid)))
+                what = "ack" if event == "ack" else "send"
+                trace.answers.append(Answer(int(ns), int(pos), int(offset), path, int(pid), what))
             else:
                 trace.unreadable += 1
                 continue
@@ -161,7 +167,10 @@ def check(trace: Trace) -> Report:
         reason = _file_durable(answer, files, trace.creates) or _entries_durable(answer, dirs, trace.creates)
         if reason is not None:
             violations.append(Violation(answer, reason))
-    return Report(len(trace.answers), len(trace.syncs), len(trace.failed), trace.stopped, trace.unreadable, violations)
+    acks = sum(a.what == "ack" for a in trace.answers)
+    return Report(
+        len(trace.answers), len(trace.syncs), acks, len(trace.failed), trace.stopped, trace.unreadable, violations
+    )
 
 
 def _file_durable(answer: Answer, files: dict[tuple[str, int], _Timeline], creates: dict[str, list[int]]) -> str | None:
