@@ -81,7 +81,7 @@ def test_held_messages_wait_for_their_route() -> None:
     assert acc.count == 2
     assert acc.drain("b1", 10, 1 << 20) is None
     assert acc.held_subjects() == ["new.subject"]
-    assert acc.route_held("new.subject", ("b1",)) == 2
+    assert acc.route_held("new.subject", lambda _entry: ("b1",)) == {("b1",)}
     got = acc.drain("b1", 10, 1 << 20)
     assert got is not None
     assert [e[2] for e in got[1]] == ["h1", "h2"]
