@@ -188,9 +188,10 @@ def _pull_all(client: RawClient, subject: str, group: str, consumer: str) -> lis
         runs += [[r[0], r[0] + r[1]] for r in got.header["runs"]]
 
 
-def test_no_ack_is_answered_before_the_fsync_covering_it(tmp_path: Path) -> None:
-    # found by the fault campaign's power-loss scenario: acks were fsynced with checkpoints only,
-    # so a power cut delivered again what groups had been told they had acknowledged
+def test_no_ack_or_pull_is_answered_before_the_fsync_covering_it(tmp_path: Path) -> None:
+    # found by the fault campaign's power-loss scenario: acks (and the records of what each
+    # consumer was handed) were fsynced with checkpoints only, so a power cut delivered again
+    # what groups had been told they had acknowledged
     trace = tmp_path / "trace"
     consumers, per_consumer = 4, 30
     with _broker(tmp_path / "data", {"QMQ_IO_TRACE": str(trace)}) as (proc, client):
@@ -230,6 +231,7 @@ def test_no_ack_is_answered_before_the_fsync_covering_it(tmp_path: Path) -> None
     report = check_file(trace)
     assert report.violations == [], report.summary()
     assert report.acks == consumers * per_consumer, report.summary()
+    assert report.pulls >= consumers, report.summary()  # each consumer's pulls that handed out messages
     action_syncs = sum(1 for line in trace.read_text().splitlines() if line.startswith("sync") and ".act" in line)
     assert action_syncs < report.acks  # group commit: acks share fsyncs
 

@@ -11,6 +11,7 @@ by every process of the machine, so several servers may append to one file::
     create  <pid> <ns> <path>                                  a new file or directory entry
     answer  <pid> <ns> <pos> <offset> <path>                   a send answered under flush = "sync"
     ack     <pid> <ns> <pos> <offset> <path>                   an ack answered under flush = "sync"
+    pull    <pid> <ns> <pos> <offset> <path>                   a pull handing out messages, likewise
     # stopped: <bytes> bytes, QMQ_IO_TRACE_BYTES_MAX; nothing later is traced
 
 ``kind`` is ``fsync``, ``fdatasync``, ``dirsync`` (an fsync of a directory) or ``syncfs``;
@@ -18,8 +19,9 @@ by every process of the machine, so several servers may append to one file::
 file system). An ``answer`` line is written just before the answer of a send (the broker's
 message log, the delay server's write-ahead log) goes out: the send's bytes, and all before
 it, end at byte ``pos`` of the segment file ``path``; ``offset`` is that end as an offset of
-the log. An ``ack`` line is the same for an ack (or a pull carrying acks) answered as done:
-its records end there in the broker's action log. ``trace_check.py`` reads a trace and finds
+the log. An ``ack`` line is the same for an ack (or a pull carrying acks) answered as done,
+a ``pull`` line for a pull answered with messages: their records end there in the broker's
+action log. ``trace_check.py`` reads a trace and finds
 every answer that came before the fsync covering it. Lines are buffered and written whole, at
 the latest with the next fsync line, so a process killed with ``kill -9`` leaves a trace that
 is a prefix of what happened. The trace stops at ``QMQ_IO_TRACE_BYTES_MAX`` bytes (default
@@ -120,8 +122,8 @@ class Locates(Protocol):
 
 
 def answer(segments: Locates, end_offset: int, what: str = "send") -> None:
-    """A send (``what="ack"``: an ack) whose bytes end at ``end_offset`` of the log ``segments``
-    is being answered."""
+    """A send (``what``: "ack", an ack; "pull", a pull handing out messages) whose bytes end at
+    ``end_offset`` of the log ``segments`` is being answered."""
     trace = _trace
     if trace is None or end_offset <= 0:
         return
@@ -129,7 +131,7 @@ def answer(segments: Locates, end_offset: int, what: str = "send") -> None:
     if where is None:
         return
     path, pos = where
-    event = "ack" if what == "ack" else "answer"
+    event = what if what in ("ack", "pull") else "answer"
     trace.add(f"{event}\t{trace.pid}\t{time.monotonic_ns()}\t{pos}\t{end_offset}\t{path}\n")
 
 

@@ -2,7 +2,8 @@
 
 An ``answer`` line says a send was answered under ``flush = "sync"`` with its bytes ending at
 byte ``pos`` of a segment file; an ``ack`` line says the same of an ack, whose records end
-there in the broker's action log. Either is durable, so the answer was right, when before it:
+there in the broker's action log, and a ``pull`` line the same of a pull that handed out
+messages. Each is durable, so the answer was right, when before it:
 
 - an fsync (or fdatasync) of that file completed that began when the file held at least
   ``pos`` bytes (and began after the file was last created, when the trace saw that), and
@@ -41,7 +42,7 @@ class Answer:
     offset: int  # ... and here in the log
     path: str
     pid: int
-    what: str = "send"  # or "ack"
+    what: str = "send"  # or "ack", "pull"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class Report:
     answers: int
     syncs: int
     acks: int
+    pulls: int
     failed_syncs: int
     stopped: bool
     unreadable: int
@@ -78,8 +80,8 @@ class Report:
 
     def summary(self) -> str:
         text = (
-            f"{self.answers} answers ({self.acks} of them acks) checked against {self.syncs} fsyncs "
-            f"({self.failed_syncs} failed): "
+            f"{self.answers} answers ({self.acks} of them acks, {self.pulls} pulls) checked against "
+            f"{self.syncs} fsyncs ({self.failed_syncs} failed): "
             f"{len(self.violations)} answered before they were durable"
         )
         if self.stopped:
@@ -107,9 +109,9 @@ def parse(lines: Iterable[str]) -> Trace:
             elif event == "create" and len(fields) == 4:
                 _e, pid, ns, path = fields
                 trace.creates.setdefault(path, []).append(int(ns))
-            elif event in ("answer", "ack") and len(fields) == 6:
+            elif event in ("answer", "ack", "pull") and len(fields) == 6:
                 _e, pid, ns, pos, offset, path = fields
-                what = "ack" if event == "ack" else "send"
+                what = "send" if event == "answer" else event
                 trace.answers.append(Answer(int(ns), int(pos), int(offset), path, int(pid), what))
             else:
                 trace.unreadable += 1
@@ -168,8 +170,16 @@ def check(trace: Trace) -> Report:
         if reason is not None:
             violations.append(Violation(answer, reason))
     acks = sum(a.what == "ack" for a in trace.answers)
+    pulls = sum(a.what == "pull" for a in trace.answers)
     return Report(
-        len(trace.answers), len(trace.syncs), acks, len(trace.failed), trace.stopped, trace.unreadable, violations
+        len(trace.answers),
+        len(trace.syncs),
+        acks,
+        pulls,
+        len(trace.failed),
+        trace.stopped,
+        trace.unreadable,
+        violations,
     )
 
 
