@@ -122,8 +122,11 @@ class Accumulator:
         order); return the routes that got messages."""
         q = self._queues.get(key)
         keys: set[RouteKey] = set()
-        while q:
-            entry = q.popleft()
+        if not q:
+            return keys
+        entries = list(q)
+        q.clear()  # before: ``pick`` may give ``key`` itself back
+        for entry in entries:
             to = pick(entry)
             dest = self._queues.get(to)
             if dest is None:
