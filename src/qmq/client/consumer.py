@@ -513,7 +513,9 @@ class Consumer:
 
     async def flush_acks(self) -> None:
         """Send every pending acknowledgement now and wait until the brokers answered: an answered
-        ack survives a broker failover (the broker answers once its slave has it)."""
+        ack survives a broker failover (the broker answers once its slave has it) and a power
+        loss (once it is fsynced). Acks whose request got no answer (a broker away, a timeout)
+        are kept for the next flush without an error: ``acks_undelivered`` says so afterwards."""
         async with self._ack_flushing:  # after a flush in flight: what it could not deliver goes now
             await flush_acks_together(self._ctx, self._ctx.pullers)
 

@@ -175,6 +175,7 @@ class Producer:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)
         router = Router(meta, self._acc, sender)
+        sender.widen = router.widen
         meta.on_change(router.on_meta_change)
         sender.start()
         loop = asyncio.get_running_loop()
