@@ -18,6 +18,9 @@ process). The clients run in this process, so the machine's two cores are shared
 client, the gateway and the broker, as on a one-box deployment.
 
     .venv/bin/python -m bench.gateway_throughput [--messages 100000] [--connections 16] [--pull-consumers 4]
+
+`python -m bench run` runs it as its W8 cell against the qmq server of the run (``--meta-server``,
+``--gateway`` and ``--gateway-pid`` name it; ``--subject-prefix`` keeps each cell's subjects apart).
 """
 
 from __future__ import annotations
@@ -123,34 +126,45 @@ async def _cpu_of(pid: int, what: Callable[[], Awaitable[float]], n: int) -> tup
     return rate, (after - before) * 100_000 / n
 
 
-async def run(messages: int, connections: int, in_flight: int, pull_consumers: int) -> dict[str, Any]:
-    config = {"gateway": {"pull_consumers": pull_consumers}}
-    with tempfile.TemporaryDirectory() as tmp, running_standalone(Path(tmp) / "qmq-data", config) as proc:
-        meta, gw, gw_pid = proc.meta_server, proc.gateway, int(proc.ready["gateway_pid"])
-        out: dict[str, Any] = {"messages": messages, "body_bytes": len(BODY), "batch": BATCH, "flush": "sync",
-                               "connections": connections, "pull_consumers": pull_consumers}  # fmt: skip
-        out["sdk_publish_per_s"] = await _sdk_publish(meta, "bench.gw.sdk", messages, in_flight)
-        out["sdk_drain_per_s"] = await _sdk_drain(meta, "bench.gw.sdk", messages)
-        limits = aiohttp.TCPConnector(limit=connections)
-        async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=120)) as http:
-            rate, cpu = await _cpu_of(
-                gw_pid, lambda: _http_publish(http, gw, "bench.gw.http", messages, connections), messages
-            )
-            out["http_publish_per_s"], out["gateway_cpu_s_per_100k_publish"] = rate, cpu
-            rate, cpu = await _cpu_of(
-                gw_pid, lambda: _http_drain(http, gw, "bench.gw.http", messages, connections), messages
-            )
-            out["http_drain_per_s"], out["gateway_cpu_s_per_100k_drain"] = rate, cpu
+async def measure(
+    meta: str, gw: str, gw_pid: int, messages: int, connections: int, in_flight: int, prefix: str = "bench.gw"
+) -> dict[str, Any]:
+    """The four rows against a running server and its gateway: SDK publish and drain, then the
+    same over HTTP, each on its own subject."""
+    out: dict[str, Any] = {"messages": messages, "body_bytes": len(BODY), "batch": BATCH, "connections": connections}
+    out["sdk_publish_per_s"] = await _sdk_publish(meta, f"{prefix}.sdk", messages, in_flight)
+    out["sdk_drain_per_s"] = await _sdk_drain(meta, f"{prefix}.sdk", messages)
+    limits = aiohttp.TCPConnector(limit=connections)
+    async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=120)) as http:
+        rate, cpu = await _cpu_of(
+            gw_pid, lambda: _http_publish(http, gw, f"{prefix}.http", messages, connections), messages
+        )
+        out["http_publish_per_s"], out["gateway_cpu_s_per_100k_publish"] = rate, cpu
+        rate, cpu = await _cpu_of(
+            gw_pid, lambda: _http_drain(http, gw, f"{prefix}.http", messages, connections), messages
+        )
+        out["http_drain_per_s"], out["gateway_cpu_s_per_100k_drain"] = rate, cpu
     out["publish_ratio"] = out["http_publish_per_s"] / out["sdk_publish_per_s"]
     out["drain_ratio"] = out["http_drain_per_s"] / out["sdk_drain_per_s"]
     return out
+
+
+async def run(messages: int, connections: int, in_flight: int, pull_consumers: int) -> dict[str, Any]:
+    """The cell against a fresh `qmq standalone` of its own (flush = "sync")."""
+    config = {"gateway": {"pull_consumers": pull_consumers}}
+    with tempfile.TemporaryDirectory() as tmp, running_standalone(Path(tmp) / "qmq-data", config) as proc:
+        out = await measure(
+            proc.meta_server, proc.gateway, int(proc.ready["gateway_pid"]), messages, connections, in_flight
+        )
+    return {**out, "flush": "sync", "pull_consumers": pull_consumers}
 
 
 def table(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"gateway cell: {r['messages']:,} messages of {r['body_bytes']} B, batches of {r['batch']}, "
-            f"{r['connections']} HTTP connections, {r['pull_consumers']} pull consumers, flush = {r['flush']}",
+            f"{r['connections']} HTTP connections, {r.get('pull_consumers', '?')} pull consumers, "
+            f"flush = {r.get('flush', '?')}",
             "",
             "| path | publish msg/s | drain msg/s | gateway CPU s / 100k (publish, drain) |",
             "|---|---|---|---|",
@@ -169,7 +183,22 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=32, help="SDK batches of 100 outstanding at once")
     parser.add_argument("--pull-consumers", type=int, default=4, help="the gateway's pull_consumers")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document too")
+    parser.add_argument("--meta-server", help="measure this running server (with --gateway, --gateway-pid)")
+    parser.add_argument("--gateway", help="the running server's gateway URL")
+    parser.add_argument("--gateway-pid", type=int, help="the running server's gateway process")
+    parser.add_argument("--subject-prefix", default="bench.gw")
     args = parser.parse_args()
+    if args.meta_server:
+        if not args.gateway or not args.gateway_pid:
+            parser.error("--meta-server needs --gateway URL and --gateway-pid N")
+        result = uvloop.run(
+            measure(
+                args.meta_server, args.gateway, args.gateway_pid, args.messages, args.connections, args.in_flight,
+                args.subject_prefix,
+            )
+        )  # fmt: skip
+        print(json.dumps(result))  # the W8 cell of `python -m bench run` reads this line
+        return
     result = uvloop.run(run(args.messages, args.connections, args.in_flight, args.pull_consumers))
     print(table(result))
     if args.json:
