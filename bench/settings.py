@@ -57,9 +57,11 @@ class Settings:
     # W7: many subjects.
     w7_subjects: int = 1_000
     w7_messages_per_subject: int = 200
-    # W8: the HTTP gateway beside the SDK (qmq only): messages per row, HTTP connections.
+    # W8: the HTTP gateway beside the SDK (qmq only): messages per row, HTTP connections (and SDK
+    # batches in flight), rounds (medians reported).
     w8_messages: int = 100_000
     w8_connections: int = 16
+    w8_rounds: int = 3
     # Client shape shared by every system.
     batch_messages: int = 100
     window_messages: int = 1_000
