@@ -15,6 +15,7 @@ from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
+from qmq.broker.settle import HOLD_MS_MAX, HeldPositions, give_back, normalized, retry_of, settled_positions
 from qmq.common.config import BrokerConfig
 from qmq.common.naming import retry_subject
 from qmq.protocol.answers import encode_answer
@@ -58,6 +59,7 @@ _MASTER_ONLY = frozenset(
         RequestCode.PULL,
         RequestCode.ACK,
         RequestCode.ACK_MANY,
+        RequestCode.SETTLE,
         RequestCode.RESET_OFFSET,
         RequestCode.RESEND_DEAD,
         RequestCode.PURGE_DEAD,
@@ -103,11 +105,13 @@ class Handlers(RoleHandlers):
         super().__init__(broker)
         self.broker, self.store, self.metrics = broker, broker.store, broker.metrics
         self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
+        self.held_positions = HeldPositions(broker, self._after_give_back)
         table: dict[int, Handler] = {
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
             RequestCode.ACK: self.ack,
             RequestCode.ACK_MANY: self.ack_many,
+            RequestCode.SETTLE: self.settle,
             RequestCode.SUBJECTS: self.subjects,
             RequestCode.LAG: self.lag,
             RequestCode.RESET_OFFSET: self.reset_offset,
@@ -444,6 +448,55 @@ class Handlers(RoleHandlers):
             self.broker.action_flusher.after_write(end, guarded(conn, code, request_id, durable))
         else:
             source.after_actions_replicated(end, guarded(conn, code, request_id, replicated))
+
+    def settle(self, conn: Responder, frame: Frame) -> None:
+        """SETTLE (broker/settle.py): ``ack``, ``give_back`` and ``hold`` (with ``hold_ms``) ranges
+        of one consumer's pull log; answered ``{settled, given_back_before, given_back, held}`` once the acks reached
+        the slave and the retry copies are durable."""
+        header = frame.header
+        acks = normalized(get_ranges(header, "ack", required=False))
+        backs = normalized(get_ranges(header, "give_back", required=False))
+        holds = normalized(get_ranges(header, "hold", required=False))
+        hold_ms = get_int(header, "hold_ms", 0, HOLD_MS_MAX, default=0)
+        gp, cp = self._group_and_consumer(frame, create=False)
+        # what was settled before this request: acked, or given back (its ack timeout passed)
+        settled = settled_positions(cp, acks) + settled_positions(cp, backs)
+        if acks:
+            self._ack(gp, cp, acks)
+        moved = give_back(self.store, gp, cp, backs, self.held_positions.given) if backs else 0
+        held = False
+        if holds:
+            held = self.held_positions.hold(gp, cp.consumer_id, holds, self.broker.clock.now_ms() + hold_ms)
+        code, request_id = frame.code, frame.request_id
+        given = self.held_positions.given.among(gp, cp.consumer_id, settled)
+        answer = {"settled": settled, "given_back_before": given, "given_back": moved, "held": held}
+
+        def replicated(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, answer)
+            else:
+                conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
+
+        def durable(error: str | None) -> None:
+            if error is not None:
+                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+                return
+            if moved:
+                self.broker.parked.notify({retry_of(gp)})
+            self.broker.source.after_actions_replicated(
+                self.store.alog.end, guarded(conn, code, request_id, replicated)
+            )
+
+        if moved and self.store.sync_policy:
+            self.broker.flusher.after_write(self.store.mlog.end, guarded(conn, code, request_id, durable))
+        else:
+            durable(None)
+
+    def _after_give_back(self, subjects: set[str]) -> None:
+        if self.store.sync_policy:
+            self.broker.flusher.after_write(self.store.mlog.end, lambda _error: None)
+        else:
+            self.broker.parked.notify(subjects)
 
     def subjects(self, conn: Responder, frame: Frame) -> None:
         conn.respond(frame.code, frame.request_id, None, (subjects_page(self.store, frame.header),))

@@ -58,7 +58,9 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
         return web.json_response(await gateway.pulls.pull(m["subject"], m["group"], await request.read()))
 
     async def acks(request: web.Request) -> web.Response:
-        return web.json_response(await settle.settle(gateway.acks, gateway.receipts, await request.read()))
+        return web.json_response(
+            await settle.settle(gateway.settler, gateway.codec, gateway.receipts, gateway.acks, await request.read())
+        )
 
     async def subjects(request: web.Request) -> web.Response:
         return web.json_response(await gateway.admin.subjects(_flag(request, "internal")))

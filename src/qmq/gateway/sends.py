@@ -10,16 +10,64 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from qmq.aio import Producer
-from qmq.common.errors import QmqError
+from qmq.aio import Message, Producer
+from qmq.common.errors import BufferFullError, QmqError
 from qmq.gateway.errors import ApiError, api_error_of
 from qmq.gateway.payload import parse_send
+
+
+def _sent(producer: Producer, messages: list[Message]) -> list[asyncio.Future[None]]:
+    """A future per message, resolved once it is stored: buffered at once while the producer has
+    room (no task per message: a batch of 100 is one request's work), the rest, once it is full,
+    sent one after another as ``await producer.send`` does (it waits for room)."""
+    futures: list[asyncio.Future[None]] = []
+    for i, m in enumerate(messages):
+        try:
+            futures.append(producer.send_nowait(m))
+        except BufferFullError:
+            rest = messages[i:]
+            outcomes = asyncio.get_running_loop().create_task(_send_in_turn(producer, rest))
+            futures += [_nth(outcomes, k) for k in range(len(rest))]
+            break
+        except QmqError as exc:  # refused before it was buffered: this one fails, the others go on
+            failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            futures.append(failed)
+    return futures
+
+
+async def _send_in_turn(producer: Producer, messages: list[Message]) -> list[BaseException | None]:
+    out: list[BaseException | None] = []
+    for m in messages:
+        try:
+            await producer.send(m)
+            out.append(None)
+        except QmqError as exc:
+            out.append(exc)
+    return out
+
+
+def _nth(task: asyncio.Task[list[BaseException | None]], k: int) -> asyncio.Future[None]:
+    fut: asyncio.Future[None] = task.get_loop().create_future()
+
+    def done(t: asyncio.Task[list[BaseException | None]]) -> None:
+        if t.cancelled():
+            fut.cancel()
+        elif (exc := t.exception()) is not None:
+            fut.set_exception(exc)
+        elif (outcome := t.result()[k]) is not None:
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(None)
+
+    task.add_done_callback(done)
+    return fut
 
 
 async def send(producer: Producer, subject: str, raw: bytes) -> dict[str, Any]:
     """The answer document of a send (raises ApiError for the whole request)."""
     request = parse_send(subject, raw)
-    results = await asyncio.gather(*(producer.send(m) for m in request.messages), return_exceptions=True)
+    results = await asyncio.gather(*_sent(producer, request.messages), return_exceptions=True)
     if not request.batch:
         [result] = results
         if isinstance(result, QmqError):
