@@ -383,6 +383,11 @@ class BrokerStore:
         """How much longer the ordered group of the last pull places no slots (0: it does)."""
         return self._pulls.ordered.settling_ms
 
+    def leave_ordered(self, gp: GroupProgress, cp: ConsumerProgress) -> None:
+        """``cp`` closed: the slots it owns of its ordered group go to the group's other consumers
+        at their next pull, rather than when its lease runs out (``ordered_take``)."""
+        self._pulls.ordered.leave(self._subjects.get(gp.subject), gp, cp, self.clock.now_ms())
+
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
         return self._pulls.read_range(self._subjects.get(subject), from_seq, max_n)
