@@ -406,6 +406,8 @@ class BrokerStore:
             "subjects": {st.name: st.next_seq for st in self._subjects},
             "held": self.held.snapshot(),
             "progress": self.progress.snapshot(),
+            # groups pulled with ``ordered`` (a key older versions ignore): see store/ordered_take.py
+            "ordered_groups": [[gp.subject, gp.group] for gp in self.progress.groups.values() if gp.ordered],
         }
 
     def write_checkpoint(self, ticket: FlushTicket, state: dict[str, Any]) -> None:
