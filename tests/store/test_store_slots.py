@@ -99,12 +99,13 @@ def test_a_slot_moves_at_once_when_its_owner_was_never_handed_its_messages() -> 
 
 
 def test_slots_are_placed_once_consumers_stop_joining_or_after_the_settle_at_most() -> None:
+    quiet = SETTLE_QUIET_MS
     og = OrderedGroup(started_ms=1_000)
-    assert og.settle_left_ms("a", 1_000) == SETTLE_QUIET_MS
-    assert og.settle_left_ms("b", 1_100) == SETTLE_QUIET_MS  # a join starts the quiet time again
-    assert og.settle_left_ms("a", 1_250) == 50  # a pull of one that joined does not
-    assert og.settle_left_ms("a", 1_300) == 0
-    assert og.settle_left_ms("c", 1_310) == 0  # placing never settles again
+    assert og.settle_left_ms("a", 1_000) == quiet
+    assert og.settle_left_ms("b", 1_000 + quiet // 2) == quiet  # a join starts the quiet time again
+    assert og.settle_left_ms("a", 1_000 + quiet) == quiet // 2  # a pull of one that joined does not
+    assert og.settle_left_ms("a", 1_000 + quiet // 2 + quiet) == 0
+    assert og.settle_left_ms("c", 1_000 + 2 * quiet) == 0  # placing never settles again
     busy = OrderedGroup(started_ms=0)
     for t in range(0, SETTLE_MS, SETTLE_QUIET_MS // 2):
         assert busy.settle_left_ms(f"c{t}", t) > 0

@@ -41,7 +41,7 @@ DEFAULT_ORDERED_LEASE_MS = 20_000
 # register first, rather than one taking every slot and giving most back through moves, each
 # waiting for it to drain; a group whose consumers are all there starts after the quiet time
 SETTLE_MS = 1_000
-SETTLE_QUIET_MS = 200
+SETTLE_QUIET_MS = 100
 # unacknowledged messages a consumer of an ordered group is handed at most: the dispatch stops at
 # the first message whose owner is full, so a slow consumer slows its group, not the broker's memory
 ORDERED_UNACKED_MAX = 10_000
