@@ -14,6 +14,7 @@ import pytest
 from orderhelpers import order_problems, send_keys
 from test_ordered_kill import WORKER, overlaps, read_records, wait_until
 
+from qmq.aio import Consumer
 from qmq.testing import ReadyProcess, running_standalone
 from qmq.testing.processes import start_ready
 
@@ -71,3 +72,27 @@ def test_a_consumer_that_closes_hands_its_keys_to_another_within_a_second(tmp_pa
     late = {k: (first_on_b[k] - closed_ns) / 1e9 for k in sorted(waiting)}
     # without the leave, b would wait out a's lease (20 s) for each of them
     assert max(late.values()) < 1.0, f"seconds from a's close until b started each of a's keys: {late}"
+
+
+@pytest.mark.parametrize("settled", [True, False])
+async def test_an_ordered_pull_consumer_leaves_at_close_only_with_nothing_unsettled(
+    tmp_path: Path, settled: bool
+) -> None:
+    subject, group = "leave.pulls", "billing"
+    with running_standalone(tmp_path / "data", {"broker": {"ordered_lease_ms": 6_000}}) as sa:
+        await send_keys(sa.meta_server, subject, 4, 2)
+        async with Consumer(app_code="t", meta_server=sa.meta_server, consumer_id="b") as b:
+            async with Consumer(app_code="t", meta_server=sa.meta_server, consumer_id="a") as a:
+                first = await a.pull_consumer(subject, group, "earliest", ordered=True).pull(
+                    max_messages=100, timeout_ms=5000
+                )
+                assert sorted(int(m.body) for m in first) == [0] * 4  # a, alone, holds every key
+                for m in first if settled else first[1:]:
+                    m.ack()
+                await a.flush_acks()
+            pull_b = b.pull_consumer(subject, group, "earliest", ordered=True)
+            got = await pull_b.pull(max_messages=100, timeout_ms=2_000)
+            if settled:  # a left at its close: its keys' next messages are b's at once
+                assert sorted((m.order_key, int(m.body)) for m in got) == [(f"k{i}", 1) for i in range(4)]
+            else:  # a closed holding a message it never settled: its keys wait out its lease
+                assert not got

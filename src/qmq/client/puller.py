@@ -106,6 +106,9 @@ class SubjectPuller(Generic[M]):
         self.fresh_until: dict[str, float] = {}
         self.lease_s: dict[str, float] = {}
         self.on_lapse: Callable[[str], None] | None = None
+        # whether the consumer may leave its ordered group at close (None: yes; an ordered pull
+        # consumer says no while the application holds a message it did not settle)
+        self.may_leave: Callable[[], bool] | None = None
         ctx.pullers.append(self)
 
     def _tracker(self, broker_group: str) -> AckTracker:
@@ -446,6 +449,8 @@ async def leave_ordered(ctx: ConsumerContext, pullers: list[SubjectPuller[Any]])
     meta, pool = ctx.started()
     by_group: dict[str, list[dict[str, Any]]] = {}
     for p in pullers:
+        if p.may_leave is not None and not p.may_leave():
+            continue  # the application may still run a message of its keys: they wait out the lease
         for name in p.lease_s:  # only ordered pulls are answered with a lease
             by_group.setdefault(name, []).append(
                 {"subject": p.subject, "group": p.group, "ranges": [], "leave": True}
