@@ -386,8 +386,9 @@ class Handlers(RoleHandlers):
 
     def ack_many(self, conn: Responder, frame: Frame) -> None:
         """ACK for many (subject, group) pairs of one consumer: ``acks`` is a list of
-        ``{subject, group, ranges[, broadcast]}``; each gets ``{ack_offset}`` or ``{error}`` in
-        the answer's ``results``, in order, so one refused pair does not fail the others."""
+        ``{subject, group, ranges[, broadcast][, leave]}``; each gets ``{ack_offset}`` or ``{error}``
+        in the answer's ``results``, in order, so one refused pair does not fail the others.
+        ``leave`` (a consumer closing an ordered listener) hands its slots to the group's others now."""
         header = frame.header
         consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
         entries = header.get("acks")
@@ -396,15 +397,24 @@ class Handlers(RoleHandlers):
         if len(entries) > _ACK_MANY_ENTRIES_MAX:
             raise BadRequest(f"'acks' has {len(entries)} entries; at most {_ACK_MANY_ENTRIES_MAX} a request")
         results: list[dict[str, object]] = []
+        leaving: list[tuple[GroupProgress, ConsumerProgress]] = []
         for entry in entries:
             if not isinstance(entry, dict):
                 results.append({"error": f"an 'acks' entry must be a map, got {type(entry).__name__}"})
                 continue
             try:
                 gp, cp = self._group_and_consumer_of({**entry, "consumer_id": consumer_id}, create=False)
-                results.append({"ack_offset": self._ack(gp, cp, get_ranges(entry, "ranges"))})
+                ranges = get_ranges(entry, "ranges")
+                results.append({"ack_offset": self._ack(gp, cp, ranges) if ranges else cp.ack_offset})
+                if get_bool(entry, "leave") and gp.ordered:
+                    leaving.append((gp, cp))
             except BadRequest as exc:
                 results.append({"error": str(exc)})
+        for gp, cp in leaving:
+            # a consumer closing its ordered listener: its slots go to the others now (docs/ordered.md)
+            self.store.leave_ordered(gp, cp)
+            self.broker.parked.answer_empty(cp)
+            self.broker.parked.notify_soon(gp.subject)
         code, request_id = frame.code, frame.request_id
         answer = encode_answer({"results": results})
 

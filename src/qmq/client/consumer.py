@@ -42,7 +42,7 @@ from qmq.client.options import (
 from qmq.client.ordered_listener import OrderedListener
 from qmq.client.producer import Producer
 from qmq.client.pull_consumer import OrderedPullConsumer, PullConsumer, PullConsumerBase
-from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together
+from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together, leave_ordered
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
 from qmq.client.subscription import Subscription, make_subscription
 from qmq.common.errors import ERROR_CHARS_MAX, ConfigError, NeedRetry, QmqError, error_text, printable_text
@@ -558,6 +558,9 @@ class Consumer:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._flush_acks()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await leave_ordered(self._ctx, self._ctx.pullers)  # its slots go to the others now
         if self._producer is not None:
             await self._producer.close()
         self._ctx.closed = True
