@@ -116,23 +116,19 @@ def run_qmq(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-async def send(meta_server: str, pki: Pki, subject: str, bodies: list[bytes], app: str = "ops") -> None:
-    ctx = pki.client_context()
-    async with qmq.aio.Producer(app_code=app, meta_server=meta_server, secret=SECRETS[app], ssl=ctx) as p:
-        for body in bodies:
-            m = p.generate_message(subject)
-            m.body = body
-            await p.send(m)
-
-
 async def test_listing_commands_open_their_broker_connections_with_the_app_and_tls(
     secured: ReadyProcess, pki: Pki
 ) -> None:
     url = secured.meta_server
-    await send(url, pki, "tools.listed", [b"a", b"b", b"c"])
-    async with qmq.aio.Consumer(app_code="ops", meta_server=url, secret=SECRETS["ops"], ssl=pki.client_context()) as c:
-        pulled = await c.pull_consumer("tools.listed", "g", start_from="earliest").pull(10, 5000)
-        await pulled.ack_all()
+    env = {"QMQ_APP_CODE": "ops", "QMQ_SECRET": SECRETS["ops"], "QMQ_TLS_CA": str(pki.ca)}
+    # qmq send and qmq consume: the SDK under the command
+    for body in ("a", "b", "c"):
+        done = run_qmq("send", "tools.listed", "--body", body, "--meta-server", url, env=env)
+        assert done.returncode == 0, done.stderr
+    done = run_qmq("consume", "tools.listed", "--group", "g", "--from", "earliest", "--count", "3", "--json",
+                   "--meta-server", url, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 3
 
     # options before the sub-command
     done = run_qmq("--app-code", "ops", "--secret", SECRETS["ops"], "--tls-ca", str(pki.ca), "subjects", "--json",
@@ -142,7 +138,6 @@ async def test_listing_commands_open_their_broker_connections_with_the_app_and_t
     assert line["messages"] == 3
 
     # the environment
-    env = {"QMQ_APP_CODE": "ops", "QMQ_SECRET": SECRETS["ops"], "QMQ_TLS_CA": str(pki.ca)}
     done = run_qmq("lag", "tools.listed", "--group", "g", "--json", "--meta-server", url, env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["broker_groups"]["broker-1"]["messages"] == 3
