@@ -28,6 +28,7 @@ plain ÷ secure of the latency percentiles, so below 1 is a cost either way).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -73,6 +74,15 @@ def make_pki(tmp: Path) -> dict[str, Path]:
     run("x509", "-req", "-in", str(files["csr"]), "-CA", str(files["ca"]), "-CAkey", str(files["ca_key"]),
         "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(files["cert"]))  # fmt: skip
     return files
+
+
+def log_tail(directory: Path, size: int = 1500) -> str:
+    """The end of every log file under ``directory`` (the run's temp dir is removed after it)."""
+    tails = []
+    for path in sorted(directory.rglob("*.log")):
+        with contextlib.suppress(OSError):
+            tails.append(f"{path.name}: {path.read_bytes()[-size:].decode(errors='replace')}")
+    return " | ".join(tails)
 
 
 def log(text: str) -> None:
@@ -170,6 +180,7 @@ def main() -> None:
         "--parts", choices=["tls,auth", "tls", "auth"], default="tls,auth", help="what qmq's secure runs turn on"
     )
     parser.add_argument("--peers", default="rabbitmq", help='"rabbitmq" (TLS against plain) or "" for none')
+    parser.add_argument("--no-qmq", action="store_true", help="the peer only")
     parser.add_argument("--only", default="W1,W3", help="W1, W3 or both")
     parser.add_argument("--w1-messages", type=int, default=None, help="W1's count (default: the main bench's)")
     opts = parser.parse_args()
@@ -191,7 +202,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="qmq-secure-bench-") as name:
             tmp = Path(name)
             pki = make_pki(tmp)
-            for run in range(opts.repeats):
+            for run in range(0 if opts.no_qmq else opts.repeats):
                 order = (False, True) if run % 2 == 0 else (True, False)
                 for on in order:
                     variant = "qmq secure" if on else "qmq plain"
@@ -226,11 +237,13 @@ def main() -> None:
                                     str(tmp / "logs" / f"r{run}{on}"),
                                 ))
                     except StartError as exc:
-                        notes.append(f"rabbitmq did not start: {exc}")
+                        notes.append(f"rabbitmq did not start: {exc}; its log ends: {log_tail(Path(rabbit.dir))}")
                     finally:
                         rabbit.stop()
     finally:
         kill_all_workers()
+    if opts.no_qmq:
+        runs.pop("qmq plain"), runs.pop("qmq secure")
     result: dict[str, Any] = {
         "workloads": {
             "W1": f"1 KiB, one producer, window {settings.window_messages}, batches of {settings.batch_messages}, "
@@ -241,8 +254,9 @@ def main() -> None:
         "qmq_secure_parts": opts.parts,
         "repeats": opts.repeats,
         "load_average_at_end": os.getloadavg(),
-        "qmq": summary(runs, only, "qmq plain", "qmq secure"),
     }
+    if "qmq plain" in runs:
+        result["qmq"] = summary(runs, only, "qmq plain", "qmq secure")
     if runs["rabbitmq plain"] or runs["rabbitmq tls"]:
         result["rabbitmq"] = summary(runs, only, "rabbitmq plain", "rabbitmq tls")
     if notes:
