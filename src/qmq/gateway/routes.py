@@ -50,7 +50,8 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     document = openapi.document()
 
     async def send(request: web.Request) -> web.Response:
-        doc = await sends.send(gateway.producer, request.match_info["subject"], await request.read())
+        context = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k)) is not None}
+        doc = await sends.send(gateway.producer, request.match_info["subject"], await request.read(), context)
         return web.json_response(doc)
 
     async def pull(request: web.Request) -> web.Response:
