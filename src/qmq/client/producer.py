@@ -208,7 +208,7 @@ class Producer:
         path = self._open
         if path is None:
             raise self._not_open()
-        if telemetry.INSTALLED and telemetry.active():
+        if telemetry.enabled:
             return self._send_nowait_traced(path, message)
         return self._send_nowait(path, message)
 
@@ -240,7 +240,7 @@ class Producer:
         Waits up to ``send_timeout_ms`` for room in a full buffer, then raises
         ``qmq.BufferFullError``.
         """
-        if telemetry.INSTALLED and telemetry.active():
+        if telemetry.enabled:
             record = telemetry.begin_send(message)
             try:
                 await self._send(message)

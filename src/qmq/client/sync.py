@@ -188,7 +188,7 @@ class Producer:
         """Send ``message`` and return once it is stored durably; ``qmq.SendError`` says why not."""
         if self._closed:
             raise SendError("the producer is closed; make a new one")
-        if telemetry.INSTALLED and telemetry.active():
+        if telemetry.enabled:
             # the span begins here, in the caller's thread, under the caller's current span
             record = telemetry.begin_send(message)
             try:
@@ -212,7 +212,7 @@ class Producer:
         thread: keep it short and never call a blocking qmq method from it. Raises
         ``qmq.BufferFullError`` at once when the send buffer is full.
         """
-        record = telemetry.begin_send(message) if telemetry.INSTALLED and telemetry.active() else None
+        record = telemetry.begin_send(message) if telemetry.enabled else None
         try:
             fut = self._send_async(message, on_success, on_failed)
         except BaseException as exc:

@@ -9,11 +9,11 @@ messaging semantic conventions. The send's context travels in the message as the
 properties (delay, retry, dead letter, resend, the gateway), so the process span of any
 attempt is a child of the send that made the message.
 
-Without OpenTelemetry installed this module imports nothing of it and ``INSTALLED`` is False:
-callers test that constant first and do nothing more. Installed but with no SDK configured,
-the global providers are looked at most once a second (``active``), so a send pays a clock
-read and a comparison; metrics and spans start within a second of the application setting
-its providers.
+Without OpenTelemetry installed this module imports nothing of it and ``enabled`` stays False.
+Installed, the global providers are looked at when a producer or listener starts and then once
+a second on its event loop until the application has set them; until then a send or a handled
+message pays one test of the module global ``enabled``, and spans and metrics begin within a
+second of the application setting its providers.
 
 Metric names (documented in docs/observability.md) follow the semantic conventions where they
 name one (``messaging.client.*``, ``messaging.process.duration``), ``qmq.*`` otherwise.
@@ -21,6 +21,7 @@ name one (``messaging.client.*``, ``messaging.process.duration``), ``qmq.*`` oth
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import weakref
@@ -140,25 +141,44 @@ class _State:
     """What this process has seen of the application's providers (they are global)."""
 
     def __init__(self) -> None:
-        self.on = False
-        self.next_check_s = 0.0
         self.tracer: Tracer | None = None
         self.instruments: _Instruments | None = None
         self.producers: weakref.WeakSet[Any] = weakref.WeakSet()
         self.listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self.lags: dict[tuple[str, str], int] = {}
+        self.polling: asyncio.TimerHandle | None = None
 
-    def poll(self, now_s: float) -> bool:
-        self.next_check_s = now_s + _POLL_S
+    def poll(self) -> None:
+        """Look at the global providers; set ``enabled`` once either is the application's."""
+        global enabled
         if self.tracer is None and not isinstance(_trace.get_tracer_provider(), _trace.ProxyTracerProvider):
             self.tracer = _trace.get_tracer(_SCOPE, __version__)
         if self.instruments is None and _metrics_configured():
             self.instruments = _Instruments(_metrics.get_meter(_SCOPE, __version__))
-        self.on = self.tracer is not None and self.instruments is not None
-        return self.tracer is not None or self.instruments is not None
+        enabled = self.tracer is not None or self.instruments is not None
+
+    def poll_while_clients(self) -> None:
+        """Poll now, and every second on the running loop while clients live and a provider is
+        still missing (an application may set its providers after making its clients)."""
+        self.poll()
+        if (self.tracer is not None and self.instruments is not None) or self.polling is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.polling = loop.call_later(_POLL_S, self._again)
+
+    def _again(self) -> None:
+        self.polling = None
+        if self.producers or self.listeners:
+            self.poll_while_clients()
 
 
 _state = _State()
+enabled = False
+"""Whether the application has configured a TracerProvider or a MeterProvider: the one test a
+send or a handled message makes (a module global, read without a call)."""
 
 
 def _metrics_configured() -> bool:
@@ -168,27 +188,19 @@ def _metrics_configured() -> bool:
     return not isinstance(_metrics.get_meter_provider(), metrics_internal._ProxyMeterProvider)
 
 
-def active() -> bool:
-    """Whether the application has configured a TracerProvider or a MeterProvider (the providers
-    are looked at no more than once a second until both are set). Only when ``INSTALLED``."""
-    if _state.on:
-        return True
-    now_s = time.monotonic()
-    if now_s < _state.next_check_s:
-        return _state.tracer is not None or _state.instruments is not None
-    return _state.poll(now_s)
-
-
 def watch_producer(producer: BufferSource) -> None:
-    """Count ``producer``'s buffer and retries in the observable metrics while it lives."""
+    """Count ``producer``'s buffer and retries in the observable metrics while it lives (on its
+    event loop: the providers are looked at from there)."""
     if INSTALLED:
         _state.producers.add(producer)
+        _state.poll_while_clients()
 
 
 def watch_listener(listener: InFlightSource) -> None:
-    """Count ``listener``'s messages in flight while it lives."""
+    """Count ``listener``'s messages in flight while it lives (on its event loop)."""
     if INSTALLED:
         _state.listeners.add(listener)
+        _state.poll_while_clients()
 
 
 def set_lag(subject: str, group: str, lag: int | None) -> None:
@@ -201,7 +213,7 @@ def set_lag(subject: str, group: str, lag: int | None) -> None:
 
 def lag_wanted() -> bool:
     """Whether anyone reads the lag metric (a MeterProvider is configured)."""
-    return INSTALLED and active() and _state.instruments is not None
+    return INSTALLED and _state.instruments is not None
 
 
 # --- sends ---------------------------------------------------------------------------------
@@ -317,7 +329,7 @@ def wrap_handler(
     handler: Callable[[Any], Awaitable[object]], subject: str, group: str
 ) -> Callable[[Any], Awaitable[object]]:
     """``handler`` inside a CONSUMER span and the handle metrics, once telemetry is configured
-    (until then one ``active()`` test a message). Returned as it is without OpenTelemetry."""
+    (until then one test of ``enabled`` a message). Returned as it is without OpenTelemetry."""
     if not INSTALLED:
         return handler
     base = {
@@ -328,7 +340,7 @@ def wrap_handler(
     }
 
     async def handle(m: Any) -> object:
-        if not active():
+        if not enabled:
             return await handler(m)
         tracer = _state.tracer
         start_s = time.perf_counter()
