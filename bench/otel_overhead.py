@@ -61,7 +61,8 @@ def main() -> None:
 
     print(
         f"otel={'installed' if telemetry.INSTALLED else 'absent'} messages={args.messages} "
-        f"seconds={seconds:.3f} rate={args.messages / seconds:,.0f} cpu_us_per_message={cpu_s / args.messages * 1e6:.2f}"
+        f"seconds={seconds:.3f} rate={args.messages / seconds:,.0f} "
+        f"cpu_us_per_message={cpu_s / args.messages * 1e6:.2f}"
     )
 
 

@@ -91,6 +91,9 @@ async def trace_run() -> None:
 
 
 async def metrics_run() -> None:
+    from qmq.client import lag_watch
+
+    lag_watch.LAG_REFRESH_S = 0.2  # the consumer's lag is asked for five times a second here
     handled = 0
     done = asyncio.Event()
     failed_once = False
@@ -109,9 +112,13 @@ async def metrics_run() -> None:
         async with Producer(app_code="otel", meta_server=META_SERVER) as producer:
             await asyncio.gather(*(producer.send(producer.generate_message(SUBJECT)) for _ in range(20)))
         await asyncio.wait_for(done.wait(), 30)
-        # the consumer is still open: its lag and in-flight gauges are read now
-        await asyncio.sleep(0)
-        data = reader.get_metrics_data()
+        # the consumer is still open: its lag and in-flight gauges are read now, once its lag
+        # watch has seen every message pulled
+        for _ in range(100):
+            data = reader.get_metrics_data()
+            if _lag_points(data) == [0]:
+                break
+            await asyncio.sleep(0.1)  # the lag watch's next refresh
     out: dict[str, list[dict[str, Any]]] = {}
     for rm in data.resource_metrics:
         for sm in rm.scope_metrics:
@@ -124,6 +131,18 @@ async def metrics_run() -> None:
                             point[field] = getattr(p, field)
                     points.append(point)
     print(json.dumps(out))
+
+
+def _lag_points(data: Any) -> list[Any]:
+    return [
+        p.value
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+        if metric.name == "qmq.consumer.lag"
+        for p in metric.data.data_points
+        if dict(p.attributes).get("messaging.destination.name") == SUBJECT
+    ]
 
 
 async def plain_run() -> None:
