@@ -73,6 +73,7 @@ from qmq.meta.schema import OWNER_CHARS
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 from qmq.serving.http_auth import HttpAuth, Need
+from qmq.serving.probes import probe_status, with_probe_error
 from qmq.serving.tls import server_context
 
 log = logging.getLogger(__name__)
@@ -519,8 +520,14 @@ class MetaServer:
         self._operations_now().record_promotion(role, group, who, detail)
         return promotion
 
-    async def _health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+    async def _health(self, request: web.Request) -> web.Response:
+        """Alive while it answers; ready when its store answers too (it serves routes from it)."""
+        body: dict[str, object] = {"ok": True, "alive": True, "ready": True}
+        try:
+            await self._call(lambda: self._registry_now().counts())
+        except Exception as exc:  # the store is away: alive, not ready
+            body.update(ok=False, ready=False, error=f"the meta store does not answer: {exc}")
+        return web.json_response(with_probe_error(request, body), status=probe_status(request, body))
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         counts = await self._call(lambda: self._registry_now().counts())
