@@ -198,6 +198,7 @@ def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secr
 def register_commands() -> None:
     """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
+        alarm_commands,
         auth_commands,
         client_commands,
         cluster_commands,
