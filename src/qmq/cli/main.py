@@ -210,6 +210,7 @@ def register_commands() -> None:
         push_commands,
         roles,
         spark_commands,
+        top_commands,
         tx_commands,
     )
 

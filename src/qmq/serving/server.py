@@ -48,6 +48,7 @@ from qmq.serving.limits import LimitsPoller
 from qmq.serving.periodic import Periodic
 from qmq.serving.probes import probe_status, with_probe_error
 from qmq.serving.registration import Registration, server_payload
+from qmq.serving.resources import register_resources
 from qmq.serving.runner import StartupError, listen_error, serve_http
 from qmq.serving.tls import outgoing_context, server_context
 from qmq.store.datadir import StoreError
@@ -62,6 +63,8 @@ _LISTEN_BACKLOG = 1024
 class ServingConfig(Protocol):
     """The fields of a role's config the shell reads."""
 
+    @property
+    def data_dir(self) -> Path: ...
     @property
     def host(self) -> str: ...
     @property
@@ -211,6 +214,7 @@ class FrameServer(ABC):
         except OSError as exc:
             raise StartupError(listen_error(self.title, cfg.host, cfg.port, exc, "--port")) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        register_resources(self.metrics.registry, Path(cfg.data_dir))  # CPU, memory, disk: qmq top
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
