@@ -5,6 +5,9 @@ MODE ``trace``: an application span sends one message due in 0.5 s; the listener
 (each retry due 0.3 s later, so the delay server holds it each time) and handles it the third
 time, inside a span of its own. Prints the finished spans as one JSON list.
 
+MODE ``blocking``: the same through the blocking SDK (``send``, ``send_async``, a plain handler
+run in the listener thread pool); prints the spans.
+
 MODE ``metrics``: sends 20 messages, fails one attempt, handles the rest; prints the metrics
 the SDK's in-memory reader collected as ``{name: [{attributes, value | count | sum}]}``.
 
@@ -28,7 +31,7 @@ if MODE == "absent":
 
 exporter: Any = None
 reader: Any = None
-if MODE == "trace":
+if MODE in ("trace", "blocking"):
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -72,22 +75,52 @@ async def trace_run() -> None:
                 m.set_delay(0.5)
                 await producer.send(m)
         await asyncio.wait_for(done.wait(), 30)
-    spans = []
-    for s in exporter.get_finished_spans():
-        spans.append(
-            {
-                "name": s.name,
-                "kind": s.kind.name,
-                "trace_id": f"{s.context.trace_id:032x}",
-                "span_id": f"{s.context.span_id:016x}",
-                "parent_id": f"{s.parent.span_id:016x}" if s.parent is not None else None,
-                "attributes": dict(s.attributes or {}),
-                "status": s.status.status_code.name,
-                "start_ns": s.start_time,
-                "end_ns": s.end_time,
-            }
-        )
-    print(json.dumps(spans))
+    print(json.dumps(_finished_spans()))
+
+
+def _finished_spans() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": s.name,
+            "kind": s.kind.name,
+            "trace_id": f"{s.context.trace_id:032x}",
+            "span_id": f"{s.context.span_id:016x}",
+            "parent_id": f"{s.parent.span_id:016x}" if s.parent is not None else None,
+            "attributes": dict(s.attributes or {}),
+            "status": s.status.status_code.name,
+            "start_ns": s.start_time,
+            "end_ns": s.end_time,
+        }
+        for s in exporter.get_finished_spans()
+    ]
+
+
+def blocking_run() -> None:
+    """The blocking SDK: send() and send_async() in the caller's span, a plain handler in the pool."""
+    import threading
+
+    from opentelemetry import trace
+
+    import qmq
+
+    app = trace.get_tracer("app")
+    handled = threading.Event()
+    seen: list[str] = []
+    with qmq.Producer(app_code="otel", meta_server=META_SERVER) as producer:
+        with app.start_as_current_span("app request"):
+            producer.send(producer.generate_message(SUBJECT))
+            producer.send_async(producer.generate_message(SUBJECT)).result(30)
+        with qmq.Consumer(app_code="otel", meta_server=META_SERVER) as consumer:
+
+            @consumer.listener(SUBJECT, "g", start_from="earliest")
+            def handle(m: qmq.ReceivedMessage) -> None:
+                with app.start_as_current_span("app work"):
+                    seen.append(m.message_id)
+                if len(seen) == 2:
+                    handled.set()
+
+            assert handled.wait(30)
+    print(json.dumps(_finished_spans()))
 
 
 async def metrics_run() -> None:
@@ -162,4 +195,7 @@ async def plain_run() -> None:
     print(json.dumps({"properties": got[0], "otel_modules": otel}))
 
 
-asyncio.run({"trace": trace_run, "metrics": metrics_run, "plain": plain_run, "absent": plain_run}[MODE]())
+if MODE == "blocking":
+    blocking_run()
+else:
+    asyncio.run({"trace": trace_run, "metrics": metrics_run, "plain": plain_run, "absent": plain_run}[MODE]())

@@ -71,6 +71,23 @@ def test_one_trace_from_the_send_through_a_delay_and_two_retries_to_the_handler(
 
 
 @pytest.mark.timeout(60)
+def test_the_blocking_sdk_traces_in_the_callers_span_and_its_handlers_run_in_theirs(
+    meta_server: str, subject: str
+) -> None:
+    spans = scenario("blocking", meta_server, subject)
+    [request] = [s for s in spans if s["name"] == "app request"]
+    sends = [s for s in spans if s["name"] == f"send {subject}"]
+    processes = {s["span_id"]: s for s in spans if s["name"] == f"process {subject}"}
+    works = [s for s in spans if s["name"] == "app work"]
+    assert len(sends) == 2
+    assert len(processes) == 2
+    assert len(works) == 2
+    assert all(s["parent_id"] == request["span_id"] for s in sends), "send and send_async, in the caller's span"
+    assert {p["parent_id"] for p in processes.values()} == {s["span_id"] for s in sends}
+    assert all(w["parent_id"] in processes for w in works), "the pool thread runs in the process span"
+
+
+@pytest.mark.timeout(60)
 def test_installed_without_an_sdk_nothing_is_added_to_a_message(meta_server: str, subject: str) -> None:
     out = scenario("plain", meta_server, subject)
     assert "traceparent" not in out["properties"]
