@@ -17,7 +17,7 @@ def points(out: dict[str, list[dict[str, Any]]], name: str, subject: str | None 
     return [p for p in out[name] if subject is None or p["attributes"].get("messaging.destination.name") == subject]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_sends_handling_buffer_in_flight_and_lag_are_measured(meta_server: str, subject: str) -> None:
     out = scenario("metrics", meta_server, subject)
     [sent] = points(out, "messaging.client.sent.messages", subject)

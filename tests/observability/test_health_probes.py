@@ -63,7 +63,7 @@ def _until(what: str, check: object, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)  # polling the server's own answer
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_a_broker_is_alive_but_not_ready_until_its_meta_server_answers(tmp_path: Path) -> None:
     meta_port, http_port = _free_port(), _free_port()
     meta_url = f"http://127.0.0.1:{meta_port}/meta/address"

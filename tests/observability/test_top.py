@@ -8,7 +8,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,7 +22,7 @@ def qmq(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "qmq", *args], capture_output=True, text=True, timeout=60, check=False)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 async def test_one_refresh_as_json_has_rates_lag_delay_and_servers(
     shared_standalone: ReadyProcess, subject: str
 ) -> None:
@@ -34,17 +33,17 @@ async def test_one_refresh_as_json_has_rates_lag_delay_and_servers(
         pull = consumer.pull_consumer(subject, "watchers", "earliest")
         batch = await pull.pull(10, 2_000)
         assert len(batch) == 10  # pulled, left unacknowledged: 20 behind, 10 unacked
-        # a send during the refresh's two snapshots makes the rate
+        # sends all through the refresh's two snapshots make the rate
         async with Producer(app_code="top", meta_server=meta) as producer:
-            started = time.monotonic()
             top = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "qmq", "top", "--meta-server", meta, "--once", "--json", "--interval", "1.5",
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
             )
-            while time.monotonic() - started < 1.5 and top.returncode is None:
+            answered = asyncio.ensure_future(top.communicate())
+            while not answered.done():
                 await asyncio_gather_sends(producer, subject, 10)
-            out, err = await asyncio.wait_for(top.communicate(), 60)
+            out, err = await answered
         assert top.returncode == 0, err
     doc = json.loads(out)
     [s] = [e for e in doc["subjects"] if e["subject"] == subject]

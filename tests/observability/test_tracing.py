@@ -29,14 +29,14 @@ def scenario(mode: str, meta_server: str, subject: str) -> Any:
         [sys.executable, str(HERE / "otel_scenario.py"), mode, meta_server, subject],
         capture_output=True,
         text=True,
-        timeout=50,
+        timeout=100,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_one_trace_from_the_send_through_a_delay_and_two_retries_to_the_handler(
     meta_server: str, subject: str
 ) -> None:
@@ -70,7 +70,7 @@ def test_one_trace_from_the_send_through_a_delay_and_two_retries_to_the_handler(
     assert work["parent_id"] == processes[2]["span_id"], "the handler runs inside its process span"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_the_blocking_sdk_traces_in_the_callers_span_and_its_handlers_run_in_theirs(
     meta_server: str, subject: str
 ) -> None:
@@ -87,21 +87,21 @@ def test_the_blocking_sdk_traces_in_the_callers_span_and_its_handlers_run_in_the
     assert all(w["parent_id"] in processes for w in works), "the pool thread runs in the process span"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_installed_without_an_sdk_nothing_is_added_to_a_message(meta_server: str, subject: str) -> None:
     out = scenario("plain", meta_server, subject)
     assert "traceparent" not in out["properties"]
     assert out["otel_modules"], "the API is imported when installed"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_without_opentelemetry_nothing_of_it_is_imported_and_messages_flow(meta_server: str, subject: str) -> None:
     out = scenario("absent", meta_server, subject)
     assert out["otel_modules"] == []
     assert "traceparent" not in out["properties"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 async def test_the_gateway_keeps_a_requests_traceparent_on_the_message(
     shared_standalone: ReadyProcess, meta_server: str, subject: str
 ) -> None:

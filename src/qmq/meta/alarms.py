@@ -207,19 +207,23 @@ class AlarmStore:
 
     def check(self, now_ms: int) -> list[Notice]:
         """Move every alarm on by the brokers' latest reports; the notifications due."""
+        alarms = self.rows()
+        if not alarms:
+            return []
         backlogs = self._operations.backlogs()
         notices: list[Notice] = []
         t = alarms_table
-        for alarm in self.rows():
-            lag, exact = lag_of(alarm.subject, alarm.group, backlogs)
-            state, event = next_state(alarm, lag, exact, now_ms)
-            key = (t.c.subject == alarm.subject, t.c.group_name == alarm.group)
-            with self._store.transaction("check a backlog alarm") as conn:
+        # one transaction for every alarm: a commit (and its fsync) a tick, not one an alarm
+        with self._store.transaction("check the backlog alarms") as conn:
+            for alarm in alarms:
+                lag, exact = lag_of(alarm.subject, alarm.group, backlogs)
+                state, event = next_state(alarm, lag, exact, now_ms)
                 values: dict[str, object] = {"lag": lag if exact else alarm.lag, "checked_ms": now_ms}
                 if state != alarm.state:
                     values.update(state=state, state_since_ms=now_ms)
-                changed = conn.execute(sa.update(t).where(*key, t.c.state == alarm.state).values(**values)).rowcount
-            if event is not None and changed:
-                crossed_ms = alarm.state_since_ms if alarm.state in ("pending", "clearing") else now_ms
-                notices.append(Notice(alarm, event, lag, now_ms, crossed_ms))
+                key = (t.c.subject == alarm.subject, t.c.group_name == alarm.group, t.c.state == alarm.state)
+                changed = conn.execute(sa.update(t).where(*key).values(**values)).rowcount
+                if event is not None and changed:
+                    crossed_ms = alarm.state_since_ms if alarm.state in ("pending", "clearing") else now_ms
+                    notices.append(Notice(alarm, event, lag, now_ms, crossed_ms))
         return notices
