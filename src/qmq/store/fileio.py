@@ -93,10 +93,11 @@ def stop_trace() -> None:
 atexit.register(stop_trace)
 
 
-def trace_answer(segments: Locates, end_offset: int) -> None:
-    """Record a send answered under ``flush = "sync"`` whose bytes end at ``end_offset`` of the
-    log ``segments``: call just before the answer goes out, only while ``tracing``."""
-    iotrace.answer(segments, end_offset)
+def trace_answer(segments: Locates, end_offset: int, what: str = "send") -> None:
+    """Record a send (``what``: "ack", an ack; "pull", a pull handing out messages) answered
+    under ``flush = "sync"`` whose bytes end at ``end_offset`` of the log ``segments``: call just
+    before the answer goes out, only while ``tracing``."""
+    iotrace.answer(segments, end_offset, what)
 
 
 def from_environment(environ: Mapping[str, str] | None = None) -> None:

@@ -160,6 +160,10 @@ def recover(
         action_from = int(state["action_offset"])
         known_seqs: dict[str, int] = dict(state["subjects"])
         held.restore(mlog, state.get("held", []))
+        for subject, group in state.get("ordered_groups", []):
+            ordered = parts.progress.progress.get(subject, group)
+            if ordered is not None:
+                ordered.ordered = True
     else:
         index_from, action_from, known_seqs = mlog.start, 0, {}
 

@@ -251,6 +251,7 @@ class Pulls:
                     entries[a * ENTRY_BYTES : b * ENTRY_BYTES], out.chunks, cp, poff + a, out.runs, st, seq + a
                 )
                 out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
+        self.ordered.delivered(gp, cp)
         return out if out.messages else None
 
     def _take_next(
