@@ -81,7 +81,7 @@ async def test_urls_are_set_once_started(server: MetaServer) -> None:
 async def test_health(http: aiohttp.ClientSession, server: MetaServer) -> None:
     async with http.get(f"{server.url}/health") as resp:
         assert resp.status == 200
-        assert await resp.json() == {"ok": True}
+        assert await resp.json() == {"ok": True, "alive": True, "ready": True}
 
 
 async def test_registered_groups_are_discovered_with_their_state_and_routes(

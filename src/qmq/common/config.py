@@ -436,6 +436,12 @@ class GatewayConfig:
         10_000,
         _range(1, 1_000_000),
     )
+    receipt_key_file: str = _opt(
+        "file holding the key (at least 16 bytes) that signs receipts, the same for every gateway of a cluster so "
+        "any of them settles any receipt; $QMQ_RECEIPT_KEY overrides it; empty: a key derived from $QMQ_SECRET, "
+        "else one of this process only",
+        "",
+    )
     push_lease_ms: int = _opt(
         "how long this gateway's lease of a push subscription lasts (renewed every third of it): another "
         "gateway takes a subscription over about this long after this one dies",

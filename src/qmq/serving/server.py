@@ -46,7 +46,9 @@ from qmq.serving.dispatch import RoleHandlers
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.limits import LimitsPoller
 from qmq.serving.periodic import Periodic
+from qmq.serving.probes import probe_status, with_probe_error
 from qmq.serving.registration import Registration, server_payload
+from qmq.serving.resources import register_resources
 from qmq.serving.runner import StartupError, listen_error, serve_http
 from qmq.serving.tls import outgoing_context, server_context
 from qmq.store.datadir import StoreError
@@ -61,6 +63,8 @@ _LISTEN_BACKLOG = 1024
 class ServingConfig(Protocol):
     """The fields of a role's config the shell reads."""
 
+    @property
+    def data_dir(self) -> Path: ...
     @property
     def host(self) -> str: ...
     @property
@@ -223,6 +227,7 @@ class FrameServer(ABC):
         except OSError as exc:
             raise StartupError(listen_error(self.title, cfg.host, cfg.port, exc, "--port")) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        register_resources(self.metrics.registry, Path(cfg.data_dir))  # CPU, memory, disk: qmq top
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
@@ -300,9 +305,19 @@ class FrameServer(ABC):
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
-    async def _health(self, _request: web.Request) -> web.Response:
+    def registered(self) -> bool:
+        """Whether the meta server has answered this server's registration (routes may name it);
+        true for a server run without a meta server."""
+        if not self.config.meta_server:
+            return True
+        return self._registration is not None and self._registration.registered.is_set()
+
+    async def _health(self, request: web.Request) -> web.Response:
         body = self.health()
-        return web.json_response(body, status=200 if body["ok"] else 503)
+        # HTTP serves once recovery is done, so a server that answers is alive; ready once registered too
+        body["alive"] = True
+        body["ready"] = bool(body["ok"]) and self.registered()
+        return web.json_response(with_probe_error(request, body), status=probe_status(request, body))
 
     # -- checkpoints ---------------------------------------------------------------------
 
