@@ -171,11 +171,18 @@ GiveBack = Any  # Callable[[list[Receipt]], Awaitable[dict[Receipt, bool | BaseE
 
 class Issued:
     """The receipts this gateway handed out and not yet saw settled, and the sweeper that gives
-    back those left past their deadline; also a bounded memory of what became of settled ones."""
+    back those left past their deadline; also a bounded memory of what became of settled ones.
+
+    Two kinds: those the broker holds (it gives them back at their deadline; kept here for a nack
+    with the group's back-off and as a second give-back, at most ``receipts_max``, the oldest
+    dropped first: a nack of a dropped one is given back at once), and those it did not take,
+    which only this gateway gives back: at most ``receipts_max`` of them, past which a pull is
+    refused (``room``)."""
 
     def __init__(self, receipts_max: int) -> None:
         self.receipts_max = receipts_max
-        self._held: dict[Receipt, Held] = {}
+        self._broker_held: dict[Receipt, Held] = {}  # oldest first
+        self._own: dict[Receipt, Held] = {}
         self._due: list[tuple[float, int, Receipt]] = []  # a heap; entries of settled receipts are skipped
         self._order = 0
         self._outcomes: OrderedDict[Receipt, Outcome] = OrderedDict()
@@ -185,23 +192,34 @@ class Issued:
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return len(self._broker_held) + len(self._own)
 
     def room(self) -> int:
-        return max(0, self.receipts_max - len(self._held))
+        """How many more messages a pull may hand out: the receipts only this gateway gives back are bounded."""
+        return max(0, self.receipts_max - len(self._own))
 
     def hold(self, message: ReceivedMessage, receipt: Receipt, ack_timeout_ms: int, broker_holds: bool) -> None:
         deadline = asyncio.get_running_loop().time() + ack_timeout_ms / 1000
         self._push(Held(message, receipt, deadline, ack_timeout_ms, broker_holds))
 
     def _push(self, held: Held) -> None:
-        self._held[held.receipt] = held
+        if held.broker_holds:
+            while len(self._broker_held) >= self.receipts_max:
+                del self._broker_held[next(iter(self._broker_held))]  # the broker gives it back in any case
+            self._broker_held[held.receipt] = held
+        else:
+            self._own[held.receipt] = held
         due = held.deadline + (BACKUP_GRACE_MS / 1000 if held.broker_holds else 0)
         self._order += 1
         heapq.heappush(self._due, (due, self._order, held.receipt))
 
     def take(self, receipt: Receipt) -> Held | None:
-        return self._held.pop(receipt, None)
+        held = self._broker_held.pop(receipt, None)
+        return held if held is not None else self._own.pop(receipt, None)
+
+    def _get(self, receipt: Receipt) -> Held | None:
+        held = self._broker_held.get(receipt)
+        return held if held is not None else self._own.get(receipt)
 
     def put_back(self, held: Held, delay_ms: int) -> None:
         held.deadline = asyncio.get_running_loop().time() + delay_ms / 1000
@@ -243,9 +261,9 @@ class Issued:
         heap = self._due
         while heap and heap[0][0] <= now and len(due) < GIVE_BACKS_AT_ONCE_MAX:
             _at, _n, receipt = heapq.heappop(heap)
-            held = self._held.get(receipt)
+            held = self._get(receipt)
             if held is not None and held.deadline <= now:
-                del self._held[receipt]
+                self.take(receipt)
                 due.append(held)
         return due
 
