@@ -8,12 +8,17 @@ window, so a client may repeat a send whose answer it never got.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 from qmq.aio import Message, Producer
-from qmq.common.errors import BufferFullError, QmqError
+from qmq.common.errors import BufferFullError, InvalidMessageError, QmqError
 from qmq.gateway.errors import ApiError, api_error_of
 from qmq.gateway.payload import parse_send
+
+# W3C trace context: a traceparent is 55 characters; tracestate values past this are not kept
+_TRACE_HEADER_CHARS_MAX = 512
 
 
 def _sent(producer: Producer, messages: list[Message]) -> list[asyncio.Future[None]]:
@@ -64,9 +69,20 @@ def _nth(task: asyncio.Task[list[BaseException | None]], k: int) -> asyncio.Futu
     return fut
 
 
-async def send(producer: Producer, subject: str, raw: bytes) -> dict[str, Any]:
-    """The answer document of a send (raises ApiError for the whole request)."""
+async def send(
+    producer: Producer, subject: str, raw: bytes, context: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The answer document of a send (raises ApiError for the whole request). ``context``: the
+    request's ``traceparent``/``tracestate`` headers, kept as the properties of each message
+    that has none of its own, so the send's span (or the consumer's) continues the caller's trace."""
     request = parse_send(subject, raw)
+    if context and all(len(v) <= _TRACE_HEADER_CHARS_MAX for v in context.values()):
+        for m in request.messages:
+            if m.get_property("traceparent") is None:
+                # a message already at its most properties is sent without the caller's context
+                with contextlib.suppress(InvalidMessageError):
+                    for key, value in context.items():
+                        m.set_property(key, value)
     results = await asyncio.gather(*_sent(producer, request.messages), return_exceptions=True)
     if not request.batch:
         [result] = results

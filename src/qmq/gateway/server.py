@@ -67,6 +67,7 @@ class Gateway:
         # TLS and the gateway's own app (its secret from $QMQ_SECRET) toward the meta server and brokers
         self.tls_out = outgoing_context(config)
         self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server, ssl=self.tls_out)
+        self.ready = False  # GET /health?probe=ready: set once every service has started
         # acks are sent by flushes only, so POST /v1/acks is answered once a flush delivered them
         ids = [f"{prefix}-{i}" for i in range(config.pull_consumers)]
         self.consumers = [
@@ -187,6 +188,7 @@ class GatewayServer:
         for service in self.services:
             await service.start()
             self._started.append(service)
+        g.ready = True
 
     def reload_auth(self) -> None:
         """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
@@ -204,6 +206,7 @@ class GatewayServer:
         return f"qmq ready role=gateway gateway={self.url} meta_server={self.config.meta_server}"
 
     async def stop(self) -> None:
+        self.gateway.ready = False
         while self._started:
             service = self._started.pop()
             try:
