@@ -135,7 +135,12 @@ class QmqServer(ServerProcess):
         self._copier = threading.Thread(target=self._copy_stdout, args=(stdout,), daemon=True)
         self._copier.start()
         self._ca_file = self.endpoint_extra.get("ca_file")
-        return {"meta_server": meta.group(1), **self.endpoint_extra}
+        endpoint: dict[str, Any] = {"meta_server": meta.group(1), **self.endpoint_extra}
+        gateway = re.search(r"\bgateway=(https?://\S+)", line)
+        gateway_pid = re.search(r"\bgateway_pid=(\d+)", line)
+        if gateway and gateway_pid:
+            endpoint.update(gateway=gateway.group(1), gateway_pid=int(gateway_pid.group(1)))
+        return endpoint
 
     def delay_holder_pids(self) -> list[int]:
         """The delay server's process: it alone holds pending delayed messages (the broker

@@ -8,6 +8,11 @@ says whether the group may take writes: with a slave that stopped replicating fo
 ``degrade_unreplicated`` is on. Each waiting answer runs through ``call_reply``, so one that
 fails is logged and the others are released.
 
+Anyone may send a REPLICATE, so only the slaves the meta server names in its heartbeat answers
+(``name_slaves``) count: a client that claims to be a slave may read the log, but neither
+releases writes nor, once it stops asking, turns the group read-only. Offsets past the end of
+the master's logs are refused, never counted as replicated.
+
 ``Replicator`` is the slave's side: one loop asking its master for what follows its copy and
 appending it (``store.replica``).
 """
@@ -38,6 +43,10 @@ WriteState = Literal["alone", "replicated", "degraded", "read-only"]
 
 _CHUNK_BYTES_MAX = 4 * 1024 * 1024
 _PARKED_MAX = 64
+# requesters not (yet) named by the meta server kept with their last offsets, so a slave that asked
+# before its master heard of it counts at once when it is named; the oldest is dropped first
+_UNNAMED_MAX = 64
+_NAMED_MAX = 64
 _WAITERS_MAX = 100_000
 _REPLICATE_POLL_MS = 1000
 _CONNECT_TIMEOUT_MS = 3000
@@ -50,7 +59,12 @@ class ReplicationSource:
         self.store_of = store_of
         self.config = config
         self.slaves_reported = 0  # slaves heartbeating, from the meta server's last answer
-        self.slaves: dict[str, tuple[int, int, float]] = {}  # address -> (log offset, action offset, when)
+        # the named slaves that asked: address -> (log offset, action offset, when)
+        self.slaves: dict[str, tuple[int, int, float]] = {}
+        # slaves the meta server named in this epoch (kept when it later forgets one: a slave that
+        # died still makes the group read-only); None: a meta server that names none, all count
+        self.named: set[str] | None = set()
+        self._unnamed: dict[str, tuple[int, int, float]] = {}
         self.replicated = 0  # message-log offset some slave has written
         self.actions_replicated = 0
         self.started = time.monotonic()
@@ -127,8 +141,46 @@ class ReplicationSource:
 
     # -- REPLICATE requests --------------------------------------------------------------
 
+    def name_slaves(self, addresses: list[str] | None) -> None:
+        """The slaves of the group, as the meta server's heartbeat answer names them (None: it names
+        none, an older meta server: every requester counts, as before)."""
+        if addresses is None:
+            self.named = None
+        elif self.named is not None:
+            for address in addresses[:_NAMED_MAX]:
+                if len(self.named) < _NAMED_MAX:
+                    self.named.add(address)
+        for address in [a for a in self._unnamed if self._counts(a)]:
+            log_offset, action_offset, when = self._unnamed.pop(address)
+            self._count(address, log_offset, action_offset, when)
+
+    def reset(self, log_end: int, action_end: int) -> None:
+        """A new epoch as master: no slave has asked yet; what is in the logs counts as replicated."""
+        self.started = time.monotonic()
+        self.slaves.clear()
+        self._unnamed.clear()
+        if self.named is not None:
+            self.named = set()
+        self.replicated = log_end
+        self.actions_replicated = action_end
+
     def request(self, conn: Responder, code: int, request_id: int, header: dict[str, int], slave: str) -> None:
         """A slave asks for what follows its copy; ``header`` holds from / action_from / max_bytes / timeout_ms."""
+        store = self.store_of()
+        log_end, action_end = store.mlog.end, store.alog.end
+        if header["from"] > log_end or header["action_from"] > action_end:
+            # never counted: offsets past the end would release writes no slave has
+            conn.respond(
+                code,
+                request_id,
+                {
+                    "error": f"cannot replicate: asked for message-log offset {header['from']} and action-log "
+                    f"offset {header['action_from']}, past the end of this master's logs ({log_end}, "
+                    f"{action_end}): the copies diverged"
+                },
+                status=Status.BAD_REQUEST,
+            )
+            return
         self._seen(slave, header["from"], header["action_from"])
         if not self._answer(conn, code, request_id, header, wait=header["timeout_ms"] > 0):
             return
@@ -138,8 +190,21 @@ class ReplicationSource:
         timer = asyncio.get_running_loop().call_later(header["timeout_ms"] / 1000, self._expire, conn, code, request_id)
         self._parked.append((conn, code, request_id, header, timer))
 
+    def _counts(self, slave: str) -> bool:
+        return self.named is None or slave in self.named
+
     def _seen(self, slave: str, log_offset: int, action_offset: int) -> None:
-        self.slaves[slave] = (log_offset, action_offset, time.monotonic())
+        now = time.monotonic()
+        if self._counts(slave):
+            self._count(slave, log_offset, action_offset, now)
+            return
+        self._unnamed.pop(slave, None)
+        if len(self._unnamed) >= _UNNAMED_MAX:
+            del self._unnamed[next(iter(self._unnamed))]
+        self._unnamed[slave] = (log_offset, action_offset, now)
+
+    def _count(self, slave: str, log_offset: int, action_offset: int, when: float) -> None:
+        self.slaves[slave] = (log_offset, action_offset, when)
         self.replicated = max(self.replicated, log_offset)
         self.actions_replicated = max(self.actions_replicated, action_offset)
         while self._log_waiters and self._log_waiters[0][0] <= self.replicated:

@@ -213,6 +213,7 @@ def cli(
 def register_commands() -> None:
     """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
+        alarm_commands,
         auth_commands,
         client_commands,
         cluster_commands,
@@ -224,6 +225,7 @@ def register_commands() -> None:
         push_commands,
         roles,
         spark_commands,
+        top_commands,
         tx_commands,
     )
 

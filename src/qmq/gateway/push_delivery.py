@@ -38,6 +38,7 @@ from urllib.parse import quote
 import aiohttp
 
 from qmq.aio import Consumer, ReceivedMessage
+from qmq.client.telemetry import trace_headers
 from qmq.common.errors import QmqError
 from qmq.protocol.push import PushSubscription
 
@@ -122,6 +123,7 @@ def delivery_headers(sub: PushSubscription, m: ReceivedMessage, body: bytes) -> 
     }
     if sub.secret:
         headers["X-Qmq-Signature"] = signature(sub.secret, body)
+    headers.update(trace_headers(m.properties))  # the receiver's span continues the message's trace
     return headers
 
 
