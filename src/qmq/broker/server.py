@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from pathlib import Path
 
 from qmq.broker.backlog import unconsumed
@@ -161,10 +160,7 @@ class BrokerServer(FrameServer):
             await self.replicator.stop()
             self.replicator = None
         self._set_epoch(epoch, "master")
-        self.source.started = time.monotonic()
-        self.source.slaves.clear()
-        self.source.replicated = self.store.mlog.end
-        self.source.actions_replicated = self.store.alog.end
+        self.source.restart(self.store.mlog.end, self.store.alog.end)
         self.flusher.flushed_offset = self.store.mlog.end
         self.role = "master"
         self.release.schedule()

@@ -1,0 +1,283 @@
+"""Replication between the servers of a group, whatever their role (docs/cluster.md): a broker
+group copies its message log and action log, a delay group its write-ahead log and what its
+schedule logs say was handed over. What is read and appended is the role's; the rest is here.
+
+``ReplicationSource`` is the master's side: it answers slaves' REPLICATE requests (a long
+poll woken when the logs grow), learns from each request how far the slave has written,
+and releases the answers of writes waiting for that (``wait_slave_wrote``). It also says
+whether the group may take writes: with a slave that stopped replicating for
+``slave_timeout_ms`` the group is read-only, or degraded to unreplicated writes when
+``degrade_unreplicated`` is on. Each waiting answer runs through ``call_reply``, so one that
+fails is logged and the others are released. What an answer holds comes from the role's
+``read``: the answer's fields and body parts, and whether it holds anything (a request that
+would get nothing waits).
+
+``Replicator`` is the slave's side: one loop asking its master for what follows its copy (the
+role's ``ask`` says from where: the request is also the acknowledgement) and appending what
+comes (the role's ``take``), with a bounded back-off after a failure.
+
+No import of the SDK: the slave's connection to its master is the role's (``ask_master``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
+
+from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
+from qmq.protocol.codes import Status
+from qmq.protocol.frame import Frame
+from qmq.serving.connection import Responder
+from qmq.serving.replies import Reply, call_reply
+from qmq.store.replica import ReplicaError
+
+log = logging.getLogger(__name__)
+
+WriteState = Literal["alone", "replicated", "degraded", "read-only"]
+
+CHUNK_BYTES_MAX = 4 * 1024 * 1024
+_PARKED_MAX = 64
+_WAITERS_MAX = 100_000
+REPLICATE_POLL_MS = 1000
+_RETRY_S_MIN = 0.05
+_RETRY_S_MAX = 2.0
+
+# What a REPLICATE request asks for: fields the role reads, by name (``from`` and ``action_from``
+# are the two logs' offsets the slave has written, so also how far it got).
+Read = Callable[[dict[str, Any]], tuple[dict[str, Any], list[bytes], bool]]
+
+
+class ReplicationSettings(Protocol):
+    """The fields of a role's configuration replication reads."""
+
+    @property
+    def group(self) -> str: ...
+    @property
+    def wait_slave_wrote(self) -> bool: ...
+    @property
+    def slave_timeout_ms(self) -> int: ...
+    @property
+    def degrade_unreplicated(self) -> bool: ...
+
+
+class ReplicationSource:
+    def __init__(self, read: Read, config: ReplicationSettings, what: str = "group") -> None:
+        self.read = read
+        self.config = config
+        self.what = what  # "group" or "delay group", for the texts a producer reads
+        self.slaves_reported = 0  # slaves heartbeating, from the meta server's last answer
+        self.slaves: dict[str, tuple[int, int, float]] = {}  # address -> (log offset, action offset, when)
+        self.replicated = 0  # first-log offset some slave has written
+        self.actions_replicated = 0
+        self.started = time.monotonic()
+        self._log_waiters: deque[tuple[int, Reply]] = deque()
+        self._action_waiters: deque[tuple[int, Reply]] = deque()
+        self._parked: list[tuple[Responder, int, int, dict[str, Any], asyncio.TimerHandle]] = []
+        self._wake_scheduled = False
+
+    # -- the group's write state ---------------------------------------------------------
+
+    def write_state(self) -> WriteState:
+        cfg = self.config
+        now = time.monotonic()
+        last = max((when for _o, _a, when in self.slaves.values()), default=self.started)
+        fresh = now - last <= cfg.slave_timeout_ms / 1000
+        if not cfg.wait_slave_wrote or (self.slaves_reported == 0 and not self.slaves):
+            return "alone"
+        if fresh:
+            return "replicated"
+        return "degraded" if cfg.degrade_unreplicated else "read-only"
+
+    def restart(self, log_end: int, action_end: int) -> None:
+        """This server just became master: what it holds counts as replicated; no slave seen yet."""
+        self.started = time.monotonic()
+        self.slaves.clear()
+        self.replicated = log_end
+        self.actions_replicated = action_end
+
+    def lowest_kept(self) -> int | None:
+        """The lowest first-log offset a slave seen since this server became master has written
+        (None: none seen): what a master deleting old log segments keeps for it."""
+        return min((o for o, _a, _w in self.slaves.values()), default=None)
+
+    def after_log_replicated(self, end: int, reply: Reply) -> None:
+        """Call ``reply`` once a slave has written the first log up to ``end`` (or at once, alone)."""
+        self._after(self._log_waiters, self.replicated, end, reply, "writes")
+
+    def after_actions_replicated(self, end: int, reply: Reply) -> None:
+        """Call ``reply(None)`` once a slave has the action log up to ``end`` (or at once, alone or
+        degraded), or ``reply(text)`` when it will not get there soon: an ack is then recorded on
+        the master but not answered as done, so the client sends it again (acks repeat safely)
+        and an answered ack always survives a failover."""
+        self._after(self._action_waiters, self.actions_replicated, end, reply, "acks")
+
+    def _after(self, waiters: deque[tuple[int, Reply]], replicated: int, end: int, reply: Reply, what: str) -> None:
+        state = self.write_state()
+        if state in ("alone", "degraded") or replicated >= end:
+            call_reply(reply, None)
+        elif state == "read-only":
+            call_reply(reply, self.read_only_text())
+        elif len(waiters) >= _WAITERS_MAX:
+            call_reply(reply, f"too many {what} are waiting for the slave; retry shortly")
+        else:
+            waiters.append((end, reply))
+
+    def read_only_text(self) -> str:
+        return (
+            f"{self.what} {self.config.group} is read-only: its slave has not replicated for more than "
+            f"slave_timeout_ms={self.config.slave_timeout_ms}; send to another {self.what} "
+            "(set degrade_unreplicated to keep writing on the master alone)"
+        )
+
+    def check(self) -> None:
+        """Fail waiting writes once the group turned read-only (called on a timer)."""
+        if self.write_state() == "read-only" and (self._log_waiters or self._action_waiters):
+            self._fail_waiters(self.read_only_text())
+
+    def _fail_waiters(self, text: str) -> None:
+        while self._log_waiters:
+            call_reply(self._log_waiters.popleft()[1], text)
+        while self._action_waiters:
+            call_reply(self._action_waiters.popleft()[1], text)
+
+    def fail_all(self, text: str) -> None:
+        self._fail_waiters(text)
+        for conn, code, request_id, _h, timer in self._parked:
+            timer.cancel()
+            conn.respond(code, request_id, {"error": text}, status=Status.NOT_MASTER)
+        self._parked.clear()
+
+    # -- REPLICATE requests --------------------------------------------------------------
+
+    def request(self, conn: Responder, code: int, request_id: int, header: dict[str, Any], slave: str) -> None:
+        """A slave asks for what follows its copy; ``header`` holds from / action_from / max_bytes /
+        timeout_ms, and whatever else the role's ``read`` takes."""
+        self._seen(slave, header["from"], header["action_from"])
+        if not self._answer(conn, code, request_id, header, wait=header["timeout_ms"] > 0):
+            return
+        if len(self._parked) >= _PARKED_MAX:
+            self._answer(conn, code, request_id, header, wait=False)
+            return
+        timer = asyncio.get_running_loop().call_later(header["timeout_ms"] / 1000, self._expire, conn, code, request_id)
+        self._parked.append((conn, code, request_id, header, timer))
+
+    def _seen(self, slave: str, log_offset: int, action_offset: int) -> None:
+        self.slaves[slave] = (log_offset, action_offset, time.monotonic())
+        self.replicated = max(self.replicated, log_offset)
+        self.actions_replicated = max(self.actions_replicated, action_offset)
+        while self._log_waiters and self._log_waiters[0][0] <= self.replicated:
+            call_reply(self._log_waiters.popleft()[1], None)
+        while self._action_waiters and self._action_waiters[0][0] <= self.actions_replicated:
+            call_reply(self._action_waiters.popleft()[1], None)
+
+    def _answer(self, conn: Responder, code: int, request_id: int, header: dict[str, Any], wait: bool) -> bool:
+        """Send what is there; True when there was nothing and the request should wait."""
+        try:
+            fields, parts, has_data = self.read(header)
+        except ReplicaError as exc:
+            conn.respond(code, request_id, {"error": f"cannot replicate: {exc}"}, status=Status.BAD_REQUEST)
+            return False
+        except OSError as exc:  # a failing disk: the slave asks again (never raise out of a wake-up)
+            conn.respond(code, request_id, {"error": f"reading the log to replicate failed: {exc}"}, status=Status.BUSY)
+            return False
+        if wait and not has_data:
+            return True
+        conn.respond(code, request_id, fields, parts)
+        return False
+
+    def _expire(self, conn: Responder, code: int, request_id: int) -> None:
+        for i, (c, _code, rid, header, _timer) in enumerate(self._parked):
+            if c is conn and rid == request_id:
+                del self._parked[i]
+                self._answer(conn, code, request_id, header, wait=False)
+                return
+
+    def grew(self) -> None:
+        """The logs grew: answer waiting slaves (once per loop turn, however many writes)."""
+        if self._parked and not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().call_soon(self._wake)
+
+    def _wake(self) -> None:
+        self._wake_scheduled = False
+        parked, self._parked = self._parked, []
+        for conn, code, request_id, header, timer in parked:
+            if self._answer(conn, code, request_id, header, wait=True):
+                self._parked.append((conn, code, request_id, header, timer))
+            else:
+                timer.cancel()
+
+    def forget(self, conn: object) -> None:
+        for entry in [p for p in self._parked if p[0] is conn]:
+            entry[4].cancel()
+            self._parked.remove(entry)
+
+
+class Replicator:
+    """The slave's loop: copy the master's logs, then ask again (the request's ``from`` is the ack).
+
+    ``ask_master(header)`` sends one REPLICATE request to the master; ``ask()`` says where this
+    copy ends (the header's from / action_from and the role's own fields); ``take(frame)``
+    appends an answer (ReplicaError when the copies diverged: the loop stops, an operator
+    must look); ``close()`` ends the connection."""
+
+    def __init__(
+        self,
+        master: str,
+        epoch: int,
+        me: str,
+        ask_master: Callable[[dict[str, Any]], Awaitable[Frame]],
+        close: Callable[[], Awaitable[None]],
+        ask: Callable[[], dict[str, Any]],
+        take: Callable[[Frame], None],
+    ) -> None:
+        self.master = master
+        self.epoch = epoch
+        self.me = me
+        self._ask_master = ask_master
+        self._close = close
+        self._ask = ask
+        self._take = take
+        self.last_ms = 0
+        self.failed: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        retry_s = _RETRY_S_MIN
+        while True:
+            header = {
+                **self._ask(),
+                "epoch": self.epoch,
+                "max_bytes": CHUNK_BYTES_MAX,
+                "timeout_ms": REPLICATE_POLL_MS,
+                "slave": self.me,
+            }
+            try:
+                frame = await self._ask_master(header)
+                self._take(frame)
+                self.last_ms = time.time_ns() // 1_000_000
+                retry_s = _RETRY_S_MIN
+            except asyncio.CancelledError:
+                raise
+            except ReplicaError as exc:
+                # the copies diverged: following further would make it worse; an operator must look
+                self.failed = str(exc)
+                log.critical("replication from %s stopped: %s", self.master, exc)
+                return
+            except (BrokerError, ConnectionLostError, QmqError, OSError) as exc:
+                log.warning("replicating from master %s failed: %s; retrying", self.master, exc)
+                await asyncio.sleep(retry_s)  # bounded back-off before asking again
+                retry_s = min(_RETRY_S_MAX, retry_s * 2)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._close()
