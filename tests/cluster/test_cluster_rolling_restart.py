@@ -71,8 +71,9 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_every_pro
 
         report = json.loads(out)
         names = [x["name"] for x in report["restarted"]]
-        # slaves first, then the delay server, then each master (its slave promoted), the meta server last
-        assert names == ["b1-s1", "b2-s1", "d1", "b1-m", "b2-m", "meta"], names
+        # broker slaves first, then the delay group (master and slave, in place), then each broker
+        # master (its slave promoted), the meta server last
+        assert names == ["b1-s1", "b2-s1", "d1", "d1-s1", "b1-m", "b2-m", "meta"], names
         after = {m.name: m.pid for m in c.file().members}
         assert set(after) == set(before)
         assert all(after[n] != before[n] for n in before), f"not every pid changed: {before} -> {after}"

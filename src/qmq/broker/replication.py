@@ -13,7 +13,6 @@ from typing import Any
 from qmq.auth.handshake import ClientCredentials
 from qmq.client.connection import Connection
 from qmq.common.config import BrokerConfig
-from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
 from qmq.serving import replication
 from qmq.store.broker_store import BrokerStore
@@ -46,18 +45,6 @@ class ReplicationSource(replication.ReplicationSource):
         self.store_of = store_of
 
 
-def connect_to_master(
-    master: str, credentials: ClientCredentials | None, ssl: SSLContext | None
-) -> tuple[Callable[[dict[str, Any]], Any], Callable[[], Any]]:
-    """A slave's connection to its master: REPLICATE requests, and closing it."""
-    conn = Connection(master, connect_timeout_ms=CONNECT_TIMEOUT_MS, credentials=credentials, ssl=ssl)
-
-    async def ask(header: dict[str, Any]) -> Frame:
-        return await conn.request(RequestCode.REPLICATE, header)
-
-    return ask, conn.close
-
-
 class Replicator(replication.Replicator):
     """A broker slave's loop: appends the master's records and indexes them (``store.replica``)."""
 
@@ -85,5 +72,5 @@ class Replicator(replication.Replicator):
             if touched:
                 on_data(touched)
 
-        ask_master, close = connect_to_master(master, credentials, ssl)
-        super().__init__(master, epoch, me, ask_master, close, ask, take)
+        conn = Connection(master, connect_timeout_ms=CONNECT_TIMEOUT_MS, credentials=credentials, ssl=ssl)
+        super().__init__(master, epoch, me, conn, ask, take)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-from pathlib import Path
 
 from qmq.broker.backlog import unconsumed
 from qmq.broker.handlers import Handlers
@@ -25,9 +23,9 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import RETRY_PREFIX
 from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replication import read_epoch, role_change, write_epoch
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
-from qmq.store import fileio
 from qmq.store.broker_store import BrokerStore
 from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.replica import rewind
@@ -35,8 +33,6 @@ from qmq.store.retention import run_retention
 from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
-
-_EPOCH_FILE = "epoch"
 
 
 class BrokerServer(FrameServer):
@@ -68,14 +64,17 @@ class BrokerServer(FrameServer):
         # was then, so a slave restarted with --role master never claims its group's epoch as its
         # master (found by the fault campaign: the meta server took it for the master restarted,
         # and the two copies diverged)
-        self.epoch, saved_role = _read_epoch(self.store.dir)
+        self.epoch, saved_role = read_epoch(self.store.dir)
         self.role: str = saved_role if self.epoch and saved_role in ("master", "slave") else config.role
         self._saved_role = saved_role
         if self.role != config.role:
             log.warning(
                 "this broker was a %s of group %s in epoch %d when it stopped: it starts as one (--role %s "
                 "applies to a first start only)",
-                self.role, config.group, self.epoch, config.role,
+                self.role,
+                config.group,
+                self.epoch,
+                config.role,
             )
         self.source = ReplicationSource(lambda: self.store, config)
         self.store.on_grow = self.source.grew
@@ -132,27 +131,25 @@ class BrokerServer(FrameServer):
         return payload
 
     def _on_answer(self, answer: dict[str, object]) -> None:
-        role = answer.get("role_in_group")
-        epoch = answer.get("epoch")
-        if role not in ("master", "slave") or not isinstance(epoch, int) or self.stopping:
+        if answer.get("role_in_group") not in ("master", "slave") or self.stopping:
             return  # a meta server that does not manage roles: stay as started
         # draining (docs/cluster.md, "Operations"): no new sends; pulls and acks go on
         self.draining = answer.get("draining") is True
         slaves = answer.get("slaves")
         self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
-        master = answer.get("master")
-        truncate = answer.get("truncate")
         if self._transition is not None and not self._transition.done():
             return  # the last change is still being carried out; the next heartbeat says again
-        if role == "master" and self.role == "slave":
-            self._transition = asyncio.ensure_future(self._promote(epoch))
-        elif role == "master":
-            if epoch > self.epoch:
-                self._set_epoch(epoch, "master")
-        elif isinstance(master, str) and master != self.address:
-            cut = truncate if isinstance(truncate, dict) else None
-            if self.role == "master" or self.replicator is None or self.replicator.master != master:
-                self._transition = asyncio.ensure_future(self._follow(master, epoch, cut))
+        following = None if self.replicator is None else self.replicator.master
+        change = role_change(answer, self.role, self.epoch, following, self.address)
+        if change is None:
+            return
+        if change.kind == "promote":
+            self._transition = asyncio.ensure_future(self._promote(change.epoch))
+        elif change.kind == "epoch":
+            self._set_epoch(change.epoch, "master")
+        else:
+            assert change.master is not None
+            self._transition = asyncio.ensure_future(self._follow(change.master, change.epoch, change.truncate))
 
     async def _promote(self, epoch: int) -> None:
         log.warning("promoted to master of group %s in epoch %d", self.config.group, epoch)
@@ -205,7 +202,7 @@ class BrokerServer(FrameServer):
     def _set_epoch(self, epoch: int, role: str) -> None:
         if (epoch, role) != (self.epoch, self._saved_role):
             self.epoch, self._saved_role = epoch, role
-            _write_epoch(self.store.dir, epoch, role)
+            write_epoch(self.store.dir, epoch, role)
 
     async def _check_slaves(self) -> None:
         if self.role == "master":
@@ -299,24 +296,6 @@ class BrokerServer(FrameServer):
         await self.final_checkpoint()
         await self.close_connections()
         await self.close_store()
-
-
-def _read_epoch(directory: Path) -> tuple[int, str | None]:
-    """The epoch this broker last served in and its role then (None in files that predate it)."""
-    try:
-        value = json.loads(fileio.read_text(directory / _EPOCH_FILE))
-    except (FileNotFoundError, ValueError):
-        return 0, None
-    if not isinstance(value, dict):
-        return 0, None
-    role = value.get("role")
-    return int(value.get("epoch", 0)), role if isinstance(role, str) else None
-
-
-def _write_epoch(directory: Path, epoch: int, role: str) -> None:
-    # fsynced before the rename: a power loss must not leave an empty epoch file, which reads
-    # as epoch 0 and would let an old master believe it may write
-    fileio.replace_file(directory / _EPOCH_FILE, json.dumps({"epoch": epoch, "role": role}).encode())
 
 
 def run_broker(config: BrokerConfig) -> int:

@@ -16,23 +16,27 @@ would get nothing waits).
 role's ``ask`` says from where: the request is also the acknowledgement) and appending what
 comes (the role's ``take``), with a bounded back-off after a failure.
 
-No import of the SDK: the slave's connection to its master is the role's (``ask_master``).
+No import of the SDK: the slave's connection to its master is the role's (an SDK ``Connection``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, Protocol
 
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
-from qmq.protocol.codes import Status
+from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
 from qmq.serving.replies import Reply, call_reply
+from qmq.serving.requests import get_int, get_str
+from qmq.store import fileio
 from qmq.store.replica import ReplicaError
 
 log = logging.getLogger(__name__)
@@ -43,12 +47,20 @@ CHUNK_BYTES_MAX = 4 * 1024 * 1024
 _PARKED_MAX = 64
 _WAITERS_MAX = 100_000
 REPLICATE_POLL_MS = 1000
+EPOCH_FILE = "epoch"
 _RETRY_S_MIN = 0.05
 _RETRY_S_MAX = 2.0
 
 # What a REPLICATE request asks for: fields the role reads, by name (``from`` and ``action_from``
 # are the two logs' offsets the slave has written, so also how far it got).
 Read = Callable[[dict[str, Any]], tuple[dict[str, Any], list[bytes], bool]]
+
+
+class MasterConnection(Protocol):
+    """A slave's connection to its master (the SDK's ``Connection`` is one)."""
+
+    async def request(self, code: int, header: dict[str, Any]) -> Frame: ...
+    async def close(self) -> None: ...
 
 
 class ReplicationSettings(Protocol):
@@ -217,29 +229,58 @@ class ReplicationSource:
             self._parked.remove(entry)
 
 
+def take_request(
+    source: ReplicationSource,
+    epoch: int,
+    conn: Responder,
+    frame: Frame,
+    timeout_ms_max: int,
+    passed: tuple[str, ...] = (),
+) -> None:
+    """A REPLICATE request to a master in ``epoch``: NOT_MASTER when the slave asks in another
+    epoch (it follows an older or newer master); else checked and handed to ``source``, with
+    the role's own fields ``passed`` as they came (the role's ``read`` checks them)."""
+    header = frame.header
+    asked = get_int(header, "epoch", 0, 1 << 62)
+    if asked != epoch:
+        conn.respond(
+            frame.code,
+            frame.request_id,
+            {"error": f"epoch {asked} is not this master's ({epoch}); ask the meta server for the master"},
+            status=Status.NOT_MASTER,
+        )
+        return
+    fields: dict[str, Any] = {
+        "from": get_int(header, "from", 0, 1 << 62),
+        "action_from": get_int(header, "action_from", 0, 1 << 62),
+        "max_bytes": get_int(header, "max_bytes", 1024, 1 << 30),
+        "timeout_ms": get_int(header, "timeout_ms", 0, timeout_ms_max, default=0),
+    }
+    for name in passed:
+        fields[name] = header.get(name)
+    source.request(conn, frame.code, frame.request_id, fields, get_str(header, "slave"))
+
+
 class Replicator:
     """The slave's loop: copy the master's logs, then ask again (the request's ``from`` is the ack).
 
-    ``ask_master(header)`` sends one REPLICATE request to the master; ``ask()`` says where this
-    copy ends (the header's from / action_from and the role's own fields); ``take(frame)``
-    appends an answer (ReplicaError when the copies diverged: the loop stops, an operator
-    must look); ``close()`` ends the connection."""
+    ``conn`` carries REPLICATE requests to the master; ``ask()`` says where this copy ends (the
+    header's from / action_from and the role's own fields); ``take(frame)`` appends an answer
+    (ReplicaError when the copies diverged: the loop stops, an operator must look)."""
 
     def __init__(
         self,
         master: str,
         epoch: int,
         me: str,
-        ask_master: Callable[[dict[str, Any]], Awaitable[Frame]],
-        close: Callable[[], Awaitable[None]],
+        conn: MasterConnection,
         ask: Callable[[], dict[str, Any]],
         take: Callable[[Frame], None],
     ) -> None:
         self.master = master
         self.epoch = epoch
         self.me = me
-        self._ask_master = ask_master
-        self._close = close
+        self._conn = conn
         self._ask = ask
         self._take = take
         self.last_ms = 0
@@ -260,7 +301,7 @@ class Replicator:
                 "slave": self.me,
             }
             try:
-                frame = await self._ask_master(header)
+                frame = await self._conn.request(RequestCode.REPLICATE, header)
                 self._take(frame)
                 self.last_ms = time.time_ns() // 1_000_000
                 retry_s = _RETRY_S_MIN
@@ -280,4 +321,54 @@ class Replicator:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._close()
+        await self._conn.close()
+
+
+# -- roles in the group (docs/cluster.md) --------------------------------------------------
+
+
+class RoleChange(NamedTuple):
+    """What a heartbeat answer orders: "promote" (this slave is master now), "epoch" (this master
+    stays, in a newer epoch) or "follow" (be a slave of ``master``, cutting the logs to
+    ``truncate`` first when given)."""
+
+    kind: Literal["promote", "epoch", "follow"]
+    epoch: int
+    master: str | None = None
+    truncate: dict[str, Any] | None = None
+
+
+def role_change(answer: dict[str, Any], role: str, epoch: int, following: str | None, me: str) -> RoleChange | None:
+    """The change of role a meta server's heartbeat answer orders a server of a group that is
+    ``role`` in ``epoch`` (following ``following`` when a slave); None: stay as it is."""
+    ordered = answer.get("role_in_group")
+    new_epoch = answer.get("epoch")
+    if ordered not in ("master", "slave") or not isinstance(new_epoch, int):
+        return None  # a meta server that does not manage roles: stay as started
+    master = answer.get("master")
+    if ordered == "master":
+        if role == "slave":
+            return RoleChange("promote", new_epoch)
+        return RoleChange("epoch", new_epoch) if new_epoch > epoch else None
+    if isinstance(master, str) and master != me and (role == "master" or following != master):
+        truncate = answer.get("truncate")
+        return RoleChange("follow", new_epoch, master, truncate if isinstance(truncate, dict) else None)
+    return None
+
+
+def read_epoch(directory: Path) -> tuple[int, str | None]:
+    """The epoch this server last served in and its role then (None in files that predate it)."""
+    try:
+        value = json.loads(fileio.read_text(directory / EPOCH_FILE))
+    except (FileNotFoundError, ValueError):
+        return 0, None
+    if not isinstance(value, dict):
+        return 0, None
+    role = value.get("role")
+    return int(value.get("epoch", 0)), role if isinstance(role, str) else None
+
+
+def write_epoch(directory: Path, epoch: int, role: str) -> None:
+    # fsynced before the rename: a power loss must not leave an empty epoch file, which reads
+    # as epoch 0 and would let an old master believe it may write
+    fileio.replace_file(directory / EPOCH_FILE, json.dumps({"epoch": epoch, "role": role}).encode())
