@@ -23,7 +23,7 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import RETRY_PREFIX
 from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
-from qmq.serving.replication import read_epoch, role_change, write_epoch
+from qmq.serving.replication import GroupMember
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
 from qmq.store.broker_store import BrokerStore
@@ -35,12 +35,14 @@ from qmq.store.segments import FlushTicket
 log = logging.getLogger(__name__)
 
 
-class BrokerServer(FrameServer):
+class BrokerServer(FrameServer, GroupMember):
     kind = "broker"
     title = "broker"
     config: BrokerConfig
     store: BrokerStore
     metrics: BrokerMetrics
+    source: ReplicationSource
+    replicator: Replicator | None
 
     def __init__(self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits | None = None) -> None:
         limits = limits or dataclasses.replace(DEFAULT_LIMITS, message_bytes_max=config.message_bytes_max)
@@ -60,26 +62,10 @@ class BrokerServer(FrameServer):
         )
         # told by the meta server's heartbeat answer (`qmq admin drain`): sends are refused
         self.draining = False
-        # --role decides a first start only: a broker that served in an epoch starts as what it
-        # was then, so a slave restarted with --role master never claims its group's epoch as its
-        # master (found by the fault campaign: the meta server took it for the master restarted,
-        # and the two copies diverged)
-        self.epoch, saved_role = read_epoch(self.store.dir)
-        self.role: str = saved_role if self.epoch and saved_role in ("master", "slave") else config.role
-        self._saved_role = saved_role
-        if self.role != config.role:
-            log.warning(
-                "this broker was a %s of group %s in epoch %d when it stopped: it starts as one (--role %s "
-                "applies to a first start only)",
-                self.role,
-                config.group,
-                self.epoch,
-                config.role,
-            )
+        self._start_in_role(self.store.dir, config.role, "broker", config.group)
         self.source = ReplicationSource(lambda: self.store, config)
         self.store.on_grow = self.source.grew
         self.replicator: Replicator | None = None
-        self._transition: asyncio.Task[None] | None = None
         self.release = Release(self)
         self.handlers = Handlers(self)
         self.dispatch = self.handlers.dispatch
@@ -135,21 +121,7 @@ class BrokerServer(FrameServer):
             return  # a meta server that does not manage roles: stay as started
         # draining (docs/cluster.md, "Operations"): no new sends; pulls and acks go on
         self.draining = answer.get("draining") is True
-        slaves = answer.get("slaves")
-        self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
-        if self._transition is not None and not self._transition.done():
-            return  # the last change is still being carried out; the next heartbeat says again
-        following = None if self.replicator is None else self.replicator.master
-        change = role_change(answer, self.role, self.epoch, following, self.address)
-        if change is None:
-            return
-        if change.kind == "promote":
-            self._transition = asyncio.ensure_future(self._promote(change.epoch))
-        elif change.kind == "epoch":
-            self._set_epoch(change.epoch, "master")
-        else:
-            assert change.master is not None
-            self._transition = asyncio.ensure_future(self._follow(change.master, change.epoch, change.truncate))
+        self._take_orders(answer)
 
     async def _promote(self, epoch: int) -> None:
         log.warning("promoted to master of group %s in epoch %d", self.config.group, epoch)
@@ -198,15 +170,6 @@ class BrokerServer(FrameServer):
         self.replicator.start()
         if self._registration is not None:
             self._registration.beat_now()
-
-    def _set_epoch(self, epoch: int, role: str) -> None:
-        if (epoch, role) != (self.epoch, self._saved_role):
-            self.epoch, self._saved_role = epoch, role
-            write_epoch(self.store.dir, epoch, role)
-
-    async def _check_slaves(self) -> None:
-        if self.role == "master":
-            self.source.check()
 
     def _flushed(self, ticket: FlushTicket) -> None:
         moved = self.store.complete_flush(ticket)
@@ -285,8 +248,7 @@ class BrokerServer(FrameServer):
         self.stopping = True
         self.release.cancel()
         await self.stop_listening()
-        if self._transition is not None:
-            await asyncio.gather(self._transition, return_exceptions=True)
+        await self._end_transition()
         if self.replicator is not None:
             await self.replicator.stop()
         self.source.fail_all(f"broker {self.address} is shutting down; retry")

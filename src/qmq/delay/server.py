@@ -34,7 +34,7 @@ from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
 from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
-from qmq.serving.replication import ReplicationSource, Replicator, read_epoch, role_change, write_epoch
+from qmq.serving.replication import GroupMember, ReplicationSource, Replicator
 from qmq.serving.replies import Reply
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
@@ -52,7 +52,7 @@ _PREPARING_MAX = 16
 _CONNECT_TIMEOUT_MS = 3000  # to the group's master, as a slave
 
 
-class DelayServer(FrameServer):
+class DelayServer(FrameServer, GroupMember):
     kind = "delay"
     title = "delay server"
     config: DelayConfig
@@ -80,22 +80,12 @@ class DelayServer(FrameServer):
         self.disk_error: BaseException | None = None
         self._syncing: asyncio.Future[None] | None = None  # a background fsync (sync_bytes)
         self._preparing: set[asyncio.Task[None]] = set()
-        # the role in the group: what the epoch file says it was, else --role (a first start)
-        self.epoch, saved_role = read_epoch(self.store.dir)
-        self.role: str = saved_role if self.epoch and saved_role in ("master", "slave") else config.role
-        self._saved_role = saved_role
-        if self.role != config.role:
-            log.warning(
-                "this delay server was a %s of group %s in epoch %d when it stopped: it starts as one "
-                "(--role %s applies to a first start only)",
-                *(self.role, config.group, self.epoch, config.role),
-            )
+        self._start_in_role(self.store.dir, config.role, "delay server", config.group)
         self.token = master_token()
         self.source = ReplicationSource(lambda h: read_for_slave(self.store, self.token, h), config, "delay group")
         self.store.on_grow = self.source.grew
         self.replicator: Replicator | None = None
         self.copy: SlaveCopy | None = None
-        self._transition: asyncio.Task[None] | None = None
         self.kept_from: int | None = None  # the write-ahead log offset this master began its epoch at
         self.handlers = Handlers(self)
         self.dispatch = self.handlers.dispatch
@@ -161,26 +151,11 @@ class DelayServer(FrameServer):
     def _on_answer(self, answer: dict[str, object]) -> None:
         if self.stopping or answer.get("role_in_group") not in ("master", "slave"):
             return
-        slaves = answer.get("slaves")
-        self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
-        if self._transition is not None and not self._transition.done():
-            return  # the last change is still being carried out; the next heartbeat says again
-        following = None if self.replicator is None else self.replicator.master
-        change = role_change(answer, self.role, self.epoch, following, self.address)
-        if change is None:
-            if self.role == "master" and self.dispatcher is None:
-                self._set_epoch(self.epoch or 1, "master")
-                self._start_dispatcher()  # confirmed master of the group's epoch: hand over
-            return
-        if change.kind == "promote":
-            self._transition = asyncio.ensure_future(self._promote(change.epoch))
-        elif change.kind == "epoch":
-            self._set_epoch(change.epoch, "master")
-            if self.dispatcher is None:
-                self._start_dispatcher()
-        else:
-            assert change.master is not None
-            self._transition = asyncio.ensure_future(self._follow(change.master, change.epoch, change.truncate))
+        self._take_orders(answer)
+        # confirmed master of the group's epoch (or a newer one): hand over
+        if self.role == "master" and self.dispatcher is None and (self._transition is None or self._transition.done()):
+            self._set_epoch(self.epoch or 1, "master")
+            self._start_dispatcher()
 
     async def _promote(self, epoch: int) -> None:
         log.warning("promoted to master of delay group %s in epoch %d", self.config.group, epoch)
@@ -240,15 +215,6 @@ class DelayServer(FrameServer):
         self.replicator.start()
         if self._registration is not None:
             self._registration.beat_now()
-
-    def _set_epoch(self, epoch: int, role: str) -> None:
-        if (epoch, role) != (self.epoch, self._saved_role):
-            self.epoch, self._saved_role = epoch, role
-            write_epoch(self.store.dir, epoch, role)
-
-    async def _check_slaves(self) -> None:
-        if self.role == "master":
-            self.source.check()
 
     def after_replicated(self, end: int, reply: Reply) -> None:
         """``reply`` once the write-ahead log up to ``end`` is durable here and (with a slave and
@@ -396,8 +362,7 @@ class DelayServer(FrameServer):
         self.stopping = True
         grace_s = self.config.shutdown_grace_ms / 1000
         await self.stop_listening()
-        if self._transition is not None:
-            await asyncio.gather(self._transition, return_exceptions=True)
+        await self._end_transition()
         if self.replicator is not None:
             await self.replicator.stop()
         self.source.fail_all(f"delay server {self.address} is shutting down; retry")

@@ -372,3 +372,77 @@ def write_epoch(directory: Path, epoch: int, role: str) -> None:
     # fsynced before the rename: a power loss must not leave an empty epoch file, which reads
     # as epoch 0 and would let an old master believe it may write
     fileio.replace_file(directory / EPOCH_FILE, json.dumps({"epoch": epoch, "role": role}).encode())
+
+
+class GroupMember:
+    """What a server of a group with slaves (a broker, a delay server) does with the meta
+    server's orders, shared: its role and epoch (kept in the epoch file of its data directory),
+    and turning a heartbeat answer into a promotion, a newer epoch or following a master.
+    The server supplies ``_promote`` and ``_follow`` (what each means for its store) and
+    calls ``_take_orders`` from its heartbeat's answer."""
+
+    role: str
+    epoch: int
+    source: ReplicationSource
+    replicator: Replicator | None
+    stopping: bool
+
+    def _start_in_role(self, directory: Path, configured: str, title: str, group: str) -> None:
+        """--role decides a first start only: a server that served in an epoch starts as what it
+        was then, so a slave restarted with --role master never claims its group's epoch as its
+        master (found by the fault campaign: the meta server took it for the master restarted,
+        and the two copies diverged)."""
+        self._epoch_dir = directory
+        self.epoch, saved_role = read_epoch(directory)
+        self.role = saved_role if self.epoch and saved_role in ("master", "slave") else configured
+        self._saved_role = saved_role
+        self._transition: asyncio.Task[None] | None = None
+        if self.role != configured:
+            log.warning(
+                "this %s was a %s of group %s in epoch %d when it stopped: it starts as one (--role %s "
+                "applies to a first start only)",
+                *(title, self.role, group, self.epoch, configured),
+            )
+
+    def _take_orders(self, answer: dict[str, Any]) -> RoleChange | None:
+        """Carry out what a heartbeat answer orders (a promotion or following runs as a task: one
+        at a time, the next heartbeat says again); returns the change begun or made."""
+        slaves = answer.get("slaves")
+        self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
+        if self._transition is not None and not self._transition.done():
+            return None  # the last change is still being carried out; the next heartbeat says again
+        following = None if self.replicator is None else self.replicator.master
+        change = role_change(answer, self.role, self.epoch, following, self.address)
+        if change is None:
+            return None
+        if change.kind == "promote":
+            self._transition = asyncio.ensure_future(self._promote(change.epoch))
+        elif change.kind == "epoch":
+            self._set_epoch(change.epoch, "master")
+        else:
+            assert change.master is not None
+            self._transition = asyncio.ensure_future(self._follow(change.master, change.epoch, change.truncate))
+        return change
+
+    async def _end_transition(self) -> None:
+        if self._transition is not None:
+            await asyncio.gather(self._transition, return_exceptions=True)
+
+    def _set_epoch(self, epoch: int, role: str) -> None:
+        if (epoch, role) != (self.epoch, self._saved_role):
+            self.epoch, self._saved_role = epoch, role
+            write_epoch(self._epoch_dir, epoch, role)
+
+    async def _check_slaves(self) -> None:
+        if self.role == "master":
+            self.source.check()
+
+    @property
+    def address(self) -> str:
+        raise NotImplementedError
+
+    async def _promote(self, epoch: int) -> None:
+        raise NotImplementedError
+
+    async def _follow(self, master: str, epoch: int, truncate: dict[str, Any] | None) -> None:
+        raise NotImplementedError
