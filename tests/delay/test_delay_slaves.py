@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from delayhelpers import encoded
 from delaywire import collect, now_ms, request
 
 from qmq.aio import Consumer, Producer
-from qmq.common.errors import BrokerError
+from qmq.client.connection import Connection
+from qmq.common.errors import BrokerError, QmqError
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 from qmq.testing import ReadyProcess, running_role
@@ -192,3 +194,69 @@ async def test_kill_9_of_the_master_promotes_the_slave_and_nothing_is_lost_early
         assert got2.keys() == later.keys()
         assert not await collect(pull, 1, timeout_s=2), "something came twice or from the old master"
         assert (await stats(old.ready["address"]))["dispatched_total"] == 0
+
+
+async def test_an_old_master_cuts_what_it_never_replicated_and_follows(
+    group: tuple[str, Path, ReadyProcess, ReadyProcess, ExitStack],
+) -> None:
+    url, tmp, master, slave, stack = group
+    async with Producer(app_code="t", meta_server=url) as producer:
+        for _ in range(20):
+            m = producer.generate_message("slaves.cut")
+            m.set_delay(timedelta(hours=1))
+            await producer.send(m)
+    ends: list[int] = []
+
+    def copied(v: dict[str, Any]) -> bool:
+        ends[:] = [s["log_end"] for s in v["servers"] if s["role"] == "delay"]
+        return len(ends) == 2 and ends[0] == ends[1]
+
+    wait_view(url, "the slave's copy as long as the master's log", copied)
+    # The slave stops copying: the master writes the next two sends and waits for the slave in
+    # vain (the first may still reach the slave, in the answer to the request it had waiting;
+    # the second cannot: the stopped slave asks for nothing more).
+    os.kill(slave.pid, signal.SIGSTOP)
+    conn = Connection(master.ready["address"], connect_timeout_ms=3000)
+    sent = []
+    master_end = ends[0]
+    try:
+        for i in range(2):
+            body = encoded("slaves.cut", f"never-replicated-{i}", int(now_ms()) + 3_600_000)
+            sent.append(asyncio.ensure_future(conn.request(RequestCode.SEND_MESSAGES, {}, [body])))
+
+            def written(v: dict[str, Any], before: int = master_end) -> bool:
+                s = delay_server(v, master.ready["address"])
+                return s is not None and s["log_end"] > before
+
+            await asyncio.to_thread(wait_view, url, "the master writing the send", written, 1.5)
+            master_end = delay_server(cluster_view(url), master.ready["address"])["log_end"]  # type: ignore[index]
+        os.kill(master.pid, signal.SIGKILL)
+        master.proc.wait()
+    finally:
+        os.kill(slave.pid, signal.SIGCONT)
+    for fut in sent:
+        with pytest.raises(QmqError):
+            await fut  # never answered as stored
+    await conn.close()
+
+    def promoted(v: dict[str, Any]) -> bool:
+        return delay_group_row(v)["master"] == slave.ready["address"] and delay_group_row(v)["epoch"] == 2
+
+    wait_view(url, "the slave promoted", promoted)
+    kept = await pending(slave.ready["address"])
+    assert kept in (20, 21)
+    new_end = delay_server(cluster_view(url), slave.ready["address"])
+    assert new_end is not None
+    assert new_end["log_end"] < master_end  # the old master wrote more than the new one has
+    old = stack.enter_context(running_role(delay_args(tmp / "d1-m", url, "master")))
+
+    def following(v: dict[str, Any]) -> bool:
+        s = delay_server(v, old.ready["address"])
+        return s is not None and s["role_in_group"] == "slave" and s["epoch"] == 2 and s["replicated_ms"] > 0
+
+    wait_view(url, "the old master following the new one", following)
+    # it cut what it never replicated: its copy is the new master's again
+    assert await pending(old.ready["address"]) == kept
+    old_end = delay_server(cluster_view(url), old.ready["address"])
+    assert old_end is not None
+    assert old_end["log_end"] == new_end["log_end"]
