@@ -59,7 +59,11 @@ def read_for_slave(store: DelayStore, token: int, header: dict[str, Any]) -> tup
         if header.get("token") != token or not isinstance(known, dict):
             known = {}
         left = budget - len(chunk.data)
-        for b in store.iter_buckets():
+        buckets = store.buckets
+        for start in sorted(store.dispatch_starts):
+            b = buckets.get(start)
+            if b is None:
+                continue
             have = b.dispatched * DISPATCH_ENTRY_BYTES
             copied = known.get(str(b.start_ms), 0)
             if not isinstance(copied, int) or copied > have:
@@ -127,6 +131,7 @@ class SlaveCopy:
             self.replayed += replayed
             if cancels:
                 self._done.clear()  # the cancels wrote dispatch entries: read them again when needed
+                store.find_dispatch_starts()
         pos = n
         tails = h.get("dispatch") or []
         if tails:

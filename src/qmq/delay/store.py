@@ -100,6 +100,12 @@ class DelayStore:
         self.schedule = parts.schedule
         self.wal_messages = parts.wal_messages
         parts.schedule.on_failure = self._schedule_failed
+        self.find_dispatch_starts()
+
+    def find_dispatch_starts(self) -> None:
+        """Note every bucket whose dispatch log holds entries (``dispatch_starts``: what a master
+        sends its slaves of its dispatch logs is looked for there, not in every bucket)."""
+        self.dispatch_starts = {b.start_ms for b in self.schedule.iter_buckets() if b.dispatched}
 
     def _schedule_failed(self, exc: BaseException) -> None:
         """A schedule log failed to write or fsync (may run on the checkpoint's thread)."""
@@ -264,6 +270,7 @@ class DelayStore:
             raise store_error(exc, self.dir) from exc
         self.wal_messages += 1
         self.on_grow()
+        self.dispatch_starts.update(b.start_ms for b, _entries in stops)
         try:
             return cancel.apply(stops, live, schedule.note_cancelled)
         except OSError as exc:
@@ -403,9 +410,12 @@ class DelayStore:
 
     def remove_bucket(self, b: Bucket) -> None:
         self.schedule.remove_bucket(b)
+        self.dispatch_starts.discard(b.start_ms)
 
     def dispatched(self, start_ms: int, entries: bytes) -> int:
         n = self.schedule.dispatched(start_ms, entries)
+        if n:
+            self.dispatch_starts.add(start_ms)
         self.on_grow()
         return n
 
