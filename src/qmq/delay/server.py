@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
 from qmq.client.connection import Connection
@@ -50,6 +51,9 @@ _HANDOVER_SEND_TIMEOUT_MS = 10_000
 # Route look-ups of new subjects running at once; past it, hand-overs look routes up themselves.
 _PREPARING_MAX = 16
 _CONNECT_TIMEOUT_MS = 3000  # to the group's master, as a slave
+# A master keeps the write-ahead log segments a slave has not copied while that slave was seen
+# this recently (or, after a promotion, this long for the old master to come back and follow).
+_SLAVE_ABSENT_S_MAX = 3600.0
 
 
 class DelayServer(FrameServer, GroupMember):
@@ -240,9 +244,9 @@ class DelayServer(FrameServer, GroupMember):
             await asyncio.get_running_loop().run_in_executor(self.checkpoint_executor, job.run)
             keep_from = None
             if self.role == "master":
-                keep_from = self.source.lowest_kept()
-                if keep_from is None:
-                    keep_from = self.kept_from
+                keep_from = self.source.lowest_kept(_SLAVE_ABSENT_S_MAX)
+                if keep_from is None and time.monotonic() - self.source.started < _SLAVE_ABSENT_S_MAX:
+                    keep_from = self.kept_from  # for the old master, back after a promotion
             segments = self.store.after_checkpoint(job, keep_from)
             gone = self.scheduler.remove_finished(self.clock.now_ms())
             if segments or gone:

@@ -111,10 +111,11 @@ class ReplicationSource:
         self.replicated = log_end
         self.actions_replicated = action_end
 
-    def lowest_kept(self) -> int | None:
-        """The lowest first-log offset a slave seen since this server became master has written
-        (None: none seen): what a master deleting old log segments keeps for it."""
-        return min((o for o, _a, _w in self.slaves.values()), default=None)
+    def lowest_kept(self, within_s: float) -> int | None:
+        """The lowest first-log offset written by a slave seen in the last ``within_s`` seconds
+        (None: none): what a master deleting old log segments keeps for it."""
+        since = time.monotonic() - within_s
+        return min((o for o, _a, when in self.slaves.values() if when >= since), default=None)
 
     def after_log_replicated(self, end: int, reply: Reply) -> None:
         """Call ``reply`` once a slave has written the first log up to ``end`` (or at once, alone)."""
