@@ -1,5 +1,5 @@
-"""What a delay master sends its slaves, and what a delay slave does with it (docs/delay.md,
-"Delay groups with slaves").
+"""What a delay master sends its slaves, and what a delay slave does with it (docs/cluster.md,
+"Delay groups").
 
 A slave's write-ahead log is a byte-for-byte copy of its master's, at the same offsets and in
 segments with the same bases (``qmq.store.replica``, as a broker slave's message log). The

@@ -2,7 +2,7 @@
 keeps them in its store until they are due, hands them to brokers through the SDK's
 producer, serves metrics, registers with the meta server as role "delay", and shuts down
 in order. In a delay group with slaves it is master or slave as the meta server says
-(docs/delay.md, "Delay groups with slaves"): a slave copies its master's write-ahead log and
+(docs/cluster.md, "Delay groups"): a slave copies its master's write-ahead log and
 dispatch logs (replica.py) and hands nothing over; a master hands over only once the meta
 server has said, in its answer to this process's first report, that it is master in the
 group's epoch, so an old master restarted after a promotion never fires on its own.
@@ -150,7 +150,7 @@ class DelayServer(FrameServer, GroupMember):
         )
         self.dispatcher.start()
 
-    # -- roles in the group (docs/delay.md, "Delay groups with slaves") --------------------
+    # -- roles in the group (docs/cluster.md, "Delay groups") --------------------
 
     def _on_answer(self, answer: dict[str, object]) -> None:
         if self.stopping or answer.get("role_in_group") not in ("master", "slave"):
