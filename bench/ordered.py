@@ -12,10 +12,11 @@ Two parts, each on a fresh `qmq standalone` (flush = sync):
    cost of ordering (dispatch by slot on the broker, per-key queues in the SDK).
 
     .venv/bin/python -m bench.ordered [--keys 10000] [--per-key 2] [--handler-ms 2] [--concurrency 1]
+        [--rabbitmq amqp://guest:guest@127.0.0.1:5672/%2F]
 
-No peer runs here: RabbitMQ's nearest setup (single-active-consumer queues, one per slot group,
-with consistent-hash exchange routing) needs a plugin and a fixed queue count chosen ahead, which
-is the partition management qmq's slots avoid; its figures would measure a different design.
+With ``--rabbitmq URL`` the handler-bound cells also run on that RabbitMQ, as single-active-
+consumer queues, one per slot group (``bench.ordered_rabbitmq``: how, and what it needs that qmq
+does not: a queue count fixed ahead, its queues assigned to consumers by hand).
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ def main() -> None:
     ap.add_argument("--consumers", default="1,2,4,8")
     ap.add_argument("--drain-keys", type=int, default=10_000)
     ap.add_argument("--drain-per-key", type=int, default=5)
+    ap.add_argument("--rabbitmq", metavar="URL", help="also run the handler-bound cells on this RabbitMQ")
+    ap.add_argument("--rabbitmq-queues", type=int, default=16, help="single-active-consumer queues (slot groups)")
     args = ap.parse_args()
     total = args.keys * args.per_key
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; qmq standalone, flush = sync")
@@ -197,6 +200,11 @@ def main() -> None:
         for ordered in (False, True):
             r = asyncio.run(drain(sa.meta_server, drain_subject, drain_total, ordered))
             print(f"| {'ordered' if ordered else 'unordered'} | {r:,.0f} |", flush=True)
+    if args.rabbitmq:
+        from bench.ordered_rabbitmq import run as run_rabbitmq  # pika: only when asked for
+
+        counts = [int(x) for x in args.consumers.split(",")]
+        run_rabbitmq(args.rabbitmq, args.keys, args.per_key, args.handler_ms, counts, args.rabbitmq_queues)
 
 
 if __name__ == "__main__":

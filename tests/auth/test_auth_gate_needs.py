@@ -16,6 +16,7 @@ EXPECTED: dict[RequestCode, list[tuple[Action, str | None, str | None]]] = {
     RequestCode.SEND_MESSAGES: [],  # per subject of the body, by the handlers
     RequestCode.PULL: [(Action.CONSUME, S, G)],
     RequestCode.ACK: [(Action.CONSUME, S, G)],
+    RequestCode.SETTLE: [(Action.CONSUME, S, G)],
     RequestCode.SUBJECTS: [],
     RequestCode.LAG: [],
     RequestCode.DELAY_STATS: [],

@@ -34,6 +34,9 @@ class _Meta:
     def delay_route(self) -> RouteKey:
         return self.delay_groups
 
+    def targets(self) -> list[str]:
+        return sorted({g for key in self.routes.values() for g in key} | set(self.delay_groups))
+
     async def resolve(self, subject: str) -> RouteKey:
         if subject in self.routes:
             return self.routes[subject]

@@ -54,7 +54,7 @@ class Context:
 
     @property
     def source(self) -> ReplicationSource:
-        return ReplicationSource(lambda _h: ({}, [], False), self.config)
+        return ReplicationSource(lambda _h: ({}, [], False), self.config, lambda: (0, 0))
 
     def after_replicated(self, end: int, reply: Reply) -> None:
         if self.store.sync_policy:

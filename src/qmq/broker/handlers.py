@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Callable
 from typing import Protocol
 
 from qmq.broker.listings import dead_letters_page, lag_page, subjects_page
@@ -14,6 +15,7 @@ from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
+from qmq.broker.settle import HOLD_MS_MAX, HeldPositions, give_back, normalized, retry_of, settled_positions
 from qmq.common.config import BrokerConfig
 from qmq.common.naming import retry_subject
 from qmq.protocol.answers import encode_answer
@@ -23,6 +25,7 @@ from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers, answer_failure
+from qmq.serving.group_commit import GroupCommit
 from qmq.serving.replication import take_request
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
@@ -57,6 +60,7 @@ _MASTER_ONLY = frozenset(
         RequestCode.PULL,
         RequestCode.ACK,
         RequestCode.ACK_MANY,
+        RequestCode.SETTLE,
         RequestCode.RESET_OFFSET,
         RequestCode.RESEND_DEAD,
         RequestCode.PURGE_DEAD,
@@ -80,6 +84,8 @@ class BrokerContext(RoleContext, Protocol):
     @property
     def release(self) -> Release: ...
     @property
+    def action_flusher(self) -> GroupCommit: ...
+    @property
     def source(self) -> ReplicationSource: ...
     @property
     def replicator(self) -> Replicator | None: ...
@@ -100,11 +106,13 @@ class Handlers(RoleHandlers):
         super().__init__(broker)
         self.broker, self.store, self.metrics = broker, broker.store, broker.metrics
         self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
+        self.held_positions = HeldPositions(broker, self._after_give_back)
         table: dict[int, Handler] = {
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
             RequestCode.ACK: self.ack,
             RequestCode.ACK_MANY: self.ack_many,
+            RequestCode.SETTLE: self.settle,
             RequestCode.SUBJECTS: self.subjects,
             RequestCode.LAG: self.lag,
             RequestCode.RESET_OFFSET: self.reset_offset,
@@ -282,12 +290,28 @@ class Handlers(RoleHandlers):
 
         def answer(result: PullResult | None) -> None:
             if ack_ranges:
-                # the acks it carried must reach the slave first, or a failover would deliver those again
-                self.broker.source.after_actions_replicated(
-                    self.store.alog.end, guarded(conn, code, request_id, lambda error: send_answer(result, error))
+                # the acks it carried must be durable and reach the slave first, or a power loss
+                # or a failover would deliver those again
+                self._after_acks(conn, code, request_id, lambda error: send_answer(result, error), _as_is)
+            elif result is not None and self.store.sync_policy:
+                # the record of what this consumer was handed must be durable before it has the
+                # messages: after a power loss that forgot it, the consumer's acks (by position in
+                # what it was handed) would not take, and it would receive them again
+                end = self.store.alog.end
+                self.broker.action_flusher.after_write(
+                    end, guarded(conn, code, request_id, lambda error: handed(result, end, error))
                 )
             else:
                 send_answer(result, None)
+
+        def handed(result: PullResult, end: int, error: str | None) -> None:
+            if error is None:
+                if fileio.tracing:
+                    fileio.trace_answer(self.store.alog.segments, end, "pull")
+                send_answer(result, None)
+            else:
+                text = f"the pull could not be made durable ({error}); pull again once the broker is restarted"
+                conn.respond(code, request_id, {"error": text}, status=Status.BUSY)
 
         def send_answer(result: PullResult | None, acks_error: str | None) -> None:
             header: dict[str, object] = {"runs": [] if result is None else result.runs}
@@ -351,19 +375,21 @@ class Handlers(RoleHandlers):
         ack_offset = self._ack(gp, cp, ranges)
         code, request_id = frame.code, frame.request_id
 
-        # answered OK once the acks reached the slave: an answered ack survives a failover
+        # answered OK once the acks are durable and reached the slave: an answered ack survives
+        # a power loss and a failover
         def replicated(error: str | None) -> None:
             if error is None:
                 conn.respond(code, request_id, {"ack_offset": ack_offset})
             else:
-                conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
+                conn.respond(code, request_id, {"error": error}, status=Status.BUSY)
 
-        self.broker.source.after_actions_replicated(self.store.alog.end, guarded(conn, code, request_id, replicated))
+        self._after_acks(conn, code, request_id, replicated)
 
     def ack_many(self, conn: Responder, frame: Frame) -> None:
         """ACK for many (subject, group) pairs of one consumer: ``acks`` is a list of
-        ``{subject, group, ranges[, broadcast]}``; each gets ``{ack_offset}`` or ``{error}`` in
-        the answer's ``results``, in order, so one refused pair does not fail the others."""
+        ``{subject, group, ranges[, broadcast][, leave]}``; each gets ``{ack_offset}`` or ``{error}``
+        in the answer's ``results``, in order, so one refused pair does not fail the others.
+        ``leave`` (a consumer closing an ordered listener) hands its slots to the group's others now."""
         header = frame.header
         consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
         entries = header.get("acks")
@@ -372,15 +398,24 @@ class Handlers(RoleHandlers):
         if len(entries) > _ACK_MANY_ENTRIES_MAX:
             raise BadRequest(f"'acks' has {len(entries)} entries; at most {_ACK_MANY_ENTRIES_MAX} a request")
         results: list[dict[str, object]] = []
+        leaving: list[tuple[GroupProgress, ConsumerProgress]] = []
         for entry in entries:
             if not isinstance(entry, dict):
                 results.append({"error": f"an 'acks' entry must be a map, got {type(entry).__name__}"})
                 continue
             try:
                 gp, cp = self._group_and_consumer_of({**entry, "consumer_id": consumer_id}, create=False)
-                results.append({"ack_offset": self._ack(gp, cp, get_ranges(entry, "ranges"))})
+                ranges = get_ranges(entry, "ranges")
+                results.append({"ack_offset": self._ack(gp, cp, ranges) if ranges else cp.ack_offset})
+                if get_bool(entry, "leave") and gp.ordered:
+                    leaving.append((gp, cp))
             except BadRequest as exc:
                 results.append({"error": str(exc)})
+        for gp, cp in leaving:
+            # a consumer closing its ordered listener: its slots go to the others now (docs/ordered.md)
+            self.store.leave_ordered(gp, cp)
+            self.broker.parked.answer_empty(cp)
+            self.broker.parked.notify_soon(gp.subject)
         code, request_id = frame.code, frame.request_id
         answer = encode_answer({"results": results})
 
@@ -388,9 +423,91 @@ class Handlers(RoleHandlers):
             if error is None:
                 conn.respond(code, request_id, None, (answer,))
             else:
+                conn.respond(code, request_id, {"error": error}, status=Status.BUSY)
+
+        self._after_acks(conn, code, request_id, replicated)
+
+    def _after_acks(
+        self,
+        conn: Responder,
+        code: int,
+        request_id: int,
+        answer: Callable[[str | None], None],
+        unreplicated: Callable[[str], str] = lambda why: _unreplicated_acks(why),
+    ) -> None:
+        """Call ``answer(None)`` once the action log written so far is durable (under flush =
+        "sync": the action log's group commit; under "periodic" it is fsynced within
+        flush_interval_ms) and on the slave; ``answer(why not)`` when it will not be (the client
+        sends the acks again: they repeat safely)."""
+        store = self.store
+        end = store.alog.end
+        source = self.broker.source
+        traced = fileio.tracing and store.sync_policy  # the I/O trace (store/iotrace.py)
+
+        def replicated(error: str | None) -> None:
+            if error is None and traced:
+                fileio.trace_answer(store.alog.segments, end, "ack")
+            answer(None if error is None else unreplicated(error))
+
+        def durable(error: str | None) -> None:
+            if error is None:
+                source.after_actions_replicated(end, guarded(conn, code, request_id, replicated))
+            else:
+                answer(f"the acks are recorded on this master but their fsync failed ({error}); send them again")
+
+        if store.sync_policy:
+            self.broker.action_flusher.after_write(end, guarded(conn, code, request_id, durable))
+        else:
+            source.after_actions_replicated(end, guarded(conn, code, request_id, replicated))
+
+    def settle(self, conn: Responder, frame: Frame) -> None:
+        """SETTLE (broker/settle.py): ``ack``, ``give_back`` and ``hold`` (with ``hold_ms``) ranges
+        of one consumer's pull log; answered ``{settled, given_back_before, given_back, held}`` once the acks reached
+        the slave and the retry copies are durable."""
+        header = frame.header
+        acks = normalized(get_ranges(header, "ack", required=False))
+        backs = normalized(get_ranges(header, "give_back", required=False))
+        holds = normalized(get_ranges(header, "hold", required=False))
+        hold_ms = get_int(header, "hold_ms", 0, HOLD_MS_MAX, default=0)
+        gp, cp = self._group_and_consumer(frame, create=False)
+        # what was settled before this request: acked, or given back (its ack timeout passed)
+        settled = settled_positions(cp, acks) + settled_positions(cp, backs)
+        if acks:
+            self._ack(gp, cp, acks)
+        moved = give_back(self.store, gp, cp, backs, self.held_positions.given) if backs else 0
+        held = False
+        if holds:
+            held = self.held_positions.hold(gp, cp.consumer_id, holds, self.broker.clock.now_ms() + hold_ms)
+        code, request_id = frame.code, frame.request_id
+        given = self.held_positions.given.among(gp, cp.consumer_id, settled)
+        answer = {"settled": settled, "given_back_before": given, "given_back": moved, "held": held}
+
+        def replicated(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, answer)
+            else:
                 conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
 
-        self.broker.source.after_actions_replicated(self.store.alog.end, guarded(conn, code, request_id, replicated))
+        def durable(error: str | None) -> None:
+            if error is not None:
+                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+                return
+            if moved:
+                self.broker.parked.notify({retry_of(gp)})
+            self.broker.source.after_actions_replicated(
+                self.store.alog.end, guarded(conn, code, request_id, replicated)
+            )
+
+        if moved and self.store.sync_policy:
+            self.broker.flusher.after_write(self.store.mlog.end, guarded(conn, code, request_id, durable))
+        else:
+            durable(None)
+
+    def _after_give_back(self, subjects: set[str]) -> None:
+        if self.store.sync_policy:
+            self.broker.flusher.after_write(self.store.mlog.end, lambda _error: None)
+        else:
+            self.broker.parked.notify(subjects)
 
     def subjects(self, conn: Responder, frame: Frame) -> None:
         conn.respond(frame.code, frame.request_id, None, (subjects_page(self.store, frame.header),))
@@ -471,6 +588,10 @@ class Handlers(RoleHandlers):
 
 def _unknown(code: int) -> str:
     return f"unknown command code {code}"
+
+
+def _as_is(why: str) -> str:
+    return why
 
 
 def _unreplicated_acks(why: str) -> str:

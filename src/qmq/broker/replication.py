@@ -1,7 +1,8 @@
 """Replication between the brokers of a group (docs/cluster.md): what a broker master sends its
 slaves (whole records of its message log and action log, ``store.replica``) and what a broker
-slave does with them. The request loop, the long poll, the waiting answers of sends and acks
-and the group's write state are every role's (``qmq.serving.replication``).
+slave does with them. The request loop, the long poll, the waiting answers of sends and acks,
+which requesters count as slaves (those the meta server names) and the group's write state are
+every role's (``qmq.serving.replication``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ class ReplicationSource(replication.ReplicationSource):
             parts = [c for c in (log_chunk.data, act_chunk.data) if c]
             return fields, parts, bool(parts)
 
-        super().__init__(read, config)
+        def ends() -> tuple[int, int]:
+            store = store_of()
+            return store.mlog.end, store.alog.end
+
+        super().__init__(read, config, ends)
         self.store_of = store_of
 
 

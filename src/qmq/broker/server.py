@@ -60,6 +60,16 @@ class BrokerServer(FrameServer, GroupMember):
             self.metrics.flush_seconds.observe,
             self._disk_failed,
         )
+        # the action log's group commit: an ack is answered after the fsync covering it (under
+        # flush = "sync"; fsynced every flush_interval_ms under "periodic"), so a power loss
+        # never delivers again what a group was told it had acknowledged
+        self.action_flusher = GroupCommit(
+            "the action log",
+            self.store.begin_action_flush,
+            _nothing_to_complete,
+            self.metrics.flush_seconds.observe,
+            self._disk_failed,
+        )
         # told by the meta server's heartbeat answer (`qmq admin drain`): sends are refused
         self.draining = False
         self._start_in_role(self.store.dir, config.role, "broker", config.group)
@@ -82,11 +92,13 @@ class BrokerServer(FrameServer, GroupMember):
         report = self.store.open()
         log.info("store recovered: %s", report)
         self.flusher.flushed_offset = self.store.mlog.end
+        self.action_flusher.flushed_offset = self.store.alog.end
         self.checkpointing = asyncio.Lock()
         cfg = self.config
         await self.listen()
         if cfg.flush == "periodic" or self.role == "slave":
             self.flusher.start_periodic(cfg.flush_interval_ms)
+            self.action_flusher.start_periodic(cfg.flush_interval_ms)
         self.release.schedule()  # what was held when the broker stopped is due by now, or soon
         self.periodic.every(cfg.checkpoint_interval_ms, self.checkpoint)
         self.periodic.every(cfg.retention_check_interval_ms, self._retention)
@@ -129,7 +141,7 @@ class BrokerServer(FrameServer, GroupMember):
             await self.replicator.stop()
             self.replicator = None
         self._set_epoch(epoch, "master")
-        self.source.restart(self.store.mlog.end, self.store.alog.end)
+        self.source.reset(self.store.mlog.end, self.store.alog.end)
         self.flusher.flushed_offset = self.store.mlog.end
         self.role = "master"
         self.release.schedule()
@@ -148,8 +160,10 @@ class BrokerServer(FrameServer, GroupMember):
             self.source.fail_all(f"broker {self.address} is no longer master of group {self.config.group}; retry")
             self.parked.answer_all_empty()
             await self.flusher.drain(self.config.shutdown_grace_ms / 1000)
+            await self.action_flusher.drain(self.config.shutdown_grace_ms / 1000)
             if self.config.flush != "periodic":
                 self.flusher.start_periodic(self.config.flush_interval_ms)
+                self.action_flusher.start_periodic(self.config.flush_interval_ms)
         if self.replicator is not None:
             await self.replicator.stop()
             self.replicator = None
@@ -181,6 +195,9 @@ class BrokerServer(FrameServer, GroupMember):
         async with self.checkpointing:
             store = self.store
             state = store.checkpoint_state()
+            # the action log up to the checkpoint's offset, through its group commit (one thread
+            # fsyncs it, so a segment's directory entry is never left to a flush not yet done)
+            await self.action_flusher.flush_once()
             ticket = store.begin_flush(consume_logs=True)
             await asyncio.get_running_loop().run_in_executor(
                 self.checkpoint_executor, store.write_checkpoint, ticket, state
@@ -213,7 +230,7 @@ class BrokerServer(FrameServer, GroupMember):
         """What a send to this master meets: "ok", "failed" (the store stopped taking writes until a
         restart), "disk-full" (clears by itself once space is freed), "read-only" or "degraded"
         (the slave is gone: docs/cluster.md)."""
-        if self.store.failed is not None or self.flusher.failed is not None:
+        if self.store.failed is not None or self.flusher.failed is not None or self.action_flusher.failed is not None:
             return "failed"
         if self.handlers.free_space.low() is not None:
             return "disk-full"
@@ -222,8 +239,9 @@ class BrokerServer(FrameServer, GroupMember):
 
     def health(self) -> dict[str, object]:
         failed = self.store.failed
-        if failed is None and self.flusher.failed is not None:
-            failed = f"an fsync failed: {self.flusher.failed}"
+        for flusher in (self.flusher, self.action_flusher):
+            if failed is None and flusher.failed is not None:
+                failed = f"an fsync failed: {flusher.failed}"
         body: dict[str, object] = {
             "ok": not self.stopping and failed is None,
             "group": self.config.group,
@@ -254,10 +272,18 @@ class BrokerServer(FrameServer, GroupMember):
         self.source.fail_all(f"broker {self.address} is shutting down; retry")
         self.parked.answer_all_empty()
         await self.drain_writes(self.config.shutdown_grace_ms / 1000)
+        if not await self.action_flusher.drain(self.config.shutdown_grace_ms / 1000):
+            waiting = self.action_flusher.waiting
+            log.warning("shutdown: %d acks were still waiting for fsync after the grace period", waiting)
         await self.periodic.stop()
         await self.final_checkpoint()
         await self.close_connections()
+        await self.action_flusher.stop()
         await self.close_store()
+
+
+def _nothing_to_complete(_ticket: FlushTicket) -> None:
+    """An action flush makes nothing visible: the acks it covered are answered (GroupCommit)."""
 
 
 def run_broker(config: BrokerConfig) -> int:

@@ -29,6 +29,7 @@ from qmq.cli.cluster_launch import (
     Member,
     StartupFailedError,
     child_env,
+    ensure_receipt_key,
     is_running,
     plan,
     start,
@@ -149,6 +150,8 @@ def up(
         secure=_secure_args(auth_file, insecure, tls_cert, tls_key, tls_ca),
         app_code=server_app_code or "",
     )
+    if gateways:
+        ensure_receipt_key(data_dir.resolve())
     state = Cluster(str(data_dir.resolve()), "", [], int(time.time() * 1000))
     try:
         _start_all(state, members, child_env(ctx.find_root().params.get("log_level")), ready_timeout_ms)

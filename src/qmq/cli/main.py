@@ -166,7 +166,18 @@ class QmqGroup(click.Group):
     default=None,
     help="the app's secret [or $QMQ_SECRET, which keeps it out of the process list]",
 )
-def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secret: str | None) -> None:
+@click.option(
+    "--tls-ca",
+    "cli_tls_ca",
+    envvar="QMQ_TLS_CA",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="the CA the client commands trust for https:// meta servers and their brokers [or $QMQ_TLS_CA; "
+    "default: the system's CAs and $SSL_CERT_FILE]",
+)
+def cli(
+    log_level: str, log_file: str | None, cli_app_code: str | None, cli_secret: str | None, cli_tls_ca: str | None
+) -> None:
     """qmq: a message queue in the shape of Qunar's QMQ.
 
     Start everything on one machine with `qmq standalone`; it prints a `qmq ready` line with
@@ -177,6 +188,10 @@ def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secr
         os.environ["QMQ_APP_CODE"] = cli_app_code
     if cli_secret:
         os.environ["QMQ_SECRET"] = cli_secret
+    if cli_tls_ca:
+        # every default TLS context of a client command (the SDK's for https:// meta servers, HTTP
+        # requests, a Spark job's executors) reads $SSL_CERT_FILE
+        os.environ["QMQ_TLS_CA"] = os.environ["SSL_CERT_FILE"] = os.path.abspath(cli_tls_ca)
     handler: logging.Handler = logging.StreamHandler(sys.stderr)
     if log_file:
         try:
@@ -198,6 +213,7 @@ def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secr
 def register_commands() -> None:
     """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
+        alarm_commands,
         auth_commands,
         client_commands,
         cluster_commands,
@@ -209,6 +225,7 @@ def register_commands() -> None:
         push_commands,
         roles,
         spark_commands,
+        top_commands,
         tx_commands,
     )
 

@@ -196,9 +196,11 @@ def watchdog_command(
 
 
 def _run_watchdog(meta_server: str, once: bool, databases: int, make: Callable[[SendsAsync], Watchdog]) -> None:
+    from qmq.cli.auth_commands import cli_app_code
     from qmq.client.sync import Producer
 
-    with Producer(app_code="qmq-watchdog", meta_server=meta_server) as producer:
+    # the app of `qmq --app-code` ($QMQ_APP_CODE) with $QMQ_SECRET, on servers with an auth file
+    with Producer(app_code=cli_app_code("qmq-watchdog"), meta_server=meta_server) as producer:
         dog = make(producer)
         try:
             if once:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Final, Protocol
 
 from qmq.common.errors import BufferFullError
@@ -102,16 +103,37 @@ class Accumulator:
         self._admit(entry)
         self._held.setdefault(subject, deque()).append(entry)
 
-    def route_held(self, subject: str, key: RouteKey) -> int:
-        """Queue what was held for ``subject`` on ``key``; return how many messages moved."""
+    def route_held(self, subject: str, pick: Callable[[Entry], RouteKey]) -> set[RouteKey]:
+        """Queue what was held for ``subject``, each on the route ``pick`` gives it; return the
+        routes that got messages."""
         held = self._held.pop(subject, None)
-        if not held:
-            return 0
+        keys: set[RouteKey] = set()
+        for entry in held or ():
+            key = pick(entry)
+            q = self._queues.get(key)
+            if q is None:
+                q = self._new_queue(key)
+            q.append(entry)
+            keys.add(key)
+        return keys
+
+    def move(self, key: RouteKey, pick: Callable[[Entry], RouteKey]) -> set[RouteKey]:
+        """Queue what is queued on ``key`` on the route ``pick`` gives each message instead (in
+        order); return the routes that got messages."""
         q = self._queues.get(key)
-        if q is None:
-            q = self._new_queue(key)
-        q.extend(held)
-        return len(held)
+        keys: set[RouteKey] = set()
+        if not q:
+            return keys
+        entries = list(q)
+        q.clear()  # before: ``pick`` may give ``key`` itself back
+        for entry in entries:
+            to = pick(entry)
+            dest = self._queues.get(to)
+            if dest is None:
+                dest = self._new_queue(to)
+            dest.append(entry)
+            keys.add(to)
+        return keys
 
     def held_subjects(self) -> list[str]:
         return list(self._held)

@@ -6,6 +6,14 @@ and not behind a delay server's queue of sends. A message due later goes to the 
 the available ones form one route, taken in turn, with failover between them like broker
 groups.
 
+A message due now goes to one group of its route: the group its message id picks among the
+subject's route (rendezvous hashing over the route's group names), while that group takes
+sends; the whole route otherwise, taken in turn. So a send of the same message again — the
+application retrying a send whose outcome it never learnt, an outbox watchdog resending a row,
+a delay server handing over again after a restart — reaches the group that may have stored it,
+whose duplicate window drops the repeat; another group would store a second copy, which a
+consumer group receives again after it acknowledged the first (found by the fault campaign).
+
 The route of a subject not seen before is asked of the meta server once (``MetaClient``
 batches the lookups of one loop turn); its messages are held in the buffer meanwhile, and go
 to the route's queue, ahead of any sent after it, when the lookup ends. The routes used are
@@ -16,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
+import zlib
 from typing import Protocol
 
-from qmq.client.accumulator import Accumulator, Entry, RouteKey
+from qmq.client.accumulator import ENCODED, MESSAGE_ID, Accumulator, Entry, RouteKey
 from qmq.common.limits import HOLD_UNTIL_DUE_MS
+from qmq.protocol.message import HEADER, HEADER_BYTES
 
 
 def is_delayed(deliver_at_ms: int) -> bool:
@@ -36,6 +47,7 @@ class Routes(Protocol):
     def route(self, subject: str) -> RouteKey | None: ...
     def send_route(self, subject: str) -> RouteKey | None: ...
     def delay_route(self) -> RouteKey: ...
+    def targets(self) -> list[str]: ...
     async def resolve(self, subject: str) -> RouteKey: ...
     def refresh_soon(self) -> None: ...
 
@@ -60,6 +72,7 @@ class Router:
         self._routes: dict[str, RouteKey] = {}
         self._delay_route: RouteKey | None = None
         self._lookups: dict[str, asyncio.Task[None]] = {}
+        self._singles: dict[str, RouteKey] = {}  # a route of one group, by its name
 
     def enqueue(self, subject: str, deliver_at_ms: int, entry: Entry, repeating: bool = False) -> None:
         """Queue ``entry`` on its route, or hold it until the route is known.
@@ -81,7 +94,37 @@ class Router:
                 key = self._first_route(subject, entry)
                 if key is None:
                     return
+            if len(key) > 1:
+                key = self._pinned(subject, key, entry[MESSAGE_ID])
         self._sender.submit(key, entry)
+
+    def widen(self, group: str, entries: list[Entry]) -> RouteKey:
+        """The groups the messages of a frame sent to ``group`` alone may fail over to: those of
+        every message's route that take sends (``group`` itself when they share none)."""
+        common: RouteKey | None = None
+        for subject in {subject_of(e[ENCODED]) for e in entries}:
+            route = self._meta.send_route(subject) or ()
+            common = route if common is None else tuple(g for g in common if g in route)
+        return common or (group,)
+
+    def _rerouted(self, single: RouteKey, entry: Entry) -> RouteKey:
+        """Where a message queued for the group of ``single``, no longer available, goes now."""
+        subject = subject_of(entry[ENCODED])
+        key = self._meta.send_route(subject)
+        if not key:
+            return single  # nowhere else to go: it waits (or expires) there
+        return self._pinned(subject, key, entry[MESSAGE_ID]) if len(key) > 1 else key
+
+    def _pinned(self, subject: str, key: RouteKey, message_id: str) -> RouteKey:
+        """The group of ``key`` that ``message_id`` picks in ``subject``'s route (the module
+        docstring), as a route of one; all of ``key`` when that group takes no sends now."""
+        group = pick_group(self._meta.route(subject) or key, message_id)
+        if group not in key:
+            return key
+        single = self._singles.get(group)
+        if single is None:
+            single = self._singles[group] = (group,)
+        return single
 
     def _first_route(self, subject: str, entry: Entry) -> RouteKey | None:
         """The route of a subject not in the cache; None when ``entry`` is held instead."""
@@ -116,8 +159,11 @@ class Router:
 
     def _route_held(self, subject: str, key: RouteKey) -> None:
         # Without any broker group the messages stay held until one appears or they expire.
-        if key and self._acc.route_held(subject, key):
-            self._sender.wake(key)
+        if not key:
+            return
+        pick = (lambda entry: self._pinned(subject, key, entry[MESSAGE_ID])) if len(key) > 1 else (lambda _e: key)
+        for moved in self._acc.route_held(subject, pick):
+            self._sender.wake(moved)
 
     async def resolve(self, subject: str) -> RouteKey:
         """The route of ``subject``, asking the meta server now if it was never asked for."""
@@ -133,6 +179,12 @@ class Router:
         self._routes.clear()
         self._delay_route = None
         self._sender.reconcile()
+        # what waits for a group that is no longer available goes to the rest of its route
+        targets = set(self._meta.targets())
+        for group, single in self._singles.items():
+            if group not in targets:
+                for moved in self._acc.move(single, functools.partial(self._rerouted, single)):
+                    self._sender.wake(moved)
         for subject in self._acc.held_subjects():
             key = self._meta.send_route(subject)
             if key:
@@ -146,3 +198,16 @@ class Router:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+
+
+def pick_group(route: tuple[str, ...], message_id: str) -> str:
+    """The group of ``route`` that ``message_id`` goes to (rendezvous hashing: adding or
+    removing a group moves only the messages that pick it)."""
+    ident = message_id.encode("utf-8", "surrogatepass")
+    return max(route, key=lambda group: (zlib.crc32(ident, zlib.crc32(group.encode())), group))
+
+
+def subject_of(encoded: bytes) -> str:
+    """The subject of an encoded message (qmq.protocol.message)."""
+    length = int(HEADER.unpack_from(encoded, 0)[2])
+    return bytes(encoded[HEADER_BYTES : HEADER_BYTES + length]).decode("utf-8", "replace")

@@ -25,7 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from qmq.client.accumulator import ENCODED, ENQUEUED_AT, MESSAGE_ID, WAITER, Accumulator, Entry, RouteKey
@@ -87,6 +87,9 @@ class Sender:
         self._eager_frames_max = options.max_in_flight * (EAGER_FRAMES_FACTOR if options.max_in_flight > 1 else 1)
         self._next_sweep_at = 0.0
         self._expirer: asyncio.Task[None] | None = None
+        # the route of a frame sent to the one group its messages' ids picked (routing.py), for
+        # a failover when that group surely did not store it; set by the producer
+        self.widen: Callable[[str, list[Entry]], RouteKey] | None = None
 
     def start(self) -> None:
         """Start the loops of the groups available now, and the expiry of messages left unsent."""
@@ -278,6 +281,8 @@ class Sender:
                     await asyncio.sleep(backoff_s)  # retry backoff, bounded by the deadline above
                     backoff_s = min(backoff_s * 2, opts.retry_backoff_ms_max / 1000)
                     if not pinned:
+                        if len(key) == 1 and self.widen is not None:
+                            key = self.widen(target, entries)
                         target = self._next_group(key, target)
                     continue
                 except AuthError as exc:

@@ -108,6 +108,15 @@ def _server_app_code() -> Any:
     )
 
 
+def _connections_per_host_max() -> Any:
+    return _opt(
+        "most client connections at once from one host (IP address): one host's idle or hostile "
+        "connections leave the rest of connections_max to the others",
+        1024,
+        _range(1, 1_000_000),
+    )
+
+
 def _reply_backlog_bytes_max() -> Any:
     return _opt(
         "bytes of replies one connection may hold that its client has not read; past it the connection is "
@@ -185,6 +194,7 @@ class BrokerConfig:
         _range(1, 10_000_000),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    connections_per_host_max: int = _connections_per_host_max()
     first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     auth_file: str = _auth_file()
@@ -338,6 +348,7 @@ class DelayConfig:
         _range(MiB, 1 << 34),
     )
     connections_max: int = _opt("most client connections at once", 4096, _range(1, 1_000_000))
+    connections_per_host_max: int = _connections_per_host_max()
     first_request_timeout_ms: int = _first_request_timeout_ms()
     reply_backlog_bytes_max: int = _reply_backlog_bytes_max()
     auth_file: str = _auth_file()
@@ -438,6 +449,12 @@ class GatewayConfig:
         "most (subject, consumer group) pairs one gateway pulls for; a pull of another is answered 429",
         10_000,
         _range(1, 1_000_000),
+    )
+    receipt_key_file: str = _opt(
+        "file holding the key (at least 16 bytes) that signs receipts, the same for every gateway of a cluster so "
+        "any of them settles any receipt; $QMQ_RECEIPT_KEY overrides it; empty: a key derived from $QMQ_SECRET, "
+        "else one of this process only",
+        "",
     )
     push_lease_ms: int = _opt(
         "how long this gateway's lease of a push subscription lasts (renewed every third of it): another "

@@ -86,7 +86,9 @@ class DelayServer(FrameServer, GroupMember):
         self._preparing: set[asyncio.Task[None]] = set()
         self._start_in_role(self.store.dir, config.role, "delay server", config.group)
         self.token = master_token()
-        self.source = ReplicationSource(lambda h: read_for_slave(self.store, self.token, h), config, "delay group")
+        self.source = ReplicationSource(
+            lambda h: read_for_slave(self.store, self.token, h), config, lambda: (self.store.wal.end, 0), "delay group"
+        )
         self.store.on_grow = self.source.grew
         self.replicator: Replicator | None = None
         self.copy: SlaveCopy | None = None
@@ -169,7 +171,7 @@ class DelayServer(FrameServer, GroupMember):
             self.copy = None
         self._set_epoch(epoch, "master")
         end = self.store.wal.end
-        self.source.restart(end, 0)
+        self.source.reset(end, 0)
         self.kept_from = end
         self.flusher.flushed_offset = end
         self.store.flush_buffers()  # the buckets it loads are read from their files

@@ -40,7 +40,7 @@ from qmq.meta.decisions import (
     decide,
     is_fresh,
     promoted,
-    slaves_heartbeating,
+    slave_addresses,
 )
 from qmq.meta.store import GroupRecord, MetaStore, MetaStoreError, ServerRecord
 
@@ -113,6 +113,8 @@ class Heartbeat:
     master: str | None
     slaves: int
     truncate: tuple[int, int] | None
+    # to a master: the slaves heartbeating, whose REPLICATE requests it counts (anyone may send one)
+    slave_addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,8 +338,15 @@ class Registry:
         if decision.cut_after_epoch is not None:
             truncate = self._store.offsets_after(group.role, group.group, decision.cut_after_epoch)
         is_master = decision.role_in_group == "master"
-        slaves = slaves_heartbeating(group, self._members(reg.role, reg.group), now_ms, self.heartbeat_timeout_ms)
-        return Heartbeat(decision.role_in_group, group.epoch, None if is_master else group.master, slaves, truncate)
+        named = slave_addresses(group, self._members(reg.role, reg.group), now_ms, self.heartbeat_timeout_ms)
+        return Heartbeat(
+            decision.role_in_group,
+            group.epoch,
+            None if is_master else group.master,
+            len(named),
+            truncate,
+            named if is_master else (),
+        )
 
     # -- promotion -------------------------------------------------------------------------
 

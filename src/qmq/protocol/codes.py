@@ -25,6 +25,9 @@ class RequestCode(IntEnum):
     REPLICATE = 13
     # the acks of many (subject, group) pairs of one consumer in one request (docs/protocol.md)
     ACK_MANY = 14
+    # acks, give-backs and held positions of one consumer's pull log: receipts of the HTTP
+    # gateways, settled by any of them (docs/protocol.md, broker/settle.py)
+    SETTLE = 15
     # answered by delay servers only (docs/protocol.md); numbered apart from the broker's commands
     # so that codes other branches add next to them never collide
     CANCEL_DELAY = 24

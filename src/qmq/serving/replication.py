@@ -12,6 +12,11 @@ fails is logged and the others are released. What an answer holds comes from the
 ``read``: the answer's fields and body parts, and whether it holds anything (a request that
 would get nothing waits).
 
+Anyone may send a REPLICATE, so only the slaves the meta server names in its heartbeat answers
+(``name_slaves``) count: a client that claims to be a slave may read the log, but neither
+releases writes nor, once it stops asking, turns the group read-only. Offsets past the end of
+the master's logs (the role's ``ends``) are refused, never counted as replicated.
+
 ``Replicator`` is the slave's side: one loop asking its master for what follows its copy (the
 role's ``ask`` says from where: the request is also the acknowledgement) and appending what
 comes (the role's ``take``), with a bounded back-off after a failure.
@@ -45,6 +50,10 @@ WriteState = Literal["alone", "replicated", "degraded", "read-only"]
 
 CHUNK_BYTES_MAX = 4 * 1024 * 1024
 _PARKED_MAX = 64
+# requesters not (yet) named by the meta server kept with their last offsets, so a slave that asked
+# before its master heard of it counts at once when it is named; the oldest is dropped first
+_UNNAMED_MAX = 64
+_NAMED_MAX = 64
 _WAITERS_MAX = 100_000
 REPLICATE_POLL_MS = 1000
 EPOCH_FILE = "epoch"
@@ -77,12 +86,24 @@ class ReplicationSettings(Protocol):
 
 
 class ReplicationSource:
-    def __init__(self, read: Read, config: ReplicationSettings, what: str = "group") -> None:
+    def __init__(
+        self,
+        read: Read,
+        config: ReplicationSettings,
+        ends: Callable[[], tuple[int, int]],
+        what: str = "group",
+    ) -> None:
         self.read = read
         self.config = config
+        self.ends = ends  # where the master's two logs end now
         self.what = what  # "group" or "delay group", for the texts a producer reads
         self.slaves_reported = 0  # slaves heartbeating, from the meta server's last answer
-        self.slaves: dict[str, tuple[int, int, float]] = {}  # address -> (log offset, action offset, when)
+        # the named slaves that asked: address -> (log offset, action offset, when)
+        self.slaves: dict[str, tuple[int, int, float]] = {}
+        # slaves the meta server named in this epoch (kept when it later forgets one: a slave that
+        # died still makes the group read-only); None: a meta server that names none, all count
+        self.named: set[str] | None = set()
+        self._unnamed: dict[str, tuple[int, int, float]] = {}
         self.replicated = 0  # first-log offset some slave has written
         self.actions_replicated = 0
         self.started = time.monotonic()
@@ -104,10 +125,26 @@ class ReplicationSource:
             return "replicated"
         return "degraded" if cfg.degrade_unreplicated else "read-only"
 
-    def restart(self, log_end: int, action_end: int) -> None:
-        """This server just became master: what it holds counts as replicated; no slave seen yet."""
+    def name_slaves(self, addresses: list[str] | None) -> None:
+        """The slaves of the group, as the meta server's heartbeat answer names them (None: it names
+        none, an older meta server: every requester counts, as before)."""
+        if addresses is None:
+            self.named = None
+        elif self.named is not None:
+            for address in addresses[:_NAMED_MAX]:
+                if len(self.named) < _NAMED_MAX:
+                    self.named.add(address)
+        for address in [a for a in self._unnamed if self._counts(a)]:
+            log_offset, action_offset, when = self._unnamed.pop(address)
+            self._count(address, log_offset, action_offset, when)
+
+    def reset(self, log_end: int, action_end: int) -> None:
+        """A new epoch as master: no slave has asked yet; what is in the logs counts as replicated."""
         self.started = time.monotonic()
         self.slaves.clear()
+        self._unnamed.clear()
+        if self.named is not None:
+            self.named = set()
         self.replicated = log_end
         self.actions_replicated = action_end
 
@@ -169,6 +206,19 @@ class ReplicationSource:
     def request(self, conn: Responder, code: int, request_id: int, header: dict[str, Any], slave: str) -> None:
         """A slave asks for what follows its copy; ``header`` holds from / action_from / max_bytes /
         timeout_ms, and whatever else the role's ``read`` takes."""
+        log_end, action_end = self.ends()
+        if header["from"] > log_end or header["action_from"] > action_end:
+            # never counted: offsets past the end would release writes no slave has
+            conn.respond(
+                code,
+                request_id,
+                {
+                    "error": f"cannot replicate: asked for offsets {header['from']} and {header['action_from']}, "
+                    f"past the end of this master's logs ({log_end}, {action_end}): the copies diverged"
+                },
+                status=Status.BAD_REQUEST,
+            )
+            return
         self._seen(slave, header["from"], header["action_from"])
         if not self._answer(conn, code, request_id, header, wait=header["timeout_ms"] > 0):
             return
@@ -178,8 +228,21 @@ class ReplicationSource:
         timer = asyncio.get_running_loop().call_later(header["timeout_ms"] / 1000, self._expire, conn, code, request_id)
         self._parked.append((conn, code, request_id, header, timer))
 
+    def _counts(self, slave: str) -> bool:
+        return self.named is None or slave in self.named
+
     def _seen(self, slave: str, log_offset: int, action_offset: int) -> None:
-        self.slaves[slave] = (log_offset, action_offset, time.monotonic())
+        now = time.monotonic()
+        if self._counts(slave):
+            self._count(slave, log_offset, action_offset, now)
+            return
+        self._unnamed.pop(slave, None)
+        if len(self._unnamed) >= _UNNAMED_MAX:
+            del self._unnamed[next(iter(self._unnamed))]
+        self._unnamed[slave] = (log_offset, action_offset, now)
+
+    def _count(self, slave: str, log_offset: int, action_offset: int, when: float) -> None:
+        self.slaves[slave] = (log_offset, action_offset, when)
         self.replicated = max(self.replicated, log_offset)
         self.actions_replicated = max(self.actions_replicated, action_offset)
         while self._log_waiters and self._log_waiters[0][0] <= self.replicated:
@@ -410,6 +473,8 @@ class GroupMember:
         at a time, the next heartbeat says again); returns the change begun or made."""
         slaves = answer.get("slaves")
         self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
+        named = answer.get("slave_addresses")
+        self.source.name_slaves([a for a in named if isinstance(a, str)] if isinstance(named, list) else None)
         if self._transition is not None and not self._transition.done():
             return None  # the last change is still being carried out; the next heartbeat says again
         following = None if self.replicator is None else self.replicator.master

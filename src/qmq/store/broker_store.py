@@ -101,7 +101,9 @@ class BrokerStore:
         self._progress = parts.progress
         self.dedup = parts.dedup
         self.held = parts.held
-        self._pulls = Pulls(self.mlog, parts.progress, self.limits.pull_bytes_max, self.config.ordered_lease_ms)
+        self._pulls = Pulls(
+            self.mlog, parts.progress, self.limits.pull_bytes_max, self.config.ordered_lease_ms, parts.checked
+        )
 
     def open(self) -> RecoveryReport:
         """Recover from whatever state the last stop left; see recovery.py."""
@@ -120,6 +122,11 @@ class BrokerStore:
     @property
     def progress(self) -> Progress:
         return self._progress.progress
+
+    @property
+    def pulls(self) -> Pulls:
+        """The reads for pulls, with what they found damaged (``entries_repaired``, ``damaged_records``)."""
+        return self._pulls
 
     @property
     def consume_files(self) -> OpenFiles:
@@ -297,23 +304,32 @@ class BrokerStore:
 
     def begin_flush(self, consume_logs: bool = False) -> FlushTicket:
         """fsync work for what was written so far: the message log and dead letters always; with
-        ``consume_logs`` (checkpoints) also the action log and, with one syncfs of the data's
-        file system, every consume log written since the last one (open or closed: open_files.py).
+        ``consume_logs`` (checkpoints) also, with one syncfs of the data's file system, every
+        consume log written since the last one (open or closed: open_files.py).
 
-        Acks and pulls reach the OS at once, so ``kill -9`` loses none; fsyncing them only at
-        checkpoints keeps the send path to one fsync per group commit. A power loss may then
-        re-deliver what was acknowledged since the last checkpoint: at least once, never lost.
+        The action log has a flush of its own (``begin_action_flush``): acks are answered after
+        it, as sends are after this one.
         """
         fds = self.mlog.segments.sync_fds()
         fds.extend(self.dead.take_sync_fds())  # dead letters are answered like any send: after this flush
         syncfs_fd = -1
         if consume_logs:
-            fds.extend(self.alog.segments.sync_fds())
             files = self._subjects.files
             if files.unsynced:
                 files.unsynced = False
                 syncfs_fd = self._dir_fd
         return FlushTicket(fds, self.mlog.end, self._flush_failed, syncfs_fd)
+
+    def begin_action_flush(self) -> FlushTicket:
+        """fsync work for the action log written so far (its ticket's offset is the action log's).
+
+        Acks, pulls and resets reach the OS at once, so ``kill -9`` loses none; an ack is answered
+        only after the flush that covers it (under flush = "sync"; under "periodic" that flush
+        comes within ``flush_interval_ms``), so a power loss does not deliver again what a group
+        was told it had acknowledged. One flush covers every action written before it began:
+        acks share fsyncs as sends do.
+        """
+        return FlushTicket(self.alog.segments.sync_fds(), self.alog.end, self._flush_failed)
 
     def complete_flush(self, ticket: FlushTicket) -> set[str]:
         """Make everything the ticket covered visible; returns the subjects that moved."""
@@ -383,6 +399,11 @@ class BrokerStore:
         """How much longer the ordered group of the last pull places no slots (0: it does)."""
         return self._pulls.ordered.settling_ms
 
+    def leave_ordered(self, gp: GroupProgress, cp: ConsumerProgress) -> None:
+        """``cp`` closed: the slots it owns of its ordered group go to the group's other consumers
+        at their next pull, rather than when its lease runs out (``ordered_take``)."""
+        self._pulls.ordered.leave(self._subjects.get(gp.subject), gp, cp, self.clock.now_ms())
+
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
         return self._pulls.read_range(self._subjects.get(subject), from_seq, max_n)
@@ -401,6 +422,8 @@ class BrokerStore:
             "subjects": {st.name: st.next_seq for st in self._subjects},
             "held": self.held.snapshot(),
             "progress": self.progress.snapshot(),
+            # groups pulled with ``ordered`` (a key older versions ignore): see store/ordered_take.py
+            "ordered_groups": [[gp.subject, gp.group] for gp in self.progress.groups.values() if gp.ordered],
         }
 
     def write_checkpoint(self, ticket: FlushTicket, state: dict[str, Any]) -> None:

@@ -93,10 +93,11 @@ def stop_trace() -> None:
 atexit.register(stop_trace)
 
 
-def trace_answer(segments: Locates, end_offset: int) -> None:
-    """Record a send answered under ``flush = "sync"`` whose bytes end at ``end_offset`` of the
-    log ``segments``: call just before the answer goes out, only while ``tracing``."""
-    iotrace.answer(segments, end_offset)
+def trace_answer(segments: Locates, end_offset: int, what: str = "send") -> None:
+    """Record a send (``what``: "ack", an ack; "pull", a pull handing out messages) answered
+    under ``flush = "sync"`` whose bytes end at ``end_offset`` of the log ``segments``: call just
+    before the answer goes out, only while ``tracing``."""
+    iotrace.answer(segments, end_offset, what)
 
 
 def from_environment(environ: Mapping[str, str] | None = None) -> None:
@@ -232,6 +233,19 @@ def write_all(fd: int, data: Buffer) -> None:
         if n <= 0:
             raise OSError(errno_codes.ENOSPC, f"write made no progress with {len(view)} bytes left")
         view = view[n:]
+
+
+def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (a file opened without O_APPEND): an overwrite in place."""
+    if _hooked:
+        faultplan.act("write", _fd_path(fd))
+    view = memoryview(data)
+    while view:  # bounded: every write moves on or raises
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno_codes.ENOSPC, f"write made no progress with {len(view)} bytes left")
+        view = view[n:]
+        offset += n
 
 
 def copy_file(src: StrPath, dst: StrPath) -> None:

@@ -10,6 +10,8 @@ by every process of the machine, so several servers may append to one file::
     failed  <pid> <kind> <start_ns> <end_ns> <errno> <path>   a failed one
     create  <pid> <ns> <path>                                  a new file or directory entry
     answer  <pid> <ns> <pos> <offset> <path>                   a send answered under flush = "sync"
+    ack     <pid> <ns> <pos> <offset> <path>                   an ack answered under flush = "sync"
+    pull    <pid> <ns> <pos> <offset> <path>                   a pull handing out messages, likewise
     # stopped: <bytes> bytes, QMQ_IO_TRACE_BYTES_MAX; nothing later is traced
 
 ``kind`` is ``fsync``, ``fdatasync``, ``dirsync`` (an fsync of a directory) or ``syncfs``;
@@ -17,10 +19,13 @@ by every process of the machine, so several servers may append to one file::
 file system). An ``answer`` line is written just before the answer of a send (the broker's
 message log, the delay server's write-ahead log) goes out: the send's bytes, and all before
 it, end at byte ``pos`` of the segment file ``path``; ``offset`` is that end as an offset of
-the log. ``trace_check.py`` reads a trace and finds every answer that came before the fsync
-covering it. Lines are buffered and written whole, at the latest with the next fsync line, so
-a process killed with ``kill -9`` leaves a trace that is a prefix of what happened. The trace
-stops at ``QMQ_IO_TRACE_BYTES_MAX`` bytes (default 256 MiB) and says so in its last line.
+the log. An ``ack`` line is the same for an ack (or a pull carrying acks) answered as done,
+a ``pull`` line for a pull answered with messages: their records end there in the broker's
+action log. ``trace_check.py`` reads a trace and finds
+every answer that came before the fsync covering it. Lines are buffered and written whole, at
+the latest with the next fsync line, so a process killed with ``kill -9`` leaves a trace that
+is a prefix of what happened. The trace stops at ``QMQ_IO_TRACE_BYTES_MAX`` bytes (default
+256 MiB) and says so in its last line.
 """
 
 from __future__ import annotations
@@ -116,8 +121,9 @@ class Locates(Protocol):
         ...
 
 
-def answer(segments: Locates, end_offset: int) -> None:
-    """A send whose bytes end at ``end_offset`` of the log ``segments`` is being answered."""
+def answer(segments: Locates, end_offset: int, what: str = "send") -> None:
+    """A send (``what``: "ack", an ack; "pull", a pull handing out messages) whose bytes end at
+    ``end_offset`` of the log ``segments`` is being answered."""
     trace = _trace
     if trace is None or end_offset <= 0:
         return
@@ -125,7 +131,8 @@ def answer(segments: Locates, end_offset: int) -> None:
     if where is None:
         return
     path, pos = where
-    trace.add(f"answer\t{trace.pid}\t{time.monotonic_ns()}\t{pos}\t{end_offset}\t{path}\n")
+    event = what if what in ("ack", "pull") else "answer"
+    trace.add(f"{event}\t{trace.pid}\t{time.monotonic_ns()}\t{pos}\t{end_offset}\t{path}\n")
 
 
 def synced(kind: str, fd: int, path: str, sync: Callable[[int], None]) -> None:

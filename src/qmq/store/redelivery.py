@@ -82,29 +82,46 @@ def base_of(subject: str, group: str) -> tuple[str, str]:
     return subject, group
 
 
-def _unacked(cp: ConsumerProgress, limit: int) -> list[tuple[int, int]]:
-    """(pull offset, seq) of up to ``limit`` unacked entries of a consumer's pull log."""
+def _unacked(cp: ConsumerProgress, limit: int, only: list[list[int]] | None = None) -> list[tuple[int, int]]:
+    """(pull offset, seq) of up to ``limit`` unacked entries of a consumer's pull log (only
+    those within the sorted, disjoint [start, end) ranges ``only``, when given)."""
     out: list[tuple[int, int]] = []
     acked = cp.acked
     ai = 0
+    oi = 0
     for poff, seq, count in cp.runs:
         for p in range(max(poff, cp.ack_offset), poff + count):
             while ai < len(acked) and acked[ai][1] <= p:
                 ai += 1
             if ai < len(acked) and acked[ai][0] <= p:
                 continue
+            if only is not None:
+                while oi < len(only) and only[oi][1] <= p:
+                    oi += 1
+                if oi == len(only):
+                    return out
+                if only[oi][0] > p:
+                    continue
             out.append((p, seq + p - poff))
             if len(out) >= limit:
                 return out
     return out
 
 
-def move_to_retry(store: Redelivering, gp: GroupProgress, cp: ConsumerProgress, max_retries: int) -> int:
-    """Move (up to a batch of) ``cp``'s unacked messages to retry; returns how many moved."""
+def move_to_retry(
+    store: Redelivering,
+    gp: GroupProgress,
+    cp: ConsumerProgress,
+    max_retries: int,
+    only: list[list[int]] | None = None,
+) -> int:
+    """Move (up to a batch of) ``cp``'s unacked messages to retry (only those at the pull-log
+    positions of the sorted, disjoint [start, end) ranges ``only``, when given: an HTTP
+    gateway's receipts whose ack timeout passed); returns how many moved."""
     st = store.subjects.get(gp.subject)
     if st is None:
         return 0
-    entries = _unacked(cp, _MOVE_BATCH_MAX)
+    entries = _unacked(cp, _MOVE_BATCH_MAX, only)
     if not entries:
         return 0
     subject, group = base_of(gp.subject, gp.group)

@@ -1,7 +1,9 @@
 """Checks an I/O trace (fileio.py) for answers that went out before they were durable.
 
 An ``answer`` line says a send was answered under ``flush = "sync"`` with its bytes ending at
-byte ``pos`` of a segment file. It is durable, so the answer was right, when before it:
+byte ``pos`` of a segment file; an ``ack`` line says the same of an ack, whose records end
+there in the broker's action log, and a ``pull`` line the same of a pull that handed out
+messages. Each is durable, so the answer was right, when before it:
 
 - an fsync (or fdatasync) of that file completed that began when the file held at least
   ``pos`` bytes (and began after the file was last created, when the trace saw that), and
@@ -40,6 +42,7 @@ class Answer:
     offset: int  # ... and here in the log
     path: str
     pid: int
+    what: str = "send"  # or "ack", "pull"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +52,8 @@ class Violation:
 
     def __str__(self) -> str:
         a = self.answer
-        return f"answer at {a.ns} ns (pid {a.pid}, log offset {a.offset}, {a.path} byte {a.pos}): {self.reason}"
+        where = f"pid {a.pid}, log offset {a.offset}, {a.path} byte {a.pos}"
+        return f"{a.what} answered at {a.ns} ns ({where}): {self.reason}"
 
 
 @dataclass(slots=True)
@@ -67,6 +71,8 @@ class Trace:
 class Report:
     answers: int
     syncs: int
+    acks: int
+    pulls: int
     failed_syncs: int
     stopped: bool
     unreadable: int
@@ -74,7 +80,8 @@ class Report:
 
     def summary(self) -> str:
         text = (
-            f"{self.answers} answers checked against {self.syncs} fsyncs ({self.failed_syncs} failed): "
+            f"{self.answers} answers ({self.acks} of them acks, {self.pulls} pulls) checked against "
+            f"{self.syncs} fsyncs ({self.failed_syncs} failed): "
             f"{len(self.violations)} answered before they were durable"
         )
         if self.stopped:
@@ -102,9 +109,10 @@ def parse(lines: Iterable[str]) -> Trace:
             elif event == "create" and len(fields) == 4:
                 _e, pid, ns, path = fields
                 trace.creates.setdefault(path, []).append(int(ns))
-            elif event == "answer" and len(fields) == 6:
+            elif event in ("answer", "ack", "pull") and len(fields) == 6:
                 _e, pid, ns, pos, offset, path = fields
-                trace.answers.append(Answer(int(ns), int(pos), int(offset), path, int(pid)))
+                what = "send" if event == "answer" else event
+                trace.answers.append(Answer(int(ns), int(pos), int(offset), path, int(pid), what))
             else:
                 trace.unreadable += 1
                 continue
@@ -161,7 +169,18 @@ def check(trace: Trace) -> Report:
         reason = _file_durable(answer, files, trace.creates) or _entries_durable(answer, dirs, trace.creates)
         if reason is not None:
             violations.append(Violation(answer, reason))
-    return Report(len(trace.answers), len(trace.syncs), len(trace.failed), trace.stopped, trace.unreadable, violations)
+    acks = sum(a.what == "ack" for a in trace.answers)
+    pulls = sum(a.what == "pull" for a in trace.answers)
+    return Report(
+        len(trace.answers),
+        len(trace.syncs),
+        acks,
+        pulls,
+        len(trace.failed),
+        trace.stopped,
+        trace.unreadable,
+        violations,
+    )
 
 
 def _file_durable(answer: Answer, files: dict[tuple[str, int], _Timeline], creates: dict[str, list[int]]) -> str | None:

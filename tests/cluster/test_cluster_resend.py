@@ -1,0 +1,52 @@
+"""A message sent again by another producer — an outbox watchdog resending a row, a delay server
+handing over again after a restart, an application retrying a send whose answer never came —
+goes to the broker group its message id picks (client/routing.py), the one that may have
+stored it, whose duplicate window drops it: it is never stored twice by two groups (found by
+the fault campaign, which saw such second copies delivered after the first one's ack)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from clusterhelpers import cluster_up, fast_config
+
+from qmq.aio import Producer
+from qmq.cli.admin import ask_every_broker
+from qmq.protocol.codes import RequestCode
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+SUBJECT = "resend.orders"
+MESSAGES = 40
+
+
+async def _stored(meta_server: str) -> dict[str, int]:
+    """Messages of SUBJECT each broker group stores (its LAG answer)."""
+    answers = await ask_every_broker(meta_server, RequestCode.LAG, {"subject": SUBJECT, "group": "g"})
+    assert all(isinstance(a, dict) for a in answers.values()), answers
+    return {name: int(a["messages"]) for name, a in answers.items() if isinstance(a, dict)}
+
+
+async def test_a_message_sent_again_by_another_producer_is_dropped_by_the_group_that_stored_it(
+    tmp_path: Path,
+) -> None:
+    args = ["--broker-groups", "2", "--slaves", "0", "--delay-groups", "0"]
+    with cluster_up(tmp_path / "cluster", args, fast_config(tmp_path / "fast.toml")) as c:
+        # the group LAG counts for, from the earliest message, on both broker groups
+        pull = {"subject": SUBJECT, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
+        await ask_every_broker(c.meta_server, RequestCode.PULL, pull)
+        async with Producer(app_code="shop", meta_server=c.meta_server) as first:
+            messages = [first.generate_message(SUBJECT) for _ in range(MESSAGES)]
+            for m in messages:
+                await first.send(m)  # one at a time: each batch may go to either group
+        stored = await _stored(c.meta_server)
+        assert sum(stored.values()) == MESSAGES
+        assert len(stored) == 2, stored
+        assert min(stored.values()) > 0, stored  # both groups took some
+        # a new producer, as a watchdog or a restarted delay server is, sends the same bytes again
+        async with Producer(app_code="shop", meta_server=c.meta_server) as again:
+            for m in reversed(messages):  # not in the first order: which ones it resends is its own
+                await again.send_encoded(SUBJECT, m.encode(), m.message_id)
+            assert again.stats.duplicates == MESSAGES
+        assert await _stored(c.meta_server) == stored
