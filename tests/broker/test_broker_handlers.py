@@ -317,3 +317,20 @@ def test_only_slaves_the_meta_server_named_count_toward_the_write_state(context:
         source.name_slaves([f"s:{i + 2}"])
     assert len(source.named or {}) == 64
     assert "s:1" not in source.slaves
+
+
+async def test_requesters_the_meta_server_never_named_take_a_quarter_of_the_long_polls_at_most(
+    context: Context,
+) -> None:
+    source = context.source
+    source.name_slaves(["s:1"])
+    ask = {"from": 0, "action_from": 0, "max_bytes": 65536, "timeout_ms": 30_000}
+    claims = [RecordingResponder() for _ in range(40)]
+    for i, conn in enumerate(claims):
+        source.request(conn, RequestCode.REPLICATE, i, dict(ask), f"x:{i}")
+    waiting = [conn for conn in claims if not conn.answers]
+    assert len(waiting) == 16  # the rest were answered at once (nothing to copy): they may ask again
+    slave = RecordingResponder()
+    source.request(slave, RequestCode.REPLICATE, 99, dict(ask), "s:1")
+    assert slave.answers == []  # the group's slave still waits for the log to grow
+    source.fail_all("stopping")

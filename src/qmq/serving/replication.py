@@ -53,6 +53,7 @@ _PARKED_MAX = 64
 # requesters not (yet) named by the meta server kept with their last offsets, so a slave that asked
 # before its master heard of it counts at once when it is named; the oldest is dropped first
 _UNNAMED_MAX = 64
+_UNNAMED_PARKED_MAX = _PARKED_MAX // 4
 _NAMED_MAX = 64
 _WAITERS_MAX = 100_000
 REPLICATE_POLL_MS = 1000
@@ -110,7 +111,8 @@ class ReplicationSource:
         self.started = time.monotonic()
         self._log_waiters: deque[tuple[int, Reply]] = deque()
         self._action_waiters: deque[tuple[int, Reply]] = deque()
-        self._parked: list[tuple[Responder, int, int, dict[str, Any], asyncio.TimerHandle]] = []
+        # long polls waiting for the logs to grow, and the slave each is from
+        self._parked: list[tuple[Responder, int, int, dict[str, Any], asyncio.TimerHandle, str]] = []
         self._wake_scheduled = False
 
     # -- the group's write state ---------------------------------------------------------
@@ -201,7 +203,7 @@ class ReplicationSource:
 
     def fail_all(self, text: str) -> None:
         self._fail_waiters(text)
-        for conn, code, request_id, _h, timer in self._parked:
+        for conn, code, request_id, _h, timer, _slave in self._parked:
             timer.cancel()
             conn.respond(code, request_id, {"error": text}, status=Status.NOT_MASTER)
         self._parked.clear()
@@ -227,11 +229,18 @@ class ReplicationSource:
         self._seen(slave, header["from"], header["action_from"])
         if not self._answer(conn, code, request_id, header, wait=header["timeout_ms"] > 0):
             return
-        if len(self._parked) >= _PARKED_MAX:
+        if len(self._parked) >= _PARKED_MAX or (
+            not self._counts(slave) and self._unnamed_parked() >= _UNNAMED_PARKED_MAX
+        ):
+            # full: answered at once (empty), the slave asks again; requesters the meta server has
+            # not named may take only some of the places, so they never crowd the group's slaves out
             self._answer(conn, code, request_id, header, wait=False)
             return
         timer = asyncio.get_running_loop().call_later(header["timeout_ms"] / 1000, self._expire, conn, code, request_id)
-        self._parked.append((conn, code, request_id, header, timer))
+        self._parked.append((conn, code, request_id, header, timer, slave))
+
+    def _unnamed_parked(self) -> int:
+        return sum(1 for p in self._parked if not self._counts(p[5]))
 
     def _counts(self, slave: str) -> bool:
         return self.named is None or slave in self.named
@@ -271,7 +280,7 @@ class ReplicationSource:
         return False
 
     def _expire(self, conn: Responder, code: int, request_id: int) -> None:
-        for i, (c, _code, rid, header, _timer) in enumerate(self._parked):
+        for i, (c, _code, rid, header, _timer, _slave) in enumerate(self._parked):
             if c is conn and rid == request_id:
                 del self._parked[i]
                 self._answer(conn, code, request_id, header, wait=False)
@@ -286,9 +295,9 @@ class ReplicationSource:
     def _wake(self) -> None:
         self._wake_scheduled = False
         parked, self._parked = self._parked, []
-        for conn, code, request_id, header, timer in parked:
+        for conn, code, request_id, header, timer, slave in parked:
             if self._answer(conn, code, request_id, header, wait=True):
-                self._parked.append((conn, code, request_id, header, timer))
+                self._parked.append((conn, code, request_id, header, timer, slave))
             else:
                 timer.cancel()
 
