@@ -29,6 +29,7 @@ from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers, answer_failure
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replication import take_request
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
     BadRequest,
@@ -602,24 +603,8 @@ class Handlers(RoleHandlers):
         conn.respond(frame.code, frame.request_id, {"first": first, "count": count, **bounds}, chunks)
 
     def replicate(self, conn: Responder, frame: Frame) -> None:
-        header = frame.header
         broker = self.broker
-        epoch = get_int(header, "epoch", 0, 1 << 62)
-        if epoch != broker.epoch:
-            conn.respond(
-                frame.code,
-                frame.request_id,
-                {"error": f"epoch {epoch} is not this master's ({broker.epoch}); ask the meta server for the master"},
-                status=Status.NOT_MASTER,
-            )
-            return
-        fields = {
-            "from": get_int(header, "from", 0, 1 << 62),
-            "action_from": get_int(header, "action_from", 0, 1 << 62),
-            "max_bytes": get_int(header, "max_bytes", 1024, 1 << 30),
-            "timeout_ms": get_int(header, "timeout_ms", 0, self.limits.pull_timeout_ms_max, default=0),
-        }
-        broker.source.request(conn, frame.code, frame.request_id, fields, get_str(header, "slave"))
+        take_request(broker.source, broker.epoch, conn, frame, self.limits.pull_timeout_ms_max)
 
 
 def _unknown(code: int) -> str:
