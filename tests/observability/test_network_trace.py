@@ -76,6 +76,7 @@ async def test_a_failed_message_is_traced_from_its_store_through_its_retry_to_th
     assert "card declined #2" in dead["error"]
     pulled = [e for e in events if e["event"] == "pulled"]
     assert {e["consumer_id"] for e in pulled} == {"c-trace"}
+    assert all(e["at"].endswith("Z") for e in pulled), "the action log tells when"
     assert {e["subject"] for e in pulled} == {subject, f"%RETRY%{subject}%billing"}, "both copies were pulled"
     # the message that was handled: pulled and acknowledged; as text too
     done = trace(meta, fine.message_id)
@@ -85,6 +86,11 @@ async def test_a_failed_message_is_traced_from_its_store_through_its_retry_to_th
     assert any(line.strip().startswith("stored") and subject in line for line in lines)
     assert any(line.strip().startswith("pulled") and "consumer c-trace" in line for line in lines)
     assert any(line.strip().startswith("acked") and "group billing" in line for line in lines)
+    done = trace(meta, fine.message_id, "--json")
+    events = json.loads(done.stdout)["events"]
+    [pull] = [e for e in events if e["event"] == "pulled"]
+    [ack] = [e for e in events if e["event"] == "acked"]
+    assert pull["at"] <= ack["at"], (pull, ack)
 
 
 def test_an_unknown_id_is_said_to_be_held_nowhere(shared_standalone: ReadyProcess) -> None:

@@ -14,7 +14,8 @@ thread, so a trace never holds up the event loop:
 
 At most ``SCAN_RECORDS_MAX`` records are read a trace (past them the answer says ``truncated``),
 and at most ``LISTED_MAX`` copies and events are listed.
-The action log keeps no times, so a pull or ack has none (``at`` is null).
+A pull or an ack has the time its action was logged with; one logged by a version of qmq that
+wrote no time, or known only from the progress, has none (``at`` is null).
 """
 
 from __future__ import annotations
@@ -106,32 +107,33 @@ def _deliveries(reader: StoreReader, stored: list[dict[str, Any]]) -> list[dict[
     wanted = {(c["subject"], c["sequence"]) for c in stored}
     if not wanted:
         return out
-    # (subject, group, consumer, pull-log offset) -> [acked, sequence]
+    # (subject, group, consumer, pull-log offset) -> [acked, sequence, pulled at, acked at]
     pulls: dict[tuple[str, str, str, int], list[Any]] = {}
     for item in reader.actions():
         a = item.action
-        if a[0] == act.PULL and len(a) == 7:
+        if a[0] == act.PULL and len(a) >= 7:
             subject, group, consumer, p = str(a[1]), str(a[2]), str(a[3]), int(a[4])
+            at_ms = a[8] if len(a) > 8 else None  # written since actions carry their time
             for seq0, count in a[5]:
                 for subj, seq in wanted:
                     if subj == subject and seq0 <= seq < seq0 + count:
-                        pulls[(subject, group, consumer, p + seq - seq0)] = [False, seq]
+                        pulls[(subject, group, consumer, p + seq - seq0)] = [False, seq, at_ms, None]
                 p += count
-        elif a[0] == act.ACK and len(a) == 5 and pulls:
+        elif a[0] == act.ACK and len(a) >= 5 and pulls:
             who = (str(a[1]), str(a[2]), str(a[3]))
-            for key in pulls:
-                if key[:3] == who and any(r[0] <= key[3] < r[1] for r in a[4]):
-                    pulls[key][0] = True
+            for key, state in pulls.items():
+                if key[:3] == who and not state[0] and any(r[0] <= key[3] < r[1] for r in a[4]):
+                    state[0], state[3] = True, a[5] if len(a) > 5 else None
     progress, _at_ms = reader.progress()
-    for (subject, group, consumer, p), (acked, seq) in pulls.items():
+    for (subject, group, consumer, p), (acked, seq, pulled_ms, acked_ms) in pulls.items():
         if not acked:  # acks older than the kept action log are in the progress
             gp = progress.get(subject, group)
             cp = gp.consumers.get(consumer) if gp else None
             acked = cp is not None and (p < cp.ack_offset or any(s <= p < e for s, e in cp.acked))
-        base = {"group": group, "consumer_id": consumer, "subject": subject, "sequence": seq, "at": None}
-        out.append({"event": "pulled", **base})
+        base = {"group": group, "consumer_id": consumer, "subject": subject, "sequence": seq}
+        out.append({"event": "pulled", **base, "at": _at(pulled_ms)})
         if acked:
-            out.append({"event": "acked", **base})
+            out.append({"event": "acked", **base, "at": _at(acked_ms)})
     for subject, seq in sorted(wanted):
         for gp in progress.groups_of(subject):
             if any(k[0] == subject and k[1] == gp.group for k in pulls):
@@ -149,6 +151,10 @@ def _deliveries(reader: StoreReader, stored: list[dict[str, Any]]) -> list[dict[
                     }
                 )
     return out
+
+
+def _at(ms: object) -> str | None:
+    return rfc3339(ms) if isinstance(ms, int) and not isinstance(ms, bool) and ms > 0 else None
 
 
 def _dead(reader: StoreReader, message_id: str) -> list[dict[str, Any]]:

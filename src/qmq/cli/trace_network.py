@@ -90,8 +90,8 @@ async def network_trace(meta_server: str, message_id: str) -> dict[str, Any]:
                     }
                 )
         events.extend({**e, "broker_group": name} for e in answer.get("events", []))
-    # attempt by attempt: the copy's storing (retried), who pulled it, its ack; dead letters last.
-    # Pulls and acks have no time (the action log keeps none): their copy's attempt places them.
+    # by time; where some event has none (logged by an older qmq, or known from a checkpoint only),
+    # attempt by attempt: the copy's storing (retried), who pulled it, its ack; dead letters last
     order = {"retried": 0, "pulled": 1, "acked": 2, "dead_lettered": 3}
 
     def place(e: dict[str, Any]) -> tuple[int, int, str]:
@@ -103,7 +103,10 @@ async def network_trace(meta_server: str, message_id: str) -> dict[str, Any]:
             attempt = attempt_of.get((e["broker_group"], e.get("subject", ""), int(e.get("sequence", -1))), 1)
         return attempt, order.get(e["event"], 9), e["at"] or ""
 
-    events.sort(key=place)
+    if all(e["at"] for e in events):
+        events.sort(key=lambda e: (e["at"], order.get(e["event"], 9)))  # RFC 3339 in UTC sorts as time
+    else:
+        events.sort(key=place)
     doc["events"] = events
     return doc
 
