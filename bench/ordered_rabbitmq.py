@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -169,23 +170,31 @@ def delete(url: str, names: list[str]) -> None:
         conn.close()
 
 
-def run(url: str, keys: int, per_key: int, handler_ms: float, consumer_counts: list[int], queues: int) -> None:
+def run(
+    url: str, keys: int, per_key: int, handler_ms: float, consumer_counts: list[int], queues: int, repeats: int = 1
+) -> None:
     """Print the handler-bound table of RabbitMQ single-active-consumer queues (a fresh set of
-    queues filled for each cell)."""
+    queues filled for each run of a cell; the median of ``repeats`` runs)."""
     total = keys * per_key
-    print(f"\nRabbitMQ {url.rsplit('@', 1)[-1]}: {queues} single-active-consumer quorum queues, each consumer ")
+    print(f"\nRabbitMQ {url.rsplit('@', 1)[-1]}: {queues} single-active-consumer quorum queues, each consumer")
     print(f"subscribed to its share first and to the rest as a standby; {handler_ms} ms a message, 1 at a time")
     print("| consumers | RabbitMQ SAC s | msgs/s | speed-up | fill msgs/s |\n|---|---|---|---|---|")
     base = None
     with tempfile.TemporaryDirectory() as d:
         for n in consumer_counts:
-            prefix = f"bench.ordered.{uuid.uuid4().hex[:6]}"
-            names = queue_names(prefix, queues)
-            try:
-                rate = fill(url, names, keys, per_key)
-                seconds = run_cell(url, names, prefix, n, total, handler_ms, Path(d))
-            finally:
-                delete(url, names)
+            runs: list[tuple[float, float]] = []
+            for _ in range(repeats):
+                prefix = f"bench.ordered.{uuid.uuid4().hex[:6]}"
+                names = queue_names(prefix, queues)
+                try:
+                    rate = fill(url, names, keys, per_key)
+                    runs.append((run_cell(url, names, prefix, n, total, handler_ms, Path(d)), rate))
+                finally:
+                    delete(url, names)
+            if repeats > 1:
+                print(f"({n} RabbitMQ: {', '.join(f'{r:.2f}' for r, _ in runs)} s)")
+            seconds = statistics.median(r for r, _ in runs)
+            rate = statistics.median(f for _, f in runs)
             base = base or seconds
             print(f"| {n} | {seconds:.2f} | {total / seconds:,.0f} | {base / seconds:.2f}x | {rate:,.0f} |", flush=True)
 
@@ -202,8 +211,10 @@ def main() -> None:
     ap.add_argument("--handler-ms", type=float, default=2.0)
     ap.add_argument("--consumers", default="1,2,4,8")
     ap.add_argument("--queues", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
-    run(args.url, args.keys, args.per_key, args.handler_ms, [int(x) for x in args.consumers.split(",")], args.queues)
+    counts = [int(x) for x in args.consumers.split(",")]
+    run(args.url, args.keys, args.per_key, args.handler_ms, counts, args.queues, args.repeats)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ page at a time (``listings.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import operator
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from qmq.broker.listings import dead_letters_page, lag_page, subjects_page
 from qmq.broker.metrics import BrokerMetrics
@@ -16,6 +18,7 @@ from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
 from qmq.broker.settle import HOLD_MS_MAX, HeldPositions, give_back, normalized, retry_of, settled_positions
+from qmq.broker.trace import trace_message
 from qmq.common.config import BrokerConfig
 from qmq.common.naming import retry_subject
 from qmq.protocol.answers import encode_answer
@@ -47,6 +50,7 @@ from qmq.store.tags import TagFilter
 log = logging.getLogger(__name__)
 
 _ID_CHARS_MAX = 200
+_TRACE_ID_CHARS_MAX = 255  # a message id's most, as the SDK encodes it
 # ScannedMessage is a NamedTuple: reading the field by index halves the cost of the scan per frame
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
@@ -121,6 +125,7 @@ class Handlers(RoleHandlers):
             RequestCode.PURGE_DEAD: self.purge_dead,
             RequestCode.READ: self.read,
             RequestCode.REPLICATE: self.replicate,
+            RequestCode.TRACE: self.trace,
         }
         for code in _MASTER_ONLY:
             table[code] = self._master_only(table[code])
@@ -564,6 +569,22 @@ class Handlers(RoleHandlers):
             durable(None)
             if resent:
                 self.broker.parked.notify({retry_subject(subject, group)})
+
+    def trace(self, conn: Responder, frame: Frame) -> None:
+        """What the files tell of one message id, read on a thread (qmq.broker.trace)."""
+        message_id = frame.header.get("message_id")
+        if not isinstance(message_id, str) or not 0 < len(message_id) <= _TRACE_ID_CHARS_MAX:
+            raise BadRequest(f"'message_id' must be a message id (1 to {_TRACE_ID_CHARS_MAX} characters)")
+        code, request_id = frame.code, frame.request_id
+        done = asyncio.get_running_loop().run_in_executor(
+            None, trace_message, Path(self.broker.config.data_dir), message_id
+        )
+
+        def answer(fut: asyncio.Future[dict[str, Any]]) -> None:
+            if not fut.cancelled():  # a trace that failed raises here: guarded answers its error
+                conn.respond(code, request_id, None, (encode_answer(fut.result()),))
+
+        done.add_done_callback(guarded(conn, code, request_id, answer))
 
     def purge_dead(self, conn: Responder, frame: Frame) -> None:
         subject, group, message_id = self._dead_args(frame)

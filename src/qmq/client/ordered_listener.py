@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from qmq.client.listener import Listener
@@ -57,6 +58,7 @@ class OrderedListener(Listener[M]):
         self._max_retries = self._pullers[0].subscription.max_retries
         self._backoff_ms = self._pullers[0].subscription.backoff_ms
         self.retried_in_place = 0
+        self._loop_time: Callable[[], float] | None = None  # the running loop's clock, once known
 
     def _accept(self, batch: list[M]) -> None:
         keys = self._keys
@@ -78,7 +80,7 @@ class OrderedListener(Listener[M]):
             if not queue or key in self._active:
                 continue  # dropped meanwhile (a stop, a lapsed lease), or run by another worker
             m = queue[0]  # stays at the head while it runs: later messages of the key queue behind it
-            if not await self._still_held(m, key):
+            if not self._fresh(m) and not await self._still_held(m, key):
                 if self._keys.get(key) is queue and queue and queue[0] is m:
                     self._ready.put_nowait(key)  # stopping: left as it is
                 elif key in self._keys:
@@ -106,6 +108,18 @@ class OrderedListener(Listener[M]):
                         del self._keys[key]
                     self._in_app -= 1
                     self._room_freed()
+
+    def _fresh(self, m: M) -> bool:
+        """Whether this consumer surely holds ``m``'s slot now (the common case, without waiting)."""
+        group = m._tracker.broker_group
+        until = self._main.fresh_until.get(group)
+        if until is None:
+            return True
+        lease_s = self._main.lease_s.get(group, 0.0)
+        clock = self._loop_time
+        if clock is None:
+            clock = self._loop_time = asyncio.get_running_loop().time
+        return clock() < until - min(_LEASE_MARGIN_S, lease_s / 4)
 
     async def _still_held(self, m: M, key: object) -> bool:
         """Wait until this consumer surely still holds ``m``'s slot: its broker counts it live (the

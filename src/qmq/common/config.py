@@ -434,8 +434,9 @@ class GatewayConfig:
         _range(1_000, 600_000),
     )
     receipts_max: int = _opt(
-        "most pulled messages held unacknowledged at once (about 1 KiB of memory each beside the body); a pull "
-        "past it is answered 429",
+        "pulled messages kept for a nack with the group's back-off (past it the oldest are dropped: a nack of one "
+        "comes back at once), and the most whose ack timeout the gateway keeps itself when the broker did not take "
+        "them (past it a pull is answered 429)",
         100_000,
         _range(1, 10_000_000),
     )

@@ -100,9 +100,10 @@ class ReplicationSource:
         self.slaves_reported = 0  # slaves heartbeating, from the meta server's last answer
         # the named slaves that asked: address -> (log offset, action offset, when)
         self.slaves: dict[str, tuple[int, int, float]] = {}
-        # slaves the meta server named in this epoch (kept when it later forgets one: a slave that
-        # died still makes the group read-only); None: a meta server that names none, all count
-        self.named: set[str] | None = set()
+        # slaves the meta server named in this epoch, least recently named first (kept when it later
+        # forgets one: a slave that died still makes the group read-only; past _NAMED_MAX the least
+        # recently named goes); None: a meta server that names none, every requester counts
+        self.named: dict[str, None] | None = {}
         self._unnamed: dict[str, tuple[int, int, float]] = {}
         self.replicated = 0  # first-log offset some slave has written
         self.actions_replicated = 0
@@ -132,8 +133,12 @@ class ReplicationSource:
             self.named = None
         elif self.named is not None:
             for address in addresses[:_NAMED_MAX]:
-                if len(self.named) < _NAMED_MAX:
-                    self.named.add(address)
+                self.named.pop(address, None)
+                self.named[address] = None
+            while len(self.named) > _NAMED_MAX:  # slaves restarted on new ports, long gone
+                gone = next(iter(self.named))
+                del self.named[gone]
+                self.slaves.pop(gone, None)
         for address in [a for a in self._unnamed if self._counts(a)]:
             log_offset, action_offset, when = self._unnamed.pop(address)
             self._count(address, log_offset, action_offset, when)
@@ -144,7 +149,7 @@ class ReplicationSource:
         self.slaves.clear()
         self._unnamed.clear()
         if self.named is not None:
-            self.named = set()
+            self.named = {}
         self.replicated = log_end
         self.actions_replicated = action_end
 
