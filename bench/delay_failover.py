@@ -1,6 +1,6 @@
 """kill -9 of a delay group's master holding many pending messages due over the next minute
-(issue 24): a meta server, one broker and a delay group of a master and a slave, each a real
-process; ``--messages`` delay messages due uniformly over ``--spread-s`` seconds from
+(issue 24): a meta server, two broker groups and a delay group of a master and a slave, each a
+real process; ``--messages`` delay messages due uniformly over ``--spread-s`` seconds from
 ``--lead-s`` on are sent, a consumer group takes them as they come, and the master is killed
 (SIGKILL) once ``--kill-at`` of the spread has passed. The meta server promotes the slave; with
 ``--restart-old`` the old master is started again on its data afterwards and must follow the
@@ -84,9 +84,12 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             running_role(["meta", "--data-dir", str(tmp / "meta"), "--port", "0", "--heartbeat-timeout-ms", "2000"])
         )
         url = meta.meta_server
-        stack.enter_context(
-            running_role(["broker", "--data-dir", str(tmp / "broker"), "--meta-server", url, *_HEARTBEAT])
-        )
+        for group in ("b1", "b2"):  # the subject is routed to both
+            stack.enter_context(
+                running_role(
+                    ["broker", "--data-dir", str(tmp / group), "--meta-server", url, "--group", group, *_HEARTBEAT]
+                )
+            )
         master: ReadyProcess = stack.enter_context(running_role(_delay(tmp / "d1-m", url, "master")))
         slave: ReadyProcess = stack.enter_context(running_role(_delay(tmp / "d1-s", url, "slave")))
 
@@ -174,6 +177,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 old_dispatched = await _dispatched(old.ready["address"])
             new_dispatched = await _dispatched(slave.ready["address"])
 
+    lost = sorted(due.keys() - received.keys(), key=lambda i: due[i])
     late = [received[i] - due[i] for i in received]
     after_kill = [received[i] - due[i] for i in received if due[i] >= killed_at]
     return {
@@ -183,7 +187,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "send_msgs_per_s": round(args.messages / send_s),
         "received_before_kill": before_kill,
         "promotion_s_after_kill": round(promotion_s, 2),
-        "lost": len(due.keys() - received.keys()),
+        "lost": len(lost),
+        "lost_due_ms_after_kill": [round(due[i] - killed_at) for i in lost[:20]],
         "early": sum(1 for x in late if x < 0),
         "delivered_twice": sum(repeats.values()),
         "late_ms_p50": round(statistics.median(late)) if late else None,
@@ -204,10 +209,16 @@ def main() -> None:
         "--kill-at", type=float, default=0.3, help="kill the master once this share of the spread passed"
     )
     parser.add_argument("--restart-old", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--keep", action="store_true", help="keep the data directories (and logs) afterwards")
     parser.add_argument("--dir", type=Path, default=None, help="where the data goes (default: a temporary directory)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="qmq-delay-failover-", dir=args.dir) as tmp:
+    if args.keep:
+        tmp = tempfile.mkdtemp(prefix="qmq-delay-failover-", dir=args.dir)
+        print(f"data and logs kept in {tmp}", file=sys.stderr)
         result = asyncio.run(run(args, Path(tmp)))
+    else:
+        with tempfile.TemporaryDirectory(prefix="qmq-delay-failover-", dir=args.dir) as tmp:
+            result = asyncio.run(run(args, Path(tmp)))
     print(json.dumps(result, indent=2))
     bad = (
         result["lost"] or result["early"] or result["delivered_twice"] or result["handed_over_by_old_master_restarted"]

@@ -1,5 +1,5 @@
 """A delay group of a master and a slave, each a real process behind a real meta server and
-broker: the slave copies and replays what its master takes before a send is answered; on
+two broker groups: the slave copies and replays what its master takes before a send is answered; on
 kill -9 of the master the meta server promotes the slave, which hands over what was still
 pending, none of it twice to a consumer group and none early; the old master restarted
 follows the new one in the newer epoch and hands nothing over on its own."""
@@ -100,10 +100,11 @@ def group(tmp_path: Path) -> Iterator[tuple[str, Path, ReadyProcess, ReadyProces
                           "--heartbeat-timeout-ms", "2000"])
         )  # fmt: skip
         url = meta.meta_server
-        stack.enter_context(
-            running_role(["broker", "--data-dir", str(tmp_path / "broker"), "--meta-server", url,
-                          "--heartbeat-interval-ms", "300"])
-        )  # fmt: skip
+        for group in ("b1", "b2"):  # each subject routed to both: a repeat must reach the group that stored it
+            stack.enter_context(
+                running_role(["broker", "--data-dir", str(tmp_path / group), "--meta-server", url, "--group", group,
+                              "--heartbeat-interval-ms", "300"])
+            )  # fmt: skip
         master = stack.enter_context(running_role(delay_args(tmp_path / "d1-m", url, "master")))
         slave = stack.enter_context(running_role(delay_args(tmp_path / "d1-s", url, "slave")))
         replicating(url, slave)
