@@ -238,6 +238,7 @@ def register_commands() -> None:
         push_commands,
         roles,
         spark_commands,
+        subject_commands,
         top_commands,
         tx_commands,
     )
