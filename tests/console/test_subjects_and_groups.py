@@ -62,3 +62,12 @@ def test_group_list_shows_consumers_and_pause(meta_server: str, subject: str) ->
         assert c["unacked"] == 1
         m.ack()
     qmq("group", "resume", subject, "--group", "g", meta_server=meta_server)
+
+
+def test_group_list_shows_a_group_paused_before_it_pulled(meta_server: str, subject: str) -> None:
+    assert qmq("send", subject, "--body", "a", meta_server=meta_server).returncode == 0
+    assert qmq("group", "pause", subject, "--group", "later", meta_server=meta_server).returncode == 0
+    out = qmq("group", "list", subject, meta_server=meta_server)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("later\tpaused\tbacklog 0\tunacked 0")
+    assert qmq("group", "resume", subject, "--group", "later", meta_server=meta_server).returncode == 0

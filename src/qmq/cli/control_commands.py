@@ -15,7 +15,7 @@ import click
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.limits_commands import _request as meta_request
 from qmq.cli.listing_commands import _lag
-from qmq.cli.main import cli
+from qmq.cli.main import CommandError, cli
 from qmq.cli.output import echo_json, json_option
 from qmq.common.config import meta_base_url
 
@@ -104,7 +104,7 @@ def group_list(subject: str, meta_server: str, as_json: bool) -> None:
 async def _group_doc(meta_server: str, subject: str, group: str, paused: bool) -> dict[str, Any]:
     try:
         answers, consumers = await _lag(meta_server, subject, group)
-    except click.ClickException:  # paused before it ever pulled
+    except CommandError:  # paused before it ever pulled: no broker knows it yet
         answers, consumers = {}, []
     return {
         "subject": subject,
