@@ -335,7 +335,10 @@ class Handlers(RoleHandlers):
             out_bytes.inc(result.nbytes)
             conn.respond(code, request_id, header, result.chunks)
 
-        result = self.store.pull(gp, cp, session, max_n, tag_filter)
+        if (gp.subject, gp.group) in self.broker.parked.paused:
+            result = None  # a paused group's consumers get nothing (qmq.broker.controls)
+        else:
+            result = self.store.pull(gp, cp, session, max_n, tag_filter)
         if self.store.dispatched:
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
         elif self.store.settling_ms:

@@ -11,7 +11,9 @@ import asyncio
 import dataclasses
 import logging
 
+from qmq.auth.http import basic_authorization
 from qmq.broker.backlog import unconsumed
+from qmq.broker.controls import ControlsPoller, Paused
 from qmq.broker.handlers import Handlers
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPulls
@@ -79,6 +81,7 @@ class BrokerServer(FrameServer, GroupMember):
         self.release = Release(self)
         self.handlers = Handlers(self)
         self.dispatch = self.handlers.dispatch
+        self._controls: ControlsPoller | None = None
 
     def forget(self, conn: FrameConnection) -> None:
         super().forget(conn)
@@ -108,8 +111,19 @@ class BrokerServer(FrameServer, GroupMember):
         self.periodic.every(slave_check_ms, self._check_slaves)
         if cfg.meta_server:
             self.register(self._heartbeat, on_answer=self._on_answer)
+            secret = self.secret()
+            authorization = basic_authorization(cfg.app_code, secret) if secret else None
+            self._controls = ControlsPoller(cfg.meta_server, self._apply_paused, authorization, self.tls_out)
+            self._controls.start()
         elif self.role == "slave":
             raise StartupError("a slave needs --meta-server: the meta server names its master")
+
+    def _apply_paused(self, paused: Paused) -> None:
+        """The meta server's paused groups (qmq.broker.controls); the resumed ones' long polls are tried now."""
+        before, self.parked.paused = self.parked.paused, paused
+        resumed = {subject for subject, _group in before - paused}
+        if resumed:
+            self.parked.notify(resumed)
 
     # -- roles in the group (docs/cluster.md) --------------------------------------------
 
@@ -265,6 +279,8 @@ class BrokerServer(FrameServer, GroupMember):
             return
         self.stopping = True
         self.release.cancel()
+        if self._controls is not None:
+            await self._controls.stop()
         await self.stop_listening()
         await self._end_transition()
         if self.replicator is not None:

@@ -229,6 +229,7 @@ def register_commands() -> None:
         auth_commands,
         client_commands,
         cluster_commands,
+        control_commands,
         delay_commands,
         group_commands,
         limits_commands,
@@ -237,6 +238,7 @@ def register_commands() -> None:
         push_commands,
         roles,
         spark_commands,
+        subject_commands,
         top_commands,
         tx_commands,
     )
