@@ -198,7 +198,8 @@ def watchdog_command(
 def _run_watchdog(meta_server: str, once: bool, databases: int, make: Callable[[SendsAsync], Watchdog]) -> None:
     from qmq.client.sync import Producer
 
-    with Producer(app_code="qmq-watchdog", meta_server=meta_server) as producer:
+    # a row it sends may have been stored by the first send: only to the group that would have
+    with Producer(app_code="qmq-watchdog", meta_server=meta_server, resends=True) as producer:
         dog = make(producer)
         try:
             if once:
