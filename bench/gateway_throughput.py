@@ -6,18 +6,24 @@ One fresh `qmq standalone` (`flush = "sync"`: every answer after its fsync), 1 K
 same message count for each row, each row on a subject of its own:
 
 - sdk publish: one `qmq.aio` producer, `send_nowait` with up to `--in-flight` batches of 100
-  outstanding; the rate is messages over the time until the last is acknowledged.
+  outstanding (16, as many as the HTTP clients: one window for both paths); the rate is
+  messages over the time until the last is acknowledged.
 - http publish: `--connections` keep-alive HTTP clients (aiohttp, in this process), each POSTing
   `{"messages": [100 messages]}` and waiting for its answer before the next.
 - sdk drain: a pull consumer, pulls of 100, `ack_all` each, the last acks flushed.
 - http drain: `--connections` clients each pulling 100 and POSTing their receipts to /v1/acks
   (answered once the broker recorded them) before the next pull.
 
-The gateway's CPU is read from /proc before and after each HTTP row (user + system of its
-process). The clients run in this process, so the machine's two cores are shared by the
-client, the gateway and the broker, as on a one-box deployment.
+The four rows run `--rounds` times (3), which path goes first alternating from round to round;
+the figures are the medians (each round's are in the JSON). The gateway's CPU is read from
+/proc before and after each HTTP row (user + system of its process). The clients run in this
+process, so the machine's two cores are shared by the client, the gateway and the broker, as
+on a one-box deployment.
 
     .venv/bin/python -m bench.gateway_throughput [--messages 100000] [--connections 16] [--pull-consumers 4]
+
+`python -m bench run` runs it as its W8 cell against the qmq server of the run (``--meta-server``,
+``--gateway`` and ``--gateway-pid`` name it; ``--subject-prefix`` keeps each cell's subjects apart).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -79,10 +86,15 @@ async def _http_publish(http: aiohttp.ClientSession, gw: str, subject: str, n: i
     batches = [min(BATCH, n - s) for s in range(0, n, BATCH)]
     url = f"{gw}/v1/subjects/{subject}/messages"
 
+    # every batch of a size is the same document: encoded once, as the SDK rows reuse one body (an HTTP
+    # client's JSON encoding is its own process's work, not the gateway's)
+    docs = {size: json.dumps({"messages": [{"body": BODY}] * size}).encode() for size in set(batches)}
+    headers = {"Content-Type": "application/json"}
+
     async def client() -> None:
         while batches:
             size = batches.pop()
-            async with http.post(url, json={"messages": [{"body": BODY}] * size}) as resp:
+            async with http.post(url, data=docs[size], headers=headers) as resp:
                 doc = await resp.json()
                 if resp.status != 200 or len(doc["results"]) != size:
                     raise RuntimeError(f"a batch of {size} was answered HTTP {resp.status}: {doc}")
@@ -123,34 +135,83 @@ async def _cpu_of(pid: int, what: Callable[[], Awaitable[float]], n: int) -> tup
     return rate, (after - before) * 100_000 / n
 
 
-async def run(messages: int, connections: int, in_flight: int, pull_consumers: int) -> dict[str, Any]:
+async def measure(
+    meta: str,
+    gw: str,
+    gw_pid: int,
+    messages: int,
+    connections: int,
+    in_flight: int,
+    prefix: str = "bench.gw",
+    rounds: int = 3,
+) -> dict[str, Any]:
+    """The four rows against a running server and its gateway, ``rounds`` times, each round on
+    subjects of its own; which path goes first alternates from round to round (on a shared
+    machine the load moves within seconds), and the figures are the medians."""
+    runs: list[dict[str, float]] = []
+    limits = aiohttp.TCPConnector(limit=connections)
+    async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=120)) as http:
+        for r in range(rounds):
+            row: dict[str, float] = {}
+            sdk_subject, http_subject = f"{prefix}.sdk{r}", f"{prefix}.http{r}"
+
+            async def sdk_publish(row: dict[str, float] = row, subject: str = sdk_subject) -> None:
+                row["sdk_publish_per_s"] = await _sdk_publish(meta, subject, messages, in_flight)
+
+            async def http_publish(row: dict[str, float] = row, subject: str = http_subject) -> None:
+                rate, cpu = await _cpu_of(
+                    gw_pid, lambda: _http_publish(http, gw, subject, messages, connections), messages
+                )
+                row["http_publish_per_s"], row["gateway_cpu_s_per_100k_publish"] = rate, cpu
+
+            async def sdk_drain(row: dict[str, float] = row, subject: str = sdk_subject) -> None:
+                row["sdk_drain_per_s"] = await _sdk_drain(meta, subject, messages)
+
+            async def http_drain(row: dict[str, float] = row, subject: str = http_subject) -> None:
+                rate, cpu = await _cpu_of(
+                    gw_pid, lambda: _http_drain(http, gw, subject, messages, connections), messages
+                )
+                row["http_drain_per_s"], row["gateway_cpu_s_per_100k_drain"] = rate, cpu
+
+            steps = [sdk_publish, http_publish, sdk_drain, http_drain]
+            if r % 2:
+                steps = [http_publish, sdk_publish, http_drain, sdk_drain]
+            for step in steps:
+                await step()
+            row["publish_ratio"] = row["http_publish_per_s"] / row["sdk_publish_per_s"]
+            row["drain_ratio"] = row["http_drain_per_s"] / row["sdk_drain_per_s"]
+            runs.append(row)
+    out: dict[str, Any] = {
+        "messages": messages,
+        "body_bytes": len(BODY),
+        "batch": BATCH,
+        "connections": connections,
+        "in_flight_batches": in_flight,
+        "rounds": rounds,
+    }
+    out.update({key: statistics.median(run[key] for run in runs) for key in runs[0]})
+    out["runs"] = runs
+    return out
+
+
+async def run(messages: int, connections: int, in_flight: int, pull_consumers: int, rounds: int) -> dict[str, Any]:
+    """The cell against a fresh `qmq standalone` of its own (flush = "sync")."""
     config = {"gateway": {"pull_consumers": pull_consumers}}
     with tempfile.TemporaryDirectory() as tmp, running_standalone(Path(tmp) / "qmq-data", config) as proc:
-        meta, gw, gw_pid = proc.meta_server, proc.gateway, int(proc.ready["gateway_pid"])
-        out: dict[str, Any] = {"messages": messages, "body_bytes": len(BODY), "batch": BATCH, "flush": "sync",
-                               "connections": connections, "pull_consumers": pull_consumers}  # fmt: skip
-        out["sdk_publish_per_s"] = await _sdk_publish(meta, "bench.gw.sdk", messages, in_flight)
-        out["sdk_drain_per_s"] = await _sdk_drain(meta, "bench.gw.sdk", messages)
-        limits = aiohttp.TCPConnector(limit=connections)
-        async with aiohttp.ClientSession(connector=limits, timeout=aiohttp.ClientTimeout(total=120)) as http:
-            rate, cpu = await _cpu_of(
-                gw_pid, lambda: _http_publish(http, gw, "bench.gw.http", messages, connections), messages
-            )
-            out["http_publish_per_s"], out["gateway_cpu_s_per_100k_publish"] = rate, cpu
-            rate, cpu = await _cpu_of(
-                gw_pid, lambda: _http_drain(http, gw, "bench.gw.http", messages, connections), messages
-            )
-            out["http_drain_per_s"], out["gateway_cpu_s_per_100k_drain"] = rate, cpu
-    out["publish_ratio"] = out["http_publish_per_s"] / out["sdk_publish_per_s"]
-    out["drain_ratio"] = out["http_drain_per_s"] / out["sdk_drain_per_s"]
-    return out
+        out = await measure(
+            proc.meta_server, proc.gateway, int(proc.ready["gateway_pid"]), messages, connections, in_flight,
+            rounds=rounds,
+        )  # fmt: skip
+    return {**out, "flush": "sync", "pull_consumers": pull_consumers}
 
 
 def table(r: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"gateway cell: {r['messages']:,} messages of {r['body_bytes']} B, batches of {r['batch']}, "
-            f"{r['connections']} HTTP connections, {r['pull_consumers']} pull consumers, flush = {r['flush']}",
+            f"medians of {r['rounds']} rounds, {r['in_flight_batches']} SDK batches in flight, "
+            f"{r['connections']} HTTP connections, {r.get('pull_consumers', '?')} pull consumers, "
+            f"flush = {r.get('flush', '?')}",
             "",
             "| path | publish msg/s | drain msg/s | gateway CPU s / 100k (publish, drain) |",
             "|---|---|---|---|",
@@ -166,11 +227,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--in-flight", type=int, default=32, help="SDK batches of 100 outstanding at once")
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=16,
+        help="SDK batches of 100 outstanding at once (as --connections: one window)",
+    )
     parser.add_argument("--pull-consumers", type=int, default=4, help="the gateway's pull_consumers")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document too")
+    parser.add_argument("--meta-server", help="measure this running server (with --gateway, --gateway-pid)")
+    parser.add_argument("--gateway", help="the running server's gateway URL")
+    parser.add_argument("--gateway-pid", type=int, help="the running server's gateway process")
+    parser.add_argument("--subject-prefix", default="bench.gw")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the four rows; the medians are reported")
     args = parser.parse_args()
-    result = uvloop.run(run(args.messages, args.connections, args.in_flight, args.pull_consumers))
+    if args.meta_server:
+        if not args.gateway or not args.gateway_pid:
+            parser.error("--meta-server needs --gateway URL and --gateway-pid N")
+        result = uvloop.run(
+            measure(
+                args.meta_server, args.gateway, args.gateway_pid, args.messages, args.connections, args.in_flight,
+                args.subject_prefix, args.rounds,
+            )
+        )  # fmt: skip
+        print(json.dumps(result))  # the W8 cell of `python -m bench run` reads this line
+        return
+    result = uvloop.run(run(args.messages, args.connections, args.in_flight, args.pull_consumers, args.rounds))
     print(table(result))
     if args.json:
         print(json.dumps(result))

@@ -12,10 +12,14 @@ Two parts, each on a fresh `qmq standalone` (flush = sync):
    cost of ordering (dispatch by slot on the broker, per-key queues in the SDK).
 
     .venv/bin/python -m bench.ordered [--keys 10000] [--per-key 2] [--handler-ms 2] [--concurrency 1]
+        [--consumers 1,2,4,8] [--repeats 1] [--rabbitmq amqp://guest:guest@127.0.0.1:5672/%2F]
 
-No peer runs here: RabbitMQ's nearest setup (single-active-consumer queues, one per slot group,
-with consistent-hash exchange routing) needs a plugin and a fixed queue count chosen ahead, which
-is the partition management qmq's slots avoid; its figures would measure a different design.
+``--repeats N`` runs each cell N times and shows the median (the machine is shared: one slow or
+one lucky run must not move a figure).
+
+With ``--rabbitmq URL`` the handler-bound cells also run on that RabbitMQ, as single-active-
+consumer queues, one per slot group (``bench.ordered_rabbitmq``: how, and what it needs that qmq
+does not: a queue count fixed ahead, its queues assigned to consumers by hand).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -170,6 +175,9 @@ def main() -> None:
     ap.add_argument("--consumers", default="1,2,4,8")
     ap.add_argument("--drain-keys", type=int, default=10_000)
     ap.add_argument("--drain-per-key", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each cell; the median is shown")
+    ap.add_argument("--rabbitmq", metavar="URL", help="also run the handler-bound cells on this RabbitMQ")
+    ap.add_argument("--rabbitmq-queues", type=int, default=16, help="single-active-consumer queues (slot groups)")
     args = ap.parse_args()
     total = args.keys * args.per_key
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; qmq standalone, flush = sync")
@@ -185,7 +193,10 @@ def main() -> None:
         for n in [int(x) for x in args.consumers.split(",")]:
             row = [str(n)]
             for ordered in (True, False):
-                seconds = run_cell(sa.meta_server, n, total, args, tmp, ordered)
+                runs = [run_cell(sa.meta_server, n, total, args, tmp, ordered) for _ in range(args.repeats)]
+                seconds = statistics.median(runs)
+                if args.repeats > 1:
+                    print(f"({n} {'ordered' if ordered else 'unordered'}: {', '.join(f'{r:.2f}' for r in runs)} s)")
                 base.setdefault(ordered, seconds)
                 row += [f"{seconds:.2f}", f"{total / seconds:,.0f}", f"{base[ordered] / seconds:.2f}x"]
             print("| " + " | ".join(row) + " |", flush=True)
@@ -195,8 +206,17 @@ def main() -> None:
         print(f"\nCPU-bound drain, one consumer, empty handler, {drain_total} messages ({args.drain_keys} keys)")
         print("| listener | msgs/s |\n|---|---|")
         for ordered in (False, True):
-            r = asyncio.run(drain(sa.meta_server, drain_subject, drain_total, ordered))
+            r = statistics.median(
+                asyncio.run(drain(sa.meta_server, drain_subject, drain_total, ordered)) for _ in range(args.repeats)
+            )
             print(f"| {'ordered' if ordered else 'unordered'} | {r:,.0f} |", flush=True)
+    if args.rabbitmq:
+        from bench.ordered_rabbitmq import run as run_rabbitmq  # pika: only when asked for
+
+        counts = [int(x) for x in args.consumers.split(",")]
+        run_rabbitmq(
+            args.rabbitmq, args.keys, args.per_key, args.handler_ms, counts, args.rabbitmq_queues, args.repeats
+        )
 
 
 if __name__ == "__main__":

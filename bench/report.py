@@ -327,6 +327,33 @@ def subjects_lines(doc: dict[str, Any]) -> list[str]:
                     "server CPU s/100k pub / drain"], rows), ""]
 
 
+def gateway_lines(doc: dict[str, Any]) -> list[str]:
+    s = doc["settings"]
+    rows = []
+    for entry in doc["systems"].values():
+        if entry.get("kind") != "qmq":
+            continue
+        why = state(entry, "W8")
+
+        def get(key: str, digits: int = 0, entry: dict[str, Any] = entry) -> str:
+            return per_run(entry, "W8", lambda r: r.get(key), digits)
+
+        rows.append([
+            label(entry),
+            why or get("sdk_publish_per_s"), "" if why else get("http_publish_per_s"),
+            "" if why else get("publish_ratio", 2),
+            "" if why else get("sdk_drain_per_s"), "" if why else get("http_drain_per_s"),
+            "" if why else get("drain_ratio", 2),
+            "" if why else get("gateway_cpu_s_per_100k_publish", 2) + " / " + get("gateway_cpu_s_per_100k_drain", 2),
+        ])
+    if not rows:
+        return []
+    header = ["system", "SDK publish msg/s", "HTTP publish msg/s", "HTTP ÷ SDK", "SDK drain msg/s",
+              "HTTP drain msg/s", "HTTP ÷ SDK", "gateway CPU s/100k (publish / drain)"]
+    return [f"## W8 HTTP gateway beside the SDK — {s.get('w8_messages', 0):,} messages a row, batches of "
+            f"{s['batch_messages']}, {s.get('w8_connections', 0)} HTTP connections", "", *table(header, rows), ""]
+
+
 def goals_lines(doc: dict[str, Any]) -> list[str]:
     qmq = [n for n, e in doc["systems"].items() if e.get("kind") == "qmq"]
     if not qmq:
@@ -375,12 +402,18 @@ def goals_lines(doc: dict[str, Any]) -> list[str]:
             return state(entry, "W6") or "–"
         return f"{speed:.2f}× with {counts[-1]}{mark(speed >= 7)}"
 
+    def w8(name: str) -> str:
+        entry = doc["systems"][name]
+        r = best(entry, "W8", lambda r: r.get("publish_ratio"), True)
+        return state(entry, "W8") or "–" if r is None else f"{r:.2f} of the SDK's publish rate{mark(r >= 0.5)}"
+
     goals = [
         ("W1 ≥ 1.2× best peer of the same guarantee (sync ≥ 35k msg/s, periodic ≥ 65k)", w1),
         ("W2 ≥ 140k msg/s", w2),
         ("W3 p99 ≤ 2 ms and p99.9 ≤ 5 ms", w3),
         ("W4 lateness p99 ≤ 10 ms and ≤ 64 B RSS per pending delayed message", w4),
         ("W6 8 consumers ≥ 7× one (handler-bound)", w6),
+        ("W8 HTTP gateway publish ≥ 0.5× the SDK's", w8),
     ]
     rows = [[text, *(fn(name) for name in qmq)] for text, fn in goals]
     return ["## Goals (reported next to the figures, never asserted)", "", *table(["goal", *qmq], rows), ""]
@@ -417,6 +450,8 @@ def markdown(doc: dict[str, Any]) -> str:
         parts += elasticity_lines(doc)
     if "W7" in workloads:
         parts += subjects_lines(doc)
+    if "W8" in workloads:
+        parts += gateway_lines(doc)
     parts += goals_lines(doc)
     parts += failure_lines(doc)
     return "\n".join(parts).rstrip() + "\n"

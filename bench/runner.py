@@ -1,7 +1,7 @@
 """The driver: for each system, start its server, run the selected workloads in a fixed
 order with one cell each, stop the server; one failing system never stops the others.
 
-Order per system: W1+W2 (× repeats), W3, W6, W7, then W4 and W5 on a freshly started
+Order per system: W1+W2 (× repeats), W3, W6, W7, W8 (qmq only), then W4 and W5 on a freshly started
 server (full runs), so the delay figures see no earlier backlog in memory."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from bench.settings import Settings
 from bench.workers import kill_all_workers
 from bench.workloads_basic import w1_publish, w2_drain, w3_latency
 from bench.workloads_delay import w4_delay, w5_thundering_second
+from bench.workloads_gateway import w8_gateway
 from bench.workloads_scale import w6_elasticity, w7_many_subjects
 
 Log = Callable[[str], None]
@@ -134,6 +135,11 @@ class SystemRun:
             self._cell("W6", w6_elasticity, cell)
         if "W7" in want:
             self._cell("W7", w7_many_subjects, cell)
+        if "W8" in want:
+            if self.system.startswith("qmq-"):
+                self._cell("W8", w8_gateway, cell)
+            else:
+                self._record("W8", {"skipped": "no HTTP gateway: W8 measures qmq's"})
         restarted = False
         for workload, fn in (("W4", w4_delay), ("W5", w5_thundering_second)):
             if workload not in want:
@@ -181,4 +187,8 @@ def _headline(workload: str, result: dict[str, Any]) -> str:
             f"x{k}: {v.get('speedup_vs_1')}" for k, v in handled.items())
     if workload == "W7":
         return f"publish {result.get('publish_msgs_per_s')} msg/s, drain {result.get('drain_msgs_per_s')} msg/s"
+    if workload == "W8":
+        return (f"HTTP publish {result.get('http_publish_per_s', 0):.0f} msg/s "
+                f"({result.get('publish_ratio', 0):.2f} of the SDK's), "
+                f"drain {result.get('http_drain_per_s', 0):.0f} msg/s ({result.get('drain_ratio', 0):.2f})")
     return ""

@@ -22,7 +22,7 @@ REDIS_PORT = 36379
 HOST = "127.0.0.1"
 PAYLOAD_BYTES = 1024
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")
 PEERS = ("rabbitmq", "nats", "redis")
 QMQ_FLUSH_POLICIES = ("sync", "periodic")
 
@@ -57,6 +57,11 @@ class Settings:
     # W7: many subjects.
     w7_subjects: int = 1_000
     w7_messages_per_subject: int = 200
+    # W8: the HTTP gateway beside the SDK (qmq only): messages per row, HTTP connections (and SDK
+    # batches in flight), rounds (medians reported).
+    w8_messages: int = 100_000
+    w8_connections: int = 16
+    w8_rounds: int = 3
     # Client shape shared by every system.
     batch_messages: int = 100
     window_messages: int = 1_000
@@ -89,6 +94,7 @@ class Settings:
             w6_messages=4_000,
             w6_cpu_messages=20_000,
             w7_messages_per_subject=20,
+            w8_messages=20_000,
             worker_slack_s=30.0,
             system_limit_s=240.0,
             run_limit_s=900.0,

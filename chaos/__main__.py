@@ -21,7 +21,7 @@ from types import FrameType
 from chaos.results import table, write
 from chaos.scenario import Result, Settings
 
-SCENARIOS = ("process", "disk", "corruption", "power", "hostile", "network")
+SCENARIOS = ("process", "disk", "corruption", "power", "hostile", "hostile_auth", "network")
 EXIT_FINDINGS = 3
 
 

@@ -72,6 +72,9 @@ class ChaosCluster:
     placed: Mapping[str, tuple[list[str], str]] = field(default_factory=dict)
     # the meta server's URL as every other process is to use it (through a proxy, say)
     meta_url: Callable[[str], str] = lambda url: url
+    # options every server gets (--auth-file ...), and the servers' own app (with $QMQ_SECRET in env)
+    secure: Sequence[str] = ()
+    server_app: str = ""
 
     @property
     def meta_server(self) -> str:
@@ -92,6 +95,8 @@ class ChaosCluster:
             host=self.host,
             meta_port=free_port(self.host),
             config_file=cfg,
+            secure=self.secure,
+            app_code=self.server_app,
         )
         self.state = Cluster(str(self.data_dir.resolve()), "", [], int(time.time() * 1000))
         for m in members:

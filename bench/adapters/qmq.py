@@ -42,6 +42,14 @@ class QmqAdapter(Adapter):
         self._producer: Any = None
         self._pull_consumers: list[Any] = []
         self._cursor = 0
+        # a server with TLS and an auth file (bench/secure_throughput.py): its CA and the app's secret
+        self._secure: dict[str, Any] = {}
+        if endpoint.get("secret"):
+            self._secure["secret"] = endpoint["secret"]
+        if endpoint.get("ca_file"):
+            import ssl
+
+            self._secure["ssl"] = ssl.create_default_context(cafile=endpoint["ca_file"])
 
     async def connect(self) -> None:
         await self._stack.__aenter__()
@@ -52,7 +60,7 @@ class QmqAdapter(Adapter):
     async def _producer_ready(self) -> Any:
         if self._producer is None:
             self._producer = await self._stack.enter_async_context(
-                self._aio.Producer(app_code=APP_CODE, meta_server=self.endpoint["meta_server"])
+                self._aio.Producer(app_code=APP_CODE, meta_server=self.endpoint["meta_server"], **self._secure)
             )
         return self._producer
 
@@ -121,6 +129,7 @@ class QmqAdapter(Adapter):
                 app_code=APP_CODE,
                 meta_server=self.endpoint["meta_server"],
                 consumer_id=f"bench-{os.getpid()}-{consumer_index}",
+                **self._secure,
             )
         )
         self._pull_consumers = [

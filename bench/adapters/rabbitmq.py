@@ -62,10 +62,18 @@ class RabbitMqAdapter(PushInbox, Adapter):
                 self._closed.set_result(reason)
             self._fail_pending(ConnectionError(f"RabbitMQ connection closed: {reason}"))
 
+        # a TLS listener (bench/secure_throughput.py): its port and the CA that signed its certificate
+        tls: dict[str, Any] = {}
+        if self.endpoint.get("ca_file"):
+            import ssl
+
+            context = ssl.create_default_context(cafile=self.endpoint["ca_file"])
+            tls["ssl_options"] = pika.SSLOptions(context, self.endpoint["host"])
         params = pika.ConnectionParameters(
             host=self.endpoint["host"],
             port=self.endpoint["port"],
             credentials=pika.PlainCredentials("guest", "guest"),
+            **tls,
         )
         self._conn = AsyncioConnection(
             params,

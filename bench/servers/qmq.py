@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import ssl
 import subprocess
 import sys
 import threading
@@ -49,6 +50,12 @@ class QmqServer(ServerProcess):
         self.ready_line = ""
         self.delay_http = ""
         self._copier: threading.Thread | None = None
+        # TLS and an auth file (bench/secure_throughput.py): more options for `qmq standalone`,
+        # its environment, and what the workers connect with (ca_file, secret) in the endpoint
+        self.extra_args: list[str] = []
+        self.extra_env: dict[str, str] = {}
+        self.endpoint_extra: dict[str, Any] = {}
+        self._ca_file: str | None = None
 
     def missing(self) -> str | None:
         err = _probe("from qmq.aio import Producer, Consumer")
@@ -105,7 +112,9 @@ class QmqServer(ServerProcess):
                 "--meta-port", "0",
                 "--broker-port", "0",
                 "--config", config,
+                *self.extra_args,
             ],
+            env={**os.environ, **self.extra_env} if self.extra_env else None,
             stdout_pipe=True,
         )
         line = self._wait_ready_line()
@@ -116,16 +125,22 @@ class QmqServer(ServerProcess):
         self.named_pids = [int(pid) for pid in re.findall(r"\b(?:broker|meta|delay)_pid=(\d+)", line)]
         delay_pid = re.search(r"\bdelay_pid=(\d+)", line)
         self.delay_pid = int(delay_pid.group(1)) if delay_pid else None
-        delay_http = re.search(r"delay_http=(http://\S+)", line)
+        delay_http = re.search(r"delay_http=(https?://\S+)", line)
         self.delay_http = delay_http.group(1) if delay_http else ""
-        broker_http = re.search(r"broker_http=(http://\S+)", line)
+        broker_http = re.search(r"broker_http=(https?://\S+)", line)
         self.broker_http = broker_http.group(1) if broker_http else ""
         assert self.proc is not None
         assert self.proc.stdout is not None
         stdout = self.proc.stdout
         self._copier = threading.Thread(target=self._copy_stdout, args=(stdout,), daemon=True)
         self._copier.start()
-        return {"meta_server": meta.group(1)}
+        self._ca_file = self.endpoint_extra.get("ca_file")
+        endpoint: dict[str, Any] = {"meta_server": meta.group(1), **self.endpoint_extra}
+        gateway = re.search(r"\bgateway=(https?://\S+)", line)
+        gateway_pid = re.search(r"\bgateway_pid=(\d+)", line)
+        if gateway and gateway_pid:
+            endpoint.update(gateway=gateway.group(1), gateway_pid=int(gateway_pid.group(1)))
+        return endpoint
 
     def delay_holder_pids(self) -> list[int]:
         """The delay server's process: it alone holds pending delayed messages (the broker
@@ -136,11 +151,11 @@ class QmqServer(ServerProcess):
 
     def delay_lateness_counts(self) -> dict[str, int] | None:
         """The delay server's ``qmq_delay_fire_lateness_ms`` histogram (hand-over − due)."""
-        return _histogram(self.delay_http, "qmq_delay_fire_lateness_ms")
+        return _histogram(self.delay_http, "qmq_delay_fire_lateness_ms", self._ca_file)
 
     def fsync_seconds_counts(self) -> dict[str, int] | None:
         """The broker's ``qmq_store_flush_seconds`` histogram (one fdatasync of its logs)."""
-        return _histogram(self.broker_http, "qmq_store_flush_seconds")
+        return _histogram(self.broker_http, "qmq_store_flush_seconds", self._ca_file)
 
     def _wait_ready_line(self) -> str:
         assert self.proc is not None
@@ -190,11 +205,12 @@ class QmqServer(ServerProcess):
         self.named_pids = []
 
 
-def _histogram(http: str, name: str) -> dict[str, int] | None:
-    """A cumulative histogram from a role's /metrics: bucket bound → count."""
+def _histogram(http: str, name: str, ca_file: str | None = None) -> dict[str, int] | None:
+    """A cumulative histogram from a role's /metrics: bucket bound → count (over TLS, trusting ca_file)."""
     if not http:
         return None
-    with urllib.request.urlopen(f"{http}/metrics", timeout=5) as response:
+    context = ssl.create_default_context(cafile=ca_file) if http.startswith("https://") else None
+    with urllib.request.urlopen(f"{http}/metrics", timeout=5, context=context) as response:
         text = response.read().decode()
     found = re.findall(rf'^{name}_bucket\{{le="([^"]+)"\}} (\S+)$', text, re.MULTILINE)
     return {bound: int(float(count)) for bound, count in found}

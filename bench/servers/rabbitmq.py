@@ -25,6 +25,12 @@ class RabbitMqServer(ServerProcess):
         super().__init__(data_root, settings)
         self.epmd: subprocess.Popen[bytes] | None = None
         self._epmd_log: IO[bytes] | None = None
+        self.node = "qmqbench@localhost"
+        self.port, self.dist_port, self.epmd_port = RABBITMQ_PORT, RABBITMQ_DIST_PORT, RABBITMQ_EPMD_PORT
+        # a TLS listener beside the plain one (bench/secure_throughput.py): its port, and the
+        # certificate, key and CA files (PEM) it is configured with
+        self.tls_port: int | None = None
+        self.tls_files: dict[str, str] = {}
 
     def missing(self) -> str | None:
         if not os.path.exists(RABBITMQ_SERVER):
@@ -54,10 +60,10 @@ class RabbitMqServer(ServerProcess):
         env = dict(os.environ)
         env.update({
             "HOME": os.path.join(self.dir, "home"),
-            "RABBITMQ_NODENAME": "qmqbench@localhost",
+            "RABBITMQ_NODENAME": self.node,
             "RABBITMQ_NODE_IP_ADDRESS": HOST,
-            "RABBITMQ_NODE_PORT": str(RABBITMQ_PORT),
-            "RABBITMQ_DIST_PORT": str(RABBITMQ_DIST_PORT),
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
             "RABBITMQ_MNESIA_BASE": os.path.join(self.dir, "mnesia"),
             "RABBITMQ_LOG_BASE": os.path.join(self.dir, "log"),
             "RABBITMQ_CONFIG_FILE": os.path.join(self.dir, "rabbitmq.conf"),
@@ -67,15 +73,24 @@ class RabbitMqServer(ServerProcess):
             "RABBITMQ_PID_FILE": os.path.join(self.dir, "rabbit.pid"),
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
             "ERL_EPMD_ADDRESS": HOST,
-            "ERL_EPMD_PORT": str(RABBITMQ_EPMD_PORT),
+            "ERL_EPMD_PORT": str(self.epmd_port),
         })
         return env
 
     def _write_config(self) -> None:
+        conf = f"listeners.tcp.1 = {HOST}:{self.port}\nlog.console = false\nlog.file.level = warning\n"
+        if self.tls_port is not None:
+            # TLS without client certificates, as qmq's secure bench runs (clients prove who they
+            # are with a password here, a secret there)
+            conf += (
+                f"listeners.ssl.1 = {HOST}:{self.tls_port}\n"
+                f"ssl_options.cacertfile = {self.tls_files['ca']}\n"
+                f"ssl_options.certfile = {self.tls_files['cert']}\n"
+                f"ssl_options.keyfile = {self.tls_files['key']}\n"
+                "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n"
+            )
         files = {
-            "rabbitmq.conf": (
-                f"listeners.tcp.1 = {HOST}:{RABBITMQ_PORT}\nlog.console = false\nlog.file.level = warning\n"
-            ),
+            "rabbitmq.conf": conf,
             "advanced.config": "[].\n",
             "rabbitmq-env.conf": "",
             "enabled_plugins": "[].\n",
@@ -85,7 +100,7 @@ class RabbitMqServer(ServerProcess):
                 f.write(text)
 
     def start(self) -> dict[str, Any]:
-        for port in (RABBITMQ_PORT, RABBITMQ_DIST_PORT, RABBITMQ_EPMD_PORT):
+        for port in (self.port, self.dist_port, self.epmd_port, *([self.tls_port] if self.tls_port else [])):
             self.ensure_port_free(port)
         self.fresh_dir()
         os.makedirs(os.path.join(self.dir, "home"))
@@ -94,16 +109,18 @@ class RabbitMqServer(ServerProcess):
         # Our own epmd, in the foreground so we hold its PID and can stop it.
         self._epmd_log = open(os.path.join(self.dir, "epmd.log"), "ab")  # noqa: SIM115 - closed in stop()
         self.epmd = subprocess.Popen(
-            ["epmd", "-address", HOST, "-port", str(RABBITMQ_EPMD_PORT)],
+            ["epmd", "-address", HOST, "-port", str(self.epmd_port)],
             stdout=self._epmd_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True,
         )
         deadline = time.monotonic() + 10.0
-        while not port_open(RABBITMQ_EPMD_PORT) and time.monotonic() < deadline:
+        while not port_open(self.epmd_port) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.popen([RABBITMQ_SERVER], env=env)
-        self.wait_port(RABBITMQ_PORT, 90.0)
-        return {"host": HOST, "port": RABBITMQ_PORT}
+        self.wait_port(self.port, 90.0)
+        if self.tls_port is not None:
+            self.wait_port(self.tls_port, 30.0)
+        return {"host": HOST, "port": self.port}
 
     def extra_pids(self) -> list[int]:
         return [self.epmd.pid] if self.epmd is not None else []

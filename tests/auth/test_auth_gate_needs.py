@@ -16,6 +16,7 @@ EXPECTED: dict[RequestCode, list[tuple[Action, str | None, str | None]]] = {
     RequestCode.SEND_MESSAGES: [],  # per subject of the body, by the handlers
     RequestCode.PULL: [(Action.CONSUME, S, G)],
     RequestCode.ACK: [(Action.CONSUME, S, G)],
+    RequestCode.SETTLE: [(Action.CONSUME, S, G)],
     RequestCode.SUBJECTS: [],
     RequestCode.LAG: [],
     RequestCode.DELAY_STATS: [],
@@ -28,6 +29,7 @@ EXPECTED: dict[RequestCode, list[tuple[Action, str | None, str | None]]] = {
     RequestCode.ACK_MANY: [(Action.CONSUME, S, G), (Action.CONSUME, "other", "g2")],
     RequestCode.CANCEL_DELAY: [(Action.ADMIN, None, None)],
     RequestCode.DELAY_LIST: [(Action.CONSUME, S, None)],
+    RequestCode.TRACE: [(Action.ADMIN, None, None)],
 }
 HEADER = {"subject": S, "group": G, "acks": [{"subject": S, "group": G}, {"subject": "other", "group": "g2"}]}
 

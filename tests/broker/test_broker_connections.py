@@ -18,7 +18,7 @@ from rawclient import RawClient, message
 from qmq.common.limits import MiB
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame, FrameDecoder, encode_frame
-from qmq.testing import ReadyProcess, metric_value, running_role, running_standalone
+from qmq.testing import ReadyProcess, metric_value, running_role, running_standalone, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -150,3 +150,52 @@ def test_connections_past_connections_max_are_told_why_and_silent_ones_time_out(
         assert sent.returncode == 0, sent.stderr
         for c in quiet[2:]:
             c.close()
+
+
+def _from(host: str, address: str) -> socket.socket:
+    """A connection to ``address`` from the local address ``host`` (any of 127.0.0.0/8 is this machine)."""
+    to_host, port = address.rsplit(":", 1)
+    return socket.create_connection((to_host, int(port)), timeout=10, source_address=(host, 0))
+
+
+def _ping(sock: socket.socket) -> Frame:
+    sock.sendall(encode_frame(Frame(RequestCode.PING, 1)))
+    decoder = FrameDecoder()
+    while (frame := decoder.next_frame()) is None:
+        data = sock.recv(65536)
+        assert data, "the broker closed the connection"
+        decoder.receive_data(data)
+    return frame
+
+
+def test_one_host_holds_at_most_connections_per_host_max_and_others_still_connect(tmp_path: Path) -> None:
+    # Found by the fault campaign's hostile-clients scenario: one client's 5,000 idle connections
+    # took all of connections_max (4,096), and a new connection of any other client was refused.
+    config = write_config(tmp_path / "broker.toml", {"broker": {"connections_max": 10, "connections_per_host_max": 3}})
+    args = ["broker", "--data-dir", str(tmp_path / "data"), "--port", "0", "--http-port", "0", "--config", str(config)]
+    with running_role(args) as broker:
+        address, http = broker.ready["address"], broker.ready["http"]
+        hog = [_from("127.0.0.2", address) for _ in range(3)]
+        others: list[socket.socket] = []
+        try:
+            for sock in hog:
+                assert _ping(sock).status == Status.OK  # idle from now on
+            refused = _from("127.0.0.2", address)
+            bye = closing_words(refused)
+            refused.close()
+            assert bye.status == Status.BUSY
+            assert "connections_per_host_max 3 client connections open from 127.0.0.2" in bye.header["error"]
+            assert "raise connections_per_host_max (--connections-per-host-max" in bye.header["error"]
+            assert metric_value(http, "qmq_connections_refused_total", reason="connections_per_host_max") == 1
+            # the other hosts' share of connections_max is theirs
+            others = [_from(host, address) for host in ("127.0.0.1", "127.0.0.3", "127.0.0.3")]
+            for sock in others:
+                assert _ping(sock).status == Status.OK
+            # one of the host's connections closes: it may open one again
+            hog.pop().close()
+            wait_for("the closed connection forgotten", lambda: metric_value(http, "qmq_connections") == 5, 10)
+            hog.append(_from("127.0.0.2", address))
+            assert _ping(hog[-1]).status == Status.OK
+        finally:
+            for sock in hog + others:
+                sock.close()

@@ -49,4 +49,15 @@ def test_up_starts_gateways_that_send(tmp_path: Path) -> None:
                 if len(got) == 2:
                     break
         assert sorted(got) == ["m0", "m1"]
+        # one receipt key for the cluster's gateways: pulled through g1, acked through g2
+        _post(f"{gateways[0]}/v1/subjects/{subject}/messages", {"body": "lb", "message_id": "m-lb"})
+        pull = {"max_messages": 1, "timeout_ms": 5_000, "start_from": "earliest"}
+        _status, pulled = _post(f"{gateways[0]}/v1/subjects/{subject}/groups/http/pull", pull)
+        receipts = [m["receipt"] for m in pulled["messages"]]  # type: ignore[index]  # pulled: a JSON object
+        assert len(receipts) == 1
+        assert _post(f"{gateways[1]}/v1/acks", {"acks": receipts}) == (
+            200,
+            {"results": [{"receipt": receipts[0], "status": "acked"}]},
+        )
+        assert (data_dir / "gateway-receipt.key").stat().st_mode & 0o777 == 0o600
     assert not any(is_running(m) for m in members)

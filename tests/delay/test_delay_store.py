@@ -175,6 +175,53 @@ def test_a_schedule_log_cut_below_its_checkpoint_is_rebuilt_from_the_write_ahead
     store.close()
 
 
+def test_a_schedule_index_with_bytes_flipped_is_rebuilt_from_its_records(tmp_path: Path) -> None:
+    # Found by the fault campaign (chaos/, corruption): index entries were trusted, so an entry
+    # whose offset or size was flipped named no record (the message was skipped as corrupt at
+    # hand-over: lost) and one whose due time was flipped was handed over years late.
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    append(store, [("s", f"m{i}", T0_MS + 1000 * (i + 1)) for i in range(6)])
+    job = store.checkpoint_job()
+    job.run()
+    store.after_checkpoint(job)
+    bucket_dir = store.buckets[T0_MS].directory
+    store.close()
+    index = bucket_dir / INDEX
+    before = index.read_bytes()
+    data = bytearray(before)
+    data[3 * INDEX_ENTRY.size + 8] ^= 0x04  # entry 3's offset
+    data[4 * INDEX_ENTRY.size + 5] ^= 0x20  # entry 4's due time, about 4 years later
+    index.write_bytes(bytes(data))
+    store = open_store(tmp_path, clock)
+    assert index.read_bytes() == before
+    assert store.buckets[T0_MS].load_index(6)["due"].tolist() == [T0_MS + 1000 * (i + 1) for i in range(6)]
+    store.close()
+
+
+def test_a_rebuilt_schedule_index_keeps_entry_numbers_past_a_damaged_record(tmp_path: Path) -> None:
+    clock = manual_clock()
+    store = open_store(tmp_path, clock)
+    append(store, [("s", f"m{i}", T0_MS + 1000 * (i + 1)) for i in range(6)])
+    job = store.checkpoint_job()
+    job.run()
+    store.after_checkpoint(job)
+    bucket_dir = store.buckets[T0_MS].directory
+    store.close()
+    index = bucket_dir / INDEX
+    before = index.read_bytes()
+    offsets = [INDEX_ENTRY.unpack_from(before, n * INDEX_ENTRY.size)[1] for n in range(6)]
+    messages = bytearray((bucket_dir / MESSAGES).read_bytes())
+    messages[offsets[2] + 8] ^= 0x01  # record 2's length: its framing is gone
+    (bucket_dir / MESSAGES).write_bytes(bytes(messages))
+    data = bytearray(before)
+    data[4 * INDEX_ENTRY.size + 8] ^= 0x02  # and entry 4's offset
+    index.write_bytes(bytes(data))
+    store = open_store(tmp_path, clock)
+    assert index.read_bytes() == before  # entry 2 kept as it was (its record fails at hand-over)
+    store.close()
+
+
 def test_a_torn_wal_tail_is_cut_and_its_dispatch_entries_dropped(tmp_path: Path) -> None:
     clock = manual_clock()
     store = open_store(tmp_path, clock)

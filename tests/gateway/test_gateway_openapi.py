@@ -13,6 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import Case
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from qmq.testing import ReadyProcess, running_standalone
 
@@ -42,8 +43,10 @@ def test_every_route_answers_as_its_document_says(gateway_standalone: ReadyProce
                     if isinstance(m, dict) and "deliver_at" in m:
                         # the document cannot say "within the delay server's horizon" of a date-time
                         m["deliver_at"] = _within_horizon(m["deliver_at"])
-            # a loaded machine can hold an fsync for seconds: the answer's deadline is generous
-            case.call_and_validate(timeout=60)
+            # a loaded machine can hold an fsync for seconds: the answer's deadline is generous. A receipt
+            # the document allows is still refused unless a gateway signed it (no schema can say that)
+            excluded = [positive_data_acceptance] if case.operation.path == "/v1/acks" else []
+            case.call_and_validate(timeout=60, excluded_checks=excluded)
 
         answers_as_documented()
         checked.append(operation.label)

@@ -3,6 +3,7 @@ and a `qmq gateway` started on its own; what was sent is read back with the Pyth
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -30,12 +31,12 @@ async def post(http: aiohttp.ClientSession, url: str, doc: object) -> tuple[int,
         return resp.status, await resp.json()
 
 
-async def drain(meta_server: str, subject: str, count: int) -> list[Any]:
+async def drain(meta_server: str, subject: str, count: int, pulls_max: int = 50) -> list[Any]:
     group = f"g{uuid.uuid4().hex[:8]}"
     got: list[Any] = []
     async with Consumer(app_code="test", meta_server=meta_server) as consumer:
         pc = consumer.pull_consumer(subject, group, "earliest")
-        for _ in range(50):
+        for _ in range(pulls_max):
             batch = await pc.pull(100, 200)
             got.extend((m.message_id, m.body, m.properties, m.tags, m.times) for m in batch)
             batch.ack_all()
@@ -77,6 +78,24 @@ async def test_a_batch_answers_one_result_per_message_and_a_repeated_id_is_store
     status, _ = await post(http, url, {"body": "last", "message_id": "id-last"})
     got = await drain(shared_standalone.meta_server, subject, 101)
     assert [i for i, *_ in got] == [f"id-{i}" for i in range(100)] + ["id-last"]
+
+
+async def test_batches_past_the_producers_buffer_wait_for_room_and_are_all_stored(
+    shared_standalone: ReadyProcess, subject: str, http: aiohttp.ClientSession
+) -> None:
+    # 16 batches of 1,000 at once: more than the gateway producer's buffer of 10,000 messages, so
+    # some messages are buffered at once and the rest wait for room, as `await producer.send` does
+    url = f"{shared_standalone.gateway}/v1/subjects/{subject}/messages"
+
+    async def batch(b: int) -> tuple[int, Any]:
+        return await post(http, url, {"messages": [{"body": "x", "message_id": f"b{b}-{i}"} for i in range(1000)]})
+
+    answers = await asyncio.gather(*(batch(b) for b in range(16)))
+    for b, (status, doc) in enumerate(answers):
+        assert status == 200, doc
+        assert doc == {"results": [{"message_id": f"b{b}-{i}"} for i in range(1000)]}
+    got = await drain(shared_standalone.meta_server, subject, 16_000, pulls_max=400)
+    assert len({i for i, *_ in got}) == 16_000
 
 
 async def test_a_gateway_of_its_own_serves_and_bad_input_is_answered_as_json(

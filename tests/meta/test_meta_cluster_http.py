@@ -99,10 +99,12 @@ async def test_the_heartbeat_answer_says_role_epoch_master_and_slaves(
         "epoch": 0,
         "master": None,
         "slaves": 0,
+        "slave_addresses": [],
         "truncate": None,
     }
     master = await _register(http, server, 20881)
     assert (master["role_in_group"], master["epoch"], master["master"], master["slaves"]) == ("master", 1, None, 1)
+    assert master["slave_addresses"] == ["127.0.0.1:20882"]  # whose REPLICATE requests the master counts
     slave = await _register(http, server, 20882, "slave")
     assert (slave["role_in_group"], slave["master"]) == ("slave", "127.0.0.1:20881")
 

@@ -72,7 +72,9 @@ def _pair(reg: Registry, clock: ManualClock) -> None:
     assert reg.register(_report(S, "slave")).answer == Heartbeat("slave", 1, ADDR[M], 1, None)
     clock.advance(STEP_S)
     now = clock.now_ms()
-    assert reg.register(_report(M, epoch=1, log_end=500, action_end=70)).answer == Heartbeat("master", 1, None, 1, None)
+    # a master is told which slaves heartbeat: only their REPLICATE requests count
+    master_answer = Heartbeat("master", 1, None, 1, None, (ADDR[S],))
+    assert reg.register(_report(M, epoch=1, log_end=500, action_end=70)).answer == master_answer
     reg.register(_report(S, "slave", epoch=1, log_end=500, action_end=70, replicated_ms=now))
 
 

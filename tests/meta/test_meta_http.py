@@ -81,7 +81,7 @@ async def test_urls_are_set_once_started(server: MetaServer) -> None:
 async def test_health(http: aiohttp.ClientSession, server: MetaServer) -> None:
     async with http.get(f"{server.url}/health") as resp:
         assert resp.status == 200
-        assert await resp.json() == {"ok": True}
+        assert await resp.json() == {"ok": True, "alive": True, "ready": True}
 
 
 async def test_registered_groups_are_discovered_with_their_state_and_routes(
@@ -94,6 +94,7 @@ async def test_registered_groups_are_discovered_with_their_state_and_routes(
         "epoch": 1,
         "master": None,
         "slaves": 0,
+        "slave_addresses": [],
         "truncate": None,
     }
     await _register(http, server, group="b2", port=20891)

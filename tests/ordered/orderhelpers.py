@@ -9,10 +9,13 @@ from collections.abc import Iterable
 from qmq.aio import Producer
 
 
-async def send_keys(meta_server: str, subject: str, keys: int, per_key: int, prefix: str = "k") -> None:
-    """Send ``per_key`` messages (bodies "0", "1", ...) for each of ``keys`` keys, keys interleaved."""
+async def send_keys(
+    meta_server: str, subject: str, keys: int, per_key: int, prefix: str = "k", first: int = 0
+) -> None:
+    """Send messages ``first`` to ``per_key`` - 1 (bodies "0", "1", ...) of each of ``keys`` keys,
+    keys interleaved (``order="strict"``, the default for ordered sends)."""
     async with Producer(app_code="t", meta_server=meta_server, send_timeout_ms=60_000) as producer:
-        for n in range(per_key):
+        for n in range(first, per_key):
             futures = []
             for i in range(keys):
                 m = producer.generate_message(subject)

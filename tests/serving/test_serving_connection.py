@@ -21,6 +21,7 @@ from qmq.serving.connection import ConnectionLimits, Connections, FrameConnectio
 from qmq.serving.server import FrameServer
 
 _HIGH_BYTES = 64 * 1024  # the connection's write buffer high-water mark
+_FRAMES_PER_TURN = 16  # frames one connection has handled per loop turn (qmq.serving.connection)
 
 
 class FakeTransport:
@@ -81,6 +82,9 @@ class FakeTransport:
 
     def close(self) -> None:
         self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
 
     def abort(self) -> None:
         self.aborted = self.closed = True
@@ -170,8 +174,21 @@ async def test_reading_goes_on_once_the_replies_are_read() -> None:
     host = Host()
     conn, transport = connect(host)
     conn.data_received(requests(RequestCode.PING, 1, 100))
-    assert host.handled == list(range(1, 101))  # small answers never reach the high-water mark
+    # small answers never reach the high-water mark; other connections get turns in between
+    assert host.handled == list(range(1, _FRAMES_PER_TURN + 1))
+    assert not transport.reading
+    await next_turns(100 // _FRAMES_PER_TURN + 1)
+    assert host.handled == list(range(1, 101))
     assert transport.reading
+
+
+async def test_a_connection_gone_while_its_requests_wait_for_their_turn_has_none_handled() -> None:
+    host = Host()
+    conn, transport = connect(host)
+    conn.data_received(requests(RequestCode.PING, 1, 100))
+    transport.close()  # a write failed: the transport closes, connection_lost comes later
+    await next_turns()
+    assert host.handled == list(range(1, _FRAMES_PER_TURN + 1))  # nobody would read the rest's answers
 
 
 async def test_answers_that_come_later_are_bounded_by_the_backlog_cap(caplog: pytest.LogCaptureFixture) -> None:
@@ -250,9 +267,12 @@ def test_a_delay_server_counts_the_connections_it_refuses_and_drops(tmp_path: Pa
     shell.metrics = metrics  # as a role sets it before the shell's __init__
     FrameServer.__init__(shell, config, DEFAULT_LIMITS, metrics.connections.set, "test-checkpoint")
     try:
-        text = shell.connections.refusal
+        text = shell.connections.refusal("connections_max", "127.0.0.9")
         assert "connections_max 3" in text
         assert "--connections-max, or connections_max in [delay]" in text
+        text = shell.connections.refusal("connections_per_host_max", "127.0.0.9")
+        assert "connections_per_host_max 1024 client connections open from 127.0.0.9" in text
+        assert "--connections-per-host-max, or connections_per_host_max in [delay]" in text
         shell.connections.on_refused("connections_max")
         shell.connections.on_dropped("no_request")
         shell.connections.on_dropped("no_request")

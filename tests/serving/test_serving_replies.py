@@ -104,6 +104,7 @@ def test_the_replication_source_releases_every_waiter_past_one_that_fails(tmp_pa
     config = BrokerConfig(data_dir=tmp_path, wait_slave_wrote=True)
     source = ReplicationSource(lambda: None, config)  # type: ignore[arg-type, return-value]
     source.slaves_reported = 1
+    source.name_slaves(["slave-1"])
     source._seen("slave-1", 0, 0)  # a fresh slave: sends wait for it
     conn = TooLarge(refused_id=2)
     for request_id in (1, 2, 3):

@@ -68,7 +68,10 @@ export class QmqClient {
    * by its `receipt` within `ackTimeoutMs`, or it goes back to the group (with `times` + 1).
    * @param {string} subject
    * @param {string} group - the consumer group: its consumers share the messages
-   * @param {{maxMessages?: number, timeoutMs?: number, ackTimeoutMs?: number, startFrom?: 'latest' | 'earliest'}} [options]
+   * Only messages with any (`tagMatch: 'any'`, the default) or all (`'all'`) of `tags`, when
+   * given; the broker filters, and a consumer group pulls with one filter.
+   * @param {{maxMessages?: number, timeoutMs?: number, ackTimeoutMs?: number, startFrom?: 'latest' | 'earliest',
+   *   tags?: string[], tagMatch?: 'any' | 'all'}} [options]
    * @returns {Promise<Array<{messageId: string, subject: string, properties: object, tags: string[],
    *   body: Uint8Array, text: string | undefined, times: number, receipt: string}>>}
    */
@@ -79,6 +82,8 @@ export class QmqClient {
     };
     if (options.ackTimeoutMs !== undefined) request.ack_timeout_ms = options.ackTimeoutMs;
     if (options.startFrom !== undefined) request.start_from = options.startFrom;
+    if (options.tags !== undefined) request.tags = options.tags;
+    if (options.tagMatch !== undefined) request.tag_match = options.tagMatch;
     if (this.consumerId !== undefined) request.consumer_id = this.consumerId;
     const doc = await this.#post(`/v1/subjects/${enc(subject)}/groups/${enc(group)}/pull`, request, request.timeout_ms);
     return doc.messages.map((m) => ({
@@ -94,9 +99,10 @@ export class QmqClient {
   }
 
   /**
-   * Acknowledge messages (by receipt, or the messages pull returned); resolves once the broker
-   * recorded them, with each receipt's status: acked, expired (its ack timeout passed: it comes
-   * again), unknown.
+   * Acknowledge messages (by receipt, or the messages pull returned), through any gateway of the
+   * cluster; resolves once the broker recorded them, with each receipt's status: acked, expired
+   * (its ack timeout passed: it comes again), settled (acked or nacked before through another
+   * gateway), unrecorded (send it again).
    * @param {Array<string | {receipt: string}>} receipts
    * @returns {Promise<Array<{receipt: string, status: string}>>}
    */

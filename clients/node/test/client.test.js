@@ -58,6 +58,28 @@ test('send, pull and ack: every message once, text and bytes', async () => {
   assert.deepEqual(await client.pull(subject, 'g1', { timeoutMs: 300 }), []);
 });
 
+test('a pull with tags gets only the messages with any, or all, of them', async () => {
+  const subject = unique('node-tags');
+  await client.sendBatch(subject, [
+    { body: '-', messageId: 't-none' },
+    { body: 'a', tags: ['a'], messageId: 't-a' },
+    { body: 'ab', tags: ['a', 'b'], messageId: 't-ab' },
+    { body: 'c', tags: ['c'], messageId: 't-c' },
+  ]);
+  const any = await pullAll(subject, 'any', 2, { startFrom: 'earliest', tags: ['a', 'b'], tagMatch: 'any' });
+  assert.deepEqual(any.map((m) => m.messageId).sort(), ['t-a', 't-ab']);
+  const all = await pullAll(subject, 'all', 1, { startFrom: 'earliest', tags: ['a', 'b'], tagMatch: 'all' });
+  assert.deepEqual(all.map((m) => m.messageId), ['t-ab']);
+  assert.deepEqual(await client.pull(subject, 'all', { timeoutMs: 300, tags: ['a', 'b'], tagMatch: 'all' }), []);
+  await client.ack([...any, ...all]);
+  await assert.rejects(client.pull(subject, 'all', { timeoutMs: 0, tags: ['c'] }), (err) => {
+    assert.ok(err instanceof QmqError);
+    assert.equal(err.code, 'TAG_FILTER_CONFLICT');
+    assert.equal(err.status, 409);
+    return true;
+  });
+});
+
 test('a message not acked within its ack timeout comes again with times + 1', async () => {
   const subject = unique('node');
   await client.send(subject, { body: 'late', messageId: 'late-1' });

@@ -5,16 +5,20 @@ page at a time (``listings.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import operator
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from qmq.broker.listings import dead_letters_page, lag_page, subjects_page
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
+from qmq.broker.settle import HOLD_MS_MAX, HeldPositions, give_back, normalized, retry_of, settled_positions
+from qmq.broker.trace import trace_message
 from qmq.common.config import BrokerConfig
 from qmq.common.naming import retry_subject
 from qmq.protocol.answers import encode_answer
@@ -25,6 +29,7 @@ from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers, answer_failure
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replication import take_request
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
     BadRequest,
@@ -45,6 +50,7 @@ from qmq.store.tags import TagFilter
 log = logging.getLogger(__name__)
 
 _ID_CHARS_MAX = 200
+_TRACE_ID_CHARS_MAX = 255  # a message id's most, as the SDK encodes it
 # ScannedMessage is a NamedTuple: reading the field by index halves the cost of the scan per frame
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
@@ -58,6 +64,7 @@ _MASTER_ONLY = frozenset(
         RequestCode.PULL,
         RequestCode.ACK,
         RequestCode.ACK_MANY,
+        RequestCode.SETTLE,
         RequestCode.RESET_OFFSET,
         RequestCode.RESEND_DEAD,
         RequestCode.PURGE_DEAD,
@@ -103,11 +110,13 @@ class Handlers(RoleHandlers):
         super().__init__(broker)
         self.broker, self.store, self.metrics = broker, broker.store, broker.metrics
         self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
+        self.held_positions = HeldPositions(broker, self._after_give_back)
         table: dict[int, Handler] = {
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
             RequestCode.ACK: self.ack,
             RequestCode.ACK_MANY: self.ack_many,
+            RequestCode.SETTLE: self.settle,
             RequestCode.SUBJECTS: self.subjects,
             RequestCode.LAG: self.lag,
             RequestCode.RESET_OFFSET: self.reset_offset,
@@ -116,6 +125,7 @@ class Handlers(RoleHandlers):
             RequestCode.PURGE_DEAD: self.purge_dead,
             RequestCode.READ: self.read,
             RequestCode.REPLICATE: self.replicate,
+            RequestCode.TRACE: self.trace,
         }
         for code in _MASTER_ONLY:
             table[code] = self._master_only(table[code])
@@ -390,8 +400,9 @@ class Handlers(RoleHandlers):
 
     def ack_many(self, conn: Responder, frame: Frame) -> None:
         """ACK for many (subject, group) pairs of one consumer: ``acks`` is a list of
-        ``{subject, group, ranges[, broadcast]}``; each gets ``{ack_offset}`` or ``{error}`` in
-        the answer's ``results``, in order, so one refused pair does not fail the others."""
+        ``{subject, group, ranges[, broadcast][, leave]}``; each gets ``{ack_offset}`` or ``{error}``
+        in the answer's ``results``, in order, so one refused pair does not fail the others.
+        ``leave`` (a consumer closing an ordered listener) hands its slots to the group's others now."""
         header = frame.header
         consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
         entries = header.get("acks")
@@ -400,15 +411,24 @@ class Handlers(RoleHandlers):
         if len(entries) > _ACK_MANY_ENTRIES_MAX:
             raise BadRequest(f"'acks' has {len(entries)} entries; at most {_ACK_MANY_ENTRIES_MAX} a request")
         results: list[dict[str, object]] = []
+        leaving: list[tuple[GroupProgress, ConsumerProgress]] = []
         for entry in entries:
             if not isinstance(entry, dict):
                 results.append({"error": f"an 'acks' entry must be a map, got {type(entry).__name__}"})
                 continue
             try:
                 gp, cp = self._group_and_consumer_of({**entry, "consumer_id": consumer_id}, create=False)
-                results.append({"ack_offset": self._ack(gp, cp, get_ranges(entry, "ranges"))})
+                ranges = get_ranges(entry, "ranges")
+                results.append({"ack_offset": self._ack(gp, cp, ranges) if ranges else cp.ack_offset})
+                if get_bool(entry, "leave") and gp.ordered:
+                    leaving.append((gp, cp))
             except BadRequest as exc:
                 results.append({"error": str(exc)})
+        for gp, cp in leaving:
+            # a consumer closing its ordered listener: its slots go to the others now (docs/ordered.md)
+            self.store.leave_ordered(gp, cp)
+            self.broker.parked.answer_empty(cp)
+            self.broker.parked.notify_soon(gp.subject)
         code, request_id = frame.code, frame.request_id
         answer = encode_answer({"results": results})
 
@@ -452,6 +472,55 @@ class Handlers(RoleHandlers):
             self.broker.action_flusher.after_write(end, guarded(conn, code, request_id, durable))
         else:
             source.after_actions_replicated(end, guarded(conn, code, request_id, replicated))
+
+    def settle(self, conn: Responder, frame: Frame) -> None:
+        """SETTLE (broker/settle.py): ``ack``, ``give_back`` and ``hold`` (with ``hold_ms``) ranges
+        of one consumer's pull log; answered ``{settled, given_back_before, given_back, held}`` once the acks reached
+        the slave and the retry copies are durable."""
+        header = frame.header
+        acks = normalized(get_ranges(header, "ack", required=False))
+        backs = normalized(get_ranges(header, "give_back", required=False))
+        holds = normalized(get_ranges(header, "hold", required=False))
+        hold_ms = get_int(header, "hold_ms", 0, HOLD_MS_MAX, default=0)
+        gp, cp = self._group_and_consumer(frame, create=False)
+        # what was settled before this request: acked, or given back (its ack timeout passed)
+        settled = settled_positions(cp, acks) + settled_positions(cp, backs)
+        if acks:
+            self._ack(gp, cp, acks)
+        moved = give_back(self.store, gp, cp, backs, self.held_positions.given) if backs else 0
+        held = False
+        if holds:
+            held = self.held_positions.hold(gp, cp.consumer_id, holds, self.broker.clock.now_ms() + hold_ms)
+        code, request_id = frame.code, frame.request_id
+        given = self.held_positions.given.among(gp, cp.consumer_id, settled)
+        answer = {"settled": settled, "given_back_before": given, "given_back": moved, "held": held}
+
+        def replicated(error: str | None) -> None:
+            if error is None:
+                conn.respond(code, request_id, answer)
+            else:
+                conn.respond(code, request_id, {"error": _unreplicated_acks(error)}, status=Status.BUSY)
+
+        def durable(error: str | None) -> None:
+            if error is not None:
+                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
+                return
+            if moved:
+                self.broker.parked.notify({retry_of(gp)})
+            self.broker.source.after_actions_replicated(
+                self.store.alog.end, guarded(conn, code, request_id, replicated)
+            )
+
+        if moved and self.store.sync_policy:
+            self.broker.flusher.after_write(self.store.mlog.end, guarded(conn, code, request_id, durable))
+        else:
+            durable(None)
+
+    def _after_give_back(self, subjects: set[str]) -> None:
+        if self.store.sync_policy:
+            self.broker.flusher.after_write(self.store.mlog.end, lambda _error: None)
+        else:
+            self.broker.parked.notify(subjects)
 
     def subjects(self, conn: Responder, frame: Frame) -> None:
         conn.respond(frame.code, frame.request_id, None, (subjects_page(self.store, frame.header),))
@@ -509,6 +578,22 @@ class Handlers(RoleHandlers):
             if resent:
                 self.broker.parked.notify({retry_subject(subject, group)})
 
+    def trace(self, conn: Responder, frame: Frame) -> None:
+        """What the files tell of one message id, read on a thread (qmq.broker.trace)."""
+        message_id = frame.header.get("message_id")
+        if not isinstance(message_id, str) or not 0 < len(message_id) <= _TRACE_ID_CHARS_MAX:
+            raise BadRequest(f"'message_id' must be a message id (1 to {_TRACE_ID_CHARS_MAX} characters)")
+        code, request_id = frame.code, frame.request_id
+        done = asyncio.get_running_loop().run_in_executor(
+            None, trace_message, Path(self.broker.config.data_dir), message_id
+        )
+
+        def answer(fut: asyncio.Future[dict[str, Any]]) -> None:
+            if not fut.cancelled():  # a trace that failed raises here: guarded answers its error
+                conn.respond(code, request_id, None, (encode_answer(fut.result()),))
+
+        done.add_done_callback(guarded(conn, code, request_id, answer))
+
     def purge_dead(self, conn: Responder, frame: Frame) -> None:
         subject, group, message_id = self._dead_args(frame)
         purged = purge_dead(self.store, subject, group, message_id)
@@ -526,24 +611,8 @@ class Handlers(RoleHandlers):
         conn.respond(frame.code, frame.request_id, {"first": first, "count": count, **bounds}, chunks)
 
     def replicate(self, conn: Responder, frame: Frame) -> None:
-        header = frame.header
         broker = self.broker
-        epoch = get_int(header, "epoch", 0, 1 << 62)
-        if epoch != broker.epoch:
-            conn.respond(
-                frame.code,
-                frame.request_id,
-                {"error": f"epoch {epoch} is not this master's ({broker.epoch}); ask the meta server for the master"},
-                status=Status.NOT_MASTER,
-            )
-            return
-        fields = {
-            "from": get_int(header, "from", 0, 1 << 62),
-            "action_from": get_int(header, "action_from", 0, 1 << 62),
-            "max_bytes": get_int(header, "max_bytes", 1024, 1 << 30),
-            "timeout_ms": get_int(header, "timeout_ms", 0, self.limits.pull_timeout_ms_max, default=0),
-        }
-        broker.source.request(conn, frame.code, frame.request_id, fields, get_str(header, "slave"))
+        take_request(broker.source, broker.epoch, conn, frame, self.limits.pull_timeout_ms_max)
 
 
 def _unknown(code: int) -> str:

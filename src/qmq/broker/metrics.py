@@ -60,6 +60,16 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily(
             "qmq_consume_log_files_closed", "consume-log files closed to stay within the bound", value=files.closed
         )
+        yield CounterMetricFamily(
+            "qmq_consume_log_entries_repaired",
+            "consume-log entries found damaged by a pull and rewritten from the message log",
+            value=store.pulls.entries_repaired,
+        )
+        yield CounterMetricFamily(
+            "qmq_damaged_records_skipped",
+            "times a pull or read met a message-log record damaged on disk and left it out",
+            value=store.pulls.damaged_records,
+        )
         problems = store.redelivery_problems
         yield CounterMetricFamily(
             "qmq_redelivery_consumers_failed",

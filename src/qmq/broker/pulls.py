@@ -107,6 +107,7 @@ class ParkedPulls:
         if not lst:
             return False
         dispatched = False
+        settling_ms = 0
         for parked in list(lst):
             try:
                 result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n, parked.tag_filter)
@@ -115,10 +116,20 @@ class ParkedPulls:
                 parked.fail(exc)
                 continue
             dispatched = dispatched or self.store.dispatched
+            settling_ms = max(settling_ms, self.store.settling_ms)
             if result is not None:
                 self._remove(parked)
                 parked.answer(result)
+        if settling_ms:
+            self.notify_later(subject, settling_ms)  # still settling (a consumer joined meanwhile)
         return dispatched
+
+    def answer_empty(self, cp: ConsumerProgress) -> None:
+        """Answer the parked pulls of ``cp`` empty now (it leaves its ordered group)."""
+        for lst in list(self._by_subject.values()):
+            for parked in [p for p in lst if p.cp is cp]:
+                self._remove(parked)
+                parked.answer(None)
 
     def drop_owner(self, owner: object) -> None:
         """The connection went: forget its parked pulls without answering."""

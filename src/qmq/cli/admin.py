@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from qmq.cli.auth_commands import cli_authorization, cli_credentials
+from qmq.cli.auth_commands import cli_authorization, cli_credentials, cli_tls
 from qmq.client.connection import Connection
 from qmq.client.meta import MetaClient
 from qmq.common.errors import BrokerError, NoBrokerError, QmqError
@@ -24,7 +24,7 @@ _UNKNOWN_SUBJECT = "is unknown here"
 @asynccontextmanager
 async def broker_connections(meta_server: str) -> AsyncIterator[dict[str, Connection]]:
     """``{broker group: a connection to its master}`` of every available group, closed after."""
-    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS, authorization=cli_authorization())
+    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS, authorization=cli_authorization(), ssl=cli_tls(meta_server))
     await meta.start()
     try:
         groups = dict(meta.groups)
@@ -32,9 +32,9 @@ async def broker_connections(meta_server: str) -> AsyncIterator[dict[str, Connec
         await meta.close()
     if not groups:
         raise NoBrokerError(f"the meta server {meta_server} knows no available broker group; is a broker running?")
-    credentials = cli_credentials()
+    credentials, tls = cli_credentials(), cli_tls(meta_server)
     conns = {
-        name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS, credentials=credentials)
+        name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS, credentials=credentials, ssl=tls)
         for name, g in sorted(groups.items())
     }
     try:

@@ -6,6 +6,7 @@ Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it)
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,16 @@ def cli_credentials(default_app: str = "qmq-cli") -> ClientCredentials | None:
     from qmq.auth.handshake import ClientCredentials
 
     return ClientCredentials(cli_app_code(default_app), secret)
+
+
+def cli_tls(meta_server: str) -> ssl.SSLContext | None:
+    """The TLS context of a client command's broker connections: for an ``https://`` meta server,
+    one trusting ``qmq --tls-ca`` ($QMQ_TLS_CA), else the system's CAs and $SSL_CERT_FILE; None
+    (plaintext) for ``http://``."""
+    if not meta_server.startswith("https://"):
+        return None
+    ca = os.environ.get("QMQ_TLS_CA") or None
+    return ssl.create_default_context(cafile=ca)
 
 
 def cli_authorization(default_app: str = "qmq-cli") -> str | None:

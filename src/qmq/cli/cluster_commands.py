@@ -29,6 +29,7 @@ from qmq.cli.cluster_launch import (
     Member,
     StartupFailedError,
     child_env,
+    ensure_receipt_key,
     is_running,
     plan,
     start,
@@ -59,7 +60,11 @@ def cluster() -> None:
 @cluster.command()
 @click.option("--broker-groups", type=click.IntRange(1, BROKER_GROUPS_MAX), default=2, show_default=True)
 @click.option(
-    "--slaves", type=click.IntRange(0, SLAVES_MAX), default=1, show_default=True, help="slaves per broker group"
+    "--slaves",
+    type=click.IntRange(0, SLAVES_MAX),
+    default=1,
+    show_default=True,
+    help="slaves per broker group and per delay group",
 )
 @click.option("--delay-groups", type=click.IntRange(0, DELAY_GROUPS_MAX), default=1, show_default=True)
 @click.option(
@@ -145,6 +150,8 @@ def up(
         secure=_secure_args(auth_file, insecure, tls_cert, tls_key, tls_ca),
         app_code=server_app_code or "",
     )
+    if gateways:
+        ensure_receipt_key(data_dir.resolve())
     state = Cluster(str(data_dir.resolve()), "", [], int(time.time() * 1000))
     try:
         _start_all(state, members, child_env(ctx.find_root().params.get("log_level")), ready_timeout_ms)

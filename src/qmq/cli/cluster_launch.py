@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -119,7 +120,8 @@ def plan(
     secure: Sequence[str] = (),
     app_code: str = "",
 ) -> list[Member]:
-    """The processes of a cluster, in start order: meta, masters, delay servers, slaves, gateways.
+    """The processes of a cluster, in start order: meta, broker masters, delay masters, broker
+    slaves, delay slaves (``slaves`` per group of either role), gateways.
 
     Every process but the meta server gets ``--meta-server URL`` added once the meta server is ready.
     ``secure`` (--auth-file, --tls-*, --insecure) goes to every process, ``app_code`` (the servers'
@@ -147,13 +149,34 @@ def plan(
     for i in range(1, broker_groups + 1):
         members.append(member(f"b{i}-m", "broker", f"b{i}", "master", ["--group", f"b{i}", "--role", "master"]))
     for i in range(1, delay_groups + 1):
-        members.append(member(f"d{i}", "delay", f"d{i}", None, ["--group", f"d{i}"]))
+        members.append(member(f"d{i}", "delay", f"d{i}", "master", ["--group", f"d{i}", "--role", "master"]))
     for i in range(1, broker_groups + 1):
         for j in range(1, slaves + 1):
             members.append(member(f"b{i}-s{j}", "broker", f"b{i}", "slave", ["--group", f"b{i}", "--role", "slave"]))
+    for i in range(1, delay_groups + 1):
+        for j in range(1, slaves + 1):
+            members.append(member(f"d{i}-s{j}", "delay", f"d{i}", "slave", ["--group", f"d{i}", "--role", "slave"]))
+    # the gateways sign receipts with one key, so any of them settles what another handed out
+    key = ["--receipt-key-file", str(receipt_key_path(data_dir))]
     for i in range(1, gateways + 1):
-        members.append(member(f"g{i}", "gateway", None, None, ["--port", "0"]))
+        members.append(member(f"g{i}", "gateway", None, None, ["--port", "0", *key]))
     return members
+
+
+def receipt_key_path(data_dir: Path) -> Path:
+    return data_dir / "gateway-receipt.key"
+
+
+def ensure_receipt_key(data_dir: Path) -> None:
+    """The cluster's gateway receipt key (docs/gateway.md): made once, readable by its owner only,
+    and kept, so receipts stay valid across restarts of the gateways."""
+    path = receipt_key_path(data_dir)
+    if path.exists():
+        return
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32) + "\n")
 
 
 def out_path(log: str) -> str:

@@ -28,11 +28,11 @@ _LIST_LIMIT_MAX = 1_000_000
 
 async def ask_every_delay_group(meta_server: str, header: dict[str, Any]) -> dict[str, dict[str, Any] | QmqError]:
     """``{delay group: DELAY_STATS answer or the error it answered}``."""
-    from qmq.cli.auth_commands import cli_authorization, cli_credentials
+    from qmq.cli.auth_commands import cli_authorization, cli_credentials, cli_tls
     from qmq.client.connection import Connection
     from qmq.client.meta import DELAY_TARGET_PREFIX, MetaClient
 
-    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS, authorization=cli_authorization())
+    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS, authorization=cli_authorization(), ssl=cli_tls(meta_server))
     await meta.start()
     try:
         groups = {name[len(DELAY_TARGET_PREFIX) :]: g.address for name, g in meta.delay_groups.items()}
@@ -43,9 +43,9 @@ async def ask_every_delay_group(meta_server: str, header: dict[str, Any]) -> dic
             f"the meta server {meta_server} knows no available delay group; "
             "is a delay server running (`qmq delay`, or `qmq standalone`)?"
         )
-    credentials = cli_credentials()
+    credentials, tls = cli_credentials(), cli_tls(meta_server)
     conns = {
-        name: Connection(address, connect_timeout_ms=_TIMEOUT_MS, credentials=credentials)
+        name: Connection(address, connect_timeout_ms=_TIMEOUT_MS, credentials=credentials, ssl=tls)
         for name, address in groups.items()
     }
     try:

@@ -102,6 +102,12 @@ def _command_path(ctx: click.Context, name: str) -> str:
     return " ".join(reversed(names))
 
 
+def _asks_the_brokers(command: str, args: list[str]) -> bool:
+    """`qmq trace --meta-server URL` alone asks the brokers over the network: no Spark needed."""
+    given = {a.split("=", 1)[0] for a in args}
+    return command == "trace" and "--meta-server" in given and not {"--data-dir", "--archive"} & given
+
+
 class QmqGroup(click.Group):
     # `qmq cluster`, `qmq tx` ... are QmqGroups too, so `cluster up` is checked like `standalone`
     group_class = type
@@ -111,7 +117,13 @@ class QmqGroup(click.Group):
     ) -> tuple[str | None, click.Command | None, list[str]]:
         name, cmd, rest = super().resolve_command(ctx, args)
         # --help works without the extra; shell completion (resilient parsing) runs nothing
-        if cmd is not None and cmd.name and not ctx.resilient_parsing and not set(_HELP_OPTIONS) & set(rest):
+        if (
+            cmd is not None
+            and cmd.name
+            and not ctx.resilient_parsing
+            and not set(_HELP_OPTIONS) & set(rest)
+            and not _asks_the_brokers(_command_path(ctx, cmd.name), rest)
+        ):
             error = missing_extra(_command_path(ctx, cmd.name))
             if error is not None:
                 raise error
@@ -166,7 +178,18 @@ class QmqGroup(click.Group):
     default=None,
     help="the app's secret [or $QMQ_SECRET, which keeps it out of the process list]",
 )
-def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secret: str | None) -> None:
+@click.option(
+    "--tls-ca",
+    "cli_tls_ca",
+    envvar="QMQ_TLS_CA",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="the CA the client commands trust for https:// meta servers and their brokers [or $QMQ_TLS_CA; "
+    "default: the system's CAs and $SSL_CERT_FILE]",
+)
+def cli(
+    log_level: str, log_file: str | None, cli_app_code: str | None, cli_secret: str | None, cli_tls_ca: str | None
+) -> None:
     """qmq: a message queue in the shape of Qunar's QMQ.
 
     Start everything on one machine with `qmq standalone`; it prints a `qmq ready` line with
@@ -177,6 +200,10 @@ def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secr
         os.environ["QMQ_APP_CODE"] = cli_app_code
     if cli_secret:
         os.environ["QMQ_SECRET"] = cli_secret
+    if cli_tls_ca:
+        # every default TLS context of a client command (the SDK's for https:// meta servers, HTTP
+        # requests, a Spark job's executors) reads $SSL_CERT_FILE
+        os.environ["QMQ_TLS_CA"] = os.environ["SSL_CERT_FILE"] = os.path.abspath(cli_tls_ca)
     handler: logging.Handler = logging.StreamHandler(sys.stderr)
     if log_file:
         try:
@@ -198,6 +225,7 @@ def cli(log_level: str, log_file: str | None, cli_app_code: str | None, cli_secr
 def register_commands() -> None:
     """Import every command module: each registers its commands on ``cli``."""
     from qmq.cli import (  # noqa: F401
+        alarm_commands,
         auth_commands,
         client_commands,
         cluster_commands,
@@ -209,6 +237,7 @@ def register_commands() -> None:
         push_commands,
         roles,
         spark_commands,
+        top_commands,
         tx_commands,
     )
 

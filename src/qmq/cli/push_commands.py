@@ -20,7 +20,7 @@ import click
 from rich.table import Table
 
 from qmq.cli.admin import ask_each, is_never_pulled
-from qmq.cli.auth_commands import cli_authorization, cli_credentials
+from qmq.cli.auth_commands import cli_authorization, cli_credentials, cli_tls
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.main import CommandError, cli
 from qmq.cli.output import echo_json, json_option, print_table, stdout_console
@@ -73,9 +73,13 @@ async def _meta_request(method: str, url: str, body: object = None, params: dict
     """The JSON answer of one meta server request; CommandError with the meta server's words when refused."""
     authorization = cli_authorization()
     headers = {"Authorization": authorization} if authorization is not None else {}
+    tls = cli_tls(url)
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_MS / 1000)) as http,
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=tls) if tls is not None else None,
+                timeout=aiohttp.ClientTimeout(total=_TIMEOUT_MS / 1000),
+            ) as http,
             http.request(method, url, json=body, params=params, headers=headers) as answer,
         ):
             doc = await answer.json(content_type=None)
@@ -91,7 +95,7 @@ async def fix_start(meta_server: str, subject: str, group: str) -> list[str]:
     """Create ``group`` at the latest message of ``subject`` on every broker group of its route
     where the group has never pulled; the broker groups where it was created. CommandError when a
     broker group of the route is unavailable (the start could not be fixed there)."""
-    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS, authorization=cli_authorization())
+    meta = MetaClient(meta_server, timeout_ms=_TIMEOUT_MS, authorization=cli_authorization(), ssl=cli_tls(meta_server))
     await meta.start()
     try:
         route = await meta.resolve(subject)
@@ -106,9 +110,9 @@ async def fix_start(meta_server: str, subject: str, group: str) -> list[str]:
             f"broker group(s) {', '.join(missing)} of subject {subject!r} are unavailable, so where group "
             f"{group!r} starts cannot be fixed there; add the subscription when they are back, or with --from earliest"
         )
-    credentials = cli_credentials()
+    credentials, tls = cli_credentials(), cli_tls(meta_server)
     conns = {
-        name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS, credentials=credentials)
+        name: Connection(g.address, connect_timeout_ms=_TIMEOUT_MS, credentials=credentials, ssl=tls)
         for name, g in sorted(available.items())
     }
     try:

@@ -18,8 +18,10 @@ from ssl import SSLContext
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
 
+from qmq.client import telemetry
 from qmq.client.connection import ConnectionPool
 from qmq.client.keywords import ASYNC_LISTENER_KEYS, AsyncListenerKeywords, ListenerKeywords, check_keywords
+from qmq.client.lag_watch import watch_lag
 from qmq.client.listener import Listener
 from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.message import subject_bytes
@@ -42,7 +44,7 @@ from qmq.client.options import (
 from qmq.client.ordered_listener import OrderedListener
 from qmq.client.producer import Producer
 from qmq.client.pull_consumer import OrderedPullConsumer, PullConsumer, PullConsumerBase
-from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together
+from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together, leave_ordered
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
 from qmq.client.subscription import Subscription, make_subscription
 from qmq.common.errors import ERROR_CHARS_MAX, ConfigError, NeedRetry, QmqError, error_text, printable_text
@@ -165,6 +167,7 @@ class Consumer:
         self._state: _State = "new"
         self._producer: Producer | None = None
         self._flusher: asyncio.Task[None] | None = None
+        self._lag_watch: asyncio.Task[None] | None = None  # the lag metric's refresher (qmq.client.lag_watch)
         self._pull_consumers: dict[tuple[str, str], PullConsumerBase] = {}
         self._listeners: list[Listener[Any]] = []
         self._warned_no_delay = False
@@ -193,6 +196,8 @@ class Consumer:
         self._producer = Producer._sharing(self.app_code, self.meta_server, meta, pool, self.connect_options)
         await self._producer.start()
         self._flusher = asyncio.ensure_future(self._flush_loop())
+        if telemetry.INSTALLED:
+            self._lag_watch = asyncio.ensure_future(watch_lag(meta, pool, self._lag_pairs))
         self._state = "open"
         for listener in self._listeners:
             listener.start()
@@ -505,6 +510,9 @@ class Consumer:
             )
         tracker.ack(m._offset)
 
+    def _lag_pairs(self) -> list[tuple[str, str]]:
+        return [(listener.subject, listener.group) for listener in self._listeners if listener.running]
+
     async def _flush_loop(self) -> None:
         interval_s = self.options.ack_flush_ms / 1000
         while True:
@@ -551,13 +559,17 @@ class Consumer:
         self._state = "closing"
         timeout_s = self.connect_options.close_timeout_ms / 1000
         await asyncio.gather(*(listener.stop(timeout_s) for listener in self._listeners))
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+        for task in (self._flusher, self._lag_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._flush_acks()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await leave_ordered(self._ctx, self._ctx.pullers)  # its slots go to the others now
         if self._producer is not None:
             await self._producer.close()
         self._ctx.closed = True

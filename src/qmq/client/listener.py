@@ -20,6 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic
 
+from qmq.client import telemetry
 from qmq.client.listener_behaviour import ListenerBehaviour
 from qmq.client.options import StartFrom
 from qmq.client.puller import SubjectPuller
@@ -59,7 +60,7 @@ class Listener(Generic[M]):
         self.concurrency = concurrency
         self.prefetch = prefetch
         self.behaviour = behaviour or ListenerBehaviour()
-        self._handler = self.behaviour.wrap(handler)
+        self._handler = telemetry.wrap_handler(self.behaviour.wrap(handler), subject, group)
         self._fail = fail
         self._pullers = [main] if retry is None else [main, retry]
         self._queue: asyncio.Queue[M] = asyncio.Queue()
@@ -80,6 +81,11 @@ class Listener(Generic[M]):
         """Why the listener stopped on its own, or None while it runs (``Consumer.errors``)."""
 
     @property
+    def in_flight(self) -> int:
+        """Messages queued for the handlers or being handled now."""
+        return self._in_app
+
+    @property
     def running(self) -> bool:
         return bool(self._workers)
 
@@ -87,6 +93,7 @@ class Listener(Generic[M]):
         if self._workers:
             return
         self._stopping = False
+        telemetry.watch_listener(self)
         # The main subject pulls once half the prefetch is free, so batches stay large; the
         # retry subject (few messages, long polls) holds at most a quarter of it, which the main
         # subject leaves free: a long poll holds its room while it waits, and a main subject

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from qmq.client.listener import Listener
@@ -57,6 +58,7 @@ class OrderedListener(Listener[M]):
         self._max_retries = self._pullers[0].subscription.max_retries
         self._backoff_ms = self._pullers[0].subscription.backoff_ms
         self.retried_in_place = 0
+        self._loop_time: Callable[[], float] | None = None  # the running loop's clock, once known
 
     def _accept(self, batch: list[M]) -> None:
         keys = self._keys
@@ -78,7 +80,7 @@ class OrderedListener(Listener[M]):
             if not queue or key in self._active:
                 continue  # dropped meanwhile (a stop, a lapsed lease), or run by another worker
             m = queue[0]  # stays at the head while it runs: later messages of the key queue behind it
-            if not await self._still_held(m):
+            if not self._fresh(m) and not await self._still_held(m, key):
                 if self._keys.get(key) is queue and queue and queue[0] is m:
                     self._ready.put_nowait(key)  # stopping: left as it is
                 elif key in self._keys:
@@ -107,7 +109,19 @@ class OrderedListener(Listener[M]):
                     self._in_app -= 1
                     self._room_freed()
 
-    async def _still_held(self, m: M) -> bool:
+    def _fresh(self, m: M) -> bool:
+        """Whether this consumer surely holds ``m``'s slot now (the common case, without waiting)."""
+        group = m._tracker.broker_group
+        until = self._main.fresh_until.get(group)
+        if until is None:
+            return True
+        lease_s = self._main.lease_s.get(group, 0.0)
+        clock = self._loop_time
+        if clock is None:
+            clock = self._loop_time = asyncio.get_running_loop().time
+        return clock() < until - min(_LEASE_MARGIN_S, lease_s / 4)
+
+    async def _still_held(self, m: M, key: object) -> bool:
         """Wait until this consumer surely still holds ``m``'s slot: its broker counts it live (the
         last pull or ack it answered was within the lease, less a margin). False if ``m`` was
         dropped meanwhile (the lease lapsed: ``_lapsed``) or the listener stops."""
@@ -117,14 +131,14 @@ class OrderedListener(Listener[M]):
             until = self._main.fresh_until.get(group)
             lease_s = self._main.lease_s.get(group, 0.0)
             if until is None or loop.time() < until - min(_LEASE_MARGIN_S, lease_s / 4):
-                return self._queued(m)
-            if not self._queued(m):
+                return self._queued(m, key)
+            if not self._queued(m, key):
                 return False
             await asyncio.sleep(_FRESH_POLL_S)  # waiting for a pull or an ack to be answered
         return False
 
-    def _queued(self, m: M) -> bool:
-        queue = self._keys.get(order_key_of(m))
+    def _queued(self, m: M, key: object) -> bool:
+        queue = self._keys.get(key)
         return bool(queue) and queue is not None and queue[0] is m
 
     def _lapsed(self, broker_group: str) -> None:

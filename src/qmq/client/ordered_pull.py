@@ -92,6 +92,10 @@ class KeyHold(Generic[M]):
             else:
                 del self._waiting[key]
 
+    def nothing_out(self) -> bool:
+        """Whether every message handed to the application was settled (acked, or dead-lettered)."""
+        return not self._again and all(m._settled for m in self._out.values())
+
     def next_due(self) -> float | None:
         return min(self._again.values()) if self._again else None
 

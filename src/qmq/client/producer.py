@@ -40,6 +40,7 @@ from ssl import SSLContext
 from types import TracebackType
 from typing import Literal
 
+from qmq.client import telemetry
 from qmq.client.accumulator import Accumulator, Waiter
 from qmq.client.connection import ConnectionPool
 from qmq.client.delays import PendingDelay, cancel_everywhere, pending_everywhere, time_ms
@@ -181,6 +182,7 @@ class Producer:
             sender.widen = router.widen
         meta.on_change(router.on_meta_change)
         sender.start()
+        telemetry.watch_producer(self)
         loop = asyncio.get_running_loop()
         ordered = OrderedSends(meta, sender.submit, loop, self.options.buffer_messages_max)
         self._open = _Open(loop, meta, pool, sender, router, ordered)
@@ -210,6 +212,21 @@ class Producer:
         path = self._open
         if path is None:
             raise self._not_open()
+        if telemetry.enabled:
+            return self._send_nowait_traced(path, message)
+        return self._send_nowait(path, message)
+
+    def _send_nowait_traced(self, path: _Open, message: Message) -> asyncio.Future[None]:
+        record = telemetry.begin_send(message)
+        try:
+            fut = self._send_nowait(path, message)
+        except BaseException as exc:
+            record.finish(exc)
+            raise
+        fut.add_done_callback(record.finish_future)
+        return fut
+
+    def _send_nowait(self, path: _Open, message: Message) -> asyncio.Future[None]:
         encoded = message.encode()
         fut: asyncio.Future[None] = path.loop.create_future()
         entry = (encoded, fut, message.message_id, path.loop.time(), self._acc.epoch)
@@ -227,6 +244,19 @@ class Producer:
         Waits up to ``send_timeout_ms`` for room in a full buffer, then raises
         ``qmq.BufferFullError``.
         """
+        if telemetry.enabled:
+            record = telemetry.begin_send(message)
+            try:
+                await self._send(message)
+            except BaseException as exc:
+                record.finish(exc)
+                raise
+            record.finish(None)
+            return
+        await self._send(message)
+
+    async def _send(self, message: Message) -> None:
+        """``send`` without telemetry (the blocking SDK's send began its span in the caller's thread)."""
         if message.order_key is None:
             await self.send_encoded(message.subject, message.encode(), message.message_id)
             return
@@ -413,6 +443,16 @@ class Producer:
     def buffered(self) -> int:
         """Messages buffered or in flight now."""
         return self._acc.count
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Encoded bytes buffered or in flight now."""
+        return self._acc.nbytes
+
+    @property
+    def frame_retries(self) -> int:
+        """Frames sent again after a failure that may pass, since the producer started."""
+        return self.stats.retries
 
     def has_room(self, nbytes: int, extra_messages: int = 0, extra_bytes: int = 0) -> bool:
         """Whether a message of ``nbytes`` fits, with ``extra_*`` more already promised."""

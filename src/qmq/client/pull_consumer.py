@@ -85,6 +85,7 @@ class OrderedPullConsumer(PullConsumer):
         self._hold: KeyHold[Any] = KeyHold(main.subscription, main.on_nack)
         main.on_nack = self._hold.nacked
         main.on_lapse = self._hold.lapsed
+        main.may_leave = self._hold.nothing_out
 
     async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
         """Up to ``max_messages`` messages, at most one of each order key that has none unsettled,

@@ -27,7 +27,7 @@ from qmq.client.meta import BrokerGroup, MetaClient
 from qmq.client.options import ConnectOptions, ConsumerOptions, StartFrom
 from qmq.client.received import BatchBase, M, parse_records, parse_runs
 from qmq.client.subscription import Subscription
-from qmq.common.errors import BrokerError, ConnectionLostError, NoBrokerError, QmqError
+from qmq.common.errors import BrokerError, ConnectionLostError, NoBrokerError, QmqError, error_text
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
@@ -106,6 +106,9 @@ class SubjectPuller(Generic[M]):
         self.fresh_until: dict[str, float] = {}
         self.lease_s: dict[str, float] = {}
         self.on_lapse: Callable[[str], None] | None = None
+        # whether the consumer may leave its ordered group at close (None: yes; an ordered pull
+        # consumer says no while the application holds a message it did not settle)
+        self.may_leave: Callable[[], bool] | None = None
         ctx.pullers.append(self)
 
     def _tracker(self, broker_group: str) -> AckTracker:
@@ -436,3 +439,30 @@ async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup,
         else:
             error = result.get("error") if isinstance(result, dict) else result
             log.error("broker group %s refused acks of %r/%s: %s", bg.name, p.subject, p.group, error)
+
+
+async def leave_ordered(ctx: ConsumerContext, pullers: list[SubjectPuller[Any]]) -> None:
+    """Tell each broker group that answered an ordered pull of ``pullers`` that this consumer
+    leaves (an ACK_MANY entry with ``leave``, sent once its handlers ended and its acks went): the
+    broker hands its slots to the group's other consumers now, not when its lease runs out. A
+    broker from before ``leave`` ignores it (the slots then move at the end of the lease)."""
+    meta, pool = ctx.started()
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for p in pullers:
+        if p.may_leave is not None and not p.may_leave():
+            continue  # the application may still run a message of its keys: they wait out the lease
+        for name in p.lease_s:  # only ordered pulls are answered with a lease
+            by_group.setdefault(name, []).append(
+                {"subject": p.subject, "group": p.group, "ranges": [], "leave": True}
+            )
+    requests = []
+    for name, entries in by_group.items():
+        bg = meta.groups.get(name)
+        if bg is None:
+            continue  # no master now: the slots move at the end of the lease
+        for n in range(0, len(entries), _ACK_MANY_ENTRIES_MAX):
+            header = {"consumer_id": ctx.consumer_id, "acks": entries[n : n + _ACK_MANY_ENTRIES_MAX]}
+            requests.append(pool.get(bg.address).request(RequestCode.ACK_MANY, header))
+    for result in await asyncio.gather(*requests, return_exceptions=True):
+        if isinstance(result, Exception):  # the slots then move at the end of the lease
+            log.debug("leaving an ordered group: %s", error_text(result))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import logging
 import threading
@@ -22,6 +23,7 @@ from ssl import SSLContext
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
+from qmq.client import telemetry
 from qmq.client.consumer import Consumer as AsyncConsumer
 from qmq.client.delays import PendingDelay
 from qmq.client.keywords import BLOCKING_LISTENER_KEYS, BlockingListenerKeywords, check_keywords
@@ -188,6 +190,16 @@ class Producer:
         """Send ``message`` and return once it is stored durably; ``qmq.SendError`` says why not."""
         if self._closed:
             raise SendError("the producer is closed; make a new one")
+        if telemetry.enabled:
+            # the span begins here, in the caller's thread, under the caller's current span
+            record = telemetry.begin_send(message)
+            try:
+                self._io.call(self._async._send(message), self._send_wait_s)
+            except BaseException as exc:
+                record.finish(exc)
+                raise
+            record.finish(None)
+            return
         self._io.call(self._async.send(message), self._send_wait_s)
 
     def send_async(
@@ -202,6 +214,23 @@ class Producer:
         thread: keep it short and never call a blocking qmq method from it. Raises
         ``qmq.BufferFullError`` at once when the send buffer is full.
         """
+        record = telemetry.begin_send(message) if telemetry.enabled else None
+        try:
+            fut = self._send_async(message, on_success, on_failed)
+        except BaseException as exc:
+            if record is not None:
+                record.finish(exc)
+            raise
+        if record is not None:
+            fut.add_done_callback(record.finish_future)
+        return fut
+
+    def _send_async(
+        self,
+        message: Message,
+        on_success: Callable[[Message], object] | None,
+        on_failed: Callable[[Message, BaseException], object] | None,
+    ) -> concurrent.futures.Future[None]:
         encoded = message.encode()
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         if on_success is not None or on_failed is not None:
@@ -474,7 +503,8 @@ class Consumer:
         concurrency = options.get("concurrency")
 
         async def run(m: ReceivedMessage) -> None:
-            await loop.run_in_executor(pool, call, m)
+            # in the caller's context: the handler sees the listener's process span as current
+            await loop.run_in_executor(pool, contextvars.copy_context().run, call, m)
 
         async def add() -> None:
             self._async._add_listener(

@@ -62,6 +62,8 @@ from qmq.delay.ids import (
     record_id_hashes,
     record_message_id,
 )
+from qmq.protocol.message import HEADER_BYTES
+from qmq.protocol.record import RECORD_HEADER_BYTES, RECORD_MAGIC, read_record_header, record_crc_ok
 from qmq.store import fileio
 from qmq.store.file_header import HEAD_BYTES, header
 from qmq.store.segments import cut_back
@@ -74,6 +76,11 @@ DISPATCH_ENTRY_BYTES = 4
 DISPATCH_DTYPE = np.dtype("<u4")
 DISPATCH_TYPECODE = "I"  # array.array's 4-byte unsigned int: the entry's bytes on little-endian Linux
 ENTRIES_MAX = 0xFFFF_FFFF  # entry numbers are u32 in the dispatch log
+_RECORD_BYTES_MIN = RECORD_HEADER_BYTES + HEADER_BYTES
+_RECORD_MAGIC_BYTES = RECORD_MAGIC.to_bytes(4, "little")
+# deliver_at_ms in an encoded message: an i64 at byte 16 (qmq.protocol.message)
+_DELIVER_AT = struct.Struct("<q")
+_DELIVER_AT_POS = 16
 
 MESSAGES = "messages"
 INDEX = "index"
@@ -376,7 +383,8 @@ class Bucket:
     def remove(self) -> None:
         """Delete the bucket's files and directory."""
         self.close()
-        for path in [*self.file_paths(), self.directory / (DISPATCH + ".tmp"), self.directory / (IDS + ".tmp")]:
+        temps = [self.directory / (name + ".tmp") for name in (DISPATCH, IDS, INDEX)]
+        for path in [*self.file_paths(), *temps]:
             fileio.unlink(path, missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             fileio.rmdir(self.directory)
@@ -431,6 +439,71 @@ def read_index(directory: Path, entries: int) -> npt.NDArray[Any]:
     if got != index.nbytes:
         raise OSError(f"index {directory / INDEX} holds {got // INDEX_ENTRY_BYTES} entries, {entries} expected")
     return index
+
+
+def index_faults(index: npt.NDArray[Any], nbytes: int, due_end_ms: int) -> int:
+    """How many of a bucket's index entries cannot be right: each record begins where the one
+    before it ends (the first at 0, the last ending at ``nbytes``, the size of ``messages``),
+    is at least a record header and an empty message long, and is due before ``due_end_ms``
+    (the bucket's end: a message joins the bucket of the later of its due and stored times)."""
+    if not len(index):
+        return 0
+    offsets = index["offset"].astype(np.int64)
+    sizes = index["size"].astype(np.int64)
+    ends = offsets + sizes
+    expected = np.empty(len(index), dtype=np.int64)
+    expected[0] = 0
+    expected[1:] = ends[:-1]
+    bad = (offsets != expected) | (sizes < _RECORD_BYTES_MIN) | (index["due"] < 0) | (index["due"] >= due_end_ms)
+    faults = int(np.count_nonzero(bad))
+    return faults + (1 if int(ends[-1]) != nbytes and not bad[-1] else 0)
+
+
+def rebuild_index(directory: Path, old: npt.NDArray[Any], nbytes: int) -> tuple[npt.NDArray[Any], list[int]]:
+    """A bucket's index made again from its ``messages`` (the first ``nbytes``): entry ``n`` is
+    the ``n``-th record, with the due time its message carries. Entry numbers must not move
+    (the dispatch log names them), so where a record fails its check the old index says where
+    the next good record begins and which entry it is; the damaged entries keep what the old
+    index says (their records fail their check at hand-over). Returns the index and the
+    damaged entries.
+    """
+    data = fileio.read_file(directory / MESSAGES)[:nbytes]
+    by_offset = {int(o): n for n, o in enumerate(old["offset"].tolist())}
+    out = old.copy()
+    damaged: list[int] = []
+    n = pos = 0
+    while pos < nbytes and n < len(out):
+        size = _good_record(data, pos)
+        if size:
+            (due,) = _DELIVER_AT.unpack_from(data, pos + RECORD_HEADER_BYTES + _DELIVER_AT_POS)
+            out[n] = (due, pos, size)
+            n += 1
+            pos += size
+            continue
+        # a damaged record: resume at the next good one the old index names an entry for
+        at = pos + 1
+        while at < nbytes:
+            at = data.find(_RECORD_MAGIC_BYTES, at)
+            if at < 0:
+                at = nbytes
+                break
+            if at in by_offset and by_offset[at] > n and _good_record(data, at):
+                break
+            at += 1
+        m = by_offset[at] if at < nbytes else len(out)
+        damaged.extend(range(n, m))
+        n, pos = m, at
+    if n < len(out):
+        damaged.extend(range(n, len(out)))
+    return out, damaged
+
+
+def _good_record(data: bytes, pos: int) -> int:
+    """The size of the record at ``data[pos:]`` if it checks out (magic, framing, CRC), else 0."""
+    header = read_record_header(data, pos)
+    if header is None or header.length < HEADER_BYTES or not record_crc_ok(data, pos, header):
+        return 0
+    return RECORD_HEADER_BYTES + header.length
 
 
 def _open_append(path: Path) -> int:

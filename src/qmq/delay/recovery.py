@@ -12,7 +12,10 @@
    A cancel record (cancel.py) is applied where it stands: the messages replayed before it
    are in their buckets then, the ones after it not yet.
    A bucket whose files hold less than its mark (damaged) makes recovery rebuild every bucket
-   from the write-ahead log's start, or, when that is gone, refuse to start naming it.
+   from the write-ahead log's start, or, when that is gone, refuse to start naming it. A
+   bucket whose index entries cannot be right (bytes flipped: an entry that does not begin
+   where the one before it ends, or is due after the bucket ends) has its index rebuilt from
+   its own records (bucket.rebuild_index).
 4. Drop dispatch-log entries naming messages that are no longer there (a torn tail's), and
    delete buckets left empty.
 
@@ -39,11 +42,12 @@ import numpy as np
 from qmq.common.clock import Clock
 from qmq.common.config import DelayConfig
 from qmq.delay import cancel
-from qmq.delay.bucket import INDEX_ENTRY_BYTES, Bucket
+from qmq.delay.bucket import INDEX, INDEX_ENTRY_BYTES, MESSAGES, Bucket, index_faults, rebuild_index
 from qmq.delay.checkpoint import BucketMark, read_delay_checkpoint
 from qmq.delay.schedule import Schedule
 from qmq.protocol.message import HEADER_BYTES
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
+from qmq.store import fileio
 from qmq.store.datadir import StoreError
 from qmq.store.message_log import MessageLog, ScanResult
 
@@ -115,6 +119,8 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
             wal.start,
         )
 
+    # an index entry must be due before its bucket ends: the longest bucket length in use
+    bucket_ms = max(schedule.bucket_ms, checkpoint.bucket_ms or 0) if checkpoint is not None else schedule.bucket_ms
     rebuilt: list[Bucket] = []
     for start in schedule.existing_bucket_starts():
         b = schedule.bucket(start)
@@ -127,32 +133,15 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
             b.wal_end = mark.wal_end
         else:
             b.truncate(0, 0)
+        _check_index(b, start + bucket_ms)
         filled = b.fill_ids()
         if filled:
             log.info("bucket %d: rebuilt %d entries of its id file from its records", start, filled)
         rebuilt.append(b)
 
-    replayed = 0
-    cancels = 0  # entries cancelled by cancel records replayed
     result: list[ScanResult] = []
-    chunk = _Chunk()
-    for rec in wal.scan(replay_from, result):
-        msg = rec.message
-        if len(msg) < HEADER_BYTES:
-            result.append(ScanResult(rec.offset, wal.end - rec.offset))
-            break
-        parts.wal_messages = max(parts.wal_messages, rec.sequence + 1)
-        replayed += 1
-        if cancel.is_cancel(msg):
-            chunk.replay_into(schedule)
-            schedule.flush_deferred()
-            stops = cancel.pending_entries(list(schedule.iter_buckets()), cancel.cancelled_id(msg), None)
-            cancels += cancel.apply(stops, None, lambda _n: None)
-            continue
-        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
-        if len(chunk.records) >= _CHUNK_BYTES:
-            chunk.replay_into(schedule)
-    chunk.replay_into(schedule)
+    replayed, cancels, next_sequence = replay_wal(schedule, wal, replay_from, result)
+    parts.wal_messages = max(parts.wal_messages, next_sequence)
     schedule.flush_buffers()
     good_end, torn = result[-1] if result else (wal.end, 0)
     if torn:
@@ -187,6 +176,35 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         "pending": schedule.pending_total,
         "seconds": round(time.monotonic() - t0, 3),
     }
+
+
+def replay_wal(schedule: Schedule, wal: MessageLog, start: int, result: list[ScanResult]) -> tuple[int, int, int]:
+    """Replay the write-ahead log's records from ``start`` into their buckets, in order, applying
+    cancel records where they stand: recovery's step 3, and a delay slave's for what it copied.
+    Returns (records replayed, entries cancelled, the sequence after the last record); a torn
+    tail is added to ``result`` as ``wal.scan`` does."""
+    replayed = 0
+    cancels = 0
+    next_sequence = 0
+    chunk = _Chunk()
+    for rec in wal.scan(start, result):
+        msg = rec.message
+        if len(msg) < HEADER_BYTES:
+            result.append(ScanResult(rec.offset, wal.end - rec.offset))
+            break
+        next_sequence = rec.sequence + 1
+        replayed += 1
+        if cancel.is_cancel(msg):
+            chunk.replay_into(schedule)
+            schedule.flush_deferred()
+            stops = cancel.pending_entries(list(schedule.iter_buckets()), cancel.cancelled_id(msg), None)
+            cancels += cancel.apply(stops, None, schedule.note_cancelled)
+            continue
+        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
+        if len(chunk.records) >= _CHUNK_BYTES:
+            chunk.replay_into(schedule)
+    chunk.replay_into(schedule)
+    return replayed, cancels, next_sequence
 
 
 class _Chunk:
@@ -234,6 +252,27 @@ def _short(b: Bucket, marks: dict[int, BucketMark]) -> bool:
         return False
     sizes = [p.stat().st_size if p.exists() else 0 for p in b.file_paths()[:2]]
     return sizes[0] < mark.nbytes or sizes[1] < mark.entries * INDEX_ENTRY_BYTES
+
+
+def _check_index(b: Bucket, due_end_ms: int) -> None:
+    """Rebuild a bucket's index from its records when its entries cannot be right (damaged:
+    bucket.index_faults); logged, naming the file."""
+    index = b.load_index(b.flushed_count)
+    faults = index_faults(index, b.flushed_bytes, due_end_ms)
+    if not faults:
+        return
+    fixed, damaged = rebuild_index(b.directory, index, b.flushed_bytes)
+    b.close()
+    fileio.replace_file(b.directory / INDEX, fixed.tobytes())
+    log.error(
+        "schedule index %s: %d of its %d entries do not fit its records (damaged): rebuilt from %s%s",
+        b.directory / INDEX,
+        faults,
+        len(index),
+        b.directory / MESSAGES,
+        f"; {len(damaged)} records there fail their check and are lost (entries {damaged[:5]})" if damaged else "",
+    )
+    b.min_due_ms = int(fixed["due"].min()) if len(fixed) else 0
 
 
 def _adopt_files(b: Bucket) -> None:

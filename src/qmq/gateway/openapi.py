@@ -55,8 +55,12 @@ _SUBJECT = _param("subject", "the subject (at most 100 characters; no whitespace
 _GROUP = _param("group", "the consumer group")
 
 
-def _op(summary: str, ok: Json, *, body: Json | None = None, params: list[Json] | None = None) -> Json:
+def _op(
+    summary: str, ok: Json, *, body: Json | None = None, params: list[Json] | None = None, conflict: bool = False
+) -> Json:
     op: Json = {"summary": summary, "responses": {"200": ok, **_ERRORS}}
+    if conflict:
+        op["responses"]["409"] = {"$ref": "#/components/responses/Conflict"}
     if params:
         op["parameters"] = params
     if body is not None:
@@ -172,6 +176,14 @@ def _schemas() -> Json:
                     "default": 30_000,
                 },
                 "start_from": {"enum": ["latest", "earliest"], "default": "latest"},
+                "tags": {
+                    "type": "array",
+                    "maxItems": LIMITS.tags_max,
+                    "items": {"type": "string", "maxLength": LIMITS.tag_chars_max, "pattern": _NAME_PATTERN},
+                    "description": "only messages with any (tag_match any) or all (all) of these tags; the broker "
+                    "filters. A consumer group pulls with one filter",
+                },
+                "tag_match": {"enum": ["any", "all"], "default": "any"},
             },
         },
         "ReceivedMessage": {
@@ -185,7 +197,7 @@ def _schemas() -> Json:
                 "body": {"type": "string", "description": "the body, when it is UTF-8 text"},
                 "body_base64": {"type": "string", "description": "the body, when it is not UTF-8 text"},
                 "times": {"type": "integer", "minimum": 1, "description": "delivery attempt: 1 the first time"},
-                "receipt": {"type": "string", "description": "what POST /v1/acks takes"},
+                "receipt": _ref("Receipt"),
             },
         },
         "Pulled": {
@@ -193,12 +205,19 @@ def _schemas() -> Json:
             "required": ["messages"],
             "properties": {"messages": {"type": "array", "items": _ref("ReceivedMessage")}},
         },
+        "Receipt": {
+            "type": "string",
+            "maxLength": 2000,
+            "pattern": "^[A-Za-z0-9_-]+[.][A-Za-z0-9_-]+$",
+            "description": "what POST /v1/acks takes, to any gateway of the cluster; signed by the gateways: one "
+            "not issued by them is refused (400 RECEIPT_INVALID)",
+        },
         "Acks": {
             "type": "object",
             "additionalProperties": False,
             "properties": {
-                "acks": {"type": "array", "maxItems": ACK_RECEIPTS_MAX, "items": {"type": "string"}},
-                "nacks": {"type": "array", "maxItems": ACK_RECEIPTS_MAX, "items": {"type": "string"}},
+                "acks": {"type": "array", "maxItems": ACK_RECEIPTS_MAX, "items": _ref("Receipt")},
+                "nacks": {"type": "array", "maxItems": ACK_RECEIPTS_MAX, "items": _ref("Receipt")},
             },
         },
         "Settled": {
@@ -212,7 +231,7 @@ def _schemas() -> Json:
                         "required": ["receipt", "status"],
                         "properties": {
                             "receipt": {"type": "string"},
-                            "status": {"enum": ["acked", "nacked", "expired", "held", "unknown"]},
+                            "status": {"enum": ["acked", "nacked", "expired", "settled", "held", "unrecorded"]},
                         },
                     },
                 }
@@ -317,6 +336,7 @@ def document() -> Json:
                     _json(_ref("Pulled"), "the messages (none when timeout_ms passed first)"),
                     body=_ref("Pull"),
                     params=group_params,
+                    conflict=True,
                 )
             },
             "/v1/acks": {
@@ -407,6 +427,7 @@ def document() -> Json:
                 "NotFound": {**error, "description": "no such route, or an unknown subject or group"},
                 "TooLarge": {**error, "description": "a body, message or batch over its limit (named)"},
                 "Throttled": {**error, "description": "too much at once; send again in a moment"},
+                "Conflict": {**error, "description": "the consumer group pulls with another tag filter"},
                 "Unavailable": {**error, "description": "no broker available just now; send again"},
             },
         },

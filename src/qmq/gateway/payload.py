@@ -76,8 +76,8 @@ def optional_int(doc: Mapping[str, Any], key: str, default: int, lo: int, hi: in
 def _message(where: str, subject: str, doc: object) -> Message:
     if not isinstance(doc, dict):
         raise bad_request("MESSAGE_INVALID", f"{where} must be a JSON object, got {type(doc).__name__}")
-    unknown = sorted(set(doc) - _MESSAGE_KEYS)
-    if unknown:
+    if not _MESSAGE_KEYS.issuperset(doc):
+        unknown = sorted(set(doc) - _MESSAGE_KEYS)
         raise bad_request(
             "MESSAGE_INVALID",
             f"{where} has unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_MESSAGE_KEYS))}",
@@ -89,7 +89,7 @@ def _message(where: str, subject: str, doc: object) -> Message:
     message_id = doc.get("message_id")
     if message_id is not None and not isinstance(message_id, str):
         raise bad_request("MESSAGE_INVALID", f"{where}.message_id must be a string, got {message_id!r:.80}")
-    properties = doc.get("properties") or {}
+    properties = doc.get("properties") or _NONE
     if not isinstance(properties, dict):
         raise bad_request("MESSAGE_INVALID", f"{where}.properties must be a JSON object of strings, numbers, booleans")
     for key, value in properties.items():
@@ -98,7 +98,7 @@ def _message(where: str, subject: str, doc: object) -> Message:
                 "MESSAGE_INVALID",
                 f"{where}.properties[{key!r:.80}] = {value!r:.80} must be a string, number or boolean",
             )
-    tags = doc.get("tags") or []
+    tags = doc.get("tags") or _NO_TAGS
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise bad_request("MESSAGE_INVALID", f"{where}.tags must be a list of strings")
     body = _body(where, doc)
@@ -108,13 +108,31 @@ def _message(where: str, subject: str, doc: object) -> Message:
             m.set_delay(_int(f"{where}.delay_ms", doc["delay_ms"], 0, DELAY_MS_MAX) / 1000)
         elif doc.get("deliver_at") is not None:
             m.set_deliver_at(_rfc3339(f"{where}.deliver_at", doc["deliver_at"]))
-        m.encode()  # the size check of the whole message, before anything is sent
+        if not _surely_fits(m, properties, tags):
+            m.encode()  # the size check of the whole message, before anything is sent
     except ApiError:
         raise
     except QmqError as exc:
         err = api_error_of(exc)
         raise ApiError(err.status, err.code, f"{where}: {err.message}") from None
     return m
+
+
+_NONE: Final[dict[str, Any]] = {}
+_NO_TAGS: Final[list[str]] = []
+# More than a message's encoding adds to its body, properties, tags, subject and id (its fixed header).
+_HEADER_BYTES_BOUND: Final = 256
+
+
+def _surely_fits(m: Message, properties: Mapping[str, Any], tags: list[str]) -> bool:
+    """Whether ``m`` encodes within ``message_bytes_max`` for sure (4 bytes a character, numbers as
+    32 characters), so that its size check (an encoding) is needed only near the limit."""
+    bound = len(m.body) + 4 * (len(m.subject) + len(m.message_id)) + _HEADER_BYTES_BOUND
+    for key, value in properties.items():
+        bound += 4 * (len(key) + (len(value) if isinstance(value, str) else 32)) + 16
+    for tag in tags:
+        bound += 4 * len(tag) + 4
+    return bound <= LIMITS.message_bytes_max
 
 
 def _body(where: str, doc: Mapping[str, Any]) -> bytes | str:

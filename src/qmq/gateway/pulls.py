@@ -5,16 +5,24 @@ One gateway is a few consumer ids (``pull_consumers``) of every group it pulls f
 many pulls of one group run at once (the SDK makes one pull at a time per consumer); the HTTP
 clients of a group share them, and a message goes to one of them. The ``consumer_id`` a client
 names is kept for the log; the broker sees the gateway.
+
+Before the messages are answered, the broker is asked to hold their positions for the ack
+timeout (SETTLE ``hold``): from then on their give-back does not depend on this gateway living.
+
+``tags`` with ``tag_match`` (``any`` or ``all``) pulls only the messages carrying any or all of
+the tags; the broker filters (the SDK's pull consumer subscribed with them). A consumer group
+pulls through one filter: the broker moves the group past what does not match it.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import time
 from typing import Any
 
 from qmq.aio import Consumer, PullConsumer, ReceivedMessage
-from qmq.client.options import check_start_from
+from qmq.client.options import TagType, check_start_from
 from qmq.common.errors import ConfigError, QmqError
 from qmq.gateway.errors import ApiError, bad_request
 from qmq.gateway.payload import (
@@ -26,13 +34,18 @@ from qmq.gateway.payload import (
     json_object,
     optional_int,
 )
-from qmq.gateway.receipts import Receipts
+from qmq.gateway.receipts import Issued, Receipt, ReceiptCodec
+from qmq.gateway.settle import Settler
 
 log = logging.getLogger(__name__)
 
 PULL_MESSAGES_DEFAULT = 10
 PULL_TIMEOUT_MS_DEFAULT = 1_000
-_PULL_KEYS = frozenset({"max_messages", "timeout_ms", "consumer_id", "ack_timeout_ms", "start_from"})
+_PULL_KEYS = frozenset(
+    {"max_messages", "timeout_ms", "consumer_id", "ack_timeout_ms", "start_from", "tags", "tag_match"}
+)
+# the pull's tag_match and the SDK's tag_type
+_TAG_MATCH: dict[str, TagType] = {"any": "or", "all": "and"}
 
 
 def message_json(m: ReceivedMessage, receipt: str) -> dict[str, Any]:
@@ -54,12 +67,33 @@ def message_json(m: ReceivedMessage, receipt: str) -> dict[str, Any]:
     return out
 
 
-class _Lanes:
-    """The pull consumers of one (subject, consumer group), one per SDK consumer, and how many
-    pulls each is making."""
+def _tag_filter(doc: dict[str, Any]) -> tuple[tuple[str, ...], TagType]:
+    """(tags, the SDK's tag_type) of a pull; ((), "or") for all messages."""
+    tags = doc.get("tags", [])
+    match = doc.get("tag_match", "any")
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise bad_request("VALUE_INVALID", f'tags = {tags!r:.80} must be a list of tag strings, e.g. ["vip"]')
+    if match not in _TAG_MATCH:
+        raise bad_request(
+            "VALUE_INVALID", f'tag_match = {match!r:.40} is not allowed; use "any" (any of the tags) or "all"'
+        )
+    return tuple(tags), _TAG_MATCH[match]
 
-    def __init__(self, consumers: list[PullConsumer]) -> None:
+
+def _tags_text(tags: tuple[tuple[str, ...], TagType]) -> str:
+    if not tags[0]:
+        return "no tag filter"
+    return f"tags {list(tags[0])} ({'any' if tags[1] == 'or' else 'all'})"
+
+
+class _Lanes:
+    """The pull consumers of one (subject, consumer group), one per SDK consumer (with its
+    consumer id), how many pulls each is making, and the tag filter they pull with."""
+
+    def __init__(self, consumers: list[PullConsumer], ids: list[str], tags: tuple[tuple[str, ...], TagType]) -> None:
         self.consumers = consumers
+        self.ids = ids
+        self.tags = tags
         self.busy = [0] * len(consumers)
 
     def least_busy(self) -> int:
@@ -69,16 +103,35 @@ class _Lanes:
 class Pulls:
     """The pull consumers of one gateway, per (subject, consumer group), made on first use."""
 
-    def __init__(self, consumers: list[Consumer], receipts: Receipts, ack_timeout_ms: int, groups_max: int) -> None:
+    def __init__(
+        self,
+        consumers: list[Consumer],
+        ids: list[str],
+        issued: Issued,
+        codec: ReceiptCodec,
+        settler: Settler,
+        ack_timeout_ms: int,
+        groups_max: int,
+    ) -> None:
         self.consumers = consumers
-        self.receipts = receipts
+        self.ids = ids
+        self.receipts = issued
+        self.codec = codec
+        self.settler = settler
         self.ack_timeout_ms = ack_timeout_ms
         self.groups_max = groups_max
         self._lanes: dict[tuple[str, str], _Lanes] = {}
 
-    def _lanes_of(self, subject: str, group: str, start_from: object) -> _Lanes:
+    def _lanes_of(self, subject: str, group: str, start_from: object, tags: tuple[tuple[str, ...], TagType]) -> _Lanes:
         lanes = self._lanes.get((subject, group))
         if lanes is not None:
+            if lanes.tags != tags:
+                raise ApiError(
+                    409,
+                    "TAG_FILTER_CONFLICT",
+                    f"consumer group {group!r} pulls {subject!r} through this gateway with {_tags_text(lanes.tags)}, "
+                    f"not {_tags_text(tags)}; a consumer group pulls with one tag filter (use another group)",
+                )
             return lanes  # where a group starts matters only to its first pull
         if len(self._lanes) >= self.groups_max:
             raise ApiError(
@@ -89,7 +142,8 @@ class Pulls:
             )
         try:
             start = check_start_from(start_from)
-            lanes = _Lanes([c.pull_consumer(subject, group, start) for c in self.consumers])
+            pcs = [c.pull_consumer(subject, group, start, tags=tags[0], tag_type=tags[1]) for c in self.consumers]
+            lanes = _Lanes(pcs, self.ids, tags)
         except ConfigError as exc:
             raise bad_request("VALUE_INVALID", str(exc)) from None
         self._lanes[(subject, group)] = lanes
@@ -118,10 +172,11 @@ class Pulls:
             raise ApiError(
                 429,
                 "TOO_MANY_UNACKED",
-                f"this gateway holds {self.receipts.receipts_max} pulled messages not yet acked (its receipts_max); "
-                "ack or nack some, or wait for their ack timeout",
+                f"this gateway keeps the ack timeouts of {self.receipts.receipts_max} pulled messages itself (its "
+                "receipts_max; the broker did not take them); ack or nack some, or wait for their ack timeout",
             )
-        lanes = self._lanes_of(subject, group, doc.get("start_from", "latest"))
+        tags = _tag_filter(doc)
+        lanes = self._lanes_of(subject, group, doc.get("start_from", "latest"), tags)
         lane = lanes.least_busy()
         lanes.busy[lane] += 1
         try:
@@ -129,13 +184,23 @@ class Pulls:
         finally:
             lanes.busy[lane] -= 1
         out: list[dict[str, Any]] = []
+        readable: list[tuple[ReceivedMessage, Receipt]] = []
+        deadline_ms = int(time.time() * 1000) + ack_timeout_ms
         for m in batch:
             problem = m.unreadable()
             if problem is not None:
                 log.warning("message %s of %r cannot be read (%s); dead-lettered", m.printable_id, subject, problem)
                 await m.nack(QmqError(problem))  # the SDK dead-letters an unreadable message at once
                 continue
-            out.append(message_json(m, self.receipts.hold(m, group, ack_timeout_ms)))
+            tracker = m._tracker
+            receipt = Receipt(tracker.broker_group, tracker.subject, group, lanes.ids[lane], m.pull_offset, deadline_ms)
+            readable.append((m, receipt))
+        if readable:
+            # a broker that did not take the hold leaves it to this gateway's sweeper alone
+            broker_holds = await self.settler.hold([r for _m, r in readable], ack_timeout_ms)
+            for m, receipt in readable:
+                self.receipts.hold(m, receipt, ack_timeout_ms, broker_holds)
+                out.append(message_json(m, self.codec.encode(receipt)))
         if batch and consumer_id:
             log.debug("%d message(s) of %r/%s to consumer %r", len(out), subject, group, consumer_id)
         return {"messages": out}

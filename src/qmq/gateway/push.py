@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable
+from ssl import SSLContext
 from typing import Any, Final
 
 import aiohttp
@@ -65,8 +66,12 @@ class PushService:
         lease_ms: int = LEASE_MS_DEFAULT,
         held_max: int = HELD_MAX_DEFAULT,
         make_runner: RunnerFactory | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.meta_url = meta_base_url(meta_server)
+        # the gateway's TLS toward the meta server and brokers (its CA, its certificate as the
+        # client's); None: plaintext, or the default trust for an https:// meta server
+        self._ssl = ssl
         self._meta_server = meta_server
         self._app_code = app_code
         self.url = url
@@ -92,7 +97,7 @@ class PushService:
         self._renewing = asyncio.Lock()
 
     def _runner(self, sub: PushSubscription, generation: int) -> PushRunner:
-        return PushRunner(sub, generation, self._meta_server, self._app_code)
+        return PushRunner(sub, generation, self._meta_server, self._app_code, self._ssl)
 
     async def start(self) -> None:
         """Ask for leases once (a meta server that is down is retried in the background), then every
@@ -106,6 +111,7 @@ class PushService:
         # auth file hands push leases to the cluster's servers only)
         authorization = authorization_of(self._app_code, ConnectOptions(secret=secret_of(None)))
         self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None,
             timeout=aiohttp.ClientTimeout(total=self.lease_ms / _ASKS_PER_LEASE / 1000),
             headers={"Authorization": authorization} if authorization is not None else None,
         )

@@ -31,12 +31,14 @@ import hmac
 import json
 import logging
 from datetime import UTC, datetime
+from ssl import SSLContext
 from typing import Any, Final
 from urllib.parse import quote
 
 import aiohttp
 
 from qmq.aio import Consumer, ReceivedMessage
+from qmq.client.telemetry import trace_headers
 from qmq.common.errors import QmqError
 from qmq.protocol.push import PushSubscription
 
@@ -121,6 +123,7 @@ def delivery_headers(sub: PushSubscription, m: ReceivedMessage, body: bytes) -> 
     }
     if sub.secret:
         headers["X-Qmq-Signature"] = signature(sub.secret, body)
+    headers.update(trace_headers(m.properties))  # the receiver's span continues the message's trace
     return headers
 
 
@@ -146,11 +149,14 @@ class RateLimiter:
 class PushRunner:
     """Delivers one subscription while this gateway holds its lease: ``await start()``, ``await stop()``."""
 
-    def __init__(self, sub: PushSubscription, generation: int, meta_server: str, app_code: str) -> None:
+    def __init__(
+        self, sub: PushSubscription, generation: int, meta_server: str, app_code: str, ssl: SSLContext | None = None
+    ) -> None:
         self.sub = sub
         self.generation = generation
         self._meta_server = meta_server
         self._app_code = app_code
+        self._ssl = ssl  # toward the cluster only: deliveries to the subscription's URL use the system's trust
         self._limiter = RateLimiter(sub.rate_per_s)
         self._session: aiohttp.ClientSession | None = None
         self._consumer: Consumer | None = None
@@ -164,7 +170,9 @@ class PushRunner:
             timeout=aiohttp.ClientTimeout(total=sub.timeout_ms / 1000),
             headers={"User-Agent": "qmq-push"},
         )
-        consumer = Consumer(app_code=self._app_code, meta_server=self._meta_server, consumer_id=PUSH_CONSUMER_ID)
+        consumer = Consumer(
+            app_code=self._app_code, meta_server=self._meta_server, consumer_id=PUSH_CONSUMER_ID, ssl=self._ssl
+        )
         consumer.add_listener(
             sub.subject,
             sub.group,

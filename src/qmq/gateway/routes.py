@@ -23,6 +23,7 @@ from aiohttp import web
 from qmq.gateway import openapi, sends, settle
 from qmq.gateway.admin import DEAD_LETTERS_LIMIT_DEFAULT, DEAD_LETTERS_LIMIT_MAX
 from qmq.gateway.errors import bad_request
+from qmq.serving.probes import probe_status, with_probe_error
 
 if TYPE_CHECKING:
     from qmq.gateway.server import Gateway
@@ -50,7 +51,8 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     document = openapi.document()
 
     async def send(request: web.Request) -> web.Response:
-        doc = await sends.send(gateway.producer, request.match_info["subject"], await request.read())
+        context = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k)) is not None}
+        doc = await sends.send(gateway.producer, request.match_info["subject"], await request.read(), context)
         return web.json_response(doc)
 
     async def pull(request: web.Request) -> web.Response:
@@ -58,7 +60,9 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
         return web.json_response(await gateway.pulls.pull(m["subject"], m["group"], await request.read()))
 
     async def acks(request: web.Request) -> web.Response:
-        return web.json_response(await settle.settle(gateway.acks, gateway.receipts, await request.read()))
+        return web.json_response(
+            await settle.settle(gateway.settler, gateway.codec, gateway.receipts, gateway.acks, await request.read())
+        )
 
     async def subjects(request: web.Request) -> web.Response:
         return web.json_response(await gateway.admin.subjects(_flag(request, "internal")))
@@ -86,8 +90,16 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
     async def openapi_json(_request: web.Request) -> web.Response:
         return web.json_response(document)
 
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "held": gateway.receipts.held, "expired": gateway.receipts.expired})
+    async def health(request: web.Request) -> web.Response:
+        # alive once it answers; ready once its clients and services have started (qmq.serving.probes)
+        body: dict[str, object] = {
+            "ok": True,
+            "alive": True,
+            "ready": gateway.ready,
+            "held": gateway.receipts.held,
+            "expired": gateway.receipts.expired,
+        }
+        return web.json_response(with_probe_error(request, body), status=probe_status(request, body))
 
     app.router.add_post("/v1/subjects/{subject}/messages", send)
     app.router.add_post(f"{_GROUP}/pull", pull)

@@ -28,6 +28,7 @@ from qmq.aio import Consumer, Producer
 from qmq.auth.exposure import check_exposure
 from qmq.auth.file import load_auth_file
 from qmq.auth.permissions import Action
+from qmq.client.options import secret_of
 from qmq.common.config import GatewayConfig
 from qmq.common.errors import ConfigError, QmqError
 from qmq.gateway import routes
@@ -35,9 +36,9 @@ from qmq.gateway.admin import Admin
 from qmq.gateway.errors import ApiError, api_error_of
 from qmq.gateway.payload import REQUEST_BYTES_MAX
 from qmq.gateway.pulls import Pulls
-from qmq.gateway.receipts import Receipts
+from qmq.gateway.receipts import Issued, ReceiptCodec, receipt_key
 from qmq.gateway.services import BackgroundService, background_services
-from qmq.gateway.settle import AckRecorder
+from qmq.gateway.settle import AckRecorder, Settler
 from qmq.serving.http_auth import HttpAuth, Need
 from qmq.serving.tls import outgoing_context, server_context
 
@@ -66,20 +67,39 @@ class Gateway:
         # TLS and the gateway's own app (its secret from $QMQ_SECRET) toward the meta server and brokers
         self.tls_out = outgoing_context(config)
         self.producer = Producer(app_code=config.app_code, meta_server=config.meta_server, ssl=self.tls_out)
+        self.ready = False  # GET /health?probe=ready: set once every service has started
         # acks are sent by flushes only, so POST /v1/acks is answered once a flush delivered them
+        ids = [f"{prefix}-{i}" for i in range(config.pull_consumers)]
         self.consumers = [
             Consumer(
                 app_code=config.app_code,
                 meta_server=config.meta_server,
-                consumer_id=f"{prefix}-{i}",
+                consumer_id=consumer_id,
                 acks_with_pulls=False,
                 ssl=self.tls_out,
             )
-            for i in range(config.pull_consumers)
+            for consumer_id in ids
         ]
-        self.receipts = Receipts(config.receipts_max)
-        self.pulls = Pulls(self.consumers, self.receipts, config.ack_timeout_ms, config.pull_groups_max)
+        key, source = receipt_key(config.receipt_key_file, secret_of(None))
+        if not source:
+            log.warning(
+                "no receipt key ($QMQ_RECEIPT_KEY, receipt_key_file or an app secret): only this gateway settles "
+                "the receipts it hands out; give every gateway of the cluster the same key (docs/gateway.md)"
+            )
+        self.codec = ReceiptCodec(key)
+        self.receipts = Issued(config.receipts_max)
         self.admin = Admin(config.meta_server, config.app_code, self.tls_out)
+        self.settler = Settler(self.admin.meta, self.admin.pool)
+        self.receipts.give_back_fn = self.settler.give_back
+        self.pulls = Pulls(
+            self.consumers,
+            ids,
+            self.receipts,
+            self.codec,
+            self.settler,
+            config.ack_timeout_ms,
+            config.pull_groups_max,
+        )
         self.acks = AckRecorder(self.consumers)
 
 
@@ -168,6 +188,7 @@ class GatewayServer:
         for service in self.services:
             await service.start()
             self._started.append(service)
+        g.ready = True
 
     def reload_auth(self) -> None:
         """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
@@ -185,6 +206,7 @@ class GatewayServer:
         return f"qmq ready role=gateway gateway={self.url} meta_server={self.config.meta_server}"
 
     async def stop(self) -> None:
+        self.gateway.ready = False
         while self._started:
             service = self._started.pop()
             try:

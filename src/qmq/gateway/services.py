@@ -34,5 +34,6 @@ def background_services(gateway: Gateway) -> list[BackgroundService]:
             app_code=config.app_code,
             lease_ms=config.push_lease_ms,
             held_max=config.push_subscriptions_max,
+            ssl=gateway.tls_out,
         ),
     ]

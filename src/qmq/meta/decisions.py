@@ -115,10 +115,17 @@ def is_fresh(server: ServerRecord, now_ms: int, timeout_ms: int) -> bool:
 
 def slaves_heartbeating(group: GroupRecord, servers: list[ServerRecord], now_ms: int, timeout_ms: int) -> int:
     """Servers of the group, other than its master, reporting ``slave`` and heartbeating."""
-    return sum(
-        1
-        for s in servers
-        if s.address != group.master and s.role_in_group == "slave" and is_fresh(s, now_ms, timeout_ms)
+    return len(slave_addresses(group, servers, now_ms, timeout_ms))
+
+
+def slave_addresses(group: GroupRecord, servers: list[ServerRecord], now_ms: int, timeout_ms: int) -> tuple[str, ...]:
+    """The addresses of the slaves ``slaves_heartbeating`` counts, sorted."""
+    return tuple(
+        sorted(
+            s.address
+            for s in servers
+            if s.address != group.master and s.role_in_group == "slave" and is_fresh(s, now_ms, timeout_ms)
+        )
     )
 
 

@@ -54,6 +54,15 @@ behind ``db_url`` may be shared with other applications):
         lease_expires_ms  when the lease ends unless renewed
         lease_generation  raised each time the lease changes hands
 
+    qmq_meta_alarms   key (subject, group_name): a backlog alarm (qmq.meta.alarms)
+        lag_over          the breach: more than this many messages left to the group
+        for_ms            how long a breach (or its end) must last before it is notified
+        webhook, secret   where notifications are POSTed, and the key of their signature ("": none)
+        created_at_ms     when it was added
+        state             "ok" | "pending" (over, not for long enough) | "firing" | "clearing"
+        state_since_ms    when the state began
+        lag, checked_ms   the lag at the last check, and when that was (-1: never known)
+
     qmq_meta_push_gateways   key owner: the gateways asking for push leases, to share them out
         url               the gateway's base URL, for people
         last_seen_ms      when it last asked (a row silent for a few leases is deleted)
@@ -180,6 +189,22 @@ push_table = sa.Table(
     sa.Column("owner_url", sa.String(URL_CHARS), nullable=False, server_default=""),
     sa.Column("lease_expires_ms", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("lease_generation", sa.BigInteger, nullable=False, server_default="0"),
+)
+
+alarms_table = sa.Table(
+    "qmq_meta_alarms",
+    metadata,
+    sa.Column("subject", name_type(SUBJECT_CHARS), primary_key=True),
+    sa.Column("group_name", name_type(GROUP_CHARS), primary_key=True),
+    sa.Column("lag_over", sa.BigInteger, nullable=False),
+    sa.Column("for_ms", sa.BigInteger, nullable=False),
+    sa.Column("webhook", sa.String(PUSH_URL_CHARS), nullable=False),
+    sa.Column("secret", sa.String(PUSH_SECRET_CHARS), nullable=False),
+    sa.Column("created_at_ms", sa.BigInteger, nullable=False),
+    sa.Column("state", name_type(ROLE_CHARS), nullable=False, server_default="ok"),
+    sa.Column("state_since_ms", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("lag", sa.BigInteger, nullable=False, server_default="-1"),
+    sa.Column("checked_ms", sa.BigInteger, nullable=False, server_default="0"),
 )
 
 push_gateways_table = sa.Table(

@@ -9,6 +9,7 @@ Routes:
     /meta/drain, /meta/undrain, /meta/routes, /meta/remove-group, /meta/history: cluster
                                        operations (qmq.meta.operations_http)
     /meta/push...                      push subscriptions and their leases (qmq.meta.push_http)
+    /meta/alarms                       backlog alarms (qmq.meta.alarms_http)
     GET  /health                       {"ok": true}
     GET  /metrics                      Prometheus text
 
@@ -42,6 +43,8 @@ from qmq.auth.permissions import Action
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import MetaConfig
 from qmq.common.errors import ConfigError, QmqError
+from qmq.meta.alarms import AlarmStore, Notice
+from qmq.meta.alarms_http import AlarmApi
 from qmq.meta.leader import LeaderLease, default_owner
 from qmq.meta.limits import LimitsApi, LimitsStore
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
@@ -73,6 +76,7 @@ from qmq.meta.schema import OWNER_CHARS
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 from qmq.serving.http_auth import HttpAuth, Need
+from qmq.serving.probes import probe_status, with_probe_error
 from qmq.serving.tls import server_context
 
 log = logging.getLogger(__name__)
@@ -153,6 +157,9 @@ class MetaServer:
         self._registry: Registry | None = None
         self._operations: Operations | None = None
         self._push: PushStore | None = None
+        self._alarms: AlarmStore | None = None
+        self._alarm_api = AlarmApi(self._call, self._alarms_now, clock)
+        self._alarm_notices: list[Notice] = []  # due from the last tick, sent by tick()
         self._limits: LimitsStore | None = None
         self._lease: LeaderLease | None = None
         self._runner: web.AppRunner | None = None
@@ -193,6 +200,7 @@ class MetaServer:
                 self._store, self._registry, self.clock, heartbeat_timeout_ms=self.config.heartbeat_timeout_ms
             )
             self._push = PushStore(self._store)
+            self._alarms = AlarmStore(self._store)
             self._limits = LimitsStore(self._store)
         except BaseException:
             self._store.close()
@@ -222,6 +230,7 @@ class MetaServer:
         app.router.add_post(PROMOTE_PATH, self._promote)
         OperationsApi(self._call, self._json_body, self._operations_now).add_to(app)
         PushApi(self._call, self._push_now, self.clock).add_routes(app)
+        self._alarm_api.add_routes(app)
         LimitsApi(self._call, self._limits_now, self.clock.now_ms).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -263,10 +272,11 @@ class MetaServer:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        await self._alarm_api.close()
         if self._executor is not None:
             executor, self._executor = self._executor, None
             store, self._store, self._registry = self._store, None, None
-            self._operations, self._push, self._limits = None, None, None
+            self._operations, self._push, self._limits, self._alarms = None, None, None, None
             lease, self._lease = self._lease, None
             loop = asyncio.get_running_loop()
             if lease is not None:
@@ -304,6 +314,11 @@ class MetaServer:
             raise MetaStoreError("the meta server is stopped")
         return self._push
 
+    def _alarms_now(self) -> AlarmStore:
+        if self._alarms is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._alarms
+
     def _lease_now(self) -> LeaderLease:
         if self._lease is None:
             raise MetaStoreError("the meta server is stopped")
@@ -314,6 +329,8 @@ class MetaServer:
         promotions = await self._call(self._tick)
         for p in promotions:
             self.metrics.promotions.labels(role=p.group.role, how="auto").inc()
+        notices, self._alarm_notices = self._alarm_notices, []
+        self._alarm_api.notify(notices)
         return promotions
 
     def _tick(self) -> list[Promotion]:
@@ -327,6 +344,10 @@ class MetaServer:
         for p in promotions:
             detail = f"{p.group.master} master in epoch {p.group.epoch} (was {p.previous_master}, silent)"
             self._operations_now().record_promotion(p.group.role, p.group.group, self.owner, detail)
+        try:  # the leader checks the backlog alarms (qmq.meta.alarms)
+            self._alarm_notices.extend(self._alarms_now().check(self.clock.now_ms()))
+        except MetaStoreError as exc:
+            log.warning("checking the backlog alarms failed: %s", exc)
         return promotions
 
     async def _tick_forever(self) -> None:
@@ -519,8 +540,14 @@ class MetaServer:
         self._operations_now().record_promotion(role, group, who, detail)
         return promotion
 
-    async def _health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+    async def _health(self, request: web.Request) -> web.Response:
+        """Alive while it answers; ready when its store answers too (it serves routes from it)."""
+        body: dict[str, object] = {"ok": True, "alive": True, "ready": True}
+        try:
+            await self._call(lambda: self._registry_now().counts())
+        except Exception as exc:  # the store is away: alive, not ready
+            body.update(ok=False, ready=False, error=f"the meta store does not answer: {exc}")
+        return web.json_response(with_probe_error(request, body), status=probe_status(request, body))
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         counts = await self._call(lambda: self._registry_now().counts())

@@ -38,6 +38,7 @@ def heartbeat_json(answer: Heartbeat, heartbeat_ms: int) -> dict[str, Any]:
         "epoch": answer.epoch,
         "master": answer.master,
         "slaves": answer.slaves,
+        "slave_addresses": list(answer.slave_addresses),
         "truncate": truncate,
     }
 

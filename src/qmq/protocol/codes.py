@@ -25,10 +25,16 @@ class RequestCode(IntEnum):
     REPLICATE = 13
     # the acks of many (subject, group) pairs of one consumer in one request (docs/protocol.md)
     ACK_MANY = 14
+    # acks, give-backs and held positions of one consumer's pull log: receipts of the HTTP
+    # gateways, settled by any of them (docs/protocol.md, broker/settle.py)
+    SETTLE = 15
     # answered by delay servers only (docs/protocol.md); numbered apart from the broker's commands
     # so that codes other branches add next to them never collide
     CANCEL_DELAY = 24
     DELAY_LIST = 25
+    # what a broker's files tell of one message id (qmq trace --meta-server; docs/protocol.md);
+    # numbered apart from the others so that codes other branches add never collide
+    TRACE = 30
     # a connection authenticates once, before any other request, on a server with an auth file
     # (qmq.auth.handshake; docs/security.md): HELLO is answered with a challenge, PROOF with OK
     AUTH_HELLO = 40

@@ -7,7 +7,7 @@ is checked against what its app may do (``qmq.auth.permissions``) before its han
     anything before the proof   UNAUTHENTICATED
     SEND_MESSAGES               produce, per subject of the frame (checked by the handlers,
                                 which read the subjects: ``RoleHandlers.take_send``)
-    PULL, ACK, DEAD_LETTERS     consume on subject:group; ACK_MANY each of its pairs
+    PULL, ACK, SETTLE, DEAD_LETTERS  consume on subject:group; ACK_MANY each of its pairs
     READ, DELAY_LIST            consume on the subject, for every group
     RESET_OFFSET, RESEND_DEAD,  admin (CANCEL_DELAY too: it names a message id, not a subject)
     PURGE_DEAD, CANCEL_DELAY,
@@ -51,7 +51,7 @@ Need = tuple[Action, str | None, str | None]
 _OPEN = frozenset({RequestCode.PING, RequestCode.SUBJECTS, RequestCode.LAG, RequestCode.DELAY_STATS})
 # the handlers check these themselves, once they have read the subjects from the body
 _BY_HANDLER = frozenset({RequestCode.SEND_MESSAGES})
-_CONSUME = frozenset({RequestCode.PULL, RequestCode.ACK, RequestCode.DEAD_LETTERS})
+_CONSUME = frozenset({RequestCode.PULL, RequestCode.ACK, RequestCode.SETTLE, RequestCode.DEAD_LETTERS})
 _ACK_MANY_CHECKED_MAX = 10_000
 # a pull over its quota waits at most this long before it is looked at again
 _PULL_HELD_S_MAX = 1.0

@@ -2,10 +2,12 @@
 and the set of them with what each may cost the server.
 
 Requests are handled as they are decoded, on the loop, without a task per request. After a
-frame whose code is in the host's ``yield_after`` set (sends), the rest of what arrived waits
-for the next loop turn (reading paused), so timers and other connections run between
-frames. A frame that cannot be decoded costs only its own connection: the peer gets an error
-frame, then the connection closes.
+frame whose code is in the host's ``yield_after`` set (sends), or after ``_FRAMES_PER_TURN``
+frames of any kind, the rest of what arrived waits for the next loop turn (reading paused),
+so timers, heartbeats and other connections run between frames however many requests one
+client pipelines. A frame that cannot be decoded costs only its own connection: the peer gets
+an error frame, then the connection closes. Once the connection is closing (the peer went
+away: a write failed), the requests it left decoded are dropped, not handled.
 
 What one client can hold of the server is bounded:
 - replies it does not read: once the transport's write buffer passes its high-water mark
@@ -17,8 +19,9 @@ What one client can hold of the server is bounded:
 - a connection that sends no complete request within ``first_request_timeout_ms`` of opening
   is closed (an SDK sends its first request as soon as it connects; a connection that has
   sent one stays open however long it is quiet, since clients idle between sends and polls);
-- past ``connections_max`` a new connection gets an error frame saying so, and the setting
-  to raise, before it is closed.
+- past ``connections_max``, or past ``connections_per_host_max`` from the same host (IP
+  address), a new connection gets an error frame saying so, and the setting to raise, before
+  it is closed: one host's idle or hostile connections cannot take every slot.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ log = logging.getLogger(__name__)
 # asyncio's and uvloop's defaults, set here so the bound does not hang on the loop's choice.
 _WRITE_HIGH_BYTES = 64 * KiB
 _WRITE_LOW_BYTES = 16 * KiB
+# Frames handled for one connection in one loop turn before the others get theirs: a client that
+# pipelines thousands of requests (each READ may read a thousand messages) waits its turn.
+_FRAMES_PER_TURN = 16
 # A refused connection is closed once the client has closed its side, or after this long: a close
 # with the client's request unread would reset the connection, and the reset can overtake the
 # error frame that says why.
@@ -80,6 +86,7 @@ class FrameConnection(asyncio.Protocol):
         self.decoder = FrameDecoder(host.limits)
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
+        self.peer_host = "?"  # the IP address, what connections_per_host_max counts by
         self.closed = False
         self._flow_paused = False  # the client reads our answers too slowly
         self._turn_paused = False  # frames left for the next loop turn
@@ -99,6 +106,7 @@ class FrameConnection(asyncio.Protocol):
         self.transport = tr = cast(asyncio.Transport, transport)
         peer = tr.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.peer_host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         tr.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
         self._tls = tr.get_extra_info("sslcontext") is not None
         if self._tls:
@@ -112,7 +120,7 @@ class FrameConnection(asyncio.Protocol):
             self._timer = loop.call_later(connections.limits.first_request_timeout_ms / 1000, self._no_request)
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self._gone():
             return
         try:
             self.decoder.receive_data(data)
@@ -134,19 +142,26 @@ class FrameConnection(asyncio.Protocol):
         if decoder.buffered_bytes < before:
             self._stop_timer()
 
+    def _gone(self) -> bool:
+        """Closed, or closing: a write to the peer failed (it went away) and connection_lost is
+        on its way. What it left decoded is not worth handling: nobody reads the answers."""
+        return self.closed or self.transport is None or self.transport.is_closing()
+
     def _handle_frames(self) -> None:
         decoder = self.decoder
         host = self.host
         dispatch = host.dispatch
         yield_after = host.yield_after
+        handled = 0
         try:
             # a handler's answer may fill the write buffer (pause_writing): the frames after it
             # wait in the decoder until resume_writing
-            while not self.closed and not self._flow_paused and (frame := decoder.next_frame()) is not None:
+            while not self._gone() and not self._flow_paused and (frame := decoder.next_frame()) is not None:
                 if frame.response:
                     raise RemoteProtocolError("a client sent a response frame; only requests are accepted")
                 dispatch(self, frame)
-                if frame.code in yield_after and decoder.buffered_bytes:
+                handled += 1
+                if (frame.code in yield_after or handled >= _FRAMES_PER_TURN) and decoder.buffered_bytes:
                     self._next_turn()
                     return
         except RemoteProtocolError as exc:
@@ -163,7 +178,7 @@ class FrameConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_soon(self._handle_frames)
 
     def _set_reading(self) -> None:
-        if self.transport is None or self.closed:
+        if self.transport is None or self._gone():
             return
         if self._flow_paused or self._turn_paused:
             self.transport.pause_reading()
@@ -178,7 +193,7 @@ class FrameConnection(asyncio.Protocol):
         chunks: Sequence[bytes] = (),
         status: int = Status.OK,
     ) -> None:
-        if self.closed or self.transport is None:
+        if self.transport is None or self._gone():
             return
         body_len = sum(len(c) for c in chunks) if chunks else 0
         head = encode_frame_parts(code, request_id, header, body_len, status=status, response=True)
@@ -201,7 +216,7 @@ class FrameConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._flow_paused = False
-        if self.decoder.buffered_bytes and not self._turn_paused and not self.closed:
+        if self.decoder.buffered_bytes and not self._turn_paused and not self._gone():
             self._next_turn()  # the requests that waited for the client to read, from the next turn
         else:
             self._set_reading()
@@ -286,46 +301,61 @@ class ConnectionLimits:
     connections_max: int
     first_request_timeout_ms: int
     reply_backlog_bytes_max: int
+    connections_per_host_max: int = 1_000_000
 
 
 class Connections:
-    """The open connections of a server, at most ``limits.connections_max`` (a new one past it is
-    refused with ``refusal``, the text its client is sent), and the counts of those it refused
-    and of those it closed on its own, by reason."""
+    """The open connections of a server, at most ``limits.connections_max`` in all and
+    ``limits.connections_per_host_max`` from one host (a new one past either is refused with
+    the text ``refusal`` gives for that setting, which its client is sent), and the counts of
+    those it refused and of those it closed on its own, by reason."""
 
     def __init__(
         self,
         limits: ConnectionLimits,
-        refusal: str,
+        refusal: str | Callable[[str, str], str],
         on_count: Callable[[int], None],
         on_refused: Callable[[str], None],
         on_dropped: Callable[[str], None],
     ) -> None:
         self.limits = limits
-        self.refusal = refusal
+        # (setting, host) -> the text a refused client is sent
+        self.refusal: Callable[[str, str], str] = refusal if callable(refusal) else (lambda _s, _h: refusal)
         self.on_count = on_count
         self.on_refused = on_refused
         self.on_dropped = on_dropped
         self._open: set[FrameConnection] = set()
+        self._per_host: dict[str, int] = {}  # open connections by peer host; no entry at 0
 
     def __len__(self) -> int:
         return len(self._open)
 
     def admit(self, conn: FrameConnection) -> str | None:
-        """Take a new connection: None, or the text that refuses it (past connections_max)."""
-        if len(self._open) >= self.limits.connections_max:
-            log.warning(
-                "refusing connection from %s: connections_max %d reached", conn.peer, self.limits.connections_max
-            )
-            self.on_refused("connections_max")
-            return self.refusal
-        self._open.add(conn)
-        self.on_count(len(self._open))
-        return None
+        """Take a new connection: None, or the text that refuses it (past connections_max, or
+        past connections_per_host_max from its host)."""
+        limits = self.limits
+        host = conn.peer_host
+        if len(self._open) >= limits.connections_max:
+            setting, value = "connections_max", limits.connections_max
+        elif self._per_host.get(host, 0) >= limits.connections_per_host_max:
+            setting, value = "connections_per_host_max", limits.connections_per_host_max
+        else:
+            self._open.add(conn)
+            self._per_host[host] = self._per_host.get(host, 0) + 1
+            self.on_count(len(self._open))
+            return None
+        log.warning("refusing connection from %s: %s %d reached", conn.peer, setting, value)
+        self.on_refused(setting)
+        return self.refusal(setting, host)
 
     def forget(self, conn: FrameConnection) -> None:
         if conn in self._open:
             self._open.discard(conn)
+            left = self._per_host.get(conn.peer_host, 1) - 1
+            if left > 0:
+                self._per_host[conn.peer_host] = left
+            else:
+                self._per_host.pop(conn.peer_host, None)
             self.on_count(len(self._open))
 
     def close_all(self) -> None:

@@ -46,7 +46,9 @@ from qmq.serving.dispatch import RoleHandlers
 from qmq.serving.group_commit import GroupCommit
 from qmq.serving.limits import LimitsPoller
 from qmq.serving.periodic import Periodic
+from qmq.serving.probes import probe_status, with_probe_error
 from qmq.serving.registration import Registration, server_payload
+from qmq.serving.resources import register_resources
 from qmq.serving.runner import StartupError, listen_error, serve_http
 from qmq.serving.tls import outgoing_context, server_context
 from qmq.store.datadir import StoreError
@@ -62,6 +64,8 @@ class ServingConfig(Protocol):
     """The fields of a role's config the shell reads."""
 
     @property
+    def data_dir(self) -> Path: ...
+    @property
     def host(self) -> str: ...
     @property
     def port(self) -> int: ...
@@ -75,6 +79,8 @@ class ServingConfig(Protocol):
     def heartbeat_interval_ms(self) -> int: ...
     @property
     def connections_max(self) -> int: ...
+    @property
+    def connections_per_host_max(self) -> int: ...
     @property
     def first_request_timeout_ms(self) -> int: ...
     @property
@@ -140,8 +146,13 @@ class FrameServer(ABC):
         self.config = config
         self.limits = limits
         self.connections = Connections(
-            ConnectionLimits(config.connections_max, config.first_request_timeout_ms, config.reply_backlog_bytes_max),
-            self._refusal(config.connections_max),
+            ConnectionLimits(
+                config.connections_max,
+                config.first_request_timeout_ms,
+                config.reply_backlog_bytes_max,
+                config.connections_per_host_max,
+            ),
+            self._refusal,
             on_connections,
             lambda reason: self.metrics.connections_refused.labels(reason).inc(),
             lambda reason: self.metrics.connections_dropped.labels(reason).inc(),
@@ -179,11 +190,17 @@ class FrameServer(ABC):
 
     # -- connections (qmq.serving.connection.ConnectionHost) ---------------------------
 
-    def _refusal(self, connections_max: int) -> str:
+    def _refusal(self, setting: str, host: str) -> str:
+        """What a client refused past ``setting`` (connections_max, connections_per_host_max) is told."""
+        cfg = self.config
+        if setting == "connections_per_host_max":
+            held = f"{cfg.connections_per_host_max} client connections open from {host}"
+        else:
+            held = f"{cfg.connections_max} client connections open"
+        flag = "--" + setting.replace("_", "-")
         return (
-            f"the {self.title} refuses the connection: it has connections_max {connections_max} client "
-            f"connections open; raise connections_max (--connections-max, or connections_max in "
-            f"[{self.kind}] of its config file), or close idle connections"
+            f"the {self.title} refuses the connection: it has {setting} {held}; raise {setting} ({flag}, or "
+            f"{setting} in [{self.kind}] of its config file), or close idle connections"
         )
 
     def forget(self, conn: FrameConnection) -> None:
@@ -210,6 +227,7 @@ class FrameServer(ABC):
         except OSError as exc:
             raise StartupError(listen_error(self.title, cfg.host, cfg.port, exc, "--port")) from None
         self.port = self._server.sockets[0].getsockname()[1]
+        register_resources(self.metrics.registry, Path(cfg.data_dir))  # CPU, memory, disk: qmq top
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
@@ -287,9 +305,19 @@ class FrameServer(ABC):
     async def _metrics(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
-    async def _health(self, _request: web.Request) -> web.Response:
+    def registered(self) -> bool:
+        """Whether the meta server has answered this server's registration (routes may name it);
+        true for a server run without a meta server."""
+        if not self.config.meta_server:
+            return True
+        return self._registration is not None and self._registration.registered.is_set()
+
+    async def _health(self, request: web.Request) -> web.Response:
         body = self.health()
-        return web.json_response(body, status=200 if body["ok"] else 503)
+        # HTTP serves once recovery is done, so a server that answers is alive; ready once registered too
+        body["alive"] = True
+        body["ready"] = bool(body["ok"]) and self.registered()
+        return web.json_response(with_probe_error(request, body), status=probe_status(request, body))
 
     # -- checkpoints ---------------------------------------------------------------------
 

@@ -40,10 +40,11 @@ from qmq.common.naming import parse_internal_subject
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.message import decode_message, decode_properties
+from qmq.spark.access import environment_options
 from qmq.spark.ledger import ArchiveState, ConflictError, Ledger, Workspace
 from qmq.spark.offsets import Positions, SourceOptions, parse_options, to_json
 from qmq.spark.records import property_text
-from qmq.spark.sources import broker_groups, fetch_bounds
+from qmq.spark.sources import broker_groups, connect, fetch_bounds
 from qmq.store.dead_letters import ERROR_PROPERTY
 from qmq.store.reader import StoreReader
 
@@ -96,7 +97,7 @@ def source_options(meta_server: str | None, data_dir: str | None, broker_group: 
     if (meta_server is None) == (data_dir is None):
         raise ConfigError("give exactly one of --meta-server (read through the brokers) or --data-dir (read files)")
     if meta_server is not None:
-        return {"meta_server": meta_server}
+        return {"meta_server": meta_server, **environment_options()}
     opts = {"path": str(data_dir)}
     if broker_group:
         opts["brokerGroup"] = broker_group
@@ -218,7 +219,7 @@ def _lag_rows(
             rows.append(_lag_row(run_ms, options.broker_group, gp.subject, gp.group, stored, gp.pull_offset, unacked))
         return rows
     assert options.meta_server is not None
-    return asyncio.run(_remote_lag(options.meta_server, run_ms))
+    return asyncio.run(_remote_lag(options, run_ms))
 
 
 def _lag_row(
@@ -235,9 +236,9 @@ def _lag_row(
     }
 
 
-async def _remote_lag(meta_server: str, run_ms: int) -> list[dict[str, Any]]:
+async def _remote_lag(options: SourceOptions, run_ms: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    async for group_name, conn, subject, g in _subject_groups(meta_server, user_subjects_only=False):
+    async for group_name, conn, subject, g in _subject_groups(options, user_subjects_only=False):
         try:
             # limit 0: the group's figures without its consumers
             h = answer_of(await conn.request(RequestCode.LAG, {"subject": subject, "group": g, "limit": 0}))
@@ -251,12 +252,13 @@ async def _remote_lag(meta_server: str, run_ms: int) -> list[dict[str, Any]]:
 
 
 async def _subject_groups(
-    meta_server: str, *, user_subjects_only: bool
+    options: SourceOptions, *, user_subjects_only: bool
 ) -> AsyncIterator[tuple[str, Connection, str, str]]:
     """Every (broker group, its connection, subject, consumer group) the brokers know, each
     broker group's requests bounded by _REQUEST_TIMEOUT_S together."""
-    for group_name, address in sorted((await broker_groups(meta_server)).items()):
-        conn = Connection(address, connect_timeout_ms=5_000)
+    assert options.meta_server is not None
+    for group_name, address in sorted((await broker_groups(options.meta_server, options.access)).items()):
+        conn = connect(address, options.meta_server, options.access)
         try:
             async with asyncio.timeout(_REQUEST_TIMEOUT_S):
                 async for item in subjects_of(conn):
@@ -300,7 +302,7 @@ def _dead_rows(options: SourceOptions, state: ArchiveState) -> list[dict[str, An
             )
         return rows
     assert options.meta_server is not None
-    return asyncio.run(_remote_dead(options.meta_server, state))
+    return asyncio.run(_remote_dead(options, state))
 
 
 def _dead_row(
@@ -325,9 +327,9 @@ def _dead_row(
     }
 
 
-async def _remote_dead(meta_server: str, state: ArchiveState) -> list[dict[str, Any]]:
+async def _remote_dead(options: SourceOptions, state: ArchiveState) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    async for group_name, conn, subject, g in _subject_groups(meta_server, user_subjects_only=True):
+    async for group_name, conn, subject, g in _subject_groups(options, user_subjects_only=True):
         after = state.dead.get(f"{group_name}/%DEAD_RETRY%{subject}%{g}", -1)
         header = {"subject": subject, "group": g, "limit": _DEAD_PAGE, "after": after}
         async for page in pages(conn, RequestCode.DEAD_LETTERS, header):

@@ -41,6 +41,7 @@ def _tasks(options: SourceOptions, start: Positions, end: Positions, addresses: 
                 start=s.start,
                 end=s.end,
                 fail_on_data_loss=options.fail_on_data_loss,
+                access=options.access,
             )
         )
         for s in plan(start, end, options.records_per_partition, options.min_partitions)

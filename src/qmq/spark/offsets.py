@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from qmq.common.errors import ConfigError
+from qmq.spark.access import Access, access_of
 
 EARLIEST = -2
 LATEST = -1
@@ -46,6 +47,7 @@ class SourceOptions:
     fail_on_data_loss: bool
     min_partitions: int | None
     records_per_partition: int
+    access: Access  # the app, secret and CA of connections to the cluster
 
     def selects(self, subject: str) -> bool:
         if self.pattern is not None:
@@ -140,6 +142,7 @@ def parse_options(options: Mapping[str, str], streaming: bool) -> SourceOptions:
         raise ConfigError("endingOffsets=earliest would read nothing; use latest or JSON")
     per_partition = _positive(opts, "maxRecordsPerPartition") or RECORDS_PER_PARTITION_DEFAULT
     return SourceOptions(
+        access=access_of(opts),
         meta_server=meta_server,
         path=path,
         broker_group=opts.get("brokergroup", DEFAULT_BROKER_GROUP),

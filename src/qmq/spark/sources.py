@@ -26,6 +26,7 @@ from qmq.client.pages import subjects as subjects_of
 from qmq.common.errors import ConnectionLostError, QmqError
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
+from qmq.spark.access import Access
 from qmq.spark.offsets import Pair, SourceOptions
 from qmq.spark.records import record_starts, records_to_batch
 from qmq.store.reader import StoreReader
@@ -63,6 +64,7 @@ class ReadTask:
     start: int
     end: int
     fail_on_data_loss: bool
+    access: Access  # the app, secret and CA of its connections
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +86,14 @@ def fetch_bounds(options: SourceOptions) -> SourceState:
         }
         return SourceState(bounds, {options.broker_group: ""})
     assert options.meta_server is not None
-    return asyncio.run(_remote_bounds(options.meta_server, options.selects))
+    return asyncio.run(_remote_bounds(options.meta_server, options.selects, options.access))
 
 
-async def broker_groups(meta_server: str) -> dict[str, str]:
+async def broker_groups(meta_server: str, access: Access) -> dict[str, str]:
     """Available broker groups and the addresses of their masters."""
-    meta = MetaClient(meta_server, timeout_ms=_META_TIMEOUT_MS)
+    meta = MetaClient(
+        meta_server, timeout_ms=_META_TIMEOUT_MS, authorization=access.authorization(), ssl=access.tls(meta_server)
+    )
     await meta.start()
     try:
         return {name: g.address for name, g in meta.groups.items()}
@@ -97,10 +101,20 @@ async def broker_groups(meta_server: str) -> dict[str, str]:
         await meta.close()
 
 
-async def _remote_bounds(meta_server: str, selects: Callable[[str], bool]) -> SourceState:
-    addresses = await broker_groups(meta_server)
+def connect(address: str, meta_server: str | None, access: Access) -> Connection:
+    """A connection to a broker with the job's identity and trust."""
+    return Connection(
+        address, connect_timeout_ms=_CONNECT_TIMEOUT_MS, credentials=access.credentials(), ssl=access.tls(meta_server)
+    )
+
+
+async def _remote_bounds(meta_server: str, selects: Callable[[str], bool], access: Access) -> SourceState:
+    addresses = await broker_groups(meta_server, access)
     results = await asyncio.gather(
-        *(_group_bounds(group, address, selects) for group, address in sorted(addresses.items())),
+        *(
+            _group_bounds(connect(address, meta_server, access), group, selects)
+            for group, address in sorted(addresses.items())
+        ),
         return_exceptions=True,
     )
     bounds: Bounds = {}
@@ -115,8 +129,7 @@ async def _remote_bounds(meta_server: str, selects: Callable[[str], bool]) -> So
     return SourceState(bounds, addresses)
 
 
-async def _group_bounds(group: str, address: str, selects: Callable[[str], bool]) -> Bounds:
-    conn = Connection(address, connect_timeout_ms=_CONNECT_TIMEOUT_MS)
+async def _group_bounds(conn: Connection, group: str, selects: Callable[[str], bool]) -> Bounds:
     try:
         async with asyncio.timeout(_REQUEST_TIMEOUT_S):
             out: Bounds = {}
@@ -221,7 +234,7 @@ class _RemoteReader:
 
     def _start(self, seq: int) -> asyncio.Future[Frame]:
         if self.conn is None:
-            self.conn = Connection(self.address, connect_timeout_ms=_CONNECT_TIMEOUT_MS)
+            self.conn = connect(self.address, self.task.meta_server, self.task.access)
         header = {"subject": self.task.subject, "from": seq, "max": min(READ_RECORDS_MAX, self.task.end - seq)}
         fut: asyncio.Future[Frame] = self._run(self.conn.start_request(RequestCode.READ, header))
         return fut
@@ -236,7 +249,7 @@ class _RemoteReader:
         if self.conn is not None:
             self._run(self.conn.close())
             self.conn = None
-        groups = self._run(broker_groups(self.task.meta_server))
+        groups = self._run(broker_groups(self.task.meta_server, self.task.access))
         address = groups.get(self.task.broker_group)
         if address is None:
             raise ConnectionLostError(

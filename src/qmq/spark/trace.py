@@ -29,6 +29,7 @@ from qmq.common.errors import ConfigError
 from qmq.common.naming import parse_internal_subject
 from qmq.protocol.message import decode_message, decode_properties, delivery_attempt
 from qmq.protocol.record import RECORD_HEADER_BYTES
+from qmq.spark.access import environment_options
 from qmq.spark.offsets import DEFAULT_BROKER_GROUP, to_json
 from qmq.spark.query import ISO_TIMESTAMP, find_by_id, id_date
 from qmq.spark.records import property_text
@@ -103,7 +104,7 @@ def trace(
     if data_dir is not None:
         _trace_files(spark, out, seen, data_dir, broker_group)
     elif meta_server is not None:
-        for row in _search_source(spark, {"meta_server": meta_server}, message_id):
+        for row in _search_source(spark, {"meta_server": meta_server, **environment_options()}, message_id):
             _add(out, seen, _stored_from_row(row, "broker"))
         out.notes.append("consumption history needs the broker's files: run with --data-dir on the broker's machine")
     if archive is not None:

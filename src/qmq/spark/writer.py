@@ -40,8 +40,8 @@ from qmq.client.producer import Producer
 from qmq.common.errors import ConfigError, MessageTooLargeError, SendError
 from qmq.common.limits import DEFAULT_LIMITS
 from qmq.protocol.message import check_property, check_tag, encode_message, encode_properties, encode_tags
+from qmq.spark.access import Access, access_of
 
-_APP_CODE_DEFAULT = "qmq-spark"
 _KNOWN_COLUMNS = ("subject", "body", "message_id", "tags", "properties")
 # Messages a write task has in the producer at once; it waits for the oldest beyond this.
 _IN_FLIGHT_MAX = 20_000
@@ -54,6 +54,7 @@ class WriteOptions:
     subject: str | None
     app_code: str
     columns: tuple[str, ...]
+    access: Access  # the secret and CA of the producer's connections
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,8 @@ def parse_write_options(options: Mapping[str, str], schema: StructType) -> Write
         raise ConfigError("give option subject, or a subject column, to say where each row goes")
     if subject is not None:
         subject_bytes(subject)  # fails here, on the driver, naming the subject
-    return WriteOptions(meta_server, subject, opts.get("app_code", _APP_CODE_DEFAULT), names)
+    access = access_of(opts)
+    return WriteOptions(meta_server, subject, access.app_code, names, access)
 
 
 def batch_id_prefix(now_ms: int | None = None) -> tuple[str, int]:
@@ -164,7 +166,13 @@ def encode_rows(
 async def _send(
     batches: Iterator[pa.RecordBatch], options: WriteOptions, id_prefix: str, created_ms: int | None, partition: int
 ) -> WriteResult:
-    producer = Producer(app_code=options.app_code, meta_server=options.meta_server, send_timeout_ms=_SEND_TIMEOUT_MS)
+    producer = Producer(
+        app_code=options.app_code,
+        meta_server=options.meta_server,
+        send_timeout_ms=_SEND_TIMEOUT_MS,
+        secret=options.access.secret,
+        ssl=options.access.tls(options.meta_server),
+    )
     await producer.start()
     loop = asyncio.get_running_loop()
     pending: deque[asyncio.Future[None]] = deque()

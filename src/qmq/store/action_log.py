@@ -19,7 +19,8 @@ version below), then frames. Frame layout, format version 1 (little-endian), one
 Payloads (a later version may only add items at the end):
 
     [CREATE_GROUP, subject, group, start_seq]
-    [PULL, subject, group, consumer_id, pull_offset, [[seq, count], ...], new_group_pull_offset]
+    [PULL, subject, group, consumer_id, pull_offset, [[seq, count], ...], new_group_pull_offset
+     (, 1: the group is ordered, written only for one)]
     [ACK, subject, group, consumer_id, [[start, end], ...]]
     [RESET, subject, group, new_group_pull_offset]
     [DEAD_REMOVE, dead_letter_subject, [letter numbers]]   (resent or purged)
@@ -155,6 +156,8 @@ def apply_action(
                 "pull log of %r in group %r is out of step (%d vs %d)", action[3], gp.group, cp.pull_log_end, action[4]
             )
         Progress.record_pull(gp, cp, action[5], int(action[6]))
+        if len(action) > items and action[items] == 1:
+            gp.ordered = True  # slots are served to their owners, also after a restart or promotion
     elif kind == ACK:
         Progress.apply_ack(gp.consumer(str(action[3])), action[4])
     elif kind == FORGET:
@@ -237,7 +240,10 @@ class ProgressLog:
 
     def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
         """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""
-        self.alog.append([PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, runs, new_offset])
+        action = [PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, runs, new_offset]
+        if gp.ordered:
+            action.append(1)
+        self.alog.append(action)
         return Progress.record_pull(gp, cp, runs, new_offset)
 
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:

@@ -101,7 +101,9 @@ class BrokerStore:
         self._progress = parts.progress
         self.dedup = parts.dedup
         self.held = parts.held
-        self._pulls = Pulls(self.mlog, parts.progress, self.limits.pull_bytes_max, self.config.ordered_lease_ms)
+        self._pulls = Pulls(
+            self.mlog, parts.progress, self.limits.pull_bytes_max, self.config.ordered_lease_ms, parts.checked
+        )
 
     def open(self) -> RecoveryReport:
         """Recover from whatever state the last stop left; see recovery.py."""
@@ -120,6 +122,11 @@ class BrokerStore:
     @property
     def progress(self) -> Progress:
         return self._progress.progress
+
+    @property
+    def pulls(self) -> Pulls:
+        """The reads for pulls, with what they found damaged (``entries_repaired``, ``damaged_records``)."""
+        return self._pulls
 
     @property
     def consume_files(self) -> OpenFiles:
@@ -392,6 +399,11 @@ class BrokerStore:
         """How much longer the ordered group of the last pull places no slots (0: it does)."""
         return self._pulls.ordered.settling_ms
 
+    def leave_ordered(self, gp: GroupProgress, cp: ConsumerProgress) -> None:
+        """``cp`` closed: the slots it owns of its ordered group go to the group's other consumers
+        at their next pull, rather than when its lease runs out (``ordered_take``)."""
+        self._pulls.ordered.leave(self._subjects.get(gp.subject), gp, cp, self.clock.now_ms())
+
     def read_range(self, subject: str, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Records of ``subject`` by sequence, outside any consumer group (see take.Pulls.read_range)."""
         return self._pulls.read_range(self._subjects.get(subject), from_seq, max_n)
@@ -410,6 +422,8 @@ class BrokerStore:
             "subjects": {st.name: st.next_seq for st in self._subjects},
             "held": self.held.snapshot(),
             "progress": self.progress.snapshot(),
+            # groups pulled with ``ordered`` (a key older versions ignore): see store/ordered_take.py
+            "ordered_groups": [[gp.subject, gp.group] for gp in self.progress.groups.values() if gp.ordered],
         }
 
     def write_checkpoint(self, ticket: FlushTicket, state: dict[str, Any]) -> None:

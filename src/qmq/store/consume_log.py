@@ -26,7 +26,9 @@ Each segment file begins with the header of ``file_header.py`` (kind ``CLOG``, t
 version), then entries; files written before headers hold entries only. A new layout needs a
 new version here. Along a subject, log offsets and stored times never go back.
 
-The consume log is derived: recovery rebuilds its tail from the message log. Its segment
+The consume log is derived: recovery rebuilds its tail from the message log, and an entry a
+pull finds disagreeing with the record it points at is rewritten from the message log
+(clog_repair.py). Its segment
 files are named by their base byte offset (entry number × 32), like the message log's.
 """
 
@@ -157,6 +159,18 @@ class ConsumeLog:
                 break
             out += more
         return out
+
+    def overwrite(self, seq: int, entry: bytes) -> None:
+        """Write one entry in place over entry ``seq`` (a repair: see clog_repair.py)."""
+        offset = seq * ENTRY_BYTES
+        seg = self.segments.segment_for(offset)
+        if seg is None or offset + len(entry) > seg.end:
+            raise ValueError(f"consume log of {self.subject!r} has no entry {seq} to overwrite")
+        fd = fileio.open(seg.path, os.O_WRONLY)  # the segments' own descriptors append only
+        try:
+            fileio.pwrite_all(fd, entry, seg.head + offset - seg.base)
+        finally:
+            fileio.close(fd)
 
     def last_entry(self) -> tuple[int, int, int, int, int] | None:
         if self.next_seq == self.min_seq:

@@ -235,6 +235,19 @@ def write_all(fd: int, data: Buffer) -> None:
         view = view[n:]
 
 
+def pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (a file opened without O_APPEND): an overwrite in place."""
+    if _hooked:
+        faultplan.act("write", _fd_path(fd))
+    view = memoryview(data)
+    while view:  # bounded: every write moves on or raises
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno_codes.ENOSPC, f"write made no progress with {len(view)} bytes left")
+        view = view[n:]
+        offset += n
+
+
 def copy_file(src: StrPath, dst: StrPath) -> None:
     """Write a copy of ``src`` at ``dst`` (replacing it; not fsynced)."""
     data = read_file(src)

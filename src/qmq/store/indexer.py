@@ -2,7 +2,8 @@
 slave does for what it received from its master.
 
 Each record goes into its subject's consume log (when its sequence is the next one expected;
-an entry already there is left alone), its id into the duplicate window, a record of a
+an entry already there is left alone; the sequences of damaged records skipped before it get
+entries of size 0, which name no record and which pulls skip), its id into the duplicate window, a record of a
 dead-letter subject into the dead letters (by its offset, so twice is once), and a held
 record among the held messages until a copy of it follows (held.py). Entries are
 buffered per subject and written in chunks.
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 _FLUSH_ENTRIES = 4096
 _DEDUP_CHUNK = 8192
 _DEAD_RAW = DEAD_PREFIX.encode()
+_GAP_FILLED_MAX = 100_000  # entries of damaged records filled in, at most, for one gap
 
 
 class UnreadableRecord(Exception):
@@ -94,15 +96,27 @@ class RecordIndexer:
         if sequence < expected:
             return
         if sequence > expected:
+            if sequence - expected > _GAP_FILLED_MAX:
+                log.error(
+                    "message log record at offset %d has sequence %d of %r but its consume log ends at %d; "
+                    "the entries between cannot be rebuilt",
+                    offset,
+                    sequence,
+                    st.name,
+                    expected,
+                )
+                return
+            # the records between were damaged (recovery skipped them): entries that name no
+            # record keep every later sequence in its place, and a pull skips them as damaged
             log.error(
-                "message log record at offset %d has sequence %d of %r but its consume log ends at %d; "
-                "the entries between cannot be rebuilt",
-                offset,
-                sequence,
+                "consume log of %r: no good record of sequences %d to %d before offset %d (damaged): "
+                "their entries name none",
                 st.name,
                 expected,
+                sequence - 1,
+                offset,
             )
-            return
+            st.pending += ENTRY.pack(offset, 0, stored_ms, 0, 0) * (sequence - expected)
         slot = order_slot_field(message)
         st.pending += ENTRY.pack(offset, RECORD_HEADER_BYTES + len(message), stored_ms, tag_bloom(tags), slot)
         self._pending.add(st)

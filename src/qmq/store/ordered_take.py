@@ -14,7 +14,7 @@ slot. A dispatch stops at the first entry whose owner already holds ``ORDERED_UN
 unacknowledged messages; it scans at most ``_SCAN_ENTRIES_MAX`` entries. Entries without an order key go to the
 puller. A slot whose owner's lease ran out moves with the owner's unacknowledged messages of it,
 appended to the new owner's pull log before anything newer and acknowledged for the old owner.
-Nothing is dispatched in the first ``SETTLE_MS`` of a group's state on this broker.
+Nothing is dispatched while a group's state on this broker settles (``slots.SETTLE_QUIET_MS``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from qmq.store.action_log import ProgressLog
 from qmq.store.consume_log import ENTRY
 from qmq.store.message_log import MessageLog
 from qmq.store.progress import ConsumerProgress, GroupProgress
-from qmq.store.slots import ORDERED_UNACKED_MAX, SETTLE_MS, OrderedGroup, is_acked
+from qmq.store.slots import ORDERED_UNACKED_MAX, OrderedGroup, is_acked
 from qmq.store.subjects import SubjectState
 
 _SCAN_ENTRIES_MAX = 4096
@@ -49,9 +49,15 @@ class OrderedDispatch:
             og = self.groups[(gp.subject, gp.group)] = self._rebuild(st, gp, now_ms)
         for cid in [c for c in og.handed if c not in gp.consumers]:
             del og.handed[cid]  # forgotten (nothing unacknowledged): a new pull log starts at 0
+        for cid in [c for c in og.sent if c not in gp.consumers]:
+            del og.sent[cid]
+        if og.left:
+            og.left.discard(puller.consumer_id)  # it pulls again: back in the group
+            og.left.intersection_update(gp.consumers)
         og.prune(puller)
-        if now_ms - og.started_ms < SETTLE_MS:
-            self.settling_ms = SETTLE_MS - (now_ms - og.started_ms)
+        settle_ms = og.settle_left_ms(puller.consumer_id, now_ms)
+        if settle_ms:
+            self.settling_ms = settle_ms
             return  # let the group's consumers register before slots are placed (slots.SETTLE_MS)
         live = og.live(gp, now_ms, self.lease_ms, puller.consumer_id)
         orphaned = og.orphaned(live)
@@ -65,6 +71,17 @@ class OrderedDispatch:
         self._finish_moves(st, gp, og)
         self._dispatch(st, gp, og, puller, live)
 
+    def leave(self, st: SubjectState | None, gp: GroupProgress, cp: ConsumerProgress, now_ms: int) -> None:
+        """``cp`` closed (its handlers ended, its last acks sent): it counts as gone from now, so the
+        next pull of the group moves its slots, with what it left unacknowledged, to the live
+        consumers; a pull of its own brings it back."""
+        og = self.groups.get((gp.subject, gp.group))
+        if og is None:
+            if st is None or not gp.ordered:
+                return  # no slot of this group was ever placed here
+            og = self.groups[(gp.subject, gp.group)] = self._rebuild(st, gp, now_ms)
+        og.left.add(cp.consumer_id)
+
     def away(self, gp: GroupProgress, cp: ConsumerProgress) -> set[int]:
         """Slots moving away from ``cp``, whose messages its pulls withhold (``withhold``)."""
         og = self.groups.get((gp.subject, gp.group))
@@ -75,9 +92,15 @@ class OrderedDispatch:
         if og is not None:
             og.withhold(cp.consumer_id, slot, poff)
 
+    def delivered(self, gp: GroupProgress, cp: ConsumerProgress) -> None:
+        """A pull handed ``cp`` its pull log up to its cursor: those messages may run from now on."""
+        og = self.groups.get((gp.subject, gp.group))
+        if og is not None:
+            og.delivered(cp)
+
     def _finish_moves(self, st: SubjectState, gp: GroupProgress, og: OrderedGroup) -> None:
-        """End each move whose owner runs no message of the slot: what it holds of the slot (all
-        withheld, never handed) goes to the new owner, in order, before anything newer."""
+        """End each move whose owner runs no message of the slot: what it holds of the slot
+        (withheld, or not handed yet) goes to the new owner, in order, before anything newer."""
         for slot, cp, target in og.ready_moves(gp):
             if cp is not None:
                 self._transfer(st, gp, og, cp, gp.consumer(target), slot)
@@ -130,6 +153,7 @@ class OrderedDispatch:
                     if order_slot:
                         og.hand(cp.consumer_id, order_slot - 1, [poff + i])
             og.prune(cp)
+            og.sent[cp.consumer_id] = cp.pull_log_end  # all it holds may be running
             for slot in og.handed.get(cp.consumer_id, {}):
                 og.owners.setdefault(slot, cp.consumer_id)
             # what a withholding before this state skipped must be handed again: everything

@@ -53,7 +53,9 @@ class GroupProgress:
     consumers: dict[str, ConsumerProgress] = field(default_factory=dict)
     # not persisted: what the group's consumers said in their last pull
     max_retries: int = 16
-    ordered: bool = False  # pulled with ``ordered``: slots are served to their owners (ordered_take)
+    # pulled with ``ordered``: slots are served to their owners (ordered_take); persisted, by the
+    # group's PULL actions and the checkpoint's "ordered_groups", so a restart keeps it
+    ordered: bool = False
 
     def consumer(self, consumer_id: str) -> ConsumerProgress:
         cp = self.consumers.get(consumer_id)

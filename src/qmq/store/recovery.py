@@ -9,12 +9,14 @@
 2. Scan the message log from the checkpoint (or, for the duplicate window, from the oldest
    checkpoint mark still inside the window), checking every CRC: records after the checkpoint
    are indexed into their consume logs again if their entries were lost, held records (and
-   those the checkpoint names) are held again unless a copy follows them (held.py); the
-   first record that fails its CRC (or is cut short) marks a torn tail, which is cut and
-   logged. A record that passes its CRC but does not decode is another version's: recovery
-   refuses to start (StoreError naming the file, offset and format version), cutting nothing.
-   A consume log holding fewer entries than the checkpoint says (damaged, cut) is rebuilt
-   from the message log's start instead.
+   those the checkpoint names) are held again unless a copy follows them (held.py). A record
+   that fails its CRC (or is cut short) with a good record after it is damage (a flipped
+   byte): it is logged, named by file and offset, and skipped, and the scan goes on from the
+   next good record, so nothing stored after the damage is cut; bytes that no good record
+   follows are a torn tail, which is cut and logged. A record that passes its CRC but does not
+   decode is another version's: recovery refuses to start (StoreError naming the file, offset
+   and format version), cutting nothing. A consume log holding fewer entries than the
+   checkpoint says (damaged, cut) is rebuilt from the message log's start instead.
 3. Cut consume-log entries that point past the end of the message log.
 4. Replay the action log from the checkpoint into consumer progress (cutting its torn tail).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +43,14 @@ from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.held import HeldMessages
 from qmq.store.indexer import RecordIndexer, UnreadableRecord
-from qmq.store.message_log import MessageLog, ScanResult
+from qmq.store.message_log import Checked, Damage, MessageLog, ScanResult
 from qmq.store.progress import Progress
 from qmq.store.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
 CONSUME_DIR = "consume"
+_DAMAGE_LOGGED_MAX = 20
 
 
 @dataclass(slots=True)
@@ -62,6 +65,7 @@ class RecoveryReport:
     subjects: int
     groups: int
     seconds: float
+    damaged_bytes: int = 0  # message-log bytes that formed no good record, with good ones after them
 
 
 @dataclass(slots=True)
@@ -72,6 +76,7 @@ class StoreParts:
     progress: ProgressLog
     dedup: DedupWindow
     held: HeldMessages
+    checked: Checked = field(default_factory=Checked)  # what the recovery scan checked of the message log
 
 
 def empty_parts(
@@ -155,6 +160,10 @@ def recover(
         action_from = int(state["action_offset"])
         known_seqs: dict[str, int] = dict(state["subjects"])
         held.restore(mlog, state.get("held", []))
+        for subject, group in state.get("ordered_groups", []):
+            ordered = parts.progress.progress.get(subject, group)
+            if ordered is not None:
+                ordered.ordered = True
     else:
         index_from, action_from, known_seqs = mlog.start, 0, {}
 
@@ -173,7 +182,8 @@ def recover(
     scanned = 0
     indexer = RecordIndexer(subjects, dedup, held, dead, index_from, reindex_from)
     result: list[ScanResult] = []
-    for rec in mlog.scan(scan_from, result):
+    damaged: list[Damage] = []
+    for rec in mlog.scan(scan_from, result, damaged=damaged):
         scanned += 1
         try:
             indexer.add(rec.offset, rec.sequence, rec.stored_ms, rec.message)
@@ -185,6 +195,19 @@ def recover(
                 "it. Nothing was cut: run the qmq version that wrote it, or move the data directory aside"
             ) from None
     indexer.finish()
+    for d in damaged[:_DAMAGE_LOGGED_MAX]:
+        seg = mlog.segments.segment_for(d.offset)
+        where = f"{seg.path} at byte {d.offset - seg.base + seg.head}" if seg else f"offset {d.offset}"
+        log.error(
+            "message log: %d damaged bytes at offset %d (%s) form no good record: skipped; the good records "
+            "after them are kept (a message stored there is lost unless a slave holds it)",
+            d.nbytes,
+            d.offset,
+            where,
+        )
+    if len(damaged) > _DAMAGE_LOGGED_MAX:
+        log.error("message log: %d more damaged places skipped", len(damaged) - _DAMAGE_LOGGED_MAX)
+    parts.checked = Checked(scan_from, damaged)
     good_end, torn = result[-1] if result else (mlog.end, 0)
     if torn:
         mlog.truncate(good_end)
@@ -232,5 +255,6 @@ def recover(
         len(subjects.by_name),
         len(progress.groups),
         round(time.monotonic() - t0, 3),
+        sum(d.nbytes for d in damaged),
     )
     return parts, report

@@ -10,14 +10,17 @@ Rules:
 
 - a consumer is live while it pulled within the lease, or has a long poll parked; a state made
   after a start or a promotion counts every known consumer as seen then (``started_ms``);
-- nothing is placed in the first ``SETTLE_MS`` of a state, so consumers that start together
-  share the slots from the start;
+- nothing is placed until the group's consumers stopped joining for ``SETTLE_QUIET_MS`` (at most
+  ``SETTLE_MS`` after the state was made), so consumers that start together share the slots from
+  the start, and a lone consumer does not wait long;
 - a slot first seen goes to the live consumer owning fewest;
 - when the live set changes, owners above ``ceil(slots / live)`` give slots to the least loaded:
-  such a slot moves only once its owner acknowledged every message of it that it was handed,
+  such a slot moves only once its owner acknowledged every message of it that a pull handed it,
   never while the owner may still be handling one. Meanwhile the owner's pulls *withhold* the
-  slot's messages (skip them), and the move hands those to the new owner, in order;
-- a slot whose owner is not live moves at once, with the owner's unacknowledged messages of it.
+  slot's messages (skip them), and the move hands those to the new owner, in order, with those
+  dispatched to the owner's pull log that no pull handed it yet;
+- a slot whose owner is not live moves at once, with the owner's unacknowledged messages of it;
+  a consumer that closed said so (``left``) and is not live from then on, until it pulls again.
 
 Nothing here is persisted: after a restart the state is rebuilt from the pull logs (a consumer
 holding unacknowledged messages of a slot owns it).
@@ -33,10 +36,12 @@ from dataclasses import dataclass, field
 from qmq.store.progress import ConsumerProgress, GroupProgress
 
 DEFAULT_ORDERED_LEASE_MS = 20_000
-# a group's state this young places no slot yet: consumers started together (or coming back after
-# a restart or promotion) all register first, rather than one taking every slot and giving most
-# back through moves, each waiting for it to drain
+# a group's state places no slot until no consumer joined it for SETTLE_QUIET_MS, or SETTLE_MS
+# after it was made: consumers started together (or coming back after a restart or promotion) all
+# register first, rather than one taking every slot and giving most back through moves, each
+# waiting for it to drain; a group whose consumers are all there starts after the quiet time
 SETTLE_MS = 1_000
+SETTLE_QUIET_MS = 100
 # unacknowledged messages a consumer of an ordered group is handed at most: the dispatch stops at
 # the first message whose owner is full, so a slow consumer slows its group, not the broker's memory
 ORDERED_UNACKED_MAX = 10_000
@@ -60,17 +65,43 @@ class OrderedGroup:
     moving: dict[int, str] = field(default_factory=dict)  # slot -> consumer it goes to once drained
     # consumer id -> slot -> pull-log offsets handed (acknowledged ones pruned from the left)
     handed: dict[str, dict[int, deque[int]]] = field(default_factory=dict)
+    # consumer id -> pull-log offset below which its pulls handed it everything not withheld (what
+    # lies beyond was appended to its pull log but never handed: a move takes it along at once)
+    sent: dict[str, int] = field(default_factory=dict)
     # consumer id -> slot -> pull-log offsets of a slot moving away that its pulls skipped: they go
     # to the slot's next owner when the move ends (or back to this consumer if it is called off)
     withheld: dict[str, dict[int, set[int]]] = field(default_factory=dict)
     cancelled: list[int] = field(default_factory=list)  # moves called off, their owner live
     live_ids: frozenset[str] = frozenset()
+    placing: bool = False  # the settle is over: slots are placed (never settles again)
+    joined: set[str] = field(default_factory=set)  # consumers that pulled while it settles
+    joined_ms: int = 0  # when the last of them first pulled
+    left: set[str] = field(default_factory=set)  # consumers that said they leave (closed), until they pull
+
+    # -- settling -------------------------------------------------------------------------
+
+    def settle_left_ms(self, consumer_id: str, now_ms: int) -> int:
+        """How much longer nothing is placed (0: slots are placed from now on); ``consumer_id`` pulls."""
+        if self.placing:
+            return 0
+        if consumer_id not in self.joined:
+            self.joined.add(consumer_id)
+            self.joined_ms = now_ms
+        left = min(self.started_ms + SETTLE_MS, max(self.joined_ms, self.started_ms) + SETTLE_QUIET_MS) - now_ms
+        if left > 0:
+            return left
+        self.placing = True
+        self.joined.clear()
+        return 0
 
     # -- liveness -----------------------------------------------------------------------
 
     def live(self, gp: GroupProgress, now_ms: int, lease_ms: int, puller: str) -> frozenset[str]:
         out = {puller}
+        left = self.left
         for cid, cp in gp.consumers.items():
+            if cid in left:
+                continue
             if cp.parked > 0 or now_ms - max(cp.last_seen_ms, self.started_ms) < lease_ms:
                 out.add(cid)
         return frozenset(out)
@@ -97,13 +128,25 @@ class OrderedGroup:
         return False
 
     def holds_delivered(self, cp: ConsumerProgress, slot: int) -> bool:
-        """Whether ``cp`` may be running a message of ``slot``: one it was handed, not withheld,
-        and not acknowledged."""
+        """Whether ``cp`` may be running a message of ``slot``: one a pull of it handed (not
+        withheld) and that it did not acknowledge."""
         dq = self.handed.get(cp.consumer_id, {}).get(slot)
         if not dq:
             return False
+        sent = self.sent.get(cp.consumer_id, 0)
         kept = self.withheld.get(cp.consumer_id, {}).get(slot, set())
-        return any(p not in kept and not is_acked(cp, p) for p in dq)
+        for p in dq:  # in pull-log order
+            if p >= sent:
+                return False
+            if p not in kept and not is_acked(cp, p):
+                return True
+        return False
+
+    def delivered(self, cp: ConsumerProgress) -> None:
+        """A pull of ``cp`` handed it its pull log up to its cursor (never lowered: a new session
+        hands again what an old one may still be running)."""
+        if cp.cursor > self.sent.get(cp.consumer_id, 0):
+            self.sent[cp.consumer_id] = cp.cursor
 
     def away(self, consumer_id: str) -> set[int]:
         """The slots moving away from ``consumer_id``: its pulls withhold their messages."""

@@ -12,25 +12,48 @@ bounded work; the group's pull offset moves past what was scanned either way.
 A pull reads everything it hands out before it records the pull in the action log, so a read
 that fails (a failing disk) changes nothing: that pull is answered with ``PullReadError`` and
 the consumer pulls the same messages again; the store goes on.
+
+Every record read is checked against the consume-log entry that named it (clog_repair.py;
+with numpy for a pull of many), and its CRC below what recovery read (``Checked``): an entry
+that disagrees (damaged) makes the pull rewrite its subject's disagreeing entries from the
+message log, from the first of them on, and start again (a few times at most); a record that
+fails its CRC, that recovery found damaged, or whose entry still disagrees after a repair, is
+never handed out: the group's offset moves past it, and a consumer that pulled it before the
+damage is done with it, as with a record retention removed. Both are logged and counted
+(``entries_repaired``, ``damaged_records``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
+import logging
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
+import crc32c
 import numpy as np
 
+from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+from qmq.store import clog_repair
 from qmq.store.action_log import ProgressLog
+from qmq.store.clog_repair import DAMAGED, GOOD, check_record
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE
 from qmq.store.datadir import StoreError
-from qmq.store.message_log import MessageLog
+from qmq.store.message_log import RECORD_HEADER_DTYPE, Checked, MessageLog
 from qmq.store.ordered_take import OrderedDispatch
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.subjects import SubjectState
 from qmq.store.tags import TagFilter
 
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
 _SCAN_ENTRIES_MAX = 20_000
 _SCAN_CHUNK_ENTRIES = 2048
+_FAST_ENTRIES_MIN = 128  # from this many entries a pull's records are checked with numpy
+_HEADER_SPAN = np.arange(RECORD_HEADER_BYTES)
+_REPAIRS_MAX = 4  # repairs of a subject's consume log one pull may make
+_UNREPAIRABLE_MAX = 10_000  # (subject, sequence) of damaged records remembered, so a repair is tried once
 
 
 class PullResult(NamedTuple):
@@ -44,16 +67,38 @@ class PullReadError(StoreError):
     """Reading what a pull would hand out failed; nothing of the pull was recorded."""
 
 
+class _Disagrees(Exception):
+    """An entry of ``subject`` from sequence ``seq`` disagrees with its record: repair and pull again."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__(seq)
+        self.seq = seq
+
+
 class Pulls:
     """Reads for pulls: records from the message log by a subject's consume-log entries, each
     pull logged and applied through ``progress``; at most ``bytes_max`` bytes of records a pull."""
 
-    def __init__(self, mlog: MessageLog, progress: ProgressLog, bytes_max: int, ordered_lease_ms: int) -> None:
+    def __init__(
+        self,
+        mlog: MessageLog,
+        progress: ProgressLog,
+        bytes_max: int,
+        ordered_lease_ms: int,
+        checked: Checked | None = None,
+    ) -> None:
         self.mlog = mlog
+        # records recovery checked need no CRC check again, unless in bytes it found damaged
+        self.checked = Checked() if checked is None else checked
         self.progress = progress
         self.bytes_max = bytes_max
         self.ordered = OrderedDispatch(mlog, progress, ordered_lease_ms)
         self._recorded = False  # the pull being made wrote the action log (see ``pull``)
+        self.entries_repaired = 0  # consume-log entries rewritten from the message log
+        self.damaged_records = 0  # records that failed their check when read: never handed out
+        # records known damaged (an entry still disagreeing after a repair, or a failed CRC)
+        self._damaged: dict[tuple[str, int], None] = {}
+        self._repairing = False  # the pull being made follows a repair: disagreeing entries are damage
 
     def pull(
         self,
@@ -79,13 +124,15 @@ class Pulls:
         self._recorded = False
         self.ordered.dispatched = False
         self.ordered.settling_ms = 0
+        began = cp.cursor
+
+        def again() -> None:
+            if self._recorded:
+                raise StoreError(f"a consume-log entry of {st.name!r} disagreed after a pull was recorded")
+            cp.cursor = began
+
         try:
-            if gp.ordered:
-                self._recorded = True  # a failed read after the dispatch is a failed pull, like any other
-                self.ordered.dispatch(st, gp, cp, now_ms)
-                self._recorded = False
-                return self._take_own(st, gp, cp, max_n)
-            return self._take(st, gp, cp, max_n, tag_filter)
+            return self._repairing_as_needed(st, lambda: self._pull(st, gp, cp, max_n, tag_filter, now_ms), again)
         except OSError as exc:
             if self._recorded:
                 raise  # writing the action log failed: the store's to judge
@@ -95,12 +142,81 @@ class Pulls:
                 "so pull again; if it goes on failing, the broker's disk is failing: see its log"
             ) from exc
 
+    def _pull(
+        self,
+        st: SubjectState,
+        gp: GroupProgress,
+        cp: ConsumerProgress,
+        max_n: int,
+        tag_filter: TagFilter | None,
+        now_ms: int,
+    ) -> PullResult | None:
+        if gp.ordered:
+            self._recorded = True  # a failed read after the dispatch is a failed pull, like any other
+            self.ordered.dispatch(st, gp, cp, now_ms)
+            self._recorded = False
+            return self._take_own(st, gp, cp, max_n)
+        return self._take(st, gp, cp, max_n, tag_filter)
+
+    def _repairing_as_needed(self, st: SubjectState, attempt: Callable[[], _T], again: Callable[[], None]) -> _T:
+        """``attempt()``; when it meets entries of ``st`` that disagree with their records, repair
+        from the first of them and, after ``again()``, attempt again: at most ``_REPAIRS_MAX``
+        repairs, then what still disagrees is damage."""
+        repaired: set[int] = set()
+        try:
+            while True:  # bounded: each round repairs a new sequence, or is the last
+                try:
+                    return attempt()
+                except _Disagrees as exc:
+                    again()
+                    if exc.seq in repaired or len(repaired) >= _REPAIRS_MAX:
+                        self._repairing = True
+                    else:
+                        repaired.add(exc.seq)
+                        self.repair(st, exc.seq)
+        finally:
+            self._repairing = False
+
+    def repair(self, st: SubjectState, seq: int) -> int:
+        """Rewrite the entries of ``st`` from ``seq`` on that disagree with their records (see
+        clog_repair.py); returns how many were."""
+        fixed = clog_repair.repair(st.clog, self.mlog, seq, st.clog.next_seq)
+        self.entries_repaired += fixed.rewritten
+        log.error(
+            "consume log of %r: entry %d disagreed with the message log (damaged): rewrote %d entries from %d on "
+            "from the message log (%d bytes scanned)%s",
+            st.name,
+            seq,
+            fixed.rewritten,
+            seq,
+            fixed.scanned_bytes,
+            f"; {fixed.missing} records were not found whole (damaged): skipped" if fixed.missing else "",
+        )
+        return fixed.rewritten
+
+    def _damage(self, st: SubjectState, seq: int, why: str) -> None:
+        """Record ``seq`` of ``st`` is damaged: never handed out, logged once."""
+        self.damaged_records += 1
+        key = (st.name, seq)
+        if key in self._damaged:
+            return
+        if len(self._damaged) >= _UNREPAIRABLE_MAX:
+            self._damaged.pop(next(iter(self._damaged)))
+        self._damaged[key] = None
+        log.error("message %d of %r is damaged in the message log (%s): not handed out", seq, st.name, why)
+
+    def _disagrees(self, st: SubjectState, seq: int) -> None:
+        """Entry ``seq`` of ``st`` disagrees with its record: a repair first, damage after one."""
+        if not self._repairing and (st.name, seq) not in self._damaged:
+            raise _Disagrees(seq)
+        self._damage(st, seq, "its record and its consume-log entry disagree, also after a repair")
+
     def _take(
         self, st: SubjectState, gp: GroupProgress, cp: ConsumerProgress, max_n: int, tag_filter: TagFilter | None
     ) -> PullResult | None:
         out = PullResult([], [], 0, 0)
         for poff, seq, k in Progress.take_redelivery(cp, max_n):
-            got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs)
+            got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs, st, seq)
             out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
         left = max_n - out.messages
         budget = self.bytes_max - out.nbytes
@@ -132,9 +248,10 @@ class Pulls:
                     kept.append((start, k))
             for a, b in kept:
                 got, size = self._read_records(
-                    entries[a * ENTRY_BYTES : b * ENTRY_BYTES], out.chunks, cp, poff + a, out.runs
+                    entries[a * ENTRY_BYTES : b * ENTRY_BYTES], out.chunks, cp, poff + a, out.runs, st, seq + a
                 )
                 out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
+        self.ordered.delivered(gp, cp)
         return out if out.messages else None
 
     def _take_next(
@@ -165,8 +282,21 @@ class Pulls:
             return out
         chunks: list[bytes] = []
         runs: list[list[int]] = []
-        got, size = self._read_records(entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, 0, runs)
-        poff = self._record_pull(gp, cp, [[first, k]], first + k)  # after the reads: see the module docstring
+        skipped: list[int] = []
+        got, size = self._read_records(
+            entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, 0, runs, st, first, skipped
+        )
+        seq_runs = [[first, k]]
+        if skipped:  # damaged records: the group's offset moves past them, nobody is handed them
+            seq_runs = []
+            for i in range(k):
+                if i in skipped:
+                    continue
+                if seq_runs and seq_runs[-1][0] + seq_runs[-1][1] == first + i:
+                    seq_runs[-1][1] += 1
+                else:
+                    seq_runs.append([first + i, 1])
+        poff = self._record_pull(gp, cp, seq_runs, first + k)  # after the reads: see the module docstring
         for run in runs:
             run[0] += poff
         if out.runs and runs and out.runs[-1][0] + out.runs[-1][1] == runs[0][0]:
@@ -198,15 +328,27 @@ class Pulls:
         while seq < end and len(matched) < left and nbytes < budget:
             n = min(_SCAN_CHUNK_ENTRIES, end - seq)
             entries = st.clog.read(seq, n)
-            for i, (off, size, _ms, bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
+            for i, (off, size, ms, bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
                 if len(matched) >= left or (matched and nbytes + size > budget):
                     seq += i
                     break
                 if off < log_start or not tag_filter.maybe(bloom):
                     continue
+                if (st.name, seq + i) in self._damaged:
+                    continue
+                if size < RECORD_HEADER_BYTES or off + size > self.mlog.end:
+                    self._disagrees(st, seq + i)
+                    continue
                 chunk: list[bytes] = []
                 self.mlog.read_into(off, size, chunk)
                 record = chunk[0] if len(chunk) == 1 else b"".join(chunk)
+                found = check_record(record, 0, size, seq + i, ms)
+                if found != GOOD:
+                    if found == DAMAGED:
+                        self._damage(st, seq + i, "it fails its CRC")
+                    else:
+                        self._disagrees(st, seq + i)
+                    continue
                 if tag_filter.matches_record(record):
                     matched.append((seq + i, record))
                     nbytes += size
@@ -229,44 +371,211 @@ class Pulls:
         return out._replace(messages=out.messages + len(matched), nbytes=out.nbytes + nbytes)
 
     def _read_records(
-        self, entries: bytes, chunks: list[bytes], cp: ConsumerProgress, poff: int, runs: list[list[int]]
+        self,
+        entries: bytes,
+        chunks: list[bytes],
+        cp: ConsumerProgress | None,
+        poff: int,
+        runs: list[list[int]],
+        st: SubjectState,
+        seq: int,
+        skipped: list[int] | None = None,
     ) -> tuple[int, int]:
-        """Append the records of ``entries`` (pull-log offsets from ``poff``) to ``chunks`` and
-        their offsets to ``runs``, coalescing adjacent records into one read."""
+        """Append the records of ``entries`` (of ``st``, from sequence ``seq``; pull-log offsets
+        from ``poff``) to ``chunks`` and their offsets to ``runs``, coalescing adjacent records
+        into one read, each checked against its entry.
+
+        A damaged record is left out: with ``skipped`` (a pull not yet recorded) its index is
+        appended there and the pull-log offsets stay dense; without it (records in the pull log
+        already), the consumer is done with it, as with one retention removed.
+        """
+        if len(entries) >= _FAST_ENTRIES_MIN * ENTRY_BYTES and not self._damaged and not self.checked.damaged:
+            fast = self._read_fast(entries, chunks, poff, runs, seq)
+            if fast is not None:
+                return fast
         read_into = self.mlog.read_into
         log_start = self.mlog.start
+        log_end = self.mlog.end
+        first_chunk = len(chunks)
+        # (index, size, stored_ms, the chunk its run begins at, whether its CRC is checked)
+        listed: list[tuple[int, int, int, int, bool]] = []
         run_off = -1
         run_end = -1
-        got = 0
-        nbytes = 0
-        for i, (off, size, _ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
+        run_chunk = first_chunk
+        damaged = self._damaged
+        disagree: list[int] = []  # entries that disagree with their records
+        crc_from = self.checked.crc_from
+        damaged_log = self.checked.is_damaged if self.checked.damaged else None
+        bad: list[int] = []
+        for i, (off, size, ms, _bloom, _r) in enumerate(ENTRY.iter_unpack(entries)):
             if off < log_start:
                 # removed by retention while pulled and unacked: nothing to send, so it is done
                 # (an ack the broker makes itself; replay reaches the same state by the same rule)
-                Progress.apply_ack(cp, [[poff + i, poff + i + 1]])
+                if cp is not None:
+                    Progress.apply_ack(cp, [[poff + i, poff + i + 1]])
                 continue
-            if runs and runs[-1][0] + runs[-1][1] == poff + i:
-                runs[-1][1] += 1
-            else:
-                runs.append([poff + i, 1])
-            if off == run_end:
-                run_end += size
-            else:
+            if size < RECORD_HEADER_BYTES or off + size > log_end or (damaged and (st.name, seq + i) in damaged):
+                if (st.name, seq + i) not in damaged:
+                    disagree.append(i)
+                bad.append(i)
+                continue
+            if damaged_log is not None and damaged_log(off):
+                self._damage(st, seq + i, "recovery found its bytes damaged")
+                bad.append(i)
+                continue
+            if off != run_end:
                 if run_end > run_off >= 0:
                     read_into(run_off, run_end - run_off, chunks)
-                run_off, run_end = off, off + size
-            got += 1
-            nbytes += size
+                run_off, run_end = off, off
+                run_chunk = len(chunks)
+            run_end += size
+            listed.append((i, size, ms, run_chunk, off < crc_from))
         if run_end > run_off >= 0:
             read_into(run_off, run_end - run_off, chunks)
+        # check each record against its entry (inline: this runs once per record handed out)
+        unpack = RECORD_HEADER.unpack_from
+        crc32 = crc32c.crc32c
+        dense = skipped is not None
+        got = 0
+        nbytes = 0
+        ci = -1
+        p = 0
+        started = -1
+        chunk = b""
+        view = memoryview(chunk)
+        retry = False
+        for i, size, ms, at, check_crc in listed:
+            if at != started:
+                started, ci, p = at, at, 0
+                chunk = chunks[ci]
+                view = memoryview(chunk)
+            elif p >= len(chunk) and ci + 1 < len(chunks):
+                ci, p = ci + 1, 0
+                chunk = chunks[ci]
+                view = memoryview(chunk)
+            end = p + size
+            if end <= len(chunk):
+                magic, crc, length, sequence, stored = unpack(chunk, p)
+                ok = (
+                    magic == RECORD_MAGIC
+                    and length + RECORD_HEADER_BYTES == size
+                    and sequence == seq + i
+                    and stored == ms
+                    and (not check_crc or crc32(view[p + 8 : end]) == crc)
+                )
+            else:
+                ok = False
+            p = end
+            if not ok:
+                if check_record(chunk, end - size, size, seq + i, ms) == DAMAGED:
+                    self._damage(st, seq + i, "it fails its CRC")
+                else:
+                    disagree.append(i)
+                bad.append(i)
+                retry = True
+                continue
+            at_log = poff + (got if dense else i)
+            if runs and runs[-1][0] + runs[-1][1] == at_log:
+                runs[-1][1] += 1
+            else:
+                runs.append([at_log, 1])
+            got += 1
+            nbytes += size
+        if disagree:  # a repair from the first of them, or, after one, they are damage
+            if not self._repairing:
+                raise _Disagrees(seq + min(disagree))
+            for i in disagree:
+                self._disagrees(st, seq + i)
+        if retry:  # damaged records go: the good ones are copied out of the chunks one by one
+            chunks[first_chunk:] = self._without(chunks[first_chunk:], first_chunk, listed, set(bad))
+        if bad:
+            if skipped is not None:
+                skipped.extend(bad)
+            elif cp is not None:
+                Progress.apply_ack(cp, [[poff + i, poff + i + 1] for i in sorted(bad)])
         return got, nbytes
+
+    def _read_fast(
+        self, entries: bytes, chunks: list[bytes], poff: int, runs: list[list[int]], seq: int
+    ) -> tuple[int, int] | None:
+        """``_read_records`` for many entries, checked with numpy, when nothing is out of the
+        ordinary; None (``chunks`` as it was) when something is: the caller goes one by one."""
+        e = np.frombuffer(entries, dtype=ENTRY_DTYPE)
+        n = len(e)
+        offsets = e["offset"].astype(np.int64)
+        sizes = e["size"].astype(np.int64)
+        ends = offsets + sizes
+        if (
+            int(offsets.min()) < self.mlog.start
+            or int(sizes.min()) < RECORD_HEADER_BYTES
+            or int(ends.max()) > self.mlog.end
+        ):
+            return None
+        breaks = np.flatnonzero(offsets[1:] != ends[:-1]) + 1
+        first_chunk = len(chunks)
+        crc_from = self.checked.crc_from
+        seqs = np.arange(seq, seq + n, dtype=np.uint64)
+        bounds = [0, *breaks.tolist(), n]
+        for a, b in itertools.pairwise(bounds):
+            start = int(offsets[a])
+            self.mlog.read_into(start, int(ends[b - 1]) - start, chunks)
+            chunk = chunks[-1]
+            rel = offsets[a:b] - start
+            if len(chunk) != int(ends[b - 1]) - start:  # split over two segments: one by one
+                del chunks[first_chunk:]
+                return None
+            heads = np.frombuffer(chunk, dtype=np.uint8)[rel[:, None] + _HEADER_SPAN].view(RECORD_HEADER_DTYPE)[:, 0]
+            ok = (
+                (heads["magic"] == RECORD_MAGIC)
+                & (heads["length"].astype(np.int64) + RECORD_HEADER_BYTES == sizes[a:b])
+                & (heads["sequence"] == seqs[a:b])
+                & (heads["stored_ms"] == e["stored_ms"][a:b])
+            )
+            if not ok.all():
+                del chunks[first_chunk:]
+                return None
+            if start < crc_from:  # before what recovery checked: the CRCs too
+                view = memoryview(chunk)
+                crc32 = crc32c.crc32c
+                crcs = heads["crc"].tolist()
+                for j, (r, size) in enumerate(zip(rel.tolist(), sizes[a:b].tolist(), strict=True)):
+                    if crc32(view[r + 8 : r + size]) != crcs[j]:
+                        del chunks[first_chunk:]
+                        return None
+        if runs and runs[-1][0] + runs[-1][1] == poff:
+            runs[-1][1] += n
+        else:
+            runs.append([poff, n])
+        return n, int(sizes.sum())
+
+    @staticmethod
+    def _without(
+        chunks: list[bytes], first: int, listed: list[tuple[int, int, int, int, bool]], bad: set[int]
+    ) -> list[bytes]:
+        """The records of ``chunks`` (read for ``listed``, whose chunk numbers count from
+        ``first``) less those of ``bad``."""
+        out: list[bytes] = []
+        ci = -1
+        p = 0
+        started = -1
+        for i, size, _ms, at, _crc in listed:
+            if at != started:
+                started, ci, p = at, at - first, 0
+            elif p >= len(chunks[ci]) and ci + 1 < len(chunks):
+                ci, p = ci + 1, 0
+            if i not in bad:
+                out.append(bytes(memoryview(chunks[ci])[p : p + size]))
+            p += size
+        return out
 
     def read_range(self, st: SubjectState | None, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Up to ``max_n`` visible records of ``st`` from sequence ``from_seq`` (or the first
         one kept, if retention removed it), outside any consumer group: ``(first, count, chunks)``.
 
-        The entries are read as one numpy array: skipping removed records, the byte budget and
-        the runs of adjacent records (one read each) are found without a Python loop per record.
+        The entries are read as one numpy array: skipping removed records and the byte budget
+        are found without a Python loop per record, and the records are read and checked as a
+        pull's are. A damaged record is left out: the answer begins after it (a reader sees
+        the gap, as after retention) or ends before it.
         """
         if st is None:
             return from_seq, 0, []
@@ -281,11 +590,24 @@ class Pulls:
         sizes = entries["size"].astype(np.int64)
         within = np.cumsum(sizes) <= self.bytes_max
         count = max(1, int(np.count_nonzero(within)))
-        offsets = entries["offset"][:count].astype(np.int64)
-        sizes = sizes[:count]
-        breaks = np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1
+        wanted = entries[:count].tobytes()
         chunks: list[bytes] = []
-        for run in np.split(np.arange(count), breaks):
-            start_off = int(offsets[run[0]])
-            self.mlog.read_into(start_off, int(offsets[run[-1]] + sizes[run[-1]]) - start_off, chunks)
+        skipped: list[int] = []
+
+        def attempt() -> None:
+            nonlocal wanted, sizes
+            chunks.clear()
+            skipped.clear()
+            wanted = st.clog.read(first + skip, count)  # again after a repair
+            sizes = np.frombuffer(wanted, dtype=ENTRY_DTYPE)["size"].astype(np.int64)
+            self._read_records(wanted, chunks, None, 0, [], st, first + skip, skipped)
+
+        self._repairing_as_needed(st, attempt, lambda: None)
+        if skipped:  # damaged records: the answer is the good ones after the first run of them
+            bad = set(skipped)
+            good = [i for i in range(count) if i not in bad]
+            begin = good[0] if good else count
+            end = next((i for i in range(begin, count) if i in bad), count)
+            data = b"".join(chunks)[: int(sizes[begin:end].sum())]
+            return first + skip + begin, end - begin, [data] if data else []
         return first + skip, count, chunks
