@@ -128,10 +128,10 @@ async def consume(meta_server: str, history: HistoryFile, group: str, consumer_i
                     await consumer.flush_acks()
                 except QmqError:
                     continue
-                if consumer.acks_undelivered:
-                    # a broker went away mid-request (killed, cut off): flush_acks put the acks
-                    # back for the next flush without an answer (its documented contract), so
-                    # none of them may be recorded as answered yet
+                if consumer.acks_undelivered or consumer.acks_pending:
+                    # a broker went away mid-request (killed, cut off), or its group was not
+                    # available to send to: flush_acks kept the acks for the next flush without
+                    # an answer and without an error, so none may be recorded as answered yet
                     continue
                 ms = now_ms()
                 history.write(f"K\t{group}\t{w}\t{ms}\n" for w in waiting)

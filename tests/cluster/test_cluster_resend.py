@@ -89,3 +89,41 @@ async def test_a_resend_waits_for_the_group_its_id_picks_while_that_group_is_dow
         assert len(failed) == stored["b2"]
         assert again.stats.duplicates == stored["b1"]  # the rest went to b1, which dropped them
         assert (await _stored(c.meta_server))["b1"] == stored["b1"]
+
+
+async def test_a_resending_producer_waits_for_a_read_only_group_rather_than_store_it_twice(
+    tmp_path: Path,
+) -> None:
+    # a delay server's hand-overs and the outbox watchdog (ProducerOptions.resends): the group
+    # their message ids pick turned read-only (its slave gone), so it takes no sends and a plain
+    # producer goes to the other group; what they send may be stored there already
+    args = ["--broker-groups", "2", "--slaves", "1", "--delay-groups", "0"]
+    with cluster_up(tmp_path / "cluster", args, fast_config(tmp_path / "fast.toml")) as c:
+        c.wait_view(
+            "both slaves replicating",
+            lambda v: sum(1 for s in v["servers"] if s["role_in_group"] == "slave" and s["replicated_ms"] > 0) == 2,
+        )
+        pull = {"subject": SUBJECT, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
+        await ask_every_broker(c.meta_server, RequestCode.PULL, pull)
+        async with Producer(app_code="shop", meta_server=c.meta_server) as first:
+            messages = [first.generate_message(SUBJECT) for _ in range(MESSAGES)]
+            for m in messages:
+                await first.send(m)
+        stored = await _stored(c.meta_server)
+        assert min(stored.values()) > 0, stored
+        os.kill(c.member("b2-s1").pid, signal.SIGKILL)
+        await asyncio.to_thread(
+            c.wait_view,
+            "b2 read-only",
+            lambda v: any(g["group"] == "b2" and g["write_state"] == "read-only" for g in v["groups"]),
+        )
+        async with Producer(app_code="shop", meta_server=c.meta_server, resends=True, send_timeout_ms=3_000) as again:
+            results = await asyncio.gather(
+                *(again.send_encoded(SUBJECT, m.encode(), m.message_id) for m in reversed(messages)),
+                return_exceptions=True,
+            )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert all(isinstance(r, SendError) for r in failed), failed
+        assert len(failed) == stored["b2"]  # they wait for b2, to be sent again later
+        assert again.stats.duplicates == stored["b1"]
+        assert (await _stored(c.meta_server))["b1"] == stored["b1"]

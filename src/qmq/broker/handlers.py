@@ -298,25 +298,33 @@ class Handlers(RoleHandlers):
                 # the acks it carried must be durable and reach the slave first, or a power loss
                 # or a failover would deliver those again
                 self._after_acks(conn, code, request_id, lambda error: send_answer(result, error), _as_is)
-            elif result is not None and self.store.sync_policy:
-                # the record of what this consumer was handed must be durable before it has the
-                # messages: after a power loss that forgot it, the consumer's acks (by position in
-                # what it was handed) would not take, and it would receive them again
+            elif result is not None:
+                # the record of what this consumer was handed must be durable, and on the slave,
+                # before it has the messages: after a power loss or a failover that forgot it, the
+                # consumer's acks (by position in what it was handed) would not take, and it would
+                # receive the messages again after those acks were answered
                 end = self.store.alog.end
-                self.broker.action_flusher.after_write(
-                    end, guarded(conn, code, request_id, lambda error: handed(result, end, error))
-                )
+                durable = guarded(conn, code, request_id, lambda error: handed(result, end, error))
+                if self.store.sync_policy:
+                    self.broker.action_flusher.after_write(end, durable)
+                else:
+                    durable(None)
             else:
                 send_answer(result, None)
 
         def handed(result: PullResult, end: int, error: str | None) -> None:
-            if error is None:
-                if fileio.tracing:
-                    fileio.trace_answer(self.store.alog.segments, end, "pull")
-                send_answer(result, None)
-            else:
+            if error is not None:
                 text = f"the pull could not be made durable ({error}); pull again once the broker is restarted"
                 conn.respond(code, request_id, {"error": text}, status=Status.BUSY)
+                return
+
+            def replicated(_why_not: str | None) -> None:
+                # a slave that will not have it soon (a read-only group): answered all the same
+                if fileio.tracing and self.store.sync_policy:
+                    fileio.trace_answer(self.store.alog.segments, end, "pull")
+                send_answer(result, None)
+
+            self.broker.source.after_actions_replicated(end, guarded(conn, code, request_id, replicated))
 
         def send_answer(result: PullResult | None, acks_error: str | None) -> None:
             header: dict[str, object] = {"runs": [] if result is None else result.runs}

@@ -199,8 +199,9 @@ def _run_watchdog(meta_server: str, once: bool, databases: int, make: Callable[[
     from qmq.cli.auth_commands import cli_app_code
     from qmq.client.sync import Producer
 
-    # the app of `qmq --app-code` ($QMQ_APP_CODE) with $QMQ_SECRET, on servers with an auth file
-    with Producer(app_code=cli_app_code("qmq-watchdog"), meta_server=meta_server) as producer:
+    # the app of `qmq --app-code` ($QMQ_APP_CODE) with $QMQ_SECRET, on servers with an auth file;
+    # a row it sends may have been stored by the first send: only to the group that would have
+    with Producer(app_code=cli_app_code("qmq-watchdog"), meta_server=meta_server, resends=True) as producer:
         dog = make(producer)
         try:
             if once:

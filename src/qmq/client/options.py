@@ -143,6 +143,11 @@ class ProducerOptions:
     send_timeout_ms: int = 10_000
     retry_backoff_ms: int = 50
     retry_backoff_ms_max: int = 1_000
+    # Every send may repeat one made before, by this process or another (a delay server's
+    # hand-overs, an outbox watchdog): a message due now goes only to the broker group of its
+    # route that its id picks (client/routing.py) and waits for that group while it takes no
+    # sends, never to another group, which would store it twice.
+    resends: bool = False
 
     def __post_init__(self) -> None:
         limits = DEFAULT_LIMITS

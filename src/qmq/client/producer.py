@@ -107,6 +107,7 @@ class Producer:
         send_timeout_ms: int = DEFAULT_PRODUCER.send_timeout_ms,
         retry_backoff_ms: int = DEFAULT_PRODUCER.retry_backoff_ms,
         retry_backoff_ms_max: int = DEFAULT_PRODUCER.retry_backoff_ms_max,
+        resends: bool = DEFAULT_PRODUCER.resends,
         connect_timeout_ms: int = DEFAULT_CONNECT.connect_timeout_ms,
         meta_timeout_ms: int = DEFAULT_CONNECT.meta_timeout_ms,
         close_timeout_ms: int = DEFAULT_CONNECT.close_timeout_ms,
@@ -128,6 +129,7 @@ class Producer:
             send_timeout_ms=send_timeout_ms,
             retry_backoff_ms=retry_backoff_ms,
             retry_backoff_ms_max=retry_backoff_ms_max,
+            resends=resends,
         )
         self.stats = ProducerStats()
         self._state: _State = "new"
@@ -175,8 +177,9 @@ class Producer:
         else:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)
-        router = Router(meta, self._acc, sender)
-        sender.widen = router.widen
+        router = Router(meta, self._acc, sender, strict=self.options.resends)
+        if not self.options.resends:
+            sender.widen = router.widen
         meta.on_change(router.on_meta_change)
         sender.start()
         telemetry.watch_producer(self)

@@ -64,7 +64,8 @@ class Queues(Protocol):
 class Router:
     """Puts each message on the queue of its route, holding it while the route is looked up."""
 
-    def __init__(self, meta: Routes, acc: Accumulator, sender: Queues) -> None:
+    def __init__(self, meta: Routes, acc: Accumulator, sender: Queues, strict: bool = False) -> None:
+        """``strict``: a message due now waits for the group its id picks (ProducerOptions.resends)."""
         self._meta = meta
         self._acc = acc
         self._sender = sender
@@ -73,6 +74,7 @@ class Router:
         self._delay_route: RouteKey | None = None
         self._lookups: dict[str, asyncio.Task[None]] = {}
         self._singles: dict[str, RouteKey] = {}  # a route of one group, by its name
+        self._strict = strict
 
     def enqueue(self, subject: str, deliver_at_ms: int, entry: Entry, repeating: bool = False) -> None:
         """Queue ``entry`` on its route, or hold it until the route is known.
@@ -94,7 +96,7 @@ class Router:
                 key = self._first_route(subject, entry)
                 if key is None:
                     return
-            if len(key) > 1:
+            if len(key) > 1 or self._strict:
                 key = self._pinned(subject, key, entry[MESSAGE_ID])
         self._sender.submit(key, entry)
 
@@ -119,7 +121,7 @@ class Router:
         """The group of ``key`` that ``message_id`` picks in ``subject``'s route (the module
         docstring), as a route of one; all of ``key`` when that group takes no sends now."""
         group = pick_group(self._meta.route(subject) or key, message_id)
-        if group not in key:
+        if group not in key and not self._strict:
             return key
         single = self._singles.get(group)
         if single is None:
@@ -161,7 +163,8 @@ class Router:
         # Without any broker group the messages stay held until one appears or they expire.
         if not key:
             return
-        pick = (lambda entry: self._pinned(subject, key, entry[MESSAGE_ID])) if len(key) > 1 else (lambda _e: key)
+        pin = len(key) > 1 or self._strict
+        pick = (lambda entry: self._pinned(subject, key, entry[MESSAGE_ID])) if pin else (lambda _e: key)
         for moved in self._acc.route_held(subject, pick):
             self._sender.wake(moved)
 
@@ -182,7 +185,7 @@ class Router:
         # what waits for a group that is no longer available goes to the rest of its route
         targets = set(self._meta.targets())
         for group, single in self._singles.items():
-            if group not in targets:
+            if group not in targets and not self._strict:
                 for moved in self._acc.move(single, functools.partial(self._rerouted, single)):
                     self._sender.wake(moved)
         for subject in self._acc.held_subjects():

@@ -122,6 +122,8 @@ class DelayServer(FrameServer, GroupMember):
             batch_messages_max=_HANDOVER_BATCH_MESSAGES,
             max_in_flight=_HANDOVER_FRAMES_IN_FLIGHT,
             send_timeout_ms=_HANDOVER_SEND_TIMEOUT_MS,
+            # a hand-over may repeat one made before a restart: only to the group that stored it
+            resends=True,
         )
         try:
             await producer.start()
