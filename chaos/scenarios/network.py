@@ -23,7 +23,7 @@ from chaos.netns import Host
 from chaos.proxy import Proxy
 from chaos.scenario import Result, Settings, drain
 
-NAMES = ("meta", "b1-m", "b1-s1", "b2-m", "b2-s1", "d1")
+NAMES = ("meta", "b1-m", "b1-s1", "b2-m", "b2-s1", "d1", "d1-s1")
 CUT_S = 6.0
 HEAL_TIMEOUT_S = 60.0
 

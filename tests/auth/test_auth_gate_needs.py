@@ -29,6 +29,7 @@ EXPECTED: dict[RequestCode, list[tuple[Action, str | None, str | None]]] = {
     RequestCode.ACK_MANY: [(Action.CONSUME, S, G), (Action.CONSUME, "other", "g2")],
     RequestCode.CANCEL_DELAY: [(Action.ADMIN, None, None)],
     RequestCode.DELAY_LIST: [(Action.CONSUME, S, None)],
+    RequestCode.TRACE: [(Action.ADMIN, None, None)],
 }
 HEADER = {"subject": S, "group": G, "acks": [{"subject": S, "group": G}, {"subject": "other", "group": "g2"}]}
 

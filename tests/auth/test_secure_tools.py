@@ -144,6 +144,13 @@ async def test_listing_commands_open_their_broker_connections_with_the_app_and_t
     done = run_qmq("delay-stats", "--json", "--meta-server", url, env=env)
     assert done.returncode == 0, done.stderr
 
+    # qmq push add --from latest fixes the group's start on every broker group, then stores it
+    done = run_qmq("push", "add", "tools.listed", "--group", "hooked", "--url", "http://127.0.0.1:9/hook",
+                   "--from", "latest", "--meta-server", url, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    done = run_qmq("push", "remove", "tools.listed", "--group", "hooked", "--meta-server", url, env=env)
+    assert done.returncode == 0, done.stderr
+
     # without the CA the command does not trust the servers; without the secret it is refused
     done = run_qmq("--app-code", "ops", "--secret", SECRETS["ops"], "subjects", "--meta-server", url)
     assert done.returncode != 0

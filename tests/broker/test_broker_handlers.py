@@ -297,3 +297,40 @@ async def test_a_read_that_fails_while_slaves_wait_answers_them_busy(context: Co
     [(_code, _rid, header, status)] = again.answers
     assert status == Status.OK
     assert header["count"] > 0
+
+
+def test_only_slaves_the_meta_server_named_count_toward_the_write_state(context: Context) -> None:
+    # Found by the fault campaign (chaos/, hostile clients): any REPLICATE counted as a slave.
+    source = context.source
+    ask = {"from": 0, "action_from": 0, "max_bytes": 65536, "timeout_ms": 0}
+    source.request(RecordingResponder(), RequestCode.REPLICATE, 1, dict(ask), "x:1")
+    assert source.slaves == {}  # a client that only claims to be a slave
+    assert source.write_state() == "alone"
+    source.request(RecordingResponder(), RequestCode.REPLICATE, 2, dict(ask), "s:1")  # before its master heard of it
+    source.slaves_reported = 1
+    source.name_slaves(["s:1"])
+    assert set(source.slaves) == {"s:1"}  # counts from its last request on
+    assert source.write_state() == "replicated"
+    source.name_slaves([])  # the meta server no longer hears from it: it still counts (read-only once stale)
+    assert set(source.slaves) == {"s:1"}
+    for i in range(100):  # slaves restarted on new ports: the least recently named go first
+        source.name_slaves([f"s:{i + 2}"])
+    assert len(source.named or {}) == 64
+    assert "s:1" not in source.slaves
+
+
+async def test_requesters_the_meta_server_never_named_take_a_quarter_of_the_long_polls_at_most(
+    context: Context,
+) -> None:
+    source = context.source
+    source.name_slaves(["s:1"])
+    ask = {"from": 0, "action_from": 0, "max_bytes": 65536, "timeout_ms": 30_000}
+    claims = [RecordingResponder() for _ in range(40)]
+    for i, conn in enumerate(claims):
+        source.request(conn, RequestCode.REPLICATE, i, dict(ask), f"x:{i}")
+    waiting = [conn for conn in claims if not conn.answers]
+    assert len(waiting) == 16  # the rest were answered at once (nothing to copy): they may ask again
+    slave = RecordingResponder()
+    source.request(slave, RequestCode.REPLICATE, 99, dict(ask), "s:1")
+    assert slave.answers == []  # the group's slave still waits for the log to grow
+    source.fail_all("stopping")

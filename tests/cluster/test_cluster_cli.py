@@ -20,7 +20,7 @@ from qmq.cli.cluster_launch import Cluster, Member, is_running, start_ticks
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
-NAMES = ["meta", "b1-m", "b2-m", "d1", "b1-s1", "b2-s1"]
+NAMES = ["meta", "b1-m", "b2-m", "d1", "b1-s1", "b2-s1", "d1-s1"]
 
 
 def _ps_args(pid: int) -> str:
@@ -39,14 +39,14 @@ def _wait_all_gone(pids: list[int], timeout_s: float = 20.0) -> None:
 def _slaves_replicating(c: LocalCluster) -> None:
     """Wait until each slave follows its master in epoch 1 and has heard from it."""
     c.wait_view(
-        "both slaves replicating",
+        "every slave replicating",
         lambda v: (
             sorted(
                 s["group"]
                 for s in v["servers"]
                 if s["role_in_group"] == "slave" and s["epoch"] == 1 and s["replicated_ms"] > 0
             )
-            == ["b1", "b2"]
+            == ["b1", "b2", "d1"]
         ),
     )
 
@@ -59,7 +59,7 @@ def test_up_status_promote_down(tmp_path: Path) -> None:
         assert ready["meta_server"].startswith("http://127.0.0.1:")
         assert ready["meta_server"].endswith("/meta/address")
         assert (ready["broker_groups"], ready["slaves_per_group"], ready["delay_groups"]) == ("b1,b2", "1", "d1")
-        assert (ready["processes"], ready["data_dir"]) == ("6", str(data_dir.resolve()))
+        assert (ready["processes"], ready["data_dir"]) == ("7", str(data_dir.resolve()))
 
         state = c.file()
         assert state.meta_server == ready["meta_server"]
@@ -72,7 +72,7 @@ def test_up_status_promote_down(tmp_path: Path) -> None:
             if m.role != "meta":
                 assert f"qmq {m.role} --group {m.group}" in args
                 assert f"--meta-server {ready['meta_server']}" in args
-            if m.role == "broker":
+            if m.role in ("broker", "delay"):
                 assert f"--role {m.role_in_group}" in args
             # Detached: its own session, so it outlived `cluster up` and ignores the terminal's Ctrl-C.
             assert os.getsid(m.pid) == m.pid
@@ -116,8 +116,15 @@ def test_up_status_promote_down(tmp_path: Path) -> None:
 
         text = run_qmq("cluster", "status", "--data-dir", str(data_dir))
         assert text.returncode == 0, text.stderr
-        for word in ["b1-m", "b1-s1", "b2-m", "b2-s1", "d1", "cluster.s", "epoch", "lag", "available"]:
+        for word in ["b1-m", "b1-s1", "b2-m", "b2-s1", "d1", "d1-s1", "cluster.s", "epoch", "lag", "available"]:
             assert word in text.stdout
+        # the delay slave: its role in its group, the group's epoch and its replication lag
+        delay_slave = servers[pids["d1-s1"]]
+        assert (delay_slave["role_in_group"], delay_slave["epoch"]) == ("slave", 1)
+        assert delay_slave["lag"] is not None
+        assert delay_slave["replicated_ms"] > 0
+        [row] = [line for line in text.stdout.splitlines() if "d1-s1" in line]
+        assert "slave" in row, row
         by_url = run_qmq("cluster", "status", "--meta-server", c.meta_server, "--json")
         assert {s["pid"] for s in json.loads(by_url.stdout)["servers"]} == set(servers)
 
@@ -139,7 +146,7 @@ def test_up_status_promote_down(tmp_path: Path) -> None:
 
         down = run_qmq("cluster", "down", "--data-dir", str(data_dir))
         assert down.returncode == 0, down.stderr
-        assert f"stopped 6 process(es) of {data_dir.resolve()}" in down.stdout
+        assert f"stopped 7 process(es) of {data_dir.resolve()}" in down.stdout
         order = [line.split()[1] for line in down.stdout.splitlines()[:-1]]
         assert order[-1] == "meta"  # the meta server last
         _wait_all_gone(list(pids.values()))

@@ -6,6 +6,9 @@ the fault campaign, which saw such second copies delivered after the first one's
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from clusterhelpers import cluster_up, fast_config
 
 from qmq.aio import Producer
 from qmq.cli.admin import ask_every_broker
+from qmq.common.errors import SendError
 from qmq.protocol.codes import RequestCode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -50,3 +54,38 @@ async def test_a_message_sent_again_by_another_producer_is_dropped_by_the_group_
                 await again.send_encoded(SUBJECT, m.encode(), m.message_id)
             assert again.stats.duplicates == MESSAGES
         assert await _stored(c.meta_server) == stored
+
+
+async def test_a_resend_waits_for_the_group_its_id_picks_while_that_group_is_down(
+    tmp_path: Path,
+) -> None:
+    # a delay server handing over again after a restart, or the outbox watchdog, while the group
+    # that stored the first send is away: sent to the other group, it would be stored twice
+    args = ["--broker-groups", "2", "--slaves", "0", "--delay-groups", "0"]
+    with cluster_up(tmp_path / "cluster", args, fast_config(tmp_path / "fast.toml")) as c:
+        pull = {"subject": SUBJECT, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
+        await ask_every_broker(c.meta_server, RequestCode.PULL, pull)
+        async with Producer(app_code="shop", meta_server=c.meta_server) as first:
+            messages = [first.generate_message(SUBJECT) for _ in range(MESSAGES)]
+            for m in messages:
+                await first.send(m)
+        stored = await _stored(c.meta_server)
+        assert min(stored.values()) > 0, stored
+        os.kill(c.member("b2-m").pid, signal.SIGKILL)
+        await asyncio.to_thread(
+            c.wait_view,
+            "b2 unavailable",
+            lambda v: any(g["group"] == "b2" and g["state"] != "available" for g in v["groups"]),
+        )
+        async with Producer(app_code="shop", meta_server=c.meta_server, send_timeout_ms=5_000) as again:
+            results = await asyncio.gather(
+                *(again.send_encoded(SUBJECT, m.encode(), m.message_id) for m in reversed(messages)),
+                return_exceptions=True,
+            )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert all(isinstance(r, SendError) for r in failed), failed
+        # those b2 stored wait for it (a group without a slave stays in the meta server's answer)
+        # and fail after send_timeout_ms, to be sent again later, never to b1
+        assert len(failed) == stored["b2"]
+        assert again.stats.duplicates == stored["b1"]  # the rest went to b1, which dropped them
+        assert (await _stored(c.meta_server))["b1"] == stored["b1"]

@@ -31,8 +31,8 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_every_pro
     with cluster_up(data_dir, args, fast_config(tmp_path / "fast.toml")) as c:
         await asyncio.to_thread(
             c.wait_view,
-            "both slaves replicating",
-            lambda v: sum(1 for s in v["servers"] if s["role_in_group"] == "slave" and s["replicated_ms"] > 0) == 2,
+            "every slave replicating (two broker groups' and the delay group's)",
+            lambda v: sum(1 for s in v["servers"] if s["role_in_group"] == "slave" and s["replicated_ms"] > 0) == 3,
         )
         before = {m.name: m.pid for m in c.file().members}
         async with (
@@ -71,8 +71,9 @@ async def test_a_rolling_restart_under_load_loses_nothing_and_restarts_every_pro
 
         report = json.loads(out)
         names = [x["name"] for x in report["restarted"]]
-        # slaves first, then the delay server, then each master (its slave promoted), the meta server last
-        assert names == ["b1-s1", "b2-s1", "d1", "b1-m", "b2-m", "meta"], names
+        # broker slaves first, then the delay group (master and slave, in place), then each broker
+        # master (its slave promoted), the meta server last
+        assert names == ["b1-s1", "b2-s1", "d1", "d1-s1", "b1-m", "b2-m", "meta"], names
         after = {m.name: m.pid for m in c.file().members}
         assert set(after) == set(before)
         assert all(after[n] != before[n] for n in before), f"not every pid changed: {before} -> {after}"

@@ -24,6 +24,8 @@ from qmq.delay.timer import Rows
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replication import ReplicationSource, Replicator
+from qmq.serving.replies import Reply
 from qmq.store.segments import FlushTicket
 from recording import RecordingResponder
 
@@ -45,6 +47,20 @@ class Context:
     unflushed: deque[tuple[int, Rows]] = field(default_factory=deque)
     arrivals: list[Rows] = field(default_factory=list)
     prepared: list[list[str]] = field(default_factory=list)
+    address: str = "127.0.0.1:1"
+    role: str = "master"
+    epoch: int = 1
+    replicator: Replicator | None = None
+
+    @property
+    def source(self) -> ReplicationSource:
+        return ReplicationSource(lambda _h: ({}, [], False), self.config, lambda: (0, 0))
+
+    def after_replicated(self, end: int, reply: Reply) -> None:
+        if self.store.sync_policy:
+            self.flusher.after_write(end, reply)
+        else:
+            reply(None)
 
     def sync_in_background(self) -> None:
         pass

@@ -197,20 +197,25 @@ async def test_what_a_stopped_gateway_handed_out_is_acked_through_its_restarted_
         assert doc == {"messages": []}
 
 
-async def test_pulls_past_receipts_max_are_throttled_until_acks_make_room(
+async def test_past_receipts_max_pulls_go_on_and_a_nack_of_a_message_no_longer_kept_comes_back_at_once(
     shared_standalone: ReadyProcess, subject: str, group: str, http: aiohttp.ClientSession
 ) -> None:
-    batch = {"messages": [{"body": str(i)} for i in range(3)]}
+    # the broker keeps the ack timeouts: a gateway keeps at most receipts_max pulled messages itself (for a
+    # nack with the group's back-off), and past it forgets the oldest instead of refusing pulls
+    batch = {"messages": [{"body": str(i), "message_id": f"k{i}"} for i in range(3)]}
     assert (await post(http, f"{shared_standalone.gateway}/v1/subjects/{subject}/messages", batch))[0] == 200
     with running_gateway(shared_standalone.meta_server, None, "--receipts-max", "2") as gw:
         pull_url = f"{gw.gateway}/v1/subjects/{subject}/groups/{group}/pull"
-        held = await pull_until(http, pull_url, 2, 20, start_from="earliest")
-        assert len(held) == 2
-        status, doc = await post(http, pull_url, {"timeout_ms": 0})
-        assert status == 429
-        assert doc["error"]["code"] == "TOO_MANY_UNACKED"
-        assert "receipts_max" in doc["error"]["message"]
-        await post(http, f"{gw.gateway}/v1/acks", {"acks": [m["receipt"] for m in held]})
-        [last] = await pull_until(http, pull_url, 1, 20)
-        assert last["body"] == "2"
-        await post(http, f"{gw.gateway}/v1/acks", {"acks": [last["receipt"]]})
+        got = await pull_until(http, pull_url, 3, 20, start_from="earliest")
+        assert sorted(m["message_id"] for m in got) == ["k0", "k1", "k2"]
+        _status, health = await get(http, f"{gw.gateway}/health")
+        assert health["held"] == 2
+        # the first one is no longer kept: its nack gives it back at once, not after the 5 s back-off
+        first = next(m for m in got if m["message_id"] == "k0")
+        status, doc = await post(http, f"{gw.gateway}/v1/acks", {"nacks": [first["receipt"]]})
+        assert (status, doc["results"][0]["status"]) == (200, "nacked")
+        [again] = await pull_until(http, pull_url, 1, 4)
+        assert (again["message_id"], again["times"]) == ("k0", 2)
+        others = [m["receipt"] for m in got if m["message_id"] != "k0"]
+        status, doc = await post(http, f"{gw.gateway}/v1/acks", {"acks": [*others, again["receipt"]]})
+        assert [r["status"] for r in doc["results"]] == ["acked"] * 3

@@ -5,23 +5,26 @@ two real `qmq gateway` processes sharing a receipt key over one `qmq standalone`
 - pulled on one, nacked on the other: it comes back with times + 1;
 - pulled on one that is then killed (SIGKILL): it comes back through the other once its ack
   timeout passed, not before;
-- a forged or tampered receipt, or one signed with another key, is refused 400.
+- a forged or tampered receipt, or one signed with another key, is refused 400;
+- with auth and no receipt key, gateways running as the cluster's app share a key derived from
+  its secret.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 from gatewayhelpers import post, pull_until
 
-from qmq.testing import ReadyProcess, running_gateway
+from qmq.auth.secrets import hash_secret
+from qmq.testing import ReadyProcess, running_gateway, running_role
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -122,10 +125,11 @@ async def test_a_message_pulled_through_a_killed_gateway_comes_back_after_its_ac
 
 
 def _tampered(receipt: str) -> str:
+    """``receipt`` naming the next position of the same pull log, its signature kept."""
     payload, mac = receipt.split(".")
-    fields = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    fields[5] += 1  # another position of the same pull log
-    forged = base64.urlsafe_b64encode(json.dumps(fields, separators=(",", ":")).encode()).rstrip(b"=").decode()
+    fields = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)).decode().split("\n")
+    fields[5] = str(int(fields[5]) + 1)
+    forged = base64.urlsafe_b64encode("\n".join(fields).encode()).rstrip(b"=").decode()
     return f"{forged}.{mac}"
 
 
@@ -152,3 +156,33 @@ async def test_a_forged_or_tampered_receipt_is_refused_and_nothing_is_settled(
         # nothing of the refused requests was settled: both still ack
         status, doc = await post(http, f"{a.gateway}/v1/acks", {"acks": [m["receipt"] for m in got]})
         assert [r["status"] for r in doc["results"]] == ["acked", "acked"]
+
+
+async def test_gateways_of_a_cluster_with_auth_share_a_key_derived_from_its_secret(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    # no receipt key given: the gateways, running as the cluster's app, derive it from its secret; their
+    # SETTLE requests pass the brokers' auth gate as that app
+    cluster_secret = "cluster-secret-of-this-test"
+    auth_file = tmp_path / "auth.toml"
+    auth_file.write_text(
+        f'[apps.qmq-cluster]\nsecret_hash = "{hash_secret(cluster_secret, log2_n=8)}"\ncluster = true\n'
+    )
+    env = {"QMQ_SECRET": cluster_secret}
+    meta_args = ["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0", "--auth-file", str(auth_file)]
+    with running_role(meta_args) as meta:
+        broker_args = ["broker", "--data-dir", str(tmp_path / "broker"), "--meta-server", meta.meta_server]
+        broker_args += ["--auth-file", str(auth_file), "--app-code", "qmq-cluster"]
+        gateway_args = ("--app-code", "qmq-cluster")
+        with (
+            running_role(broker_args, env=env),
+            running_gateway(meta.meta_server, env, *gateway_args) as a,
+            running_gateway(meta.meta_server, env, *gateway_args) as b,
+        ):
+            subject, group = f"auth.{uuid.uuid4().hex[:8]}", "g"
+            await _send(http, a.gateway, subject, "secured")
+            [m] = await pull_until(
+                http, f"{a.gateway}/v1/subjects/{subject}/groups/{group}/pull", 1, 20, start_from="earliest"
+            )
+            status, doc = await post(http, f"{b.gateway}/v1/acks", {"acks": [m["receipt"]]})
+            assert (status, doc["results"][0]["status"]) == (200, "acked")

@@ -231,6 +231,26 @@ def test_the_number_of_servers_and_subjects_is_bounded(
     assert reg.routes(["s1"]) == {"s1": ["b1"]}
 
 
+def test_a_full_registry_forgets_servers_long_silent_to_take_a_new_one(
+    store: MetaStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by the fault campaign (chaos/, hostile clients): registrations posted once (mutated
+    # bodies to /meta/register) each held a slot for SERVER_FORGET_MS (24 h); SERVERS_MAX of them
+    # kept every new server out that long.
+    monkeypatch.setattr(registry_module, "SERVERS_MAX", 3)
+    reg = _registry(store, clock)
+    reg.register(_broker("b1", 20881))  # a group's master: never forgotten to make room
+    reg.register(_broker("fz", 1, role_in_group="slave"))  # posted once, never again
+    reg.register(_broker("fz", 2, role_in_group="slave"))
+    clock.advance(10 * TIMEOUT_MS / 1000 - 1)  # not silent long enough yet
+    with pytest.raises(RegistryFullError, match="none of them silent long enough"):
+        reg.register(_broker("b2", 20891))
+    reg.register(_broker("fz", 2, role_in_group="slave"))  # this one heartbeats again
+    clock.advance(2)
+    assert reg.register(_broker("b2", 20891)).is_new  # room made: fz's silent slave is forgotten
+    assert {s.address for s in reg.servers()} == {"127.0.0.1:20881", "127.0.0.1:2", "127.0.0.1:20891"}
+
+
 def test_bad_settings_are_refused(store: MetaStore, clock: ManualClock) -> None:
     with pytest.raises(ValueError, match="heartbeat_timeout_ms must be positive, got 0"):
         Registry(store, clock, heartbeat_timeout_ms=0, route_groups=2)

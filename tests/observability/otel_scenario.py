@@ -178,6 +178,29 @@ def _lag_points(data: Any) -> list[Any]:
     ]
 
 
+async def late_run() -> None:
+    """The application sets its TracerProvider after its producer started: spans begin within the
+    SDK's poll period. Prints ``{"untraced_first": bool, "sends_until_traced": n}``."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    late = InMemorySpanExporter()
+    async with Producer(app_code="otel", meta_server=META_SERVER) as producer:
+        first = producer.generate_message(SUBJECT)
+        await producer.send(first)
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(late))
+        trace.set_tracer_provider(provider)
+        sends = 0
+        while not late.get_finished_spans() and sends < 100:
+            await producer.send(producer.generate_message(SUBJECT))
+            sends += 1
+            await asyncio.sleep(0.1)  # the pace of the sends, until the SDK's once-a-second poll sees the provider
+    print(json.dumps({"untraced_first": first.get_property("traceparent") is None, "sends_until_traced": sends}))
+
+
 async def plain_run() -> None:
     got: list[dict[str, Any]] = []
     done = asyncio.Event()
@@ -198,4 +221,5 @@ async def plain_run() -> None:
 if MODE == "blocking":
     blocking_run()
 else:
-    asyncio.run({"trace": trace_run, "metrics": metrics_run, "plain": plain_run, "absent": plain_run}[MODE]())
+    runs = {"trace": trace_run, "metrics": metrics_run, "plain": plain_run, "absent": plain_run, "late": late_run}
+    asyncio.run(runs[MODE]())

@@ -88,6 +88,15 @@ def test_the_blocking_sdk_traces_in_the_callers_span_and_its_handlers_run_in_the
 
 
 @pytest.mark.timeout(120)
+def test_a_provider_set_after_the_producer_started_is_used_within_a_second_or_so(
+    meta_server: str, subject: str
+) -> None:
+    out = scenario("late", meta_server, subject)
+    assert out["untraced_first"]
+    assert 1 <= out["sends_until_traced"] < 100
+
+
+@pytest.mark.timeout(120)
 def test_installed_without_an_sdk_nothing_is_added_to_a_message(meta_server: str, subject: str) -> None:
     out = scenario("plain", meta_server, subject)
     assert "traceparent" not in out["properties"]

@@ -10,14 +10,17 @@ from test_store_send_pull import records
 
 from conftest import append, batch, checkpoint, flush
 from qmq.broker.metrics import BrokerMetrics
+from qmq.common.clock import ManualClock
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
 from qmq.store.broker_store import BrokerStore
 from qmq.store.consume_log import ENTRY_BYTES
 from qmq.store.file_header import HEAD_BYTES
+from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.tags import TagFilter
 from qmq.store.take import PullResult
 
 IDS = [f"m{i:02d}" for i in range(20)]
+OFFLINE_MS = 1_000
 
 
 def _stored(open_store: Callable[..., BrokerStore], tags: tuple[str, ...] = ()) -> None:
@@ -217,3 +220,58 @@ def test_entries_flipped_in_different_ways_in_one_pull_are_all_repaired(
     assert got is not None
     assert [i for _s, i in records(got)] == IDS
     assert store.pulls.damaged_records == 0
+
+
+def test_a_pull_of_many_checks_them_all_and_goes_one_by_one_when_one_is_wrong(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    many = [f"n{i:03d}" for i in range(300)]  # a pull of this many is checked with numpy first
+    store = open_store(dedup_window_ms=0)
+    for k in range(3):
+        append(store, batch("s", many[k * 100 : k * 100 + 100]))
+    flush(store)
+    checkpoint(store)
+    store.close()
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    _flip(clog, HEAD_BYTES + 150 * ENTRY_BYTES + 13)  # entry 150's stored time
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = (seg.stat().st_size - HEAD_BYTES) // 300
+    _flip(seg, HEAD_BYTES + 250 * size + 90)  # record 250's message, below what recovery read
+    again = open_store(dedup_window_ms=0)
+    gp = again.group("s", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "x", 1000)
+    assert got is not None
+    assert [i for _s, i in records(got)] == many[:250] + many[251:]
+    assert _all_good(got.chunks)
+    assert (again.pulls.entries_repaired, again.pulls.damaged_records) == (1, 1)
+    other = again.group("s", "g2", "earliest")
+    clean = again.pull(other, other.consumer("c"), "x", 200)  # all good: no one-by-one pass
+    assert clean is not None
+    assert [i for _s, i in records(clean)] == many[:200]
+
+
+def test_a_silent_consumers_messages_go_to_retry_checked_never_a_damaged_one(
+    open_store: Callable[..., BrokerStore], clock: ManualClock, tmp_path: Path
+) -> None:
+    # A retry is a new record with a new CRC: a damaged record copied into it would pass every
+    # check after, and an entry pointing elsewhere would retry another message.
+    store = open_store(dedup_window_ms=0)
+    append(store, batch("s", IDS[:6]))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    assert store.pull(gp, gp.consumer("c"), "x", 100) is not None  # then silent
+    checkpoint(store)
+    store.close()
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = (seg.stat().st_size - HEAD_BYTES) // 6
+    _flip(seg, HEAD_BYTES + 2 * size + 80)  # record 2's message
+    clog = next((tmp_path / "broker" / "consume").glob("s/*.cl"))
+    _flip(clog, HEAD_BYTES + 4 * ENTRY_BYTES + 1)  # entry 4's offset
+    again = open_store(dedup_window_ms=0)
+    clock.advance(OFFLINE_MS / 1000)
+    assert expire_silent_consumers(again, clock.now_ms(), OFFLINE_MS) == 6
+    flush(again)
+    _first, _count, chunks = again.read_range("%RETRY%s%g", 0, 100)
+    assert _all_good(chunks)
+    assert [i for _s, i in records_of(chunks)] == IDS[:2] + IDS[3:6]
+    assert again.redelivery_problems.messages_set_aside == 1

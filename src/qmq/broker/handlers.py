@@ -5,10 +5,12 @@ page at a time (``listings.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import operator
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from qmq.broker.listings import dead_letters_page, lag_page, subjects_page
 from qmq.broker.metrics import BrokerMetrics
@@ -16,6 +18,7 @@ from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
 from qmq.broker.settle import HOLD_MS_MAX, HeldPositions, give_back, normalized, retry_of, settled_positions
+from qmq.broker.trace import trace_message
 from qmq.common.config import BrokerConfig
 from qmq.common.naming import retry_subject
 from qmq.protocol.answers import encode_answer
@@ -26,6 +29,7 @@ from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers, answer_failure
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replication import take_request
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
     BadRequest,
@@ -46,6 +50,7 @@ from qmq.store.tags import TagFilter
 log = logging.getLogger(__name__)
 
 _ID_CHARS_MAX = 200
+_TRACE_ID_CHARS_MAX = 255  # a message id's most, as the SDK encodes it
 # ScannedMessage is a NamedTuple: reading the field by index halves the cost of the scan per frame
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
@@ -120,6 +125,7 @@ class Handlers(RoleHandlers):
             RequestCode.PURGE_DEAD: self.purge_dead,
             RequestCode.READ: self.read,
             RequestCode.REPLICATE: self.replicate,
+            RequestCode.TRACE: self.trace,
         }
         for code in _MASTER_ONLY:
             table[code] = self._master_only(table[code])
@@ -329,7 +335,10 @@ class Handlers(RoleHandlers):
             out_bytes.inc(result.nbytes)
             conn.respond(code, request_id, header, result.chunks)
 
-        result = self.store.pull(gp, cp, session, max_n, tag_filter)
+        if (gp.subject, gp.group) in self.broker.parked.paused:
+            result = None  # a paused group's consumers get nothing (qmq.broker.controls)
+        else:
+            result = self.store.pull(gp, cp, session, max_n, tag_filter)
         if self.store.dispatched:
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
         elif self.store.settling_ms:
@@ -564,6 +573,22 @@ class Handlers(RoleHandlers):
             if resent:
                 self.broker.parked.notify({retry_subject(subject, group)})
 
+    def trace(self, conn: Responder, frame: Frame) -> None:
+        """What the files tell of one message id, read on a thread (qmq.broker.trace)."""
+        message_id = frame.header.get("message_id")
+        if not isinstance(message_id, str) or not 0 < len(message_id) <= _TRACE_ID_CHARS_MAX:
+            raise BadRequest(f"'message_id' must be a message id (1 to {_TRACE_ID_CHARS_MAX} characters)")
+        code, request_id = frame.code, frame.request_id
+        done = asyncio.get_running_loop().run_in_executor(
+            None, trace_message, Path(self.broker.config.data_dir), message_id
+        )
+
+        def answer(fut: asyncio.Future[dict[str, Any]]) -> None:
+            if not fut.cancelled():  # a trace that failed raises here: guarded answers its error
+                conn.respond(code, request_id, None, (encode_answer(fut.result()),))
+
+        done.add_done_callback(guarded(conn, code, request_id, answer))
+
     def purge_dead(self, conn: Responder, frame: Frame) -> None:
         subject, group, message_id = self._dead_args(frame)
         purged = purge_dead(self.store, subject, group, message_id)
@@ -581,24 +606,8 @@ class Handlers(RoleHandlers):
         conn.respond(frame.code, frame.request_id, {"first": first, "count": count, **bounds}, chunks)
 
     def replicate(self, conn: Responder, frame: Frame) -> None:
-        header = frame.header
         broker = self.broker
-        epoch = get_int(header, "epoch", 0, 1 << 62)
-        if epoch != broker.epoch:
-            conn.respond(
-                frame.code,
-                frame.request_id,
-                {"error": f"epoch {epoch} is not this master's ({broker.epoch}); ask the meta server for the master"},
-                status=Status.NOT_MASTER,
-            )
-            return
-        fields = {
-            "from": get_int(header, "from", 0, 1 << 62),
-            "action_from": get_int(header, "action_from", 0, 1 << 62),
-            "max_bytes": get_int(header, "max_bytes", 1024, 1 << 30),
-            "timeout_ms": get_int(header, "timeout_ms", 0, self.limits.pull_timeout_ms_max, default=0),
-        }
-        broker.source.request(conn, frame.code, frame.request_id, fields, get_str(header, "slave"))
+        take_request(broker.source, broker.epoch, conn, frame, self.limits.pull_timeout_ms_max)
 
 
 def _unknown(code: int) -> str:

@@ -59,6 +59,8 @@ class ParkedPulls:
         self.on_count = on_count
         self._by_subject: dict[str, list[ParkedPull]] = {}
         self._count = 0
+        # (subject, group) whose consumers get nothing for now (qmq.broker.controls)
+        self.paused: frozenset[tuple[str, str]] = frozenset()
 
     def park(self, parked: ParkedPull, timeout_ms: int) -> None:
         self._by_subject.setdefault(parked.gp.subject, []).append(parked)
@@ -109,6 +111,8 @@ class ParkedPulls:
         dispatched = False
         settling_ms = 0
         for parked in list(lst):
+            if self.paused and (parked.gp.subject, parked.gp.group) in self.paused:
+                continue
             try:
                 result = self.store.pull(parked.gp, parked.cp, parked.session, parked.max_n, parked.tag_filter)
             except Exception as exc:  # fails this pull only, as a handler's failure would

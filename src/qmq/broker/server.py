@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-from pathlib import Path
 
+from qmq.auth.http import basic_authorization
 from qmq.broker.backlog import unconsumed
+from qmq.broker.controls import ControlsPoller, Paused
 from qmq.broker.handlers import Handlers
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPulls
@@ -25,9 +25,9 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import RETRY_PREFIX
 from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replication import GroupMember
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
-from qmq.store import fileio
 from qmq.store.broker_store import BrokerStore
 from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.replica import rewind
@@ -36,15 +36,15 @@ from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
 
-_EPOCH_FILE = "epoch"
 
-
-class BrokerServer(FrameServer):
+class BrokerServer(FrameServer, GroupMember):
     kind = "broker"
     title = "broker"
     config: BrokerConfig
     store: BrokerStore
     metrics: BrokerMetrics
+    source: ReplicationSource
+    replicator: Replicator | None
 
     def __init__(self, config: BrokerConfig, clock: Clock = SYSTEM_CLOCK, limits: Limits | None = None) -> None:
         limits = limits or dataclasses.replace(DEFAULT_LIMITS, message_bytes_max=config.message_bytes_max)
@@ -74,26 +74,14 @@ class BrokerServer(FrameServer):
         )
         # told by the meta server's heartbeat answer (`qmq admin drain`): sends are refused
         self.draining = False
-        # --role decides a first start only: a broker that served in an epoch starts as what it
-        # was then, so a slave restarted with --role master never claims its group's epoch as its
-        # master (found by the fault campaign: the meta server took it for the master restarted,
-        # and the two copies diverged)
-        self.epoch, saved_role = _read_epoch(self.store.dir)
-        self.role: str = saved_role if self.epoch and saved_role in ("master", "slave") else config.role
-        self._saved_role = saved_role
-        if self.role != config.role:
-            log.warning(
-                "this broker was a %s of group %s in epoch %d when it stopped: it starts as one (--role %s "
-                "applies to a first start only)",
-                self.role, config.group, self.epoch, config.role,
-            )
+        self._start_in_role(self.store.dir, config.role, "broker", config.group)
         self.source = ReplicationSource(lambda: self.store, config)
         self.store.on_grow = self.source.grew
         self.replicator: Replicator | None = None
-        self._transition: asyncio.Task[None] | None = None
         self.release = Release(self)
         self.handlers = Handlers(self)
         self.dispatch = self.handlers.dispatch
+        self._controls: ControlsPoller | None = None
 
     def forget(self, conn: FrameConnection) -> None:
         super().forget(conn)
@@ -123,8 +111,19 @@ class BrokerServer(FrameServer):
         self.periodic.every(slave_check_ms, self._check_slaves)
         if cfg.meta_server:
             self.register(self._heartbeat, on_answer=self._on_answer)
+            secret = self.secret()
+            authorization = basic_authorization(cfg.app_code, secret) if secret else None
+            self._controls = ControlsPoller(cfg.meta_server, self._apply_paused, authorization, self.tls_out)
+            self._controls.start()
         elif self.role == "slave":
             raise StartupError("a slave needs --meta-server: the meta server names its master")
+
+    def _apply_paused(self, paused: Paused) -> None:
+        """The meta server's paused groups (qmq.broker.controls); the resumed ones' long polls are tried now."""
+        before, self.parked.paused = self.parked.paused, paused
+        resumed = {subject for subject, _group in before - paused}
+        if resumed:
+            self.parked.notify(resumed)
 
     # -- roles in the group (docs/cluster.md) --------------------------------------------
 
@@ -144,29 +143,11 @@ class BrokerServer(FrameServer):
         return payload
 
     def _on_answer(self, answer: dict[str, object]) -> None:
-        role = answer.get("role_in_group")
-        epoch = answer.get("epoch")
-        if role not in ("master", "slave") or not isinstance(epoch, int) or self.stopping:
+        if answer.get("role_in_group") not in ("master", "slave") or self.stopping:
             return  # a meta server that does not manage roles: stay as started
         # draining (docs/cluster.md, "Operations"): no new sends; pulls and acks go on
         self.draining = answer.get("draining") is True
-        slaves = answer.get("slaves")
-        self.source.slaves_reported = slaves if isinstance(slaves, int) else 0
-        named = answer.get("slave_addresses")
-        self.source.name_slaves([a for a in named if isinstance(a, str)] if isinstance(named, list) else None)
-        master = answer.get("master")
-        truncate = answer.get("truncate")
-        if self._transition is not None and not self._transition.done():
-            return  # the last change is still being carried out; the next heartbeat says again
-        if role == "master" and self.role == "slave":
-            self._transition = asyncio.ensure_future(self._promote(epoch))
-        elif role == "master":
-            if epoch > self.epoch:
-                self._set_epoch(epoch, "master")
-        elif isinstance(master, str) and master != self.address:
-            cut = truncate if isinstance(truncate, dict) else None
-            if self.role == "master" or self.replicator is None or self.replicator.master != master:
-                self._transition = asyncio.ensure_future(self._follow(master, epoch, cut))
+        self._take_orders(answer)
 
     async def _promote(self, epoch: int) -> None:
         log.warning("promoted to master of group %s in epoch %d", self.config.group, epoch)
@@ -217,15 +198,6 @@ class BrokerServer(FrameServer):
         self.replicator.start()
         if self._registration is not None:
             self._registration.beat_now()
-
-    def _set_epoch(self, epoch: int, role: str) -> None:
-        if (epoch, role) != (self.epoch, self._saved_role):
-            self.epoch, self._saved_role = epoch, role
-            _write_epoch(self.store.dir, epoch, role)
-
-    async def _check_slaves(self) -> None:
-        if self.role == "master":
-            self.source.check()
 
     def _flushed(self, ticket: FlushTicket) -> None:
         moved = self.store.complete_flush(ticket)
@@ -307,9 +279,10 @@ class BrokerServer(FrameServer):
             return
         self.stopping = True
         self.release.cancel()
+        if self._controls is not None:
+            await self._controls.stop()
         await self.stop_listening()
-        if self._transition is not None:
-            await asyncio.gather(self._transition, return_exceptions=True)
+        await self._end_transition()
         if self.replicator is not None:
             await self.replicator.stop()
         self.source.fail_all(f"broker {self.address} is shutting down; retry")
@@ -327,24 +300,6 @@ class BrokerServer(FrameServer):
 
 def _nothing_to_complete(_ticket: FlushTicket) -> None:
     """An action flush makes nothing visible: the acks it covered are answered (GroupCommit)."""
-
-
-def _read_epoch(directory: Path) -> tuple[int, str | None]:
-    """The epoch this broker last served in and its role then (None in files that predate it)."""
-    try:
-        value = json.loads(fileio.read_text(directory / _EPOCH_FILE))
-    except (FileNotFoundError, ValueError):
-        return 0, None
-    if not isinstance(value, dict):
-        return 0, None
-    role = value.get("role")
-    return int(value.get("epoch", 0)), role if isinstance(role, str) else None
-
-
-def _write_epoch(directory: Path, epoch: int, role: str) -> None:
-    # fsynced before the rename: a power loss must not leave an empty epoch file, which reads
-    # as epoch 0 and would let an old master believe it may write
-    fileio.replace_file(directory / _EPOCH_FILE, json.dumps({"epoch": epoch, "role": role}).encode())
 
 
 def run_broker(config: BrokerConfig) -> int:

@@ -60,7 +60,11 @@ def cluster() -> None:
 @cluster.command()
 @click.option("--broker-groups", type=click.IntRange(1, BROKER_GROUPS_MAX), default=2, show_default=True)
 @click.option(
-    "--slaves", type=click.IntRange(0, SLAVES_MAX), default=1, show_default=True, help="slaves per broker group"
+    "--slaves",
+    type=click.IntRange(0, SLAVES_MAX),
+    default=1,
+    show_default=True,
+    help="slaves per broker group and per delay group",
 )
 @click.option("--delay-groups", type=click.IntRange(0, DELAY_GROUPS_MAX), default=1, show_default=True)
 @click.option(

@@ -120,7 +120,8 @@ def plan(
     secure: Sequence[str] = (),
     app_code: str = "",
 ) -> list[Member]:
-    """The processes of a cluster, in start order: meta, masters, delay servers, slaves, gateways.
+    """The processes of a cluster, in start order: meta, broker masters, delay masters, broker
+    slaves, delay slaves (``slaves`` per group of either role), gateways.
 
     Every process but the meta server gets ``--meta-server URL`` added once the meta server is ready.
     ``secure`` (--auth-file, --tls-*, --insecure) goes to every process, ``app_code`` (the servers'
@@ -148,10 +149,13 @@ def plan(
     for i in range(1, broker_groups + 1):
         members.append(member(f"b{i}-m", "broker", f"b{i}", "master", ["--group", f"b{i}", "--role", "master"]))
     for i in range(1, delay_groups + 1):
-        members.append(member(f"d{i}", "delay", f"d{i}", None, ["--group", f"d{i}"]))
+        members.append(member(f"d{i}", "delay", f"d{i}", "master", ["--group", f"d{i}", "--role", "master"]))
     for i in range(1, broker_groups + 1):
         for j in range(1, slaves + 1):
             members.append(member(f"b{i}-s{j}", "broker", f"b{i}", "slave", ["--group", f"b{i}", "--role", "slave"]))
+    for i in range(1, delay_groups + 1):
+        for j in range(1, slaves + 1):
+            members.append(member(f"d{i}-s{j}", "delay", f"d{i}", "slave", ["--group", f"d{i}", "--role", "slave"]))
     # the gateways sign receipts with one key, so any of them settles what another handed out
     key = ["--receipt-key-file", str(receipt_key_path(data_dir))]
     for i in range(1, gateways + 1):

@@ -102,6 +102,12 @@ def _command_path(ctx: click.Context, name: str) -> str:
     return " ".join(reversed(names))
 
 
+def _asks_the_brokers(command: str, args: list[str]) -> bool:
+    """`qmq trace --meta-server URL` alone asks the brokers over the network: no Spark needed."""
+    given = {a.split("=", 1)[0] for a in args}
+    return command == "trace" and "--meta-server" in given and not {"--data-dir", "--archive"} & given
+
+
 class QmqGroup(click.Group):
     # `qmq cluster`, `qmq tx` ... are QmqGroups too, so `cluster up` is checked like `standalone`
     group_class = type
@@ -111,7 +117,13 @@ class QmqGroup(click.Group):
     ) -> tuple[str | None, click.Command | None, list[str]]:
         name, cmd, rest = super().resolve_command(ctx, args)
         # --help works without the extra; shell completion (resilient parsing) runs nothing
-        if cmd is not None and cmd.name and not ctx.resilient_parsing and not set(_HELP_OPTIONS) & set(rest):
+        if (
+            cmd is not None
+            and cmd.name
+            and not ctx.resilient_parsing
+            and not set(_HELP_OPTIONS) & set(rest)
+            and not _asks_the_brokers(_command_path(ctx, cmd.name), rest)
+        ):
             error = missing_extra(_command_path(ctx, cmd.name))
             if error is not None:
                 raise error
@@ -217,6 +229,7 @@ def register_commands() -> None:
         auth_commands,
         client_commands,
         cluster_commands,
+        control_commands,
         delay_commands,
         group_commands,
         limits_commands,
@@ -225,6 +238,7 @@ def register_commands() -> None:
         push_commands,
         roles,
         spark_commands,
+        subject_commands,
         top_commands,
         tx_commands,
     )

@@ -352,7 +352,11 @@ def query(
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="an archive (`qmq archive --to`) to search too, for messages retention removed",
 )
-@click.option("--meta-server", metavar="URL", help="without --data-dir: where it is stored (no consumer history)")
+@click.option(
+    "--meta-server",
+    metavar="URL",
+    help="alone: every broker group tells what its files hold of the message (no data directory, no Spark)",
+)
 @click.option("--broker-group", default="broker-1", show_default=True, help="the broker group of --data-dir")
 @json_option("document", "the trace: {message_id, stored, deliveries, dead, notes}")
 @spark_master_option
@@ -370,9 +374,15 @@ def trace(
     """The life of MESSAGE_ID: stored, pulled by which consumer of which group, acked or retried
     (attempts, errors), dead-lettered.
 
-    Consumer history comes from the broker's files, so give --data-dir on the broker's machine;
-    with only --meta-server or --archive the trace says where the message is stored.
+    With only --meta-server each broker group is asked over the network (its files, read by the
+    broker: stored, pulled by whom, acked, retried, dead-lettered); with --data-dir or --archive
+    a Spark job reads the files.
     """
+    if meta_server is not None and data_dir is None and archive_dir is None:
+        from qmq.cli.trace_network import print_network_trace
+
+        print_network_trace(meta_server, message_id, as_json)
+        return
     from qmq.spark.trace import trace as run_trace
 
     with _session(spark_master, "trace", spark_conf) as spark, _progress(spark, f"tracing {message_id}"):

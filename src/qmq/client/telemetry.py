@@ -147,6 +147,7 @@ class _State:
         self.listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self.lags: dict[tuple[str, str], int] = {}
         self.polling: asyncio.TimerHandle | None = None
+        self.polling_loop: asyncio.AbstractEventLoop | None = None
 
     def poll(self) -> None:
         """Look at the global providers; set ``enabled`` once either is the application's."""
@@ -161,12 +162,15 @@ class _State:
         """Poll now, and every second on the running loop while clients live and a provider is
         still missing (an application may set its providers after making its clients)."""
         self.poll()
-        if (self.tracer is not None and self.instruments is not None) or self.polling is not None:
+        if self.tracer is not None and self.instruments is not None:
             return
+        if self.polling is not None and self.polling_loop is not None and not self.polling_loop.is_closed():
+            return  # a loop polls already (one that closed polls no more: this one takes over)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
+        self.polling_loop = loop
         self.polling = loop.call_later(_POLL_S, self._again)
 
     def _again(self) -> None:

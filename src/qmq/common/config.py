@@ -79,6 +79,27 @@ def _tls_fields() -> tuple[Any, Any, Any]:
     )
 
 
+# The four fields of a role whose groups have slaves (brokers, delay servers), one definition each.
+def _replication_fields() -> tuple[Any, Any, Any, Any]:
+    return (
+        _opt(
+            "what this server starts as in its group; the meta server decides from then on (docs/cluster.md)",
+            "master",
+        ),
+        _opt("when the group has a slave, acknowledge a send only once the slave has written it", True),
+        _opt(
+            "a master whose slave has not replicated for this long turns read-only (or degrades, see below)",
+            10_000,
+            _range(10, 3_600_000),
+        ),
+        _opt(
+            "when the slave is gone, keep acknowledging sends on the master's copy alone instead of turning "
+            "read-only",
+            False,
+        ),
+    )
+
+
 def _server_app_code() -> Any:
     return _opt(
         "the app this server authenticates as to the other roles of a cluster with auth files (an app "
@@ -207,21 +228,10 @@ class BrokerConfig:
         _range(120_000, 30 * 86_400_000),
     )
     shutdown_grace_ms: int = _opt("how long shutdown waits for in-flight requests", 5_000, _range(0, 600_000))
-    role: Literal["master", "slave"] = _opt(
-        "what this broker starts as in its group; the meta server decides from then on (docs/cluster.md)", "master"
-    )
-    wait_slave_wrote: bool = _opt(
-        "when the group has a slave, acknowledge a send only once the slave has written it", True
-    )
-    slave_timeout_ms: int = _opt(
-        "a master whose slave has not replicated for this long turns read-only (or degrades, see below)",
-        10_000,
-        _range(10, 3_600_000),
-    )
-    degrade_unreplicated: bool = _opt(
-        "when the slave is gone, keep acknowledging sends on the master's copy alone instead of turning read-only",
-        False,
-    )
+    role: Literal["master", "slave"] = _replication_fields()[0]
+    wait_slave_wrote: bool = _replication_fields()[1]
+    slave_timeout_ms: int = _replication_fields()[2]
+    degrade_unreplicated: bool = _replication_fields()[3]
     open_files_max: int = _opt(
         "most consume-log files kept open at once, whatever the number of subjects (the least recently used "
         "are closed; at most half the process's open-file limit is used)",
@@ -352,6 +362,10 @@ class DelayConfig:
         10_000,
         _range(10, 600_000),
     )
+    role: Literal["master", "slave"] = _replication_fields()[0]
+    wait_slave_wrote: bool = _replication_fields()[1]
+    slave_timeout_ms: int = _replication_fields()[2]
+    degrade_unreplicated: bool = _replication_fields()[3]
     shutdown_grace_ms: int = _opt(
         "how long shutdown waits for in-flight sends and hand-overs",
         5_000,
@@ -420,8 +434,9 @@ class GatewayConfig:
         _range(1_000, 600_000),
     )
     receipts_max: int = _opt(
-        "most pulled messages held unacknowledged at once (about 1 KiB of memory each beside the body); a pull "
-        "past it is answered 429",
+        "pulled messages kept for a nack with the group's back-off (past it the oldest are dropped: a nack of one "
+        "comes back at once), and the most whose ack timeout the gateway keeps itself when the broker did not take "
+        "them (past it a pull is answered 429)",
         100_000,
         _range(1, 10_000_000),
     )

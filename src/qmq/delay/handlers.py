@@ -1,8 +1,9 @@
 """What the delay server does for each request code: PING, SEND_MESSAGES (the broker's contract,
-answered once the write-ahead log is durable), DELAY_STATS, CANCEL_DELAY (answered, when it
-cancelled something, once the cancel's write-ahead log record is durable) and DELAY_LIST
-(listing.py). Other commands are a broker's
-and are refused with UNKNOWN_COMMAND saying so."""
+answered once the write-ahead log is durable and, in a group with a slave, written there too),
+DELAY_STATS, CANCEL_DELAY (answered, when it cancelled something, as a send is), DELAY_LIST
+(listing.py) and REPLICATE (a slave's copying: replica.py). A slave answers SEND_MESSAGES
+and CANCEL_DELAY with NOT_MASTER naming its master. Other commands are a broker's and are
+refused with UNKNOWN_COMMAND saying so."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
-from qmq.serving.replies import guarded
+from qmq.serving.replication import ReplicationSource, Replicator, take_request
+from qmq.serving.replies import Reply, guarded
 from qmq.serving.requests import BadRequest, get_int, get_str
 from qmq.store import fileio
 
@@ -68,6 +70,19 @@ class DelayContext(RoleContext, Protocol):
     def poke_dispatcher(self) -> None: ...
     def arrived(self, rows: Rows) -> None: ...
     def release_durable(self) -> None: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def source(self) -> ReplicationSource: ...
+    @property
+    def replicator(self) -> Replicator | None: ...
+    def after_replicated(self, end: int, reply: Reply) -> None:
+        """``reply`` once the write-ahead log to ``end`` is durable (and on the slave, with one)."""
+        ...
 
 
 class Handlers(RoleHandlers):
@@ -81,7 +96,10 @@ class Handlers(RoleHandlers):
             RequestCode.DELAY_STATS: self.delay_stats,
             RequestCode.CANCEL_DELAY: self.cancel_delay,
             RequestCode.DELAY_LIST: self.delay_list,
+            RequestCode.REPLICATE: self.replicate,
         }
+        for code in (RequestCode.SEND_MESSAGES, RequestCode.CANCEL_DELAY):
+            table[code] = self._master_only(table[code])
         self.serve(table, self.metrics.requests, self._unknown)
 
     def _unknown(self, code: int) -> str:
@@ -91,8 +109,37 @@ class Handlers(RoleHandlers):
             "pull from a broker"
         )
 
+    def _master_only(self, handler: Handler) -> Handler:
+        """``handler`` on a master; on a slave, NOT_MASTER naming the master (the producer asks the
+        meta server again and sends there)."""
+        server = self.server
+
+        def on_master(conn: Responder, frame: Frame) -> None:
+            if server.role != "master":
+                replicator = server.replicator
+                master = replicator.master if replicator is not None else "unknown yet"
+                text = (
+                    f"delay server {server.address} is a slave of delay group {server.config.group} "
+                    f"(epoch {server.epoch}); its master is {master}: clients find masters through the meta server"
+                )
+                conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.NOT_MASTER)
+                return
+            handler(conn, frame)
+
+        return on_master
+
+    def replicate(self, conn: Responder, frame: Frame) -> None:
+        server = self.server
+        if server.role != "master":
+            text = f"delay server {server.address} is not master of its group; ask the meta server for the master"
+            conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.NOT_MASTER)
+            return
+        take_request(server.source, server.epoch, conn, frame, self.limits.pull_timeout_ms_max, ("token", "dispatch"))
+
     def refusal(self) -> tuple[Status, str] | None:
         server = self.server
+        if server.source.write_state() == "read-only":
+            return Status.NOT_MASTER, server.source.read_only_text()
         if server.stopping:
             return Status.SHUTTING_DOWN, "the delay server is shutting down; send to another delay group or retry"
         failed = server.flusher.failed or server.disk_error
@@ -127,12 +174,10 @@ class Handlers(RoleHandlers):
         # the broker's when both copies are handed over (docs/protocol.md).
         answer = encode_answer({"errors": result.errors})
         code, request_id = frame.code, frame.request_id
-        if not store.sync_policy:
-            conn.respond(code, request_id, None, (answer,))
-            server.arrived(result.arrivals)
-            return
         end = store.wal.end
-        if len(result.arrivals):
+        if not store.sync_policy:
+            server.arrived(result.arrivals)
+        elif len(result.arrivals):
             server.unflushed.append((end, result.arrivals))
 
         def durable(error: str | None) -> None:
@@ -145,9 +190,10 @@ class Handlers(RoleHandlers):
                     header = {"error": error, "outcome": "unknown"}
                     conn.respond(code, request_id, header, status=Status.INTERNAL_ERROR)
             finally:
-                server.release_durable()
+                if store.sync_policy:
+                    server.release_durable()
 
-        server.flusher.after_write(end, guarded(conn, code, request_id, durable))
+        server.after_replicated(end, guarded(conn, code, request_id, durable))
 
     def cancel_delay(self, conn: Responder, frame: Frame) -> None:
         """``{"message_id"}`` → ``{"cancelled": bool, "copies": n}``: whether pending messages
@@ -185,7 +231,7 @@ class Handlers(RoleHandlers):
     def _answer_cancel(self, conn: Responder, code: int, request_id: int, stopped: int) -> None:
         server, store = self.server, self.store
         answer = {"cancelled": stopped > 0, "copies": stopped}
-        if not stopped or not store.sync_policy:
+        if not stopped:
             self.metrics.cancelled.inc(stopped)
             conn.respond(code, request_id, answer)
             return
@@ -197,7 +243,7 @@ class Handlers(RoleHandlers):
             else:  # written, fsync failed: it may or may not be kept
                 conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.INTERNAL_ERROR)
 
-        server.flusher.after_write(store.wal.end, guarded(conn, code, request_id, durable))
+        server.after_replicated(store.wal.end, guarded(conn, code, request_id, durable))
 
     def delay_list(self, conn: Responder, frame: Frame) -> None:
         """``{"subject", "from_ms"?, "to_ms"?, "limit"?, "after"?}`` → one page of the subject's

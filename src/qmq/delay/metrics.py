@@ -6,7 +6,7 @@ figures are read from the store, the scheduler and the dispatcher when scraped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 
 class _StateCollector(Collector):
-    def __init__(self, scheduler: Scheduler, dispatcher: Dispatcher | None) -> None:
+    def __init__(self, scheduler: Scheduler, dispatcher_of: Callable[[], Dispatcher | None]) -> None:
         self.scheduler = scheduler
-        self.dispatcher = dispatcher
+        self.dispatcher_of = dispatcher_of  # none on a slave: it hands nothing over
 
     def collect(self) -> Iterator[Metric]:
         sched = self.scheduler
@@ -44,7 +44,7 @@ class _StateCollector(Collector):
             "bytes replayed and not yet written to schedule logs",
             store.buffered_bytes,
         )
-        d = self.dispatcher
+        d = self.dispatcher_of()
         if d is None:
             return
         yield GaugeMetricFamily("qmq_delay_handover_in_flight", "messages handed to brokers, unanswered", d.in_flight)
@@ -97,8 +97,8 @@ class DelayMetrics:
             registry=r,
         )
 
-    def watch(self, scheduler: Scheduler, dispatcher: Dispatcher | None) -> None:
-        self.registry.register(_StateCollector(scheduler, dispatcher))
+    def watch(self, scheduler: Scheduler, dispatcher_of: Callable[[], Dispatcher | None]) -> None:
+        self.registry.register(_StateCollector(scheduler, dispatcher_of))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

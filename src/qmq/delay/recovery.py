@@ -139,27 +139,9 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
             log.info("bucket %d: rebuilt %d entries of its id file from its records", start, filled)
         rebuilt.append(b)
 
-    replayed = 0
-    cancels = 0  # entries cancelled by cancel records replayed
     result: list[ScanResult] = []
-    chunk = _Chunk()
-    for rec in wal.scan(replay_from, result):
-        msg = rec.message
-        if len(msg) < HEADER_BYTES:
-            result.append(ScanResult(rec.offset, wal.end - rec.offset))
-            break
-        parts.wal_messages = max(parts.wal_messages, rec.sequence + 1)
-        replayed += 1
-        if cancel.is_cancel(msg):
-            chunk.replay_into(schedule)
-            schedule.flush_deferred()
-            stops = cancel.pending_entries(list(schedule.iter_buckets()), cancel.cancelled_id(msg), None)
-            cancels += cancel.apply(stops, None, lambda _n: None)
-            continue
-        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
-        if len(chunk.records) >= _CHUNK_BYTES:
-            chunk.replay_into(schedule)
-    chunk.replay_into(schedule)
+    replayed, cancels, next_sequence = replay_wal(schedule, wal, replay_from, result)
+    parts.wal_messages = max(parts.wal_messages, next_sequence)
     schedule.flush_buffers()
     good_end, torn = result[-1] if result else (wal.end, 0)
     if torn:
@@ -194,6 +176,35 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         "pending": schedule.pending_total,
         "seconds": round(time.monotonic() - t0, 3),
     }
+
+
+def replay_wal(schedule: Schedule, wal: MessageLog, start: int, result: list[ScanResult]) -> tuple[int, int, int]:
+    """Replay the write-ahead log's records from ``start`` into their buckets, in order, applying
+    cancel records where they stand: recovery's step 3, and a delay slave's for what it copied.
+    Returns (records replayed, entries cancelled, the sequence after the last record); a torn
+    tail is added to ``result`` as ``wal.scan`` does."""
+    replayed = 0
+    cancels = 0
+    next_sequence = 0
+    chunk = _Chunk()
+    for rec in wal.scan(start, result):
+        msg = rec.message
+        if len(msg) < HEADER_BYTES:
+            result.append(ScanResult(rec.offset, wal.end - rec.offset))
+            break
+        next_sequence = rec.sequence + 1
+        replayed += 1
+        if cancel.is_cancel(msg):
+            chunk.replay_into(schedule)
+            schedule.flush_deferred()
+            stops = cancel.pending_entries(list(schedule.iter_buckets()), cancel.cancelled_id(msg), None)
+            cancels += cancel.apply(stops, None, schedule.note_cancelled)
+            continue
+        chunk.add(rec.offset, msg, rec.sequence, rec.stored_ms)
+        if len(chunk.records) >= _CHUNK_BYTES:
+            chunk.replay_into(schedule)
+    chunk.replay_into(schedule)
+    return replayed, cancels, next_sequence
 
 
 class _Chunk:

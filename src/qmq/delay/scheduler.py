@@ -189,6 +189,13 @@ class Scheduler:
         log.debug("loaded time bucket %d: %d of %d messages still due", b.start_ms, len(rows), job.entries)
         return len(rows)
 
+    def unload_all(self) -> None:
+        """Forget every loaded bucket (a master made slave: its copy may be cut back, and it no
+        longer fires; once promoted again, buckets load from their files)."""
+        for b in list(self.store.iter_buckets()):
+            self.unload(b)
+        self.cancelled.clear()
+
     def unload(self, b: Bucket) -> None:
         self.cancelled.pop(b.start_ms, None)
         if b.loaded:

@@ -1,7 +1,11 @@
 """The delay server process: takes delay messages over the broker's SEND_MESSAGES contract,
 keeps them in its store until they are due, hands them to brokers through the SDK's
 producer, serves metrics, registers with the meta server as role "delay", and shuts down
-in order.
+in order. In a delay group with slaves it is master or slave as the meta server says
+(docs/cluster.md, "Delay groups"): a slave copies its master's write-ahead log and
+dispatch logs (replica.py) and hands nothing over; a master hands over only once the meta
+server has said, in its answer to this process's first report, that it is master in the
+group's epoch, so an old master restarted after a promotion never fires on its own.
 
 The listening shell, dispatch, group commit, registration and the process runner come from
 ``qmq.serving``; what each request does is in ``qmq.delay.handlers``. Checkpoints run on
@@ -12,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
+from qmq.client.connection import Connection
 from qmq.client.producer import Producer
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import DelayConfig
@@ -23,10 +29,14 @@ from qmq.delay.bucket import fsync_paths
 from qmq.delay.dispatcher import Dispatcher
 from qmq.delay.handlers import Handlers
 from qmq.delay.metrics import DelayMetrics
+from qmq.delay.replica import SlaveCopy, master_token, read_for_slave
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
+from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
+from qmq.serving.replication import GroupMember, ReplicationSource, Replicator
+from qmq.serving.replies import Reply
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
 from qmq.store.segments import FlushTicket
@@ -40,9 +50,13 @@ _HANDOVER_FRAMES_IN_FLIGHT = 8
 _HANDOVER_SEND_TIMEOUT_MS = 10_000
 # Route look-ups of new subjects running at once; past it, hand-overs look routes up themselves.
 _PREPARING_MAX = 16
+_CONNECT_TIMEOUT_MS = 3000  # to the group's master, as a slave
+# A master keeps the write-ahead log segments a slave has not copied while that slave was seen
+# this recently (or, after a promotion, this long for the old master to come back and follow).
+_SLAVE_ABSENT_S_MAX = 3600.0
 
 
-class DelayServer(FrameServer):
+class DelayServer(FrameServer, GroupMember):
     kind = "delay"
     title = "delay server"
     config: DelayConfig
@@ -70,8 +84,21 @@ class DelayServer(FrameServer):
         self.disk_error: BaseException | None = None
         self._syncing: asyncio.Future[None] | None = None  # a background fsync (sync_bytes)
         self._preparing: set[asyncio.Task[None]] = set()
+        self._start_in_role(self.store.dir, config.role, "delay server", config.group)
+        self.token = master_token()
+        self.source = ReplicationSource(
+            lambda h: read_for_slave(self.store, self.token, h), config, lambda: (self.store.wal.end, 0), "delay group"
+        )
+        self.store.on_grow = self.source.grew
+        self.replicator: Replicator | None = None
+        self.copy: SlaveCopy | None = None
+        self.kept_from: int | None = None  # the write-ahead log offset this master began its epoch at
         self.handlers = Handlers(self)
         self.dispatch = self.handlers.dispatch
+
+    def forget(self, conn: FrameConnection) -> None:
+        super().forget(conn)
+        self.source.forget(conn)
 
     async def start(self) -> None:
         """Recover the store, connect to the brokers, listen, serve metrics, register."""
@@ -102,22 +129,113 @@ class DelayServer(FrameServer):
             raise StartupError(f"cannot reach the meta server to find brokers: {exc}") from None
         self.producer = producer
         await producer.prepare()  # connect to the brokers before the first message is due
+        self.metrics.watch(self.scheduler, lambda: self.dispatcher)
+        await self.listen()
+        if cfg.flush == "periodic" or self.role == "slave":
+            self.flusher.start_periodic(cfg.flush_interval_ms)
+        self.periodic.every(cfg.checkpoint_interval_ms, self.checkpoint)
+        self.periodic.every(max(10, min(cfg.slave_timeout_ms // 4, 1_000)), self._check_slaves)
+        # the dispatcher starts once the meta server's answer says this server is master (_on_answer)
+        self.register(self._heartbeat, on_answer=self._on_answer)
+
+    def _start_dispatcher(self) -> None:
+        assert self.producer is not None
+        cfg = self.config
         self.dispatcher = Dispatcher(
             self.scheduler,
-            producer,
+            self.producer,
             self.clock,
             lead_ms=cfg.handover_lead_ms,
             messages_max=cfg.handover_messages_max,
             bytes_max=cfg.handover_bytes_max,
             on_disk_error=self._disk_failed,
         )
-        self.metrics.watch(self.scheduler, self.dispatcher)
-        await self.listen()
-        if cfg.flush == "periodic":
-            self.flusher.start_periodic(cfg.flush_interval_ms)
-        self.periodic.every(cfg.checkpoint_interval_ms, self.checkpoint)
         self.dispatcher.start()
-        self.register(self._heartbeat)
+
+    # -- roles in the group (docs/cluster.md, "Delay groups") --------------------
+
+    def _on_answer(self, answer: dict[str, object]) -> None:
+        if self.stopping or answer.get("role_in_group") not in ("master", "slave"):
+            return
+        self._take_orders(answer)
+        # confirmed master of the group's epoch (or a newer one): hand over
+        if self.role == "master" and self.dispatcher is None and (self._transition is None or self._transition.done()):
+            self._set_epoch(self.epoch or 1, "master")
+            self._start_dispatcher()
+
+    async def _promote(self, epoch: int) -> None:
+        log.warning("promoted to master of delay group %s in epoch %d", self.config.group, epoch)
+        if self.replicator is not None:
+            await self.replicator.stop()
+            self.replicator = None
+            self.copy = None
+        self._set_epoch(epoch, "master")
+        end = self.store.wal.end
+        self.source.reset(end, 0)
+        self.kept_from = end
+        self.flusher.flushed_offset = end
+        self.store.flush_buffers()  # the buckets it loads are read from their files
+        self.role = "master"
+        if self.dispatcher is None:
+            self._start_dispatcher()
+        if self._registration is not None:
+            self._registration.beat_now()
+
+    async def _follow(self, master: str, epoch: int, truncate: dict[str, object] | None) -> None:
+        """Become (or stay) a slave of ``master``: stop handing over, cut what was never replicated, copy."""
+        was_master = self.role == "master"
+        self.role = "slave"
+        if was_master:
+            log.warning(
+                "delay group %s has a new master %s in epoch %d; this delay server follows it and hands nothing over",
+                self.config.group,
+                master,
+                epoch,
+            )
+            self.source.fail_all(f"delay server {self.address} is no longer master of group {self.config.group}; retry")
+            grace_s = self.config.shutdown_grace_ms / 1000
+            await self.drain_writes(grace_s)
+            if self.dispatcher is not None:
+                await self.dispatcher.stop(grace_s)
+                self.dispatcher = None
+            self.scheduler.unload_all()
+            if self.config.flush != "periodic":
+                self.flusher.start_periodic(self.config.flush_interval_ms)
+        if self.replicator is not None:
+            await self.replicator.stop()
+            self.replicator = None
+        wal_offset = None if truncate is None else truncate.get("message_offset")
+        if isinstance(wal_offset, int) and self.store.wal.end > wal_offset:
+            assert self.checkpointing is not None
+            async with self.checkpointing:
+                report = self.store.rewind(wal_offset)
+            log.warning("cut back to where epoch %d began: %s", epoch, report)
+            self.flusher.flushed_offset = self.store.wal.end
+            self.unflushed.clear()
+        self._set_epoch(epoch, "slave")
+        self.copy = SlaveCopy(self.store)
+        conn = Connection(
+            master, connect_timeout_ms=_CONNECT_TIMEOUT_MS, credentials=self.credentials(), ssl=self.tls_out
+        )
+        self.replicator = Replicator(master, epoch, self.address, conn, self.copy.ask, self.copy.take)
+        self.replicator.start()
+        if self._registration is not None:
+            self._registration.beat_now()
+
+    def after_replicated(self, end: int, reply: Reply) -> None:
+        """``reply`` once the write-ahead log up to ``end`` is durable here and (with a slave and
+        ``wait_slave_wrote``) written on the slave."""
+
+        def durable(error: str | None) -> None:
+            if error is not None:
+                reply(error)
+            else:
+                self.source.after_log_replicated(end, reply)
+
+        if self.store.sync_policy:
+            self.flusher.after_write(end, durable)
+        else:
+            durable(None)
 
     async def checkpoint(self) -> None:
         """Make the schedule logs durable, record the write-ahead log offset they cover, and delete
@@ -126,7 +244,12 @@ class DelayServer(FrameServer):
         async with self.checkpointing:
             job = self.store.checkpoint_job()
             await asyncio.get_running_loop().run_in_executor(self.checkpoint_executor, job.run)
-            segments = self.store.after_checkpoint(job)
+            keep_from = None
+            if self.role == "master":
+                keep_from = self.source.lowest_kept(_SLAVE_ABSENT_S_MAX)
+                if keep_from is None and time.monotonic() - self.source.started < _SLAVE_ABSENT_S_MAX:
+                    keep_from = self.kept_from  # for the old master, back after a promotion
+            segments = self.store.after_checkpoint(job, keep_from)
             gone = self.scheduler.remove_finished(self.clock.now_ms())
             if segments or gone:
                 log.info(
@@ -166,19 +289,26 @@ class DelayServer(FrameServer):
             self.arrived(unflushed.popleft()[1])
 
     def write_state(self) -> str:
-        """What a send meets: "ok", "failed" (a write or an fsync failed: no sends until a restart)
-        or "disk-full" (clears by itself once space is freed)."""
+        """What a send meets: "ok", "failed" (a write or an fsync failed: no sends until a restart),
+        "disk-full" (clears by itself once space is freed), "read-only" or "degraded" (the slave
+        is gone: docs/cluster.md)."""
         if self.flusher.failed is not None or self.disk_error is not None:
             return "failed"
-        return "disk-full" if self.handlers.free_space.low() is not None else "ok"
+        if self.handlers.free_space.low() is not None:
+            return "disk-full"
+        state = self.source.write_state()
+        return {"alone": "ok", "replicated": "ok"}.get(state, state)
 
     def health(self) -> dict[str, object]:
         failed = self.flusher.failed or self.disk_error
         body: dict[str, object] = {
             "ok": not self.stopping and failed is None,
             "group": self.config.group,
-            "write_state": self.write_state(),
+            "role_in_group": self.role,
+            "epoch": self.epoch,
         }
+        if self.role == "master":
+            body["write_state"] = self.write_state()
         if failed is not None:
             body["error"] = f"the delay server's disk failed ({failed}); restart it"
         elif (low := self.handlers.free_space.low()) is not None:
@@ -186,7 +316,18 @@ class DelayServer(FrameServer):
         return body
 
     def _heartbeat(self) -> dict[str, object]:
-        return {**self.registration_payload(), "write_state": self.write_state()}
+        payload: dict[str, object] = {
+            **self.registration_payload(),
+            "role_in_group": self.role,
+            "epoch": self.epoch,
+            "log_end": self.store.wal.end,
+            "action_end": 0,
+        }
+        if self.role == "master":
+            payload["write_state"] = self.write_state()
+        elif self.replicator is not None:
+            payload["replicated_ms"] = self.replicator.last_ms
+        return payload
 
     def sync_in_background(self) -> None:
         """fsync, on the checkpoint thread, the schedule logs written ``sync_bytes`` past their
@@ -227,6 +368,10 @@ class DelayServer(FrameServer):
         self.stopping = True
         grace_s = self.config.shutdown_grace_ms / 1000
         await self.stop_listening()
+        await self._end_transition()
+        if self.replicator is not None:
+            await self.replicator.stop()
+        self.source.fail_all(f"delay server {self.address} is shutting down; retry")
         for task in list(self._preparing):
             task.cancel()
         await self.drain_writes(grace_s)

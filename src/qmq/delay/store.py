@@ -42,7 +42,7 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import check_subject
 from qmq.delay import cancel, repeat
 from qmq.delay.bucket import Bucket
-from qmq.delay.checkpoint import BucketMark, CheckpointJob, DelayCheckpoint
+from qmq.delay.checkpoint import BucketMark, CheckpointJob, DelayCheckpoint, read_delay_checkpoint
 from qmq.delay.ids import IDS_DTYPE
 from qmq.delay.recovery import DelayParts, empty_parts, recover
 from qmq.delay.timer import ROW, Rows
@@ -50,6 +50,7 @@ from qmq.protocol.codes import Status
 from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS, ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import fileio
+from qmq.store.checkpoint import NAME as CHECKPOINT_FILE
 from qmq.store.datadir import DataDirLock, StoreError, store_error
 from qmq.store.message_log import MessageLog
 
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 
 DAY_MS = 86_400_000
 WAL_DIR = "wal"
+# A master keeps write-ahead log segments its slaves have not copied, up to this many bytes.
+_WAL_KEPT_FOR_SLAVES_BYTES_MAX = 4 << 30
 # Subjects checked once and remembered by their bytes; cleared when full so memory stays bounded.
 _SUBJECTS_CACHED_MAX = 10_000
 
@@ -89,12 +92,20 @@ class DelayStore:
         # subjects seen for the first time (since the cache was last cleared): the server looks
         # up their routes before their messages come due; it empties the list
         self.new_subjects: list[str] = []
+        # told when the write-ahead log or a dispatch log grew (the replication source wakes its slaves)
+        self.on_grow: Callable[[], None] = _nothing
         self._install(empty_parts(config, clock))
 
     def _install(self, parts: DelayParts) -> None:
         self.schedule = parts.schedule
         self.wal_messages = parts.wal_messages
         parts.schedule.on_failure = self._schedule_failed
+        self.find_dispatch_starts()
+
+    def find_dispatch_starts(self) -> None:
+        """Note every bucket whose dispatch log holds entries (``dispatch_starts``: what a master
+        sends its slaves of its dispatch logs is looked for there, not in every bucket)."""
+        self.dispatch_starts = {b.start_ms for b in self.schedule.iter_buckets() if b.dispatched}
 
     def _schedule_failed(self, exc: BaseException) -> None:
         """A schedule log failed to write or fsync (may run on the checkpoint's thread)."""
@@ -215,6 +226,7 @@ class DelayStore:
             raise store_error(exc, self.dir) from exc
         n = seq - self.wal_messages
         self.wal_messages = seq
+        self.on_grow()
         dues = np.fromiter(due_list, dtype=np.int64, count=n)
         sizes = np.fromiter(size_list, dtype=np.int64, count=n) + RECORD_HEADER_BYTES
         rows = self.replay(out, dues, sizes, now, base, np.array(hash_list, dtype=IDS_DTYPE))
@@ -257,6 +269,8 @@ class DelayStore:
         except OSError as exc:
             raise store_error(exc, self.dir) from exc
         self.wal_messages += 1
+        self.on_grow()
+        self.dispatch_starts.update(b.start_ms for b, _entries in stops)
         try:
             return cancel.apply(stops, live, schedule.note_cancelled)
         except OSError as exc:
@@ -309,10 +323,39 @@ class DelayStore:
         )
         return CheckpointJob(self.dir, paths, checkpoint, self._schedule_failed)
 
-    def after_checkpoint(self, job: CheckpointJob) -> int:
-        """The checkpoint is durable: delete write-ahead log segments it covers; returns how many."""
+    def after_checkpoint(self, job: CheckpointJob, keep_from: int | None = None) -> int:
+        """The checkpoint is durable: delete write-ahead log segments it covers, except from
+        ``keep_from`` on (what a slave has not copied yet), unless that would keep more than
+        ``_WAL_KEPT_FOR_SLAVES_BYTES_MAX``; returns how many."""
         covered = self.schedule.checkpointed(job.wal_offset)
+        if keep_from is not None and self.wal.end - keep_from <= _WAL_KEPT_FOR_SLAVES_BYTES_MAX:
+            covered = min(covered, keep_from)
         return len(self.wal.segments.delete_before(covered))
+
+    def rewind(self, wal_offset: int) -> dict[str, Any]:
+        """Cut the write-ahead log back to ``wal_offset`` (where the group's new master's copy
+        began: a demoted master's later records were never acknowledged), and the schedule logs
+        with it, then recover (recovery.py); returns recovery's report.
+
+        When the checkpoint covers records being cut, the schedule logs are rebuilt from the
+        write-ahead log's start (their dispatch logs then come again from the master); if that
+        start is gone, StoreError says what to do."""
+        checkpoint = read_delay_checkpoint(self.dir)
+        cut = self.wal.truncate(min(wal_offset, self.wal.end))
+        if checkpoint is not None and checkpoint.wal_offset > wal_offset:
+            if self.wal.start > 0:
+                raise StoreError(
+                    f"cannot cut this delay server's copy back to write-ahead log offset {wal_offset}: its checkpoint "
+                    f"covers records up to {checkpoint.wal_offset} and its log no longer begins at 0; stop it, move "
+                    f"{self.dir} away and start it again as a slave (--role slave) to copy its master anew"
+                )
+            for b in list(self.schedule.iter_buckets()):
+                self.schedule.remove_bucket(b)
+            fileio.unlink(self.dir / CHECKPOINT_FILE, missing_ok=True)
+        self.schedule.close()
+        fileio.sync()
+        log.warning("cut %d bytes of the write-ahead log at offset %d; recovering", cut, wal_offset)
+        return self.open()
 
     def close(self) -> None:
         self.schedule.close()
@@ -367,9 +410,18 @@ class DelayStore:
 
     def remove_bucket(self, b: Bucket) -> None:
         self.schedule.remove_bucket(b)
+        self.dispatch_starts.discard(b.start_ms)
 
     def dispatched(self, start_ms: int, entries: bytes) -> int:
-        return self.schedule.dispatched(start_ms, entries)
+        n = self.schedule.dispatched(start_ms, entries)
+        if n:
+            self.dispatch_starts.add(start_ms)
+        self.on_grow()
+        return n
+
+
+def _nothing() -> None:
+    pass
 
 
 def _tag_count(tags_block: bytes) -> int:

@@ -172,8 +172,8 @@ class Pulls:
             raise ApiError(
                 429,
                 "TOO_MANY_UNACKED",
-                f"this gateway holds {self.receipts.receipts_max} pulled messages not yet acked (its receipts_max); "
-                "ack or nack some, or wait for their ack timeout",
+                f"this gateway keeps the ack timeouts of {self.receipts.receipts_max} pulled messages itself (its "
+                "receipts_max; the broker did not take them); ack or nack some, or wait for their ack timeout",
             )
         tags = _tag_filter(doc)
         lanes = self._lanes_of(subject, group, doc.get("start_from", "latest"), tags)

@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import heapq
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -111,39 +110,40 @@ def _unb64(text: str) -> bytes:
 
 
 class ReceiptCodec:
-    """Receipts as text, ``<payload>.<mac>`` (both base64url): issued and checked with one key."""
+    """Receipts as text, ``<payload>.<mac>`` (both base64url): issued and checked with one key.
+
+    The payload is the receipt's fields, one a line (no field holds a line break: names are
+    checked for whitespace, ids are made by qmq); the MAC its HMAC-SHA256, cut to 16 bytes."""
 
     def __init__(self, key: bytes) -> None:
         self._key = key
 
     def _mac(self, payload: bytes) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest()[:_MAC_BYTES]
+        return hmac.digest(self._key, payload, "sha256")[:_MAC_BYTES]
 
     def encode(self, r: Receipt) -> str:
-        payload = json.dumps(
-            [_VERSION, r.broker_group, r.subject, r.group, r.consumer_id, r.offset, r.deadline_ms],
-            separators=(",", ":"),
-        ).encode()
-        return f"{_b64(payload)}.{_b64(self._mac(payload))}"
+        payload = f"{_VERSION}\n{r.broker_group}\n{r.subject}\n{r.group}\n{r.consumer_id}\n{r.offset}\n{r.deadline_ms}"
+        raw = payload.encode()
+        return f"{_b64(raw)}.{_b64(self._mac(raw))}"
 
     def decode(self, text: str) -> Receipt:
         """The receipt ``text`` names; 400 RECEIPT_INVALID when no gateway of the cluster issued it."""
+        if len(text) > _RECEIPT_CHARS_MAX:
+            raise _invalid(text, "it is longer than any receipt")
         try:
             p64, m64 = text.split(".")
             payload, mac = _unb64(p64), _unb64(m64)
         except (ValueError, TypeError):
             raise _invalid(text, "it is not a receipt") from None
-        if len(text) > _RECEIPT_CHARS_MAX or not hmac.compare_digest(mac, self._mac(payload)):
-            raise _invalid(text, "its signature does not match") from None
+        if not hmac.compare_digest(mac, self._mac(payload)):
+            raise _invalid(text, "its signature does not match")
         try:
-            v, bg, subject, group, consumer_id, offset, deadline_ms = json.loads(payload)
-        except (ValueError, TypeError):
+            v, bg, subject, group, consumer_id, offset, deadline_ms = payload.decode().split("\n")
+            if v != str(_VERSION):
+                raise _invalid(text, "it is of another version")
+            return Receipt(bg, subject, group, consumer_id, int(offset), int(deadline_ms))
+        except (ValueError, UnicodeDecodeError):
             raise _invalid(text, "it cannot be read") from None
-        if v != _VERSION or not all(isinstance(x, str) for x in (bg, subject, group, consumer_id)):
-            raise _invalid(text, "it is of another version")
-        if not isinstance(offset, int) or not isinstance(deadline_ms, int):
-            raise _invalid(text, "it cannot be read")
-        return Receipt(bg, subject, group, consumer_id, offset, deadline_ms)
 
 
 def _invalid(text: str, why: str) -> Exception:
@@ -171,11 +171,18 @@ GiveBack = Any  # Callable[[list[Receipt]], Awaitable[dict[Receipt, bool | BaseE
 
 class Issued:
     """The receipts this gateway handed out and not yet saw settled, and the sweeper that gives
-    back those left past their deadline; also a bounded memory of what became of settled ones."""
+    back those left past their deadline; also a bounded memory of what became of settled ones.
+
+    Two kinds: those the broker holds (it gives them back at their deadline; kept here for a nack
+    with the group's back-off and as a second give-back, at most ``receipts_max``, the oldest
+    dropped first: a nack of a dropped one is given back at once), and those it did not take,
+    which only this gateway gives back: at most ``receipts_max`` of them, past which a pull is
+    refused (``room``)."""
 
     def __init__(self, receipts_max: int) -> None:
         self.receipts_max = receipts_max
-        self._held: dict[Receipt, Held] = {}
+        self._broker_held: dict[Receipt, Held] = {}  # oldest first
+        self._own: dict[Receipt, Held] = {}
         self._due: list[tuple[float, int, Receipt]] = []  # a heap; entries of settled receipts are skipped
         self._order = 0
         self._outcomes: OrderedDict[Receipt, Outcome] = OrderedDict()
@@ -185,23 +192,34 @@ class Issued:
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return len(self._broker_held) + len(self._own)
 
     def room(self) -> int:
-        return max(0, self.receipts_max - len(self._held))
+        """How many more messages a pull may hand out: the receipts only this gateway gives back are bounded."""
+        return max(0, self.receipts_max - len(self._own))
 
     def hold(self, message: ReceivedMessage, receipt: Receipt, ack_timeout_ms: int, broker_holds: bool) -> None:
         deadline = asyncio.get_running_loop().time() + ack_timeout_ms / 1000
         self._push(Held(message, receipt, deadline, ack_timeout_ms, broker_holds))
 
     def _push(self, held: Held) -> None:
-        self._held[held.receipt] = held
+        if held.broker_holds:
+            while len(self._broker_held) >= self.receipts_max:
+                del self._broker_held[next(iter(self._broker_held))]  # the broker gives it back in any case
+            self._broker_held[held.receipt] = held
+        else:
+            self._own[held.receipt] = held
         due = held.deadline + (BACKUP_GRACE_MS / 1000 if held.broker_holds else 0)
         self._order += 1
         heapq.heappush(self._due, (due, self._order, held.receipt))
 
     def take(self, receipt: Receipt) -> Held | None:
-        return self._held.pop(receipt, None)
+        held = self._broker_held.pop(receipt, None)
+        return held if held is not None else self._own.pop(receipt, None)
+
+    def _get(self, receipt: Receipt) -> Held | None:
+        held = self._broker_held.get(receipt)
+        return held if held is not None else self._own.get(receipt)
 
     def put_back(self, held: Held, delay_ms: int) -> None:
         held.deadline = asyncio.get_running_loop().time() + delay_ms / 1000
@@ -243,9 +261,9 @@ class Issued:
         heap = self._due
         while heap and heap[0][0] <= now and len(due) < GIVE_BACKS_AT_ONCE_MAX:
             _at, _n, receipt = heapq.heappop(heap)
-            held = self._held.get(receipt)
+            held = self._get(receipt)
             if held is not None and held.deadline <= now:
-                del self._held[receipt]
+                self.take(receipt)
                 due.append(held)
         return due
 

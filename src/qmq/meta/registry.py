@@ -77,6 +77,10 @@ READ_CACHE_MS: Final = 1_000
 # A server silent this long is forgotten (unless it is its group's master): servers restarted on
 # new ports (port 0) would otherwise pile up towards SERVERS_MAX. One that comes back registers anew.
 SERVER_FORGET_MS: Final = 24 * 3600 * 1000
+# A full registry makes room for a new server by forgetting those silent this long (or ten
+# heartbeat timeouts, if longer), except each group's master: one-off registrations (a client
+# posting junk, servers restarted on new ports) hold a slot for minutes, not SERVER_FORGET_MS.
+ROOM_SILENT_MS_MIN: Final = 60_000
 # A decision whose group row changed under it is made again from the new row, this many times.
 _DECIDE_ATTEMPTS_MAX: Final = 3
 
@@ -268,9 +272,11 @@ class Registry:
         key = (reg.role, reg.group, reg.address)
         old = self._servers.get(key)
         if old is None and len(self._servers) >= SERVERS_MAX:
+            self._make_room(now_ms)
+        if old is None and len(self._servers) >= SERVERS_MAX:
             raise RegistryFullError(
-                f"the meta server already holds {SERVERS_MAX} servers; cannot register "
-                f"{reg.role} {reg.address} of group {reg.group!r}"
+                f"the meta server already holds {SERVERS_MAX} servers, none of them silent long enough to be "
+                f"forgotten; cannot register {reg.role} {reg.address} of group {reg.group!r}"
             )
         is_new = old is None or old.pid != reg.pid
         record = ServerRecord(
@@ -382,6 +388,19 @@ class Registry:
             if promotion is not None:
                 done.append(promotion)
         return done
+
+    def _make_room(self, now_ms: int) -> None:
+        """Forget the servers (not masters) silent for ROOM_SILENT_MS_MIN or ten heartbeat timeouts."""
+        silent_ms = max(ROOM_SILENT_MS_MIN, 10 * self.heartbeat_timeout_ms)
+        forgotten = self._store.forget_servers(now_ms - silent_ms)
+        if forgotten:
+            log.warning(
+                "the registry was full (%d servers): forgot %d silent for %d s or more",
+                SERVERS_MAX,
+                forgotten,
+                silent_ms // 1000,
+            )
+            self.reload()
 
     def forget_silent(self) -> int:
         """Forget the servers silent for SERVER_FORGET_MS, except each group's master; how many.

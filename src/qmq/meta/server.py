@@ -45,6 +45,7 @@ from qmq.common.config import MetaConfig
 from qmq.common.errors import ConfigError, QmqError
 from qmq.meta.alarms import AlarmStore, Notice
 from qmq.meta.alarms_http import AlarmApi
+from qmq.meta.controls import ControlsApi, ControlsStore
 from qmq.meta.leader import LeaderLease, default_owner
 from qmq.meta.limits import LimitsApi, LimitsStore
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
@@ -74,6 +75,7 @@ from qmq.meta.registry import (
 )
 from qmq.meta.schema import OWNER_CHARS
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
+from qmq.meta.subjects import SubjectsApi, SubjectsStore
 from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 from qmq.serving.http_auth import HttpAuth, Need
 from qmq.serving.probes import probe_status, with_probe_error
@@ -161,6 +163,8 @@ class MetaServer:
         self._alarm_api = AlarmApi(self._call, self._alarms_now, clock)
         self._alarm_notices: list[Notice] = []  # due from the last tick, sent by tick()
         self._limits: LimitsStore | None = None
+        self._controls: ControlsStore | None = None
+        self._subjects: SubjectsStore | None = None
         self._lease: LeaderLease | None = None
         self._runner: web.AppRunner | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -202,6 +206,8 @@ class MetaServer:
             self._push = PushStore(self._store)
             self._alarms = AlarmStore(self._store)
             self._limits = LimitsStore(self._store)
+            self._controls = ControlsStore(self._store)
+            self._subjects = SubjectsStore(self._store)
         except BaseException:
             self._store.close()
             self._store = None
@@ -232,6 +238,8 @@ class MetaServer:
         PushApi(self._call, self._push_now, self.clock).add_routes(app)
         self._alarm_api.add_routes(app)
         LimitsApi(self._call, self._limits_now, self.clock.now_ms).add_routes(app)
+        ControlsApi(self._call, self._controls_now, self.clock.now_ms).add_routes(app)
+        SubjectsApi(self._call, self._subjects_now, self.clock.now_ms).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
@@ -277,6 +285,7 @@ class MetaServer:
             executor, self._executor = self._executor, None
             store, self._store, self._registry = self._store, None, None
             self._operations, self._push, self._limits, self._alarms = None, None, None, None
+            self._controls, self._subjects = None, None
             lease, self._lease = self._lease, None
             loop = asyncio.get_running_loop()
             if lease is not None:
@@ -303,6 +312,16 @@ class MetaServer:
         if self._limits is None:
             raise MetaStoreError("the meta server is stopped")
         return self._limits
+
+    def _controls_now(self) -> ControlsStore:
+        if self._controls is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._controls
+
+    def _subjects_now(self) -> SubjectsStore:
+        if self._subjects is None:
+            raise MetaStoreError("the meta server is stopped")
+        return self._subjects
 
     def _operations_now(self) -> Operations:
         if self._operations is None:

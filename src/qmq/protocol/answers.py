@@ -39,6 +39,7 @@ ANSWERED_IN_BODY = frozenset(
         RequestCode.DELAY_LIST,
         RequestCode.DEAD_LETTERS,
         RequestCode.ACK_MANY,
+        RequestCode.TRACE,
     }
 )
 

@@ -32,6 +32,9 @@ class RequestCode(IntEnum):
     # so that codes other branches add next to them never collide
     CANCEL_DELAY = 24
     DELAY_LIST = 25
+    # what a broker's files tell of one message id (qmq trace --meta-server; docs/protocol.md);
+    # numbered apart from the others so that codes other branches add never collide
+    TRACE = 30
     # a connection authenticates once, before any other request, on a server with an auth file
     # (qmq.auth.handshake; docs/security.md): HELLO is answered with a challenge, PROOF with OK
     AUTH_HELLO = 40

@@ -198,7 +198,7 @@ def _deliveries(reader: StoreReader, out: Trace, group: str) -> None:
     pulls: dict[tuple[str, str, str, int], Delivery] = {}  # (subject, group, consumer, pull-log offset)
     for item in reader.actions():
         a = item.action
-        if a[0] == act.PULL and len(a) == 7:
+        if a[0] == act.PULL and len(a) >= 7:  # later items: the ordered flag, the time
             subject, cgroup, consumer, poff, runs = str(a[1]), str(a[2]), str(a[3]), int(a[4]), a[5]
             p = poff
             for seq0, count in runs:
@@ -207,7 +207,7 @@ def _deliveries(reader: StoreReader, out: Trace, group: str) -> None:
                         key = (subject, cgroup, consumer, p + seq - seq0)
                         pulls[key] = Delivery(subject, cgroup, consumer, key[3], False, "action log")
                 p += count
-        elif a[0] == act.ACK and len(a) == 5 and pulls:
+        elif a[0] == act.ACK and len(a) >= 5 and pulls:
             subject, cgroup, consumer = str(a[1]), str(a[2]), str(a[3])
             for key, d in pulls.items():
                 if key[:3] == (subject, cgroup, consumer) and any(r[0] <= key[3] < r[1] for r in a[4]):

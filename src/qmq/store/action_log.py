@@ -20,8 +20,9 @@ Payloads (a later version may only add items at the end):
 
     [CREATE_GROUP, subject, group, start_seq]
     [PULL, subject, group, consumer_id, pull_offset, [[seq, count], ...], new_group_pull_offset
-     (, 1: the group is ordered, written only for one)]
-    [ACK, subject, group, consumer_id, [[start, end], ...]]
+     (, ordered: 1 for an ordered group, else 0 (older versions wrote it for ordered groups only)
+      (, at_ms: when, epoch ms; older versions wrote none))]
+    [ACK, subject, group, consumer_id, [[start, end], ...] (, at_ms: when; older versions wrote none)]
     [RESET, subject, group, new_group_pull_offset]
     [DEAD_REMOVE, dead_letter_subject, [letter numbers]]   (resent or purged)
     [FORGET, subject, group, [consumer_id, ...]]   (consumers gone with nothing unacknowledged)
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -226,10 +228,17 @@ class ProgressLog:
     then applied to ``progress`` by the rule replay applies (``apply_action``); dead-letter
     removals, logged here too, are applied to ``remove_dead``'s owner."""
 
-    def __init__(self, alog: ActionLog, progress: Progress, remove_dead: Callable[[str, list[int]], None]) -> None:
+    def __init__(
+        self,
+        alog: ActionLog,
+        progress: Progress,
+        remove_dead: Callable[[str, list[int]], None],
+        now_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> None:
         self.alog = alog
         self.progress = progress
         self._remove_dead = remove_dead
+        self._now_ms = now_ms  # the time a pull or an ack is logged with (qmq trace tells it)
 
     def create_group(self, subject: str, group: str, start_seq: int) -> GroupProgress:
         gp = self.progress.get(subject, group)
@@ -240,14 +249,13 @@ class ProgressLog:
 
     def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
         """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""
-        action = [PULL, gp.subject, gp.group, cp.consumer_id, cp.pull_log_end, runs, new_offset]
-        if gp.ordered:
-            action.append(1)
-        self.alog.append(action)
+        ordered = 1 if gp.ordered else 0
+        start = cp.pull_log_end
+        self.alog.append([PULL, gp.subject, gp.group, cp.consumer_id, start, runs, new_offset, ordered, self._now_ms()])
         return Progress.record_pull(gp, cp, runs, new_offset)
 
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
-        self.alog.append([ACK, gp.subject, gp.group, cp.consumer_id, ranges])
+        self.alog.append([ACK, gp.subject, gp.group, cp.consumer_id, ranges, self._now_ms()])
         return Progress.apply_ack(cp, ranges)
 
     def reset(self, gp: GroupProgress, seq: int) -> None:

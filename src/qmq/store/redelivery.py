@@ -32,7 +32,9 @@ from qmq.protocol.message import (
     scan_batch,
     with_times,
 )
-from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
+from qmq.protocol.record import RECORD_HEADER_BYTES
+from qmq.store import clog_repair
+from qmq.store.clog_repair import DAMAGED, GOOD, check_record
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES
 from qmq.store.datadir import StoreError
 from qmq.store.dead_letters import ERROR_PROPERTY
@@ -135,17 +137,14 @@ def move_to_retry(
         if len(raw) != ENTRY_BYTES:
             _set_aside(store, None, f"entry {seq} of {gp.subject!r} is not in its consume log", dead_raw)
             continue
-        off, size, *_rest = ENTRY.unpack(raw)
+        off, _size, _ms, *_rest = ENTRY.unpack(raw)
         if off < store.mlog.start:
             continue  # removed by retention: nothing left to retry
-        chunk: list[bytes] = []
-        store.mlog.read_into(off, size, chunk)
-        record = b"".join(chunk)
-        header = read_record_header(record, 0)
-        if header is None:
-            _set_aside(store, None, f"entry {seq} of {gp.subject!r} points at no record (offset {off})", dead_raw)
+        record = _checked_record(store, st, seq, raw)
+        if record is None:
+            _set_aside(store, None, f"entry {seq} of {gp.subject!r} names no good record (damaged)", dead_raw)
             continue
-        message = record[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + header.length]
+        message = record[RECORD_HEADER_BYTES:]
         try:
             attempt = delivery_attempt(HEADER.unpack_from(message, 0)[8])  # the one that timed out
             if attempt > max_retries or attempt >= TIMES_MAX:
@@ -166,6 +165,27 @@ def move_to_retry(
             log.error("moving unacked messages of %r to retry: %s", cp.consumer_id, result.errors[:3])
     store.ack(gp, cp, done)
     return len(entries)
+
+
+def _checked_record(store: Redelivering, st: SubjectState, seq: int, raw: bytes) -> bytes | None:
+    """The record entry ``raw`` (number ``seq`` of ``st``) names, if it checks out against the
+    entry and its CRC: a damaged one is never copied into a retry (its copy would pass its
+    CRC). An entry that disagrees is repaired from the message log first (clog_repair.py)."""
+    for attempt in range(2):
+        off, size, ms, *_rest = ENTRY.unpack(raw)
+        if size >= RECORD_HEADER_BYTES and off + size <= store.mlog.end:
+            chunk: list[bytes] = []
+            store.mlog.read_into(off, size, chunk)
+            record = b"".join(chunk)
+            found = check_record(record, 0, size, seq, ms)
+            if found == GOOD:
+                return record
+            if found == DAMAGED:
+                return None
+        if attempt == 0:
+            clog_repair.repair(st.clog, store.mlog, seq, seq + 1)
+            raw = st.clog.read(seq, 1)
+    return None
 
 
 def _set_aside(store: Redelivering, message: bytes | None, reason: str, dead_raw: bytes) -> bytes | None:

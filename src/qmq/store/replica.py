@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header, record_crc_ok
+from qmq.protocol.record import RECORD_HEADER_BYTES, RecordHeader, read_record_header, record_crc_ok
 from qmq.store import action_log, fileio, message_log
 from qmq.store.checkpoint import NAME as CHECKPOINT_NAME
 from qmq.store.checkpoint import history, read_checkpoint
@@ -94,16 +94,23 @@ def _record_len(buf: bytes, pos: int) -> int | None:
     return None if h is None else RECORD_HEADER_BYTES + h.length
 
 
+def read_records(segs: SegmentedLog, offset: int, max_bytes: int) -> Chunk:
+    """Whole records (``qmq.protocol.record``) of a log of them from ``offset``, from one segment,
+    at most about ``max_bytes``: a broker's message log, a delay server's write-ahead log."""
+    return _read_whole(segs, offset, max_bytes, _record_len)
+
+
 def read_log(store: Replicated, offset: int, max_bytes: int) -> Chunk:
     """Whole message-log records from ``offset``, from one segment, at most about ``max_bytes``."""
-    return _read_whole(store.mlog.segments, offset, max_bytes, _record_len)
+    return read_records(store.mlog.segments, offset, max_bytes)
 
 
 def read_actions(store: Replicated, offset: int, max_bytes: int) -> Chunk:
     return _read_whole(store.alog.segments, offset, max_bytes, action_log.frame_len)
 
 
-def _follow_segment(segs: SegmentedLog, offset: int, segment_base: int) -> None:
+def follow_segment(segs: SegmentedLog, offset: int, segment_base: int) -> None:
+    """Check that a chunk continues this copy, and begin a segment where the master began one."""
     if offset != segs.end:
         raise ReplicaError(f"a chunk at offset {offset} does not continue this copy, which ends at {segs.end}")
     if segment_base == offset and segs.active.base != offset:
@@ -116,17 +123,8 @@ def append_log(store: Replicated, chunk: Chunk) -> set[str]:
     if not chunk.data:
         return set()
     segs = store.mlog.segments
-    _follow_segment(segs, chunk.offset, chunk.segment_base)
+    records = append_records(segs, chunk)
     data = chunk.data
-    records = []
-    pos = 0
-    while pos < len(data):
-        h = read_record_header(data, pos)
-        if h is None or not record_crc_ok(data, pos, h):
-            raise ReplicaError(f"record at offset {chunk.offset + pos} from the master fails its check")
-        records.append((chunk.offset + pos, h, pos))
-        pos += RECORD_HEADER_BYTES + h.length
-    segs.append(data, roll=False)
     indexer = store.indexer(chunk.offset)
     view = memoryview(data)
     for offset, h, p in records:
@@ -138,13 +136,30 @@ def append_log(store: Replicated, chunk: Chunk) -> set[str]:
     return touched
 
 
+def append_records(segs: SegmentedLog, chunk: Chunk) -> list[tuple[int, RecordHeader, int]]:
+    """Append a master's whole records to a copy of its log of them, each checked first; returns
+    each record's (offset, header, position in the chunk)."""
+    follow_segment(segs, chunk.offset, chunk.segment_base)
+    data = chunk.data
+    records = []
+    pos = 0
+    while pos < len(data):
+        h = read_record_header(data, pos)
+        if h is None or not record_crc_ok(data, pos, h):
+            raise ReplicaError(f"record at offset {chunk.offset + pos} from the master fails its check")
+        records.append((chunk.offset + pos, h, pos))
+        pos += RECORD_HEADER_BYTES + h.length
+    segs.append(data, roll=False)
+    return records
+
+
 def append_actions(store: Replicated, chunk: Chunk) -> int:
     """Append a master's action-log records and apply them; returns how many."""
     _check_writable(store)
     if not chunk.data:
         return 0
     segs = store.alog.segments
-    _follow_segment(segs, chunk.offset, chunk.segment_base)
+    follow_segment(segs, chunk.offset, chunk.segment_base)
     segs.append(chunk.data, roll=False)
     n, torn = store.replay_actions(chunk.offset)
     if torn:

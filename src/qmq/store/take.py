@@ -50,7 +50,7 @@ _T = TypeVar("_T")
 
 _SCAN_ENTRIES_MAX = 20_000
 _SCAN_CHUNK_ENTRIES = 2048
-_FAST_ENTRIES_MIN = 16  # from this many entries a pull's records are checked with numpy
+_FAST_ENTRIES_MIN = 128  # from this many entries a pull's records are checked with numpy
 _HEADER_SPAN = np.arange(RECORD_HEADER_BYTES)
 _REPAIRS_MAX = 4  # repairs of a subject's consume log one pull may make
 _UNREPAIRABLE_MAX = 10_000  # (subject, sequence) of damaged records remembered, so a repair is tried once

@@ -1,0 +1,89 @@
+"""The control-plane records a broker applies (``GET /meta/controls``, qmq.meta.controls), asked
+for every ``POLL_S``: the paused groups. A pull of a paused group answers nothing (a long poll
+waits, parked), acks still count, so nothing is lost and progress is kept; on resume its parked
+pulls are tried at once. A group's retry subject is paused with it. A meta server that cannot be
+asked leaves the last records in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from ssl import SSLContext
+from typing import Any
+
+import aiohttp
+
+from qmq.common.config import meta_base_url
+from qmq.common.naming import retry_subject
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.4  # a resume holds within a second
+_REQUEST_TIMEOUT_S = 5.0
+_PAUSED_MAX = 10_000
+
+Paused = frozenset[tuple[str, str]]
+
+
+def paused_of(rows: object) -> Paused:
+    """The (subject, group) pairs a broker holds back, the retry subjects included; bad rows skipped."""
+    out: set[tuple[str, str]] = set()
+    if not isinstance(rows, list):
+        return frozenset()
+    for row in rows[:_PAUSED_MAX]:
+        if isinstance(row, list) and len(row) == 2 and all(isinstance(x, str) and x for x in row):
+            subject, group = row
+            out.add((subject, group))
+            out.add((retry_subject(subject, group), group))
+        else:
+            log.warning("skipping a paused group of the meta server: %r", row)
+    return frozenset(out)
+
+
+class ControlsPoller:
+    def __init__(
+        self,
+        meta_server: str,
+        on_paused: Callable[[Paused], None],
+        authorization: str | None,
+        ssl: SSLContext | None,
+    ) -> None:
+        self.url = f"{meta_base_url(meta_server)}/meta/controls"
+        self._on_paused = on_paused
+        self._headers = {"Authorization": authorization} if authorization else {}
+        self._ssl = ssl
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S), headers=self._headers, connector=connector
+        ) as session:
+            failures = 0
+            while True:
+                try:
+                    async with session.get(self.url) as resp:
+                        doc: Any = await resp.json(content_type=None)
+                        if resp.status != 200 or not isinstance(doc, dict):
+                            raise RuntimeError(f"HTTP {resp.status}: {doc}")
+                    self._on_paused(paused_of(doc.get("paused")))
+                    failures = 0
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the meta server may be down: keep the last records, ask again
+                    failures += 1
+                    if failures == 1 or failures % 100 == 0:
+                        log.warning("cannot read the group controls at %s (%d time(s)): %s", self.url, failures, exc)
+                await asyncio.sleep(POLL_S)  # the poll period
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,126 @@
+"""``qmq group pause|resume|paused``: control-plane records of consumer groups, kept by the meta
+server (``/meta/controls``, qmq.meta.controls) and applied by every broker within a second.
+
+Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import click
+
+from qmq.cli.client_commands import meta_server_option
+from qmq.cli.limits_commands import _request as meta_request
+from qmq.cli.listing_commands import _lag
+from qmq.cli.main import CommandError, cli
+from qmq.cli.output import echo_json, json_option
+from qmq.common.config import meta_base_url
+
+
+@cli.group("group")
+def group_cli() -> None:
+    """Consumer groups on every broker: list them with their consumers, pause and resume them."""
+
+
+def _set(subject: str, group: str, meta_server: str, action: str) -> dict[str, object]:
+    body = {"subject": subject, "group": group}
+    answer: dict[str, object] = meta_request("POST", f"{meta_base_url(meta_server)}/meta/controls/{action}", body)
+    return answer
+
+
+@group_cli.command("pause")
+@click.argument("subject")
+@click.option("--group", "group", required=True, help="consumer group")
+@meta_server_option
+def group_pause(subject: str, group: str, meta_server: str) -> None:
+    """Stop delivering SUBJECT to GROUP's consumers; messages and progress are kept."""
+    answer = _set(subject, group, meta_server, "pause")
+    was = " (it was paused already)" if answer.get("was") else ""
+    click.echo(f"paused: {subject} for group {group}{was}; brokers hold it back within a second")
+
+
+@group_cli.command("resume")
+@click.argument("subject")
+@click.option("--group", "group", required=True, help="consumer group")
+@meta_server_option
+def group_resume(subject: str, group: str, meta_server: str) -> None:
+    """Deliver SUBJECT to GROUP's consumers again, from where they stopped."""
+    answer = _set(subject, group, meta_server, "resume")
+    was = "" if answer.get("was") else " (it was not paused)"
+    click.echo(f"resumed: {subject} for group {group}{was}; brokers deliver again within a second")
+
+
+@group_cli.command("paused")
+@meta_server_option
+@json_option("lines", "each paused group")
+def group_paused(meta_server: str, as_json: bool) -> None:
+    """Every paused group."""
+    rows = meta_request("GET", f"{meta_base_url(meta_server)}/meta/controls").get("paused", [])
+    for subject, group in rows:
+        if as_json:
+            echo_json({"subject": subject, "group": group})
+        else:
+            click.echo(f"{subject}\t{group}")
+
+
+# the SDK's consumer ids: <hostname>-<pid>-<6 hex> (qmq.client.options.default_consumer_id)
+_SDK_ID = re.compile(r"^(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{6}$")
+
+
+def host_of(consumer_id: str) -> str | None:
+    """The host an SDK-made consumer id names, or None for an id set by hand."""
+    m = _SDK_ID.match(consumer_id)
+    return m.group("host") if m else None
+
+
+@group_cli.command("list")
+@click.argument("subject")
+@meta_server_option
+@json_option("lines", "each group: {subject, group, paused, backlog, unacked, consumers: [{id, host, ...}]}")
+def group_list(subject: str, meta_server: str, as_json: bool) -> None:
+    """SUBJECT's consumer groups, paused or not, with their consumers (id, host, last seen, unacked)."""
+    from qmq.cli.subject_commands import held_by_brokers
+
+    held = asyncio.run(held_by_brokers(meta_server)).get(subject, {"consumer_groups": []})
+    paused = {(s, g) for s, g in meta_request("GET", f"{meta_base_url(meta_server)}/meta/controls")["paused"]}
+    for group in sorted({*held["consumer_groups"], *(g for s, g in paused if s == subject)}):
+        doc = asyncio.run(_group_doc(meta_server, subject, group, (subject, group) in paused))
+        if as_json:
+            echo_json(doc)
+            continue
+        state = "paused" if doc["paused"] else "running"
+        click.echo(f"{group}\t{state}\tbacklog {doc['backlog']:,}\tunacked {doc['unacked']:,}")
+        for c in doc["consumers"]:
+            offline = " (offline)" if c["offline"] else ""
+            click.echo(
+                f"  {c['consumer_id']}\thost {c['host'] or '-'}\tlast seen {c['last_seen']}\t"
+                f"unacked {c['unacked']:,}{offline}"
+            )
+
+
+async def _group_doc(meta_server: str, subject: str, group: str, paused: bool) -> dict[str, Any]:
+    try:
+        answers, consumers = await _lag(meta_server, subject, group)
+    except CommandError:  # paused before it ever pulled: no broker knows it yet
+        answers, consumers = {}, []
+    return {
+        "subject": subject,
+        "group": group,
+        "paused": paused,
+        "backlog": sum(int(a.get("backlog", 0)) for a in answers.values()),
+        "unacked": sum(int(a.get("unacked", 0)) for a in answers.values()),
+        "consumers": [
+            {
+                "consumer_id": c["consumer_id"],
+                "host": host_of(c["consumer_id"]),
+                "broker_group": c["broker_group"],
+                "last_seen": c["last_seen"],
+                "unacked": c["unacked"],
+                "offline": c["offline"],
+            }
+            for c in consumers
+        ],
+    }

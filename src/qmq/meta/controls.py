@@ -1,0 +1,136 @@
+"""Control-plane records of consumer groups, kept by the meta server in ``qmq_meta_group_controls``:
+
+    GET  /meta/controls                   what brokers apply: {"paused": [[subject, group], ...]}
+    POST /meta/controls/pause             {"subject", "group"}: the group's consumers get nothing
+    POST /meta/controls/resume            {"subject", "group"}: they get messages again
+
+A paused group keeps its progress and every message; brokers ask every ``POLL_S`` of
+qmq.broker.controls (well under a second), so a pause or resume holds on every broker within a
+second, and across restarts of the meta server and of the brokers. With an auth file, reading
+needs any known app and a change an admin app (qmq.meta.server).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import sqlalchemy as sa
+from aiohttp import web
+
+from qmq.common.errors import InvalidSubjectError
+from qmq.common.naming import check_name
+from qmq.meta.schema import GROUP_CHARS, SUBJECT_CHARS, metadata, name_type
+from qmq.meta.store import MetaStore, MetaStoreError
+
+CONTROLS_PATH: Final = "/meta/controls"
+PAUSE_PATH: Final = "/meta/controls/pause"
+RESUME_PATH: Final = "/meta/controls/resume"
+CONTROLS_MAX: Final = 10_000
+
+controls_table = sa.Table(
+    "qmq_meta_group_controls",
+    metadata,
+    sa.Column("subject", name_type(SUBJECT_CHARS), primary_key=True),
+    sa.Column("group_name", name_type(GROUP_CHARS), primary_key=True),
+    sa.Column("paused", sa.Boolean, nullable=False),
+    sa.Column("updated_ms", sa.BigInteger, nullable=False),
+)
+
+Call = Callable[..., Awaitable[Any]]
+
+
+class ControlsFullError(MetaStoreError):
+    retriable = False
+
+
+class ControlsStore:
+    def __init__(self, store: MetaStore) -> None:
+        self._store = store
+
+    def set_paused(self, subject: str, group: str, paused: bool, now_ms: int) -> bool:
+        """Pause or resume; whether the group was paused before."""
+        t = controls_table
+        with self._store.transaction("pause or resume a group") as conn:
+            key = (t.c.subject == subject) & (t.c.group_name == group)
+            before = conn.scalar(sa.select(t.c.paused).where(key))
+            if before is not None:
+                conn.execute(sa.update(t).where(key).values(paused=paused, updated_ms=now_ms))
+                return bool(before)
+            if not paused:
+                return False
+            count = int(conn.scalar(sa.select(sa.func.count()).select_from(t)) or 0)
+            if count >= CONTROLS_MAX:
+                raise ControlsFullError(
+                    f"the meta server keeps at most {CONTROLS_MAX} group controls; resume a paused group first"
+                )
+            conn.execute(sa.insert(t).values(subject=subject, group_name=group, paused=True, updated_ms=now_ms))
+            return False
+
+    def paused(self) -> list[tuple[str, str]]:
+        t = controls_table
+        with self._store.transaction("read the paused groups") as conn:
+            rows = conn.execute(
+                sa.select(t.c.subject, t.c.group_name)
+                .where(t.c.paused.is_(True))
+                .order_by(t.c.subject, t.c.group_name)
+                .limit(CONTROLS_MAX)
+            ).all()
+        return [(str(r.subject), str(r.group_name)) for r in rows]
+
+
+class ControlError(ValueError):
+    """A field of a control request is wrong; the text names it."""
+
+
+def parse_group(doc: object) -> tuple[str, str]:
+    """(subject, group) of a pause/resume body; ControlError naming the field at fault."""
+    if not isinstance(doc, dict):
+        raise ControlError('the body must be a JSON object {"subject": ..., "group": ...}')
+    unknown = sorted(set(doc) - {"subject", "group"})
+    if unknown:
+        raise ControlError(f"unknown field(s) {', '.join(unknown)}; known: subject, group")
+    try:
+        subject = check_name("subject", doc.get("subject"))
+        group = check_name("consumer group", doc.get("group"))
+    except InvalidSubjectError as exc:
+        raise ControlError(str(exc)) from None
+    if len(group) > GROUP_CHARS:
+        raise ControlError(f"consumer group {group[:40]!r}… has {len(group)} characters; the limit is {GROUP_CHARS}")
+    return subject, group
+
+
+class ControlsApi:
+    """The control routes of one meta server: ``call`` runs a function on its store thread."""
+
+    def __init__(self, call: Call, store: Callable[[], ControlsStore], now_ms: Callable[[], int]) -> None:
+        self._call = call
+        self._store = store
+        self._now_ms = now_ms
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(CONTROLS_PATH, self._list)
+        app.router.add_post(PAUSE_PATH, self._pause)
+        app.router.add_post(RESUME_PATH, self._resume)
+
+    async def _list(self, _request: web.Request) -> web.Response:
+        paused = await self._call(lambda: self._store().paused())
+        return web.json_response({"paused": [list(p) for p in paused]})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        return await self._set(request, paused=True)
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        return await self._set(request, paused=False)
+
+    async def _set(self, request: web.Request, paused: bool) -> web.Response:
+        try:
+            subject, group = parse_group(json.loads(await request.read()))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            return web.json_response({"error": f"{exc}"}, status=400)
+        try:
+            before = await self._call(lambda: self._store().set_paused(subject, group, paused, self._now_ms()))
+        except ControlsFullError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        return web.json_response({"ok": True, "subject": subject, "group": group, "paused": paused, "was": before})
