@@ -1,5 +1,6 @@
 """`qmq group filter` against real processes: a filtered group gets only the messages its JMESPath
-expression matches, the others count as consumed for it (its lag ends at 0) and never come later,
+expression matches, the others count as consumed for it (its lag ends at 0) and never come later
+(one it cannot evaluate goes to its dead letters),
 another group of the subject gets every message, a bad expression is refused naming the position,
 and the filter outlives a restart."""
 
@@ -62,6 +63,12 @@ def test_a_filtered_group_gets_only_matching_messages(meta_server: str, subject:
     # the ones passed over count as consumed: they never come later and the group's lag is 0
     assert _consume(subject, meta_server, "big", "--idle-exit-ms", "1500") == []
     assert _backlog(subject, meta_server, "big") == 0
+    # the body that is not JSON went to the group's dead letters with the reason
+    dead = qmq("dead-letters", subject, "--group", "big", "--json", meta_server=meta_server)
+    assert dead.returncode == 0, dead.stderr
+    letters = json.loads(dead.stdout)["letters"]
+    assert len(letters) == 1, letters
+    assert "cannot evaluate it" in letters[0]["error"], letters
 
     cleared = qmq("group", "filter", subject, "--group", "big", "--clear", meta_server=meta_server)
     assert cleared.returncode == 0, cleared.stderr
