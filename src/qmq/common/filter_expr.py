@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-import jmespath
-from jmespath.exceptions import JMESPathError, ParseError
-
 EXPR_CHARS_MAX: Final = 4096
 
 
@@ -23,6 +20,10 @@ class FilterExprError(ValueError):
 
 def compile_filter(expr: object) -> Any:
     """The compiled expression; FilterExprError naming the position of what is wrong."""
+    # imported here: jmespath comes with the servers (qmq[server]), and qmq.common is also the client's
+    import jmespath
+    from jmespath.exceptions import JMESPathError, ParseError
+
     if not isinstance(expr, str) or not expr.strip():
         raise FilterExprError(f"a filter must be a non-empty JMESPath expression, got {expr!r}")
     if len(expr) > EXPR_CHARS_MAX:
