@@ -22,7 +22,7 @@ from qmq.common.config import meta_base_url
 
 @cli.group("group")
 def group_cli() -> None:
-    """Consumer groups on every broker: list them with their consumers, pause and resume them."""
+    """Consumer groups on every broker: list them with their consumers, pause, resume and filter them."""
 
 
 def _set(subject: str, group: str, meta_server: str, action: str) -> dict[str, object]:
