@@ -41,6 +41,27 @@ def test_paused_groups_round_trip_and_outlive_a_reopen(db_url: str) -> None:
         store.close()
 
 
+def test_group_filters_round_trip_and_outlive_a_reopen(db_url: str) -> None:
+    long_expr = "body.note == '" + "\u00e9" * 4000 + "'"  # near the 4096-character limit, not ASCII
+    store = MetaStore(db_url)
+    try:
+        controls = ControlsStore(store)
+        assert controls.set_filter("Orders", "big", "body.amount > `100`", 1) is None
+        assert controls.set_filter("orders", "big", long_expr, 2) is None  # another subject
+        assert controls.set_filter("Orders", "big", "properties.region == 'eu'", 3) == "body.amount > `100`"
+        assert controls.set_filter("Orders", "none", None, 4) is None  # nothing to clear
+    finally:
+        store.close()
+    store = MetaStore(db_url)
+    try:
+        controls = ControlsStore(store)
+        assert controls.filters() == [("Orders", "big", "properties.region == 'eu'"), ("orders", "big", long_expr)]
+        assert controls.set_filter("Orders", "big", None, 5) == "properties.region == 'eu'"
+        assert controls.filters() == [("orders", "big", long_expr)]
+    finally:
+        store.close()
+
+
 def test_subjects_round_trip_and_are_unique(db_url: str) -> None:
     store = MetaStore(db_url)
     try:

@@ -1,8 +1,12 @@
 """The control-plane records a broker applies (``GET /meta/controls``, qmq.meta.controls), asked
-for every ``POLL_S``: the paused groups. A pull of a paused group answers nothing (a long poll
+for every ``POLL_S``: the paused groups and the groups' filters. A pull of a paused group answers nothing (a long poll
 waits, parked), acks still count, so nothing is lost and progress is kept; on resume its parked
 pulls are tried at once. A group's retry subject is paused with it. A meta server that cannot be
 asked leaves the last records in force.
+
+A group's filter (qmq.store.group_filter) is compiled once, when it first comes or changes, and
+applied to the group's pulls of the subject (not of its retry subject, which holds only messages
+that passed it; not to ordered groups, which take by slot and never scan).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 import aiohttp
 
 from qmq.common.config import meta_base_url
+from qmq.common.filter_expr import FilterExprError
 from qmq.common.naming import retry_subject
+from qmq.store.group_filter import GroupFilter
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +32,7 @@ _REQUEST_TIMEOUT_S = 5.0
 _PAUSED_MAX = 10_000
 
 Paused = frozenset[tuple[str, str]]
+Filters = dict[tuple[str, str], GroupFilter]
 
 
 def paused_of(rows: object) -> Paused:
@@ -43,16 +50,40 @@ def paused_of(rows: object) -> Paused:
     return frozenset(out)
 
 
+def filters_of(rows: object, before: Filters) -> Filters:
+    """The groups' filters from ``[[subject, group, expr], ...]``, reusing ``before``'s compiled
+    ones whose expression did not change; bad rows skipped."""
+    out: Filters = {}
+    if not isinstance(rows, list):
+        return out
+    for row in rows[:_PAUSED_MAX]:
+        if not (isinstance(row, list) and len(row) == 3 and all(isinstance(x, str) and x for x in row)):
+            log.warning("skipping a group filter of the meta server: %r", row)
+            continue
+        subject, group, expr = row
+        old = before.get((subject, group))
+        if old is not None and old.expr == expr:
+            out[(subject, group)] = old
+            continue
+        try:
+            out[(subject, group)] = GroupFilter(expr)
+        except FilterExprError as exc:
+            log.warning("skipping the filter of group %r of %r: %s", group, subject, exc)
+    return out
+
+
 class ControlsPoller:
     def __init__(
         self,
         meta_server: str,
         on_paused: Callable[[Paused], None],
+        on_filters: Callable[[object], None],
         authorization: str | None,
         ssl: SSLContext | None,
     ) -> None:
         self.url = f"{meta_base_url(meta_server)}/meta/controls"
         self._on_paused = on_paused
+        self._on_filters = on_filters
         self._headers = {"Authorization": authorization} if authorization else {}
         self._ssl = ssl
         self._task: asyncio.Task[None] | None = None
@@ -73,6 +104,7 @@ class ControlsPoller:
                         if resp.status != 200 or not isinstance(doc, dict):
                             raise RuntimeError(f"HTTP {resp.status}: {doc}")
                     self._on_paused(paused_of(doc.get("paused")))
+                    self._on_filters(doc.get("filters", []))
                     failures = 0
                 except asyncio.CancelledError:
                     raise

@@ -43,9 +43,10 @@ from qmq.serving.requests import (
 )
 from qmq.store import fileio
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
+from qmq.store.group_filter import dead_letter_unevaluable
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
-from qmq.store.tags import TagFilter
+from qmq.store.tags import RecordFilter, TagFilter
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class Handlers(RoleHandlers):
         timeout_ms = get_int(header, "timeout_ms", 0, limits.pull_timeout_ms_max, default=0)
         session = get_str(header, "session", max_chars=_ID_CHARS_MAX)
         ack_ranges = get_ranges(header, "ack", required=False)
-        tag_filter = self._tag_filter(*get_tags(header, limits.tags_max))
+        tag_filter: RecordFilter | None = self._tag_filter(*get_tags(header, limits.tags_max))
         max_retries = get_int(header, "max_retries", 0, 1000, default=DEFAULT_MAX_RETRIES)
         ordered = get_bool(header, "ordered")
         if ordered and tag_filter is not None:
@@ -286,6 +287,9 @@ class Handlers(RoleHandlers):
         gp.max_retries = max_retries
         if ordered:
             gp.ordered = True  # from now on every consumer of the group is served by slot (ordered_take)
+        group_filter = None if gp.ordered else self.broker.parked.filters.get((gp.subject, gp.group))
+        if group_filter is not None:  # the group's server-side filter (qmq.broker.controls)
+            tag_filter = group_filter = group_filter.with_tags(tag_filter)
         if ack_ranges:
             self._ack(gp, cp, ack_ranges)
         code, request_id = frame.code, frame.request_id
@@ -347,6 +351,8 @@ class Handlers(RoleHandlers):
             result = None  # a paused group's consumers get nothing (qmq.broker.controls)
         else:
             result = self.store.pull(gp, cp, session, max_n, tag_filter)
+            if group_filter is not None and group_filter.waiting:
+                dead_letter_unevaluable(self.store, gp.subject, gp.group, group_filter)
         if self.store.dispatched:
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
         elif self.store.settling_ms:

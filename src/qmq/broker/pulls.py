@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from qmq.store.broker_store import BrokerStore, PullResult
+from qmq.store.group_filter import GroupFilter
 from qmq.store.progress import ConsumerProgress, GroupProgress
-from qmq.store.tags import TagFilter
+from qmq.store.tags import RecordFilter
 
 _ORDERED_PASSES_MAX = 3
 
@@ -37,7 +38,7 @@ class ParkedPull:
         cp: ConsumerProgress,
         session: str,
         max_n: int,
-        tag_filter: TagFilter | None,
+        tag_filter: RecordFilter | None,
         answer: PullAnswer,
         fail: Callable[[Exception], None],
     ) -> None:
@@ -61,6 +62,7 @@ class ParkedPulls:
         self._count = 0
         # (subject, group) whose consumers get nothing for now (qmq.broker.controls)
         self.paused: frozenset[tuple[str, str]] = frozenset()
+        self.filters: dict[tuple[str, str], GroupFilter] = {}  # qmq.broker.controls
 
     def park(self, parked: ParkedPull, timeout_ms: int) -> None:
         self._by_subject.setdefault(parked.gp.subject, []).append(parked)

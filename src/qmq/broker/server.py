@@ -13,7 +13,7 @@ import logging
 
 from qmq.auth.http import basic_authorization
 from qmq.broker.backlog import unconsumed
-from qmq.broker.controls import ControlsPoller, Paused
+from qmq.broker.controls import ControlsPoller, Paused, filters_of
 from qmq.broker.handlers import Handlers
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPulls
@@ -113,7 +113,9 @@ class BrokerServer(FrameServer, GroupMember):
             self.register(self._heartbeat, on_answer=self._on_answer)
             secret = self.secret()
             authorization = basic_authorization(cfg.app_code, secret) if secret else None
-            self._controls = ControlsPoller(cfg.meta_server, self._apply_paused, authorization, self.tls_out)
+            self._controls = ControlsPoller(
+                cfg.meta_server, self._apply_paused, self._apply_filters, authorization, self.tls_out
+            )
             self._controls.start()
         elif self.role == "slave":
             raise StartupError("a slave needs --meta-server: the meta server names its master")
@@ -124,6 +126,10 @@ class BrokerServer(FrameServer, GroupMember):
         resumed = {subject for subject, _group in before - paused}
         if resumed:
             self.parked.notify(resumed)
+
+    def _apply_filters(self, rows: object) -> None:
+        """The meta server's group filters (qmq.broker.controls), compiled when new or changed."""
+        self.parked.filters = filters_of(rows, self.parked.filters)
 
     # -- roles in the group (docs/cluster.md) --------------------------------------------
 

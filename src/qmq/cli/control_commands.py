@@ -1,4 +1,4 @@
-"""``qmq group pause|resume|paused``: control-plane records of consumer groups, kept by the meta
+"""``qmq group pause|resume|paused|filter``: control-plane records of consumer groups, kept by the meta
 server (``/meta/controls``, qmq.meta.controls) and applied by every broker within a second.
 
 Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it).
@@ -22,7 +22,7 @@ from qmq.common.config import meta_base_url
 
 @cli.group("group")
 def group_cli() -> None:
-    """Consumer groups on every broker: list them with their consumers, pause and resume them."""
+    """Consumer groups on every broker: list them with their consumers, pause, resume and filter them."""
 
 
 def _set(subject: str, group: str, meta_server: str, action: str) -> dict[str, object]:
@@ -51,6 +51,26 @@ def group_resume(subject: str, group: str, meta_server: str) -> None:
     answer = _set(subject, group, meta_server, "resume")
     was = "" if answer.get("was") else " (it was not paused)"
     click.echo(f"resumed: {subject} for group {group}{was}; brokers deliver again within a second")
+
+
+@group_cli.command("filter")
+@click.argument("subject")
+@click.option("--group", "group", required=True, help="consumer group")
+@click.option("--expr", default=None, help='JMESPath over {properties, tags, body}, e.g. "body.amount > `100`"')
+@click.option("--clear", is_flag=True, help="remove the group's filter: it gets every message again")
+@meta_server_option
+def group_filter(subject: str, group: str, expr: str | None, clear: bool, meta_server: str) -> None:
+    """Deliver to GROUP only the messages of SUBJECT the expression matches; the others count as
+    consumed for GROUP on the brokers and never reach its consumers."""
+    if clear == (expr is not None):
+        raise CommandError("give either --expr 'EXPRESSION' or --clear")
+    body = {"subject": subject, "group": group, "expr": expr}
+    answer = meta_request("POST", f"{meta_base_url(meta_server)}/meta/controls/filter", body)
+    if clear:
+        was = "" if answer.get("was") else " (it had none)"
+        click.echo(f"filter cleared: {subject} for group {group}{was}; brokers deliver every message within a second")
+    else:
+        click.echo(f"filter set: {subject} for group {group}: {expr}; brokers apply it within a second")
 
 
 @group_cli.command("paused")

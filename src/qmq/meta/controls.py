@@ -1,8 +1,12 @@
 """Control-plane records of consumer groups, kept by the meta server in ``qmq_meta_group_controls``:
 
-    GET  /meta/controls                   what brokers apply: {"paused": [[subject, group], ...]}
+    GET  /meta/controls                   what brokers apply: {"paused": [[subject, group], ...],
+                                          "filters": [[subject, group, expr], ...]}
     POST /meta/controls/pause             {"subject", "group"}: the group's consumers get nothing
     POST /meta/controls/resume            {"subject", "group"}: they get messages again
+    POST /meta/controls/filter            {"subject", "group", "expr"}: the group gets only the
+                                          messages the JMESPath ``expr`` matches (null: all);
+                                          an invalid one is refused naming the position
 
 A paused group keeps its progress and every message; brokers ask every ``POLL_S`` of
 qmq.broker.controls (well under a second), so a pause or resume holds on every broker within a
@@ -20,6 +24,7 @@ import sqlalchemy as sa
 from aiohttp import web
 
 from qmq.common.errors import InvalidSubjectError
+from qmq.common.filter_expr import compile_filter
 from qmq.common.naming import check_name
 from qmq.meta.schema import GROUP_CHARS, SUBJECT_CHARS, metadata, name_type
 from qmq.meta.store import MetaStore, MetaStoreError
@@ -27,6 +32,7 @@ from qmq.meta.store import MetaStore, MetaStoreError
 CONTROLS_PATH: Final = "/meta/controls"
 PAUSE_PATH: Final = "/meta/controls/pause"
 RESUME_PATH: Final = "/meta/controls/resume"
+FILTER_PATH: Final = "/meta/controls/filter"
 CONTROLS_MAX: Final = 10_000
 
 controls_table = sa.Table(
@@ -35,6 +41,15 @@ controls_table = sa.Table(
     sa.Column("subject", name_type(SUBJECT_CHARS), primary_key=True),
     sa.Column("group_name", name_type(GROUP_CHARS), primary_key=True),
     sa.Column("paused", sa.Boolean, nullable=False),
+    sa.Column("updated_ms", sa.BigInteger, nullable=False),
+)
+
+filters_table = sa.Table(
+    "qmq_meta_group_filters",
+    metadata,
+    sa.Column("subject", name_type(SUBJECT_CHARS), primary_key=True),
+    sa.Column("group_name", name_type(GROUP_CHARS), primary_key=True),
+    sa.Column("expr", sa.Text, nullable=False),
     sa.Column("updated_ms", sa.BigInteger, nullable=False),
 )
 
@@ -79,18 +94,48 @@ class ControlsStore:
             ).all()
         return [(str(r.subject), str(r.group_name)) for r in rows]
 
+    def set_filter(self, subject: str, group: str, expr: str | None, now_ms: int) -> str | None:
+        """Set (``expr``) or clear (None) a group's filter; the expression it had before."""
+        t = filters_table
+        with self._store.transaction("set a group filter") as conn:
+            key = (t.c.subject == subject) & (t.c.group_name == group)
+            before = conn.scalar(sa.select(t.c.expr).where(key))
+            if expr is None:
+                conn.execute(sa.delete(t).where(key))
+            elif before is not None:
+                conn.execute(sa.update(t).where(key).values(expr=expr, updated_ms=now_ms))
+            else:
+                count = int(conn.scalar(sa.select(sa.func.count()).select_from(t)) or 0)
+                if count >= CONTROLS_MAX:
+                    raise ControlsFullError(
+                        f"the meta server keeps at most {CONTROLS_MAX} group filters; clear one first"
+                    )
+                conn.execute(sa.insert(t).values(subject=subject, group_name=group, expr=expr, updated_ms=now_ms))
+            return None if before is None else str(before)
+
+    def filters(self) -> list[tuple[str, str, str]]:
+        t = filters_table
+        with self._store.transaction("read the group filters") as conn:
+            rows = conn.execute(
+                sa.select(t.c.subject, t.c.group_name, t.c.expr)
+                .order_by(t.c.subject, t.c.group_name)
+                .limit(CONTROLS_MAX)
+            ).all()
+        return [(str(r.subject), str(r.group_name), str(r.expr)) for r in rows]
+
 
 class ControlError(ValueError):
     """A field of a control request is wrong; the text names it."""
 
 
-def parse_group(doc: object) -> tuple[str, str]:
+def parse_group(doc: object, extra: frozenset[str] = frozenset()) -> tuple[str, str]:
     """(subject, group) of a pause/resume body; ControlError naming the field at fault."""
     if not isinstance(doc, dict):
         raise ControlError('the body must be a JSON object {"subject": ..., "group": ...}')
-    unknown = sorted(set(doc) - {"subject", "group"})
+    unknown = sorted(set(doc) - {"subject", "group", *extra})
     if unknown:
-        raise ControlError(f"unknown field(s) {', '.join(unknown)}; known: subject, group")
+        known = ", ".join(["subject", "group", *sorted(extra)])
+        raise ControlError(f"unknown field(s) {', '.join(unknown)}; known: {known}")
     try:
         subject = check_name("subject", doc.get("subject"))
         group = check_name("consumer group", doc.get("group"))
@@ -113,10 +158,12 @@ class ControlsApi:
         app.router.add_get(CONTROLS_PATH, self._list)
         app.router.add_post(PAUSE_PATH, self._pause)
         app.router.add_post(RESUME_PATH, self._resume)
+        app.router.add_post(FILTER_PATH, self._filter)
 
     async def _list(self, _request: web.Request) -> web.Response:
         paused = await self._call(lambda: self._store().paused())
-        return web.json_response({"paused": [list(p) for p in paused]})
+        filters = await self._call(lambda: self._store().filters())
+        return web.json_response({"paused": [list(p) for p in paused], "filters": [list(f) for f in filters]})
 
     async def _pause(self, request: web.Request) -> web.Response:
         return await self._set(request, paused=True)
@@ -134,3 +181,18 @@ class ControlsApi:
         except ControlsFullError as exc:
             return web.json_response({"error": str(exc)}, status=409)
         return web.json_response({"ok": True, "subject": subject, "group": group, "paused": paused, "was": before})
+
+    async def _filter(self, request: web.Request) -> web.Response:
+        try:
+            doc = json.loads(await request.read())
+            subject, group = parse_group(doc, frozenset({"expr"}))
+            expr = doc.get("expr")
+            if expr is not None:
+                compile_filter(expr)  # refused here, with the position, rather than skipped by brokers
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            return web.json_response({"error": f"{exc}"}, status=400)
+        try:
+            before = await self._call(lambda: self._store().set_filter(subject, group, expr, self._now_ms()))
+        except ControlsFullError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        return web.json_response({"ok": True, "subject": subject, "group": group, "expr": expr, "was": before})

@@ -59,7 +59,7 @@ from qmq.store.recovery import RecoveryReport, StoreParts, empty_parts, recover
 from qmq.store.redelivery import RedeliveryProblems
 from qmq.store.segments import FlushTicket
 from qmq.store.subjects import SubjectState
-from qmq.store.tags import TagFilter
+from qmq.store.tags import RecordFilter
 from qmq.store.take import PullResult, Pulls
 
 __all__ = ["AppendResult", "BrokerStore", "PullResult", "SubjectState"]
@@ -381,7 +381,7 @@ class BrokerStore:
         cp: ConsumerProgress,
         session: str,
         max_n: int,
-        tag_filter: TagFilter | None = None,
+        tag_filter: RecordFilter | None = None,
     ) -> PullResult | None:
         """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
         st = self._subjects.get(gp.subject)

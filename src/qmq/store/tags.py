@@ -8,11 +8,21 @@ tags matches every message and needs no filter.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from qmq.protocol.message import HEADER, HEADER_BYTES
 from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.store.consume_log import tag_bits
 
 TAG_TYPES = ("or", "and")
+
+
+class RecordFilter(Protocol):
+    """What the store's scan asks of a filter: a tag filter, or a group's (qmq.store.group_filter)."""
+
+    def maybe(self, bloom: int) -> bool: ...
+
+    def matches_record(self, record: bytes | memoryview, pos: int = 0) -> bool: ...
 
 
 class TagFilter:

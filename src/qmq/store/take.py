@@ -43,7 +43,7 @@ from qmq.store.message_log import RECORD_HEADER_DTYPE, Checked, MessageLog
 from qmq.store.ordered_take import OrderedDispatch
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.subjects import SubjectState
-from qmq.store.tags import TagFilter
+from qmq.store.tags import RecordFilter
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -107,7 +107,7 @@ class Pulls:
         cp: ConsumerProgress,
         session: str,
         max_n: int,
-        tag_filter: TagFilter | None,
+        tag_filter: RecordFilter | None,
         now_ms: int = 0,
     ) -> PullResult | None:
         """Hand ``cp`` up to ``max_n`` messages of ``st``, the subject ``gp`` consumes (None
@@ -148,7 +148,7 @@ class Pulls:
         gp: GroupProgress,
         cp: ConsumerProgress,
         max_n: int,
-        tag_filter: TagFilter | None,
+        tag_filter: RecordFilter | None,
         now_ms: int,
     ) -> PullResult | None:
         if gp.ordered:
@@ -212,7 +212,7 @@ class Pulls:
         self._damage(st, seq, "its record and its consume-log entry disagree, also after a repair")
 
     def _take(
-        self, st: SubjectState, gp: GroupProgress, cp: ConsumerProgress, max_n: int, tag_filter: TagFilter | None
+        self, st: SubjectState, gp: GroupProgress, cp: ConsumerProgress, max_n: int, tag_filter: RecordFilter | None
     ) -> PullResult | None:
         out = PullResult([], [], 0, 0)
         for poff, seq, k in Progress.take_redelivery(cp, max_n):
@@ -316,7 +316,7 @@ class Pulls:
         st: SubjectState,
         left: int,
         budget: int,
-        tag_filter: TagFilter,
+        tag_filter: RecordFilter,
         out: PullResult,
     ) -> PullResult:
         """Scan from the group's pull offset for messages ``tag_filter`` matches."""

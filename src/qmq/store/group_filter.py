@@ -1,0 +1,129 @@
+"""A consumer group's server-side filter (qmq.common.filter_expr) in the shape of a tag filter
+(qmq.store.tags), so the store's scan for tags serves it: a message it does not match is passed
+over, the group's pull offset moves past it, it counts as consumed for that group and never
+crosses the wire.
+
+A message the expression cannot be evaluated over (a body that is not JSON or larger than
+``BODY_BYTES_MAX``, an evaluation error) does not match either, and is kept (at most
+``UNEVALUABLE_KEPT_MAX`` waiting) for ``dead_letter_unevaluable``, which the broker's pull
+handler calls after the pull: it goes to the group's dead letters with the reason in the
+property ``qmq.error``. Beyond that bound it is only counted and logged. (A broker that stops
+between the pull and the dead-lettering loses those letters; the messages still count as
+consumed for the group.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Final
+
+from jmespath.exceptions import JMESPathError
+
+from qmq.common.filter_expr import compile_filter, truthy
+from qmq.common.naming import dead_subject
+from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.message import (
+    HEADER,
+    TIMES_MAX,
+    decode_message,
+    decode_properties,
+    encode_properties,
+    scan_batch,
+    with_times,
+)
+from qmq.protocol.record import RECORD_HEADER_BYTES
+from qmq.store.dead_letters import ERROR_PROPERTY
+from qmq.store.intake import Appending
+from qmq.store.tags import RecordFilter
+
+log = logging.getLogger(__name__)
+
+BODY_BYTES_MAX: Final = 256 * 1024  # a body the filter parses as JSON: bounds its cost
+UNEVALUABLE_KEPT_MAX: Final = 100  # messages waiting for the dead letters, per group
+
+
+class GroupFilter:
+    """``expr`` compiled once; ``also`` a tag filter the message must pass as well."""
+
+    __slots__ = ("_compiled", "_needs_body", "also", "expr", "unevaluable", "waiting")
+
+    def __init__(self, expr: str, also: RecordFilter | None = None) -> None:
+        self.expr = expr
+        self._compiled: Any = compile_filter(expr)
+        self._needs_body = "body" in expr  # a filter over properties and tags never parses bodies
+        self.also = also
+        self.unevaluable = 0
+        self.waiting: list[tuple[bytes, str]] = []  # (message, reason), shared with with_tags' copies
+
+    def with_tags(self, tags: RecordFilter | None) -> GroupFilter:
+        if tags is None:
+            return self
+        out = GroupFilter.__new__(GroupFilter)
+        out.expr, out._compiled, out._needs_body, out.also, out.unevaluable, out.waiting = (
+            self.expr,
+            self._compiled,
+            self._needs_body,
+            tags,
+            0,
+            self.waiting,
+        )
+        return out
+
+    def maybe(self, bloom: int) -> bool:
+        return self.also is None or self.also.maybe(bloom)
+
+    def matches_record(self, record: bytes | memoryview, pos: int = 0) -> bool:
+        if self.also is not None and not self.also.matches_record(record, pos):
+            return False
+        try:
+            m = decode_message(bytes(record), pos + RECORD_HEADER_BYTES)
+            body: object = None
+            if self._needs_body:
+                if len(m.body) > BODY_BYTES_MAX:
+                    raise ValueError(f"its body has {len(m.body)} bytes; a filter parses at most {BODY_BYTES_MAX}")
+                body = json.loads(m.body)
+            doc = {"properties": decode_properties(m.properties_raw), "tags": m.tags, "body": body}
+            return truthy(self._compiled.search(doc))
+        except (RemoteProtocolError, ValueError, JMESPathError, RecursionError, TypeError) as exc:
+            self.unevaluable += 1
+            if len(self.waiting) < UNEVALUABLE_KEPT_MAX:
+                message = bytes(record[pos + RECORD_HEADER_BYTES :])
+                self.waiting.append((message, f"the group's filter {self.expr!r} cannot evaluate it: {exc}"))
+            if self.unevaluable == 1 or self.unevaluable % 1000 == 0:
+                log.warning(
+                    "filter %r cannot evaluate a message (%d so far), passed over: %s", self.expr, self.unevaluable, exc
+                )
+            return False
+
+
+def dead_letter_unevaluable(store: Appending, subject: str, group: str, gf: GroupFilter) -> int:
+    """Put the messages ``gf`` could not evaluate in ``group``'s dead letters of ``subject``, each
+    with its reason; one that cannot be made a letter is logged and skipped. How many went."""
+    if not gf.waiting:
+        return 0
+    waiting, gf.waiting[:] = list(gf.waiting), []
+    dead_raw = dead_subject(subject, group).encode()
+    letters: list[bytes] = []
+    for message, reason in waiting:
+        try:
+            fields = HEADER.unpack_from(message, 0)
+            props = decode_properties(decode_message(message).properties_raw)
+            props[ERROR_PROPERTY] = reason[:1000]
+            letter = with_times(
+                message, min(fields[8], TIMES_MAX), subject=dead_raw, properties=encode_properties(props)
+            )
+            scan_batch(letter)
+            letters.append(letter)
+        except Exception as exc:  # one bad message never stops the others
+            log.error(
+                "a message group %r of %r filtered out cannot be dead-lettered (%s): skipped", group, subject, exc
+            )
+    if letters:
+        body = b"".join(letters)
+        result = store.append(body, scan_batch(body))
+        if result.errors:
+            log.error(
+                "dead-lettering what the filter of %r of %r cannot evaluate: %s", group, subject, result.errors[:3]
+            )
+    return len(letters)
