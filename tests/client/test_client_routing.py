@@ -11,6 +11,7 @@ import pytest
 
 from qmq import SendError
 from qmq.client.accumulator import Accumulator, Entry, RouteKey
+from qmq.client.message import Message
 from qmq.client.routing import Router
 from qmq.common.limits import HOLD_UNTIL_DUE_MS
 
@@ -81,6 +82,14 @@ def _parts() -> tuple[Router, _Meta, Accumulator, _Sender]:
 
 def _entry(mid: str) -> Entry:
     return (b"x" * 10, asyncio.get_running_loop().create_future(), mid, 0.0, 0)
+
+
+def _message_entry(key: str | None) -> Entry:
+    """A real encoded message of subject "s", with order key ``key`` (None: without one)."""
+    m = Message("s", body="x")
+    if key is not None:
+        m.set_order_key(key)
+    return (m.encode(), asyncio.get_running_loop().create_future(), m.message_id, 0.0, 0)
 
 
 def _queued(acc: Accumulator, group: str) -> list[str]:
@@ -190,3 +199,29 @@ async def test_close_stops_the_lookups_and_leaves_the_held_messages() -> None:
     await router.close()
     assert meta.lookups["s"].cancelled()
     assert len(acc.take_all()) == 1
+
+
+async def test_a_frame_with_an_ordered_message_never_fails_over_to_another_group() -> None:
+    # a strict key's messages wait for their slot's group (a master killed, its slave promoted):
+    # stored by another group, the key's later messages were consumed before its earlier ones
+    router, meta, _, _ = _parts()
+    meta.routes["s"] = ("b1", "b2")
+    plain = [_message_entry(None) for _ in range(3)]
+    assert router.widen("b1", plain) == ("b1", "b2")
+    assert router.widen("b1", [*plain, _message_entry("order-7")]) == ("b1",)
+    assert router.widen("b1", [_message_entry("order-7")]) == ("b1",)
+
+
+async def test_ordered_messages_queued_for_a_group_gone_stay_queued_for_it() -> None:
+    router, meta, acc, sender = _parts()
+    meta.routes["s"] = ("b1", "b2")
+    for _ in range(40):  # some message ids pick b1: queued there alone
+        router.enqueue("s", 0, _message_entry(None))
+    ordered = _message_entry("order-7")
+    sender.submit(("b1",), ordered)  # as client/ordering.py queues a key's message for its slot's group
+    meta.routes["s"] = ("b2",)  # b1's master killed: the meta server leaves it out until its slave is promoted
+    router.on_meta_change()
+    assert _queued(acc, "b1") == [ordered[2]]  # waits for b1
+    on_b2 = _queued(acc, "b2")
+    assert len(on_b2) == 40  # the plain ones, b1's among them, went to b2
+    assert ordered[2] not in on_b2

@@ -24,14 +24,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.xfail(
-    reason="passed at 1,000 and 10,000 keys before main was merged in at 19:52 UTC on 2026-11-24, fails "
-    "since, on main too: after b1's failover a key's first half (sent before the kill, held unacknowledged "
-    "by one consumer) and its second half (sent after) went to two consumers at once, so the second half "
-    "ran first (k2: 10-18 on c2, then 0-9 on c3). Suspect: the promoted slave's slot owners, rebuilt from "
-    "pull logs, do not see that consumer's unacknowledged messages of the slot",
-    strict=False,
-)
 def test_ordered_consumer_processes_killed_and_added_across_a_master_failover(tmp_path: Path) -> None:
     subject, group = "failover.proof", "billing"
     args = ["--broker-groups", "2", "--slaves", "1", "--delay-groups", "0"]

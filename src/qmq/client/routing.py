@@ -31,7 +31,7 @@ from typing import Protocol
 
 from qmq.client.accumulator import ENCODED, MESSAGE_ID, Accumulator, Entry, RouteKey
 from qmq.common.limits import HOLD_UNTIL_DUE_MS
-from qmq.protocol.message import HEADER, HEADER_BYTES
+from qmq.protocol.message import HEADER, HEADER_BYTES, order_slot_field
 
 
 def is_delayed(deliver_at_ms: int) -> bool:
@@ -102,7 +102,13 @@ class Router:
 
     def widen(self, group: str, entries: list[Entry]) -> RouteKey:
         """The groups the messages of a frame sent to ``group`` alone may fail over to: those of
-        every message's route that take sends (``group`` itself when they share none)."""
+        every message's route that take sends (``group`` itself when they share none).
+
+        A frame holding a message with an order key stays on ``group``: its key's slot lives
+        there (client/ordering.py), and stored elsewhere it could be consumed before the key's
+        earlier messages (a strict key waits for its group, as across a master's failover)."""
+        if any(is_ordered(e) for e in entries):
+            return (group,)
         common: RouteKey | None = None
         for subject in {subject_of(e[ENCODED]) for e in entries}:
             route = self._meta.send_route(subject) or ()
@@ -110,7 +116,10 @@ class Router:
         return common or (group,)
 
     def _rerouted(self, single: RouteKey, entry: Entry) -> RouteKey:
-        """Where a message queued for the group of ``single``, no longer available, goes now."""
+        """Where a message queued for the group of ``single``, no longer available, goes now
+        (a message with an order key nowhere else: it waits there, see ``widen``)."""
+        if is_ordered(entry):
+            return single
         subject = subject_of(entry[ENCODED])
         key = self._meta.send_route(subject)
         if not key:
@@ -208,6 +217,11 @@ def pick_group(route: tuple[str, ...], message_id: str) -> str:
     removing a group moves only the messages that pick it)."""
     ident = message_id.encode("utf-8", "surrogatepass")
     return max(route, key=lambda group: (zlib.crc32(ident, zlib.crc32(group.encode())), group))
+
+
+def is_ordered(entry: Entry) -> bool:
+    """Whether ``entry`` is a message with an order key (placed by its slot, not its id)."""
+    return order_slot_field(entry[ENCODED]) != 0
 
 
 def subject_of(encoded: bytes) -> str:
