@@ -11,24 +11,19 @@ that passed it; not to ordered groups, which take by slot and never scan).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from ssl import SSLContext
 from typing import Any
 
-import aiohttp
-
-from qmq.common.config import meta_base_url
 from qmq.common.filter_expr import FilterExprError
 from qmq.common.naming import retry_subject
+from qmq.serving.meta_poll import MetaPoller
 from qmq.store.group_filter import GroupFilter
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.4  # a resume holds within a second
-_REQUEST_TIMEOUT_S = 5.0
 _PAUSED_MAX = 10_000
 
 Paused = frozenset[tuple[str, str]]
@@ -72,7 +67,7 @@ def filters_of(rows: object, before: Filters) -> Filters:
     return out
 
 
-class ControlsPoller:
+class ControlsPoller(MetaPoller):
     def __init__(
         self,
         meta_server: str,
@@ -81,41 +76,8 @@ class ControlsPoller:
         authorization: str | None,
         ssl: SSLContext | None,
     ) -> None:
-        self.url = f"{meta_base_url(meta_server)}/meta/controls"
-        self._on_paused = on_paused
-        self._on_filters = on_filters
-        self._headers = {"Authorization": authorization} if authorization else {}
-        self._ssl = ssl
-        self._task: asyncio.Task[None] | None = None
+        def on_doc(doc: dict[str, Any]) -> None:
+            on_paused(paused_of(doc.get("paused")))
+            on_filters(doc.get("filters", []))
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
-        async with aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S), headers=self._headers, connector=connector
-        ) as session:
-            failures = 0
-            while True:
-                try:
-                    async with session.get(self.url) as resp:
-                        doc: Any = await resp.json(content_type=None)
-                        if resp.status != 200 or not isinstance(doc, dict):
-                            raise RuntimeError(f"HTTP {resp.status}: {doc}")
-                    self._on_paused(paused_of(doc.get("paused")))
-                    self._on_filters(doc.get("filters", []))
-                    failures = 0
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # the meta server may be down: keep the last records, ask again
-                    failures += 1
-                    if failures == 1 or failures % 100 == 0:
-                        log.warning("cannot read the group controls at %s (%d time(s)): %s", self.url, failures, exc)
-                await asyncio.sleep(POLL_S)  # the poll period
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        super().__init__(meta_server, "/meta/controls", "the group controls", on_doc, authorization, ssl, POLL_S)

@@ -5,22 +5,18 @@ page at a time (``listings.py``)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import operator
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from qmq.broker.listings import dead_letters_page, lag_page, subjects_page
+from qmq.broker.admin_handlers import AdminHandlers
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
 from qmq.broker.settle import HOLD_MS_MAX, HeldPositions, give_back, normalized, retry_of, settled_positions
-from qmq.broker.trace import trace_message
 from qmq.common.config import BrokerConfig
-from qmq.common.naming import retry_subject
 from qmq.protocol.answers import encode_answer
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.frame import Frame
@@ -45,13 +41,12 @@ from qmq.store import fileio
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
 from qmq.store.group_filter import dead_letter_unevaluable
 from qmq.store.progress import ConsumerProgress, GroupProgress
-from qmq.store.redelivery import DEFAULT_MAX_RETRIES, purge_dead, resend_dead
+from qmq.store.redelivery import DEFAULT_MAX_RETRIES
 from qmq.store.tags import RecordFilter, TagFilter
 
 log = logging.getLogger(__name__)
 
 _ID_CHARS_MAX = 200
-_TRACE_ID_CHARS_MAX = 255  # a message id's most, as the SDK encodes it
 # ScannedMessage is a NamedTuple: reading the field by index halves the cost of the scan per frame
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
@@ -112,21 +107,22 @@ class Handlers(RoleHandlers):
         self.broker, self.store, self.metrics = broker, broker.store, broker.metrics
         self._tag_filters: dict[tuple[tuple[str, ...], str], TagFilter] = {}
         self.held_positions = HeldPositions(broker, self._after_give_back)
+        admin = AdminHandlers(broker)
         table: dict[int, Handler] = {
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
             RequestCode.ACK: self.ack,
             RequestCode.ACK_MANY: self.ack_many,
             RequestCode.SETTLE: self.settle,
-            RequestCode.SUBJECTS: self.subjects,
-            RequestCode.LAG: self.lag,
-            RequestCode.RESET_OFFSET: self.reset_offset,
-            RequestCode.DEAD_LETTERS: self.dead_letters,
-            RequestCode.RESEND_DEAD: self.resend_dead,
-            RequestCode.PURGE_DEAD: self.purge_dead,
+            RequestCode.SUBJECTS: admin.subjects,
+            RequestCode.LAG: admin.lag,
+            RequestCode.RESET_OFFSET: admin.reset_offset,
+            RequestCode.DEAD_LETTERS: admin.dead_letters,
+            RequestCode.RESEND_DEAD: admin.resend_dead,
+            RequestCode.PURGE_DEAD: admin.purge_dead,
             RequestCode.READ: self.read,
             RequestCode.REPLICATE: self.replicate,
-            RequestCode.TRACE: self.trace,
+            RequestCode.TRACE: admin.trace,
         }
         for code in _MASTER_ONLY:
             table[code] = self._master_only(table[code])
@@ -530,84 +526,6 @@ class Handlers(RoleHandlers):
             self.broker.flusher.after_write(self.store.mlog.end, lambda _error: None)
         else:
             self.broker.parked.notify(subjects)
-
-    def subjects(self, conn: Responder, frame: Frame) -> None:
-        conn.respond(frame.code, frame.request_id, None, (subjects_page(self.store, frame.header),))
-
-    def lag(self, conn: Responder, frame: Frame) -> None:
-        now_ms = self.broker.clock.now_ms()
-        page = lag_page(self.store, frame.header, now_ms, self.broker.config.consumer_offline_ms)
-        conn.respond(frame.code, frame.request_id, None, (page,))
-
-    # -- group administration ----------------------------------------------------------
-
-    def reset_offset(self, conn: Responder, frame: Frame) -> None:
-        header = frame.header
-        subject = get_subject(header)
-        group = get_group(header)
-        to = header.get("to")
-        if to not in ("earliest", "latest") and (not isinstance(to, int) or isinstance(to, bool) or to < 0):
-            raise BadRequest(f"'to' = {to!r}: use 'earliest', 'latest' or a time in epoch milliseconds")
-        gp = self.store.group(subject, group, "latest")
-        before = gp.pull_offset
-        seq = self.store.reset(gp, to)
-        log.info("group %r of %r reset from %d to %d (%s)", group, subject, before, seq, to)
-        conn.respond(frame.code, frame.request_id, {"pull_offset": seq, "before": before})
-
-    def _dead_args(self, frame: Frame) -> tuple[str, str, str | None]:
-        header = frame.header
-        subject = get_subject(header)
-        group = get_group(header)
-        message_id = header.get("message_id")
-        if message_id is not None and not isinstance(message_id, str):
-            raise BadRequest(f"'message_id' must be a string, got {type(message_id).__name__}")
-        if message_id is None and not get_bool(header, "all"):
-            raise BadRequest("name one dead letter with 'message_id', or pass 'all': true")
-        return subject, group, message_id
-
-    def dead_letters(self, conn: Responder, frame: Frame) -> None:
-        conn.respond(frame.code, frame.request_id, None, (dead_letters_page(self.store, frame.header),))
-
-    def resend_dead(self, conn: Responder, frame: Frame) -> None:
-        subject, group, message_id = self._dead_args(frame)
-        resent = resend_dead(self.store, subject, group, message_id)
-        log.info("resent %d dead letter(s) of %r / %r", resent, subject, group)
-        code, request_id = frame.code, frame.request_id
-
-        def durable(error: str | None) -> None:
-            if error is None:
-                conn.respond(code, request_id, {"resent": resent})
-            else:
-                conn.respond(code, request_id, {"error": error}, status=Status.INTERNAL_ERROR)
-
-        if resent and self.store.sync_policy:
-            self.broker.flusher.after_write(self.store.mlog.end, guarded(conn, code, request_id, durable))
-        else:
-            durable(None)
-            if resent:
-                self.broker.parked.notify({retry_subject(subject, group)})
-
-    def trace(self, conn: Responder, frame: Frame) -> None:
-        """What the files tell of one message id, read on a thread (qmq.broker.trace)."""
-        message_id = frame.header.get("message_id")
-        if not isinstance(message_id, str) or not 0 < len(message_id) <= _TRACE_ID_CHARS_MAX:
-            raise BadRequest(f"'message_id' must be a message id (1 to {_TRACE_ID_CHARS_MAX} characters)")
-        code, request_id = frame.code, frame.request_id
-        done = asyncio.get_running_loop().run_in_executor(
-            None, trace_message, Path(self.broker.config.data_dir), message_id
-        )
-
-        def answer(fut: asyncio.Future[dict[str, Any]]) -> None:
-            if not fut.cancelled():  # a trace that failed raises here: guarded answers its error
-                conn.respond(code, request_id, None, (encode_answer(fut.result()),))
-
-        done.add_done_callback(guarded(conn, code, request_id, answer))
-
-    def purge_dead(self, conn: Responder, frame: Frame) -> None:
-        subject, group, message_id = self._dead_args(frame)
-        purged = purge_dead(self.store, subject, group, message_id)
-        log.info("purged %d dead letter(s) of %r / %r", purged, subject, group)
-        conn.respond(frame.code, frame.request_id, {"purged": purged})
 
     def read(self, conn: Responder, frame: Frame) -> None:
         header = frame.header

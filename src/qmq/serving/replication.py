@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -452,7 +453,7 @@ def write_epoch(directory: Path, epoch: int, role: str) -> None:
     fileio.replace_file(directory / EPOCH_FILE, json.dumps({"epoch": epoch, "role": role}).encode())
 
 
-class GroupMember:
+class GroupMember(ABC):
     """What a server of a group with slaves (a broker, a delay server) does with the meta
     server's orders, shared: its role and epoch (kept in the epoch file of its data directory),
     and turning a heartbeat answer into a promotion, a newer epoch or following a master.
@@ -518,11 +519,14 @@ class GroupMember:
             self.source.check()
 
     @property
+    @abstractmethod
     def address(self) -> str:
-        raise NotImplementedError
+        """The address this server advertises (its frame server's)."""
 
+    @abstractmethod
     async def _promote(self, epoch: int) -> None:
-        raise NotImplementedError
+        """Become the group's master in ``epoch``: what that means for this role's store."""
 
+    @abstractmethod
     async def _follow(self, master: str, epoch: int, truncate: dict[str, Any] | None) -> None:
-        raise NotImplementedError
+        """Follow ``master`` in ``epoch``, first cutting what ``truncate`` names."""
