@@ -22,6 +22,7 @@ from qmq.client.connection import Connection
 from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import encode_message, encode_properties
+from qmq.spark.access import Access
 from qmq.spark.archive import ArchiveState, _remote_dead, _remote_lag
 from qmq.spark.offsets import parse_options
 from qmq.spark.sources import broker_groups, fetch_bounds
@@ -87,7 +88,7 @@ def lists(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lists]:
             [name("consumer", i, 60) for i in range(CONSUMERS)],
             name("long", 2, 100),
         )
-        [address] = asyncio.run(broker_groups(proc.meta_server)).values()
+        [address] = asyncio.run(broker_groups(proc.meta_server, Access())).values()
         asyncio.run(_fill(address, made))
         yield made
 
@@ -129,8 +130,9 @@ def test_the_spark_reader_and_the_archives_broker_requests_see_everything(spark:
     assert {s for _g, s in bounds.bounds} >= set(lists.subjects)
     df = spark.read.format("qmq").option("meta_server", lists.meta_server).option("subscribe", lists.subjects[4])
     assert [r.message_id for r in df.load().collect()] == ["m4"]
-    lag = asyncio.run(_remote_lag(lists.meta_server, 0))
+    options = parse_options({"meta_server": lists.meta_server, "subscribePattern": ".*"}, streaming=False)
+    lag = asyncio.run(_remote_lag(options, 0))
     assert sorted(r["consumer_group"] for r in lag if r["subject"] == lists.subjects[0]) == lists.groups
-    dead = asyncio.run(_remote_dead(lists.meta_server, ArchiveState()))
+    dead = asyncio.run(_remote_dead(options, ArchiveState()))
     assert len(dead) == LETTERS
     assert {r["error"] for r in dead} == {ERROR}
