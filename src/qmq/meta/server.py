@@ -127,6 +127,13 @@ def _error(status: int, text: str, field: str | None = None) -> web.Response:
     return web.json_response(body, status=status)
 
 
+def _running(part: T | None) -> T:
+    """A part of the meta server that exists while it runs (its stores, its lease)."""
+    if part is None:
+        raise MetaStoreError("the meta server is stopped")
+    return part
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
@@ -304,44 +311,28 @@ class MetaServer:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _registry_now(self) -> Registry:
-        if self._registry is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._registry
+        return _running(self._registry)
 
     def _limits_now(self) -> LimitsStore:
-        if self._limits is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._limits
+        return _running(self._limits)
 
     def _controls_now(self) -> ControlsStore:
-        if self._controls is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._controls
+        return _running(self._controls)
 
     def _subjects_now(self) -> SubjectsStore:
-        if self._subjects is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._subjects
+        return _running(self._subjects)
 
     def _operations_now(self) -> Operations:
-        if self._operations is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._operations
+        return _running(self._operations)
 
     def _push_now(self) -> PushStore:
-        if self._push is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._push
+        return _running(self._push)
 
     def _alarms_now(self) -> AlarmStore:
-        if self._alarms is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._alarms
+        return _running(self._alarms)
 
     def _lease_now(self) -> LeaderLease:
-        if self._lease is None:
-            raise MetaStoreError("the meta server is stopped")
-        return self._lease
+        return _running(self._lease)
 
     async def tick(self) -> list[Promotion]:
         """Take or renew the leader lease; leading with auto_promote on, promote where due."""
