@@ -49,3 +49,27 @@ async def test_after_a_failed_fsync_sends_are_refused_and_health_says_restart(br
     assert broker.write_state() == "failed"
     assert broker._heartbeat()["write_state"] == "failed"
     assert b"\nqmq_store_failed 1.0\n" in broker.metrics.render()
+
+
+async def test_after_a_failed_fsync_pulls_and_acks_are_refused_busy_so_consumers_keep_their_acks(
+    broker: BrokerServer,
+) -> None:
+    # refused before anything is written: retriable, so the consumer SDK keeps the acks for the
+    # group's next master (its slave, which has the pulls they name) instead of dropping them
+    # (fault campaign, failing disk: dropped acks were recorded as answered, then came again)
+    assert _send(broker, "m1")[1] == Status.OK
+    pull = {"subject": "s", "group": "g", "consumer_id": "c", "session": "s1", "max": 10, "start": "earliest"}
+    conn = RecordingResponder()
+    broker.dispatch(conn, Frame(RequestCode.PULL, 2, pull))
+    broker.store._flush_failed(OSError(errno.EIO, "Input/output error"))
+    for code, header in (
+        (RequestCode.ACK, {"subject": "s", "group": "g", "consumer_id": "c", "ranges": [[0, 1]]}),
+        (RequestCode.ACK_MANY, {"consumer_id": "c", "acks": [{"subject": "s", "group": "g", "ranges": [[0, 1]]}]}),
+        (RequestCode.PULL, {**pull, "ack": [[0, 1]]}),
+    ):
+        conn = RecordingResponder()
+        broker.dispatch(conn, Frame(code, 3, header))
+        [(_code, _id, answer, status)] = conn.answers
+        assert status == Status.BUSY, (code, answer)
+        assert "stopped taking writes" in str(answer)
+        assert "ask again" in str(answer)

@@ -49,15 +49,16 @@ def _plan(path: Path, *rules: Mapping[str, Any]) -> dict[str, str]:
 def _ids(client: RawClient, subject: str) -> list[str]:
     """Every message id of ``subject``, read from the start by a new group."""
     out: list[str] = []
+    ack: list[list[int]] | None = None
     while True:
-        got = client.pull(subject, "reader", max_n=1000)
+        # each pull acknowledges what the one before handed out, and may hand out more itself
+        got = client.pull(subject, "reader", max_n=1000, **({"ack": ack} if ack else {}))
         assert got.status == Status.OK, got.header
         records = split_records(got.body)
         if not records:
             return out
         out += [decode_message(m).message_id for _seq, m in records]
-        runs = got.header["runs"]
-        client.pull(subject, "reader", max_n=1, ack=[[r[0], r[0] + r[1]] for r in runs])
+        ack = [[r[0], r[0] + r[1]] for r in got.header["runs"]]
 
 
 def test_a_failed_fsync_stops_writes_until_a_restart_and_loses_nothing_acknowledged(tmp_path: Path) -> None:
@@ -86,6 +87,43 @@ def test_a_failed_fsync_stops_writes_until_a_restart_and_loses_nothing_acknowled
         assert client.send(message("s", "after")).status == Status.OK
     assert ids[: len(acked)] == acked
     assert len(ids) <= len(acked) + 1  # at most the one whose fsync failed besides
+
+
+def test_on_a_slow_disk_every_copy_of_a_held_message_becomes_visible(tmp_path: Path) -> None:
+    """Two messages held by one send (as a delay server hands them over), every fsync of the
+    message log taking 400 ms: A falls due while the send's fsync runs, so its copy waits for
+    the next one, which begins once the send's returns; B falls due during that one, its held
+    record durable but its copy behind A's. Found by bench/delay_failover.py: B's copy then
+    waited for a flush nobody asked for, and with no later send it was never pulled."""
+    env = _plan(tmp_path / "plan.json", {"op": "fsync", "path": "log/*.log", "delay_ms": 400})
+    with _broker(tmp_path / "data", env) as (_proc, client):
+        now = int(time.time() * 1000)
+        sent = client.send(message("held", "a", deliver_at_ms=now + 150), message("held", "b", deliver_at_ms=now + 550))
+        assert sent.status == Status.OK, sent.header
+        got: list[str] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += _ids(client, "held")
+            time.sleep(0.05)  # polling pulls, bounded by the deadline
+        assert got == ["a", "b"], f"pulled {got} within 10 s of both falling due"
+
+
+def test_a_failed_write_is_undone_and_refused_busy_so_the_send_goes_again(tmp_path: Path) -> None:
+    # found by the fault campaign: a delay server handing over a due message met an append that
+    # failed EIO, was answered INTERNAL_ERROR, took it for "refused for good" and dropped it
+    data = tmp_path / "data"
+    env = _plan(tmp_path / "plan.json", {"op": "write", "path": "log/*.log", "after": 3, "errno": "EIO"})
+    with _broker(data, env) as (proc, client):
+        answers = [client.send(message("s", f"m{n}")) for n in range(6)]
+        acked = [f"m{n}" for n, a in enumerate(answers) if a.status == Status.OK]
+        assert 1 <= len(acked) < 6
+        refused = answers[len(acked)]
+        assert refused.status == Status.BUSY, refused.header  # retriable: nothing of it was kept
+        assert "outcome" not in refused.header
+        assert all(a.status == Status.BUSY for a in answers[len(acked) :])
+        assert proc.stop() == EXIT_STOP_FAILED
+    with _broker(data) as (_proc, client):
+        assert _ids(client, "s") == acked  # the failed write left nothing behind
 
 
 def test_a_full_disk_met_by_a_write_is_refused_and_passes_without_a_restart(tmp_path: Path) -> None:

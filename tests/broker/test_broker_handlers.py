@@ -46,6 +46,7 @@ class Context:
     stopping: bool = False
     draining: bool = False
     replicator: Replicator | None = None
+    tracing: None = None
     release: Release = field(init=False)
 
 
@@ -334,3 +335,29 @@ async def test_requesters_the_meta_server_never_named_take_a_quarter_of_the_long
     source.request(slave, RequestCode.REPLICATE, 99, dict(ask), "s:1")
     assert slave.answers == []  # the group's slave still waits for the log to grow
     source.fail_all("stopping")
+
+
+def test_a_write_that_comes_to_wait_after_the_master_was_demoted_is_refused_until_it_is_master_again(
+    context: Context,
+) -> None:
+    # Found by tests/cluster/test_cluster_replace.py (a flake under load): sends whose fsync ended
+    # after a promotion elsewhere waited for a slave that no longer copied from this broker, and
+    # were answered by nobody until the producer's send timeout.
+    source = context.source
+    source.slaves_reported = 1
+    source.name_slaves(["s:1"])
+    ask = {"from": 0, "action_from": 0, "max_bytes": 65536, "timeout_ms": 0}
+    source.request(RecordingResponder(), RequestCode.REPLICATE, 1, dict(ask), "s:1")
+    assert source.write_state() == "replicated"
+    answers: list[str | None] = []
+    source.after_log_replicated(10**9, answers.append)  # waits for the slave
+    assert answers == []
+    source.fail_all("broker b is no longer master of group g; retry")
+    assert answers == ["broker b is no longer master of group g; retry"]
+    source.after_log_replicated(10**9, answers.append)  # its fsync ended after the demotion
+    source.after_actions_replicated(10**9, answers.append)
+    source.after_log_replicated(0, answers.append)  # even what would count as replicated
+    assert answers[1:] == ["broker b is no longer master of group g; retry"] * 3
+    source.reset(100, 100)  # master again, in a newer epoch
+    source.after_log_replicated(50, answers.append)
+    assert answers[4:] == [None]

@@ -15,7 +15,7 @@ from qmq.serving.connection import Responder
 from qmq.serving.dispatch import Handler, RequestTable
 from qmq.serving.periodic import Periodic
 from qmq.serving.requests import BadRequest
-from qmq.store.datadir import DiskFullError, StoreError
+from qmq.store.datadir import DiskFullError, StoreError, StoreFailedError
 from recording import RecordingResponder
 
 
@@ -32,6 +32,11 @@ def raising(exc: Exception) -> Handler:
         (BadRequest("'max' is missing"), Status.BAD_REQUEST, "'max' is missing"),
         (DiskFullError("no space left on /data"), Status.DISK_FULL, "no space left on /data"),
         (StoreError("segment 7 is unreadable"), Status.INTERNAL_ERROR, "segment 7 is unreadable"),
+        (
+            StoreFailedError("the store stopped taking writes"),
+            Status.BUSY,
+            "the store stopped taking writes; ask again (this group's next master takes it)",
+        ),
         (KeyError("gone"), Status.INTERNAL_ERROR, "internal error: KeyError: 'gone'"),
     ],
 )

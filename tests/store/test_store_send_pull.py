@@ -28,16 +28,17 @@ def records(result: PullResult) -> list[tuple[int, str]]:
     return out
 
 
-def test_sync_policy_hides_messages_until_flushed(open_store: Callable[..., BrokerStore]) -> None:
+def test_sync_policy_hides_messages_from_reads_until_flushed(open_store: Callable[..., BrokerStore]) -> None:
+    # a pull takes them at once: its answer waits for the flush (test_store_pull_before_fsync.py)
     store = open_store()
     res = append(store, batch("order.paid", ["a", "b", "c"]))
     assert res.stored == 3
     assert not res.errors
-    gp = store.group("order.paid", "billing", "earliest")
-    cp = gp.consumer("c1")
-    assert store.pull(gp, cp, "s1", 10) is None
+    assert store.read_range("order.paid", 0, 10) == (0, 0, [])
     assert flush(store) == {"order.paid"}
-    got = store.pull(gp, cp, "s1", 10)
+    assert store.read_range("order.paid", 0, 10)[:2] == (0, 3)
+    gp = store.group("order.paid", "billing", "earliest")
+    got = store.pull(gp, gp.consumer("c1"), "s1", 10)
     assert got is not None
     assert records(got) == [(0, "a"), (1, "b"), (2, "c")]
     assert got.runs == [[0, 3]]

@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from qmq.broker.admin_handlers import AdminHandlers
 from qmq.broker.metrics import BrokerMetrics
+from qmq.broker.pull_many import pull_many
 from qmq.broker.pulls import ParkedPull, ParkedPulls
 from qmq.broker.release import Release
 from qmq.broker.replication import ReplicationSource, Replicator
@@ -24,7 +25,7 @@ from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
 from qmq.serving.disk import disk_refusal
 from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers, answer_failure
-from qmq.serving.group_commit import GroupCommit
+from qmq.serving.group_commit import ActionCommit
 from qmq.serving.replication import take_request
 from qmq.serving.replies import guarded
 from qmq.serving.requests import (
@@ -37,12 +38,16 @@ from qmq.serving.requests import (
     get_subject,
     get_tags,
 )
+from qmq.serving.tracing import ServerTracing, end_spans
 from qmq.store import fileio
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
 from qmq.store.group_filter import dead_letter_unevaluable
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES
 from qmq.store.tags import RecordFilter, TagFilter
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ _MASTER_ONLY = frozenset(
     {
         RequestCode.SEND_MESSAGES,
         RequestCode.PULL,
+        RequestCode.PULL_MANY,
         RequestCode.ACK,
         RequestCode.ACK_MANY,
         RequestCode.SETTLE,
@@ -84,7 +90,7 @@ class BrokerContext(RoleContext, Protocol):
     @property
     def release(self) -> Release: ...
     @property
-    def action_flusher(self) -> GroupCommit: ...
+    def action_flusher(self) -> ActionCommit: ...
     @property
     def source(self) -> ReplicationSource: ...
     @property
@@ -97,6 +103,8 @@ class BrokerContext(RoleContext, Protocol):
     def address(self) -> str: ...
     @property
     def draining(self) -> bool: ...
+    @property
+    def tracing(self) -> ServerTracing | None: ...
 
 
 class Handlers(RoleHandlers):
@@ -111,6 +119,7 @@ class Handlers(RoleHandlers):
         table: dict[int, Handler] = {
             RequestCode.SEND_MESSAGES: self.send,
             RequestCode.PULL: self.pull,
+            RequestCode.PULL_MANY: lambda conn, frame: pull_many(self, conn, frame),
             RequestCode.ACK: self.ack,
             RequestCode.ACK_MANY: self.ack_many,
             RequestCode.SETTLE: self.settle,
@@ -192,12 +201,16 @@ class Handlers(RoleHandlers):
             )
             conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.BUSY)
             return
+        tracing = self.broker.tracing
+        spans = tracing.spans_of_frame("store", body, scanned) if tracing is not None else None
         result = self.storing(lambda: store.append(body, scanned, refused=problems))
         if holds:
             self.broker.release.schedule()
-        self._answer_stored(conn, frame, result)
+        self._answer_stored(conn, frame, result, spans)
 
-    def _answer_stored(self, conn: Responder, frame: Frame, result: AppendResult) -> None:
+    def _answer_stored(
+        self, conn: Responder, frame: Frame, result: AppendResult, spans: list[Span] | None = None
+    ) -> None:
         metrics = self.metrics
         if result.per_subject:
             metrics.stored(result.per_subject)
@@ -218,6 +231,8 @@ class Handlers(RoleHandlers):
         # consumed) although the answer is an error. "outcome": "unknown" tells the producer to
         # retry on this group only, whose duplicate window drops the repeat.
         def replicated(error: str | None) -> None:
+            if spans:
+                end_spans(spans, error)
             if error is None:
                 if traced:
                     fileio.trace_answer(self.store.mlog.segments, end)
@@ -229,6 +244,8 @@ class Handlers(RoleHandlers):
             if error is None:
                 source.after_log_replicated(end, guarded(conn, code, request_id, replicated))
             else:
+                if spans:
+                    end_spans(spans, error)
                 conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.INTERNAL_ERROR)
 
         if not self.store.sync_policy:
@@ -238,6 +255,9 @@ class Handlers(RoleHandlers):
             return
         # Also when nothing new was stored: duplicates may belong to a batch still waiting for fsync.
         self.broker.flusher.after_write(end, guarded(conn, code, request_id, durable))
+        if result.per_subject:
+            # long polls take the messages as the flush covering them begins (store/take.py)
+            self.broker.parked.notify_at_flush(set(result.per_subject))
 
     def _group_and_consumer(self, frame: Frame, create: bool) -> tuple[GroupProgress, ConsumerProgress]:
         return self._group_and_consumer_of(frame.header, create)
@@ -265,6 +285,8 @@ class Handlers(RoleHandlers):
                 raise BadRequest(f"consumer {consumer_id!r} of group {group!r} has never pulled {subject!r}")
             cp = gp.consumer(consumer_id)
         cp.last_seen_ms = self.broker.clock.now_ms()
+        if not cp.since_ms:
+            cp.since_ms = cp.last_seen_ms
         return gp, cp
 
     def pull(self, conn: Responder, frame: Frame) -> None:
@@ -302,9 +324,12 @@ class Handlers(RoleHandlers):
                 # the record of what this consumer was handed must be durable, and on the slave,
                 # before it has the messages: after a power loss or a failover that forgot it, the
                 # consumer's acks (by position in what it was handed) would not take, and it would
-                # receive the messages again after those acks were answered
-                end = self.store.alog.end
-                durable = guarded(conn, code, request_id, lambda error: handed(result, end, error))
+                # receive the messages again after those acks were answered. The messages too may
+                # still wait for their fsync (a pull takes what is written: store/take.py): the
+                # flush that covers the record, begun after it, covers them as well (one group
+                # commit for both logs)
+                end, messages_end = self.store.alog.end, self.store.mlog.end
+                durable = guarded(conn, code, request_id, lambda error: handed(result, end, messages_end, error))
                 if self.store.sync_policy:
                     self.broker.action_flusher.after_write(end, durable)
                 else:
@@ -312,7 +337,7 @@ class Handlers(RoleHandlers):
             else:
                 send_answer(result, None)
 
-        def handed(result: PullResult, end: int, error: str | None) -> None:
+        def handed(result: PullResult, end: int, messages_end: int, error: str | None) -> None:
             if error is not None:
                 text = f"the pull could not be made durable ({error}); pull again once the broker is restarted"
                 conn.respond(code, request_id, {"error": text}, status=Status.BUSY)
@@ -322,6 +347,7 @@ class Handlers(RoleHandlers):
                 # a slave that will not have it soon (a read-only group): answered all the same
                 if fileio.tracing and self.store.sync_policy:
                     fileio.trace_answer(self.store.alog.segments, end, "pull")
+                    fileio.trace_answer(self.store.mlog.segments, messages_end, "pull")
                 send_answer(result, None)
 
             self.broker.source.after_actions_replicated(end, guarded(conn, code, request_id, replicated))
@@ -367,6 +393,21 @@ class Handlers(RoleHandlers):
             lambda exc: answer_failure(conn, Frame(code, request_id), exc),
         )
         self.broker.parked.park(parked, timeout_ms)
+
+    # -- what PULL_MANY (broker/pull_many.py) does as PULL does ---------------------------
+
+    def tag_filter(self, tags: tuple[str, ...], mode: str) -> TagFilter | None:
+        return self._tag_filter(tags, mode)
+
+    def group_and_consumer(self, header: dict[str, object], create: bool) -> tuple[GroupProgress, ConsumerProgress]:
+        return self._group_and_consumer_of(header, create)
+
+    def apply_acks(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+        return self._ack(gp, cp, ranges)
+
+    def after_actions(self, conn: Responder, code: int, request_id: int, answer: Callable[[str | None], None]) -> None:
+        """``answer(None)`` once the action log written so far is durable and on the slave; see ``_after_acks``."""
+        self._after_acks(conn, code, request_id, answer, _as_is)
 
     def _tag_filter(self, tags: tuple[str, ...], mode: str) -> TagFilter | None:
         if not tags:

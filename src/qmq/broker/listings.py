@@ -16,6 +16,9 @@ from qmq.store.broker_store import BrokerStore
 # items of one SUBJECTS or LAG page at most (a page's bytes are bounded too: PAGE_BYTES_MAX)
 _LIST_ITEMS_MAX = 10_000
 _DEAD_LIST_MAX = 1000
+# DEAD_LETTERS of one message id answers its body up to this much (and says how long it is)
+_BODY_SHOWN_BYTES_MAX = 64 * 1024
+_MESSAGE_ID_CHARS_MAX = 256
 # what a subject's item takes besides its groups: the "groups" key and the array's header
 _GROUPS_OVERHEAD_BYTES = 16
 
@@ -94,6 +97,7 @@ def lag_page(store: BrokerStore, header: dict[str, Any], now_ms: int, consumer_o
                 "ack_offset": cp.ack_offset,
                 "unacked": cp.unacked,
                 "last_seen_ms": cp.last_seen_ms,
+                "since_ms": cp.since_ms or None,
                 "offline": now_ms - cp.last_seen_ms >= consumer_offline_ms,
             }
             if not page.add(row):
@@ -117,17 +121,24 @@ def lag_page(store: BrokerStore, header: dict[str, Any], now_ms: int, consumer_o
 
 
 def dead_letters_page(store: BrokerStore, header: dict[str, Any]) -> bytes:
-    """A group's live dead letters after letter ``after``, oldest first."""
+    """A group's live dead letters after letter ``after``, oldest first; with ``message_id``, only
+    that message's, each with its properties and body (the first 64 KiB)."""
     subject = get_subject(header)
     group = get_group(header)
     limit = get_int(header, "limit", 1, _DEAD_LIST_MAX, default=100)
     after = get_int(header, "after", -1, 1 << 62, default=-1)
+    message_id = header.get("message_id")
+    if message_id is not None and (not isinstance(message_id, str) or len(message_id) > _MESSAGE_ID_CHARS_MAX):
+        raise BadRequest(f"message_id must be a string of at most {_MESSAGE_ID_CHARS_MAX} characters")
     name = dead_subject(subject, group)
     page = Page(limit)
     last = after
     # one more than the limit: whether a next page has any
-    for letter in store.dead.letters(name, after=after, limit=limit + 1):
-        if not page.add(letter.describe()):
+    for letter in store.dead.letters(name, after=after, limit=limit + 1, message_id=message_id):
+        described = letter.describe()
+        if message_id is not None:  # one message's letters: with what it carried (the console shows it)
+            described.update(letter.contents(_BODY_SHOWN_BYTES_MAX))
+        if not page.add(described):
             break
         last = letter.number
     fields: dict[str, Any] = {"total": store.dead.live(name)}

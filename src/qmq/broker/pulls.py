@@ -63,6 +63,7 @@ class ParkedPulls:
         # (subject, group) whose consumers get nothing for now (qmq.broker.controls)
         self.paused: frozenset[tuple[str, str]] = frozenset()
         self.filters: dict[tuple[str, str], GroupFilter] = {}  # qmq.broker.controls
+        self._at_flush: set[str] = set()  # subjects whose long polls are tried when the next flush begins
 
     def park(self, parked: ParkedPull, timeout_ms: int) -> None:
         self._by_subject.setdefault(parked.gp.subject, []).append(parked)
@@ -95,6 +96,20 @@ class ParkedPulls:
             for _ in range(_ORDERED_PASSES_MAX):
                 if not self._pass(subject):
                     break
+
+    def notify_at_flush(self, subjects: set[str]) -> None:
+        """Messages of ``subjects`` were written and wait for the group commit's next flush: the
+        long polls of those subjects take them when that flush begins (``take_flush_wakes``),
+        since a pull's answer waits for the flush covering what it hands out anyway (store/take.py)
+        and the sends made until then are taken by the same pull."""
+        if self._by_subject:
+            self._at_flush.update(subjects)
+
+    def take_flush_wakes(self) -> None:
+        """A flush begins: try the long polls ``notify_at_flush`` named since the last one."""
+        if self._at_flush:
+            subjects, self._at_flush = self._at_flush, set()
+            self.notify(subjects)
 
     def notify_soon(self, subject: str) -> None:
         """A pull handed messages to other consumers of an ordered group: try their parked pulls."""

@@ -93,7 +93,11 @@ class Release:
                 broker.metrics.stored(result.per_subject)
                 if visible:
                     broker.parked.notify(set(result.per_subject))
-                else:  # a held record still waits for its fsync: the copies become visible with it
+                if not visible or store.unflushed_bytes:
+                    # A held record still waits for its fsync, or the copies wait in their subject
+                    # behind earlier copies that do: a flush that began before these copies were
+                    # written would not cover them, so ask for one that does, or with no later
+                    # send to this broker they would never become visible (bench.delay_failover).
                     broker.flusher.after_write(store.mlog.end, _ignore)
         due = store.held.next_due_ms()
         if due is not None and due <= now:

@@ -28,6 +28,7 @@ from qmq.serving.group_commit import GroupCommit
 from qmq.serving.replication import GroupMember
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
+from qmq.serving.tracing import server_tracing
 from qmq.store.broker_store import BrokerStore
 from qmq.store.redelivery import expire_silent_consumers
 from qmq.store.replica import rewind
@@ -54,24 +55,22 @@ class BrokerServer(FrameServer, GroupMember):
         # thread, sends waiting for their fsync would wait behind it.
         super().__init__(config, limits, self.metrics.connections.set, "qmq-checkpoint")
         self.clock = clock
+        self.tracing = server_tracing(
+            config.trace_spans, config.trace_sample_ratio, config.trace_endpoint, "broker", config.group
+        )
         self.parked = ParkedPulls(self.store, self.metrics.waiting_pulls.set)
+        # One group commit for the message log and the action log: a send is answered after the
+        # fsync covering it, and so is an ack (under flush = "sync"; under "periodic" both are
+        # fsynced every flush_interval_ms), so a power loss never delivers again what a group was
+        # told it had acknowledged. Acks, pulls and sends share each fsync.
         self.flusher = GroupCommit(
-            "the message log",
-            self.store.begin_flush,
+            "the message and action logs",
+            self._begin_flush,
             self._flushed,
             self.metrics.flush_seconds.observe,
             self._disk_failed,
         )
-        # the action log's group commit: an ack is answered after the fsync covering it (under
-        # flush = "sync"; fsynced every flush_interval_ms under "periodic"), so a power loss
-        # never delivers again what a group was told it had acknowledged
-        self.action_flusher = GroupCommit(
-            "the action log",
-            self.store.begin_action_flush,
-            _nothing_to_complete,
-            self.metrics.flush_seconds.observe,
-            self._disk_failed,
-        )
+        self.action_flusher = self.flusher.actions()
         # told by the meta server's heartbeat answer (`qmq admin drain`): sends are refused
         self.draining = False
         self._start_in_role(self.store.dir, config.role, "broker", config.group)
@@ -95,13 +94,11 @@ class BrokerServer(FrameServer, GroupMember):
         report = self.store.open()
         log.info("store recovered: %s", report)
         self.flusher.flushed_offset = self.store.mlog.end
-        self.action_flusher.flushed_offset = self.store.alog.end
         self.checkpointing = asyncio.Lock()
         cfg = self.config
         await self.listen()
         if cfg.flush == "periodic" or self.role == "slave":
             self.flusher.start_periodic(cfg.flush_interval_ms)
-            self.action_flusher.start_periodic(cfg.flush_interval_ms)
         self.release.schedule()  # what was held when the broker stopped is due by now, or soon
         self.periodic.every(cfg.checkpoint_interval_ms, self.checkpoint)
         self.periodic.every(cfg.retention_check_interval_ms, self._retention)
@@ -163,6 +160,13 @@ class BrokerServer(FrameServer, GroupMember):
         self._set_epoch(epoch, "master")
         self.source.reset(self.store.mlog.end, self.store.alog.end)
         self.flusher.flushed_offset = self.store.mlog.end
+        # A slave never hears from consumers: their silence is counted from the promotion, as from a
+        # restart (store/recovery.py), not from the epoch, or every consumer's unacknowledged
+        # messages (a gateway's held ones too) would go to retry at the first offline check.
+        now_ms = self.clock.now_ms()
+        for gp in self.store.progress.groups.values():
+            for cp in gp.consumers.values():
+                cp.last_seen_ms = max(cp.last_seen_ms, now_ms)
         self.role = "master"
         self.release.schedule()
         if self._registration is not None:
@@ -180,10 +184,8 @@ class BrokerServer(FrameServer, GroupMember):
             self.source.fail_all(f"broker {self.address} is no longer master of group {self.config.group}; retry")
             self.parked.answer_all_empty()
             await self.flusher.drain(self.config.shutdown_grace_ms / 1000)
-            await self.action_flusher.drain(self.config.shutdown_grace_ms / 1000)
             if self.config.flush != "periodic":
                 self.flusher.start_periodic(self.config.flush_interval_ms)
-                self.action_flusher.start_periodic(self.config.flush_interval_ms)
         if self.replicator is not None:
             await self.replicator.stop()
             self.replicator = None
@@ -205,6 +207,11 @@ class BrokerServer(FrameServer, GroupMember):
         if self._registration is not None:
             self._registration.beat_now()
 
+    def _begin_flush(self) -> FlushTicket:
+        # long polls take what was sent since the last flush, their records then covered by this one
+        self.parked.take_flush_wakes()
+        return self.store.begin_flush()
+
     def _flushed(self, ticket: FlushTicket) -> None:
         moved = self.store.complete_flush(ticket)
         if moved:
@@ -215,10 +222,10 @@ class BrokerServer(FrameServer, GroupMember):
         async with self.checkpointing:
             store = self.store
             state = store.checkpoint_state()
-            # the action log up to the checkpoint's offset, through its group commit (one thread
-            # fsyncs it, so a segment's directory entry is never left to a flush not yet done)
-            await self.action_flusher.flush_once()
-            ticket = store.begin_flush(consume_logs=True)
+            # the logs up to the checkpoint's offsets, through the group commit (one thread fsyncs
+            # them, so a segment's directory entry is never left to a flush not yet done)
+            await self.flusher.flush_once()
+            ticket = store.begin_checkpoint_flush()
             await asyncio.get_running_loop().run_in_executor(
                 self.checkpoint_executor, store.write_checkpoint, ticket, state
             )
@@ -250,7 +257,7 @@ class BrokerServer(FrameServer, GroupMember):
         """What a send to this master meets: "ok", "failed" (the store stopped taking writes until a
         restart), "disk-full" (clears by itself once space is freed), "read-only" or "degraded"
         (the slave is gone: docs/cluster.md)."""
-        if self.store.failed is not None or self.flusher.failed is not None or self.action_flusher.failed is not None:
+        if self.store.failed is not None or self.flusher.failed is not None:
             return "failed"
         if self.handlers.free_space.low() is not None:
             return "disk-full"
@@ -259,9 +266,8 @@ class BrokerServer(FrameServer, GroupMember):
 
     def health(self) -> dict[str, object]:
         failed = self.store.failed
-        for flusher in (self.flusher, self.action_flusher):
-            if failed is None and flusher.failed is not None:
-                failed = f"an fsync failed: {flusher.failed}"
+        if failed is None and self.flusher.failed is not None:
+            failed = f"an fsync failed: {self.flusher.failed}"
         body: dict[str, object] = {
             "ok": not self.stopping and failed is None,
             "group": self.config.group,
@@ -293,19 +299,13 @@ class BrokerServer(FrameServer, GroupMember):
             await self.replicator.stop()
         self.source.fail_all(f"broker {self.address} is shutting down; retry")
         self.parked.answer_all_empty()
-        await self.drain_writes(self.config.shutdown_grace_ms / 1000)
-        if not await self.action_flusher.drain(self.config.shutdown_grace_ms / 1000):
-            waiting = self.action_flusher.waiting
-            log.warning("shutdown: %d acks were still waiting for fsync after the grace period", waiting)
+        await self.drain_writes(self.config.shutdown_grace_ms / 1000)  # sends and acks: one group commit
         await self.periodic.stop()
         await self.final_checkpoint()
         await self.close_connections()
-        await self.action_flusher.stop()
         await self.close_store()
-
-
-def _nothing_to_complete(_ticket: FlushTicket) -> None:
-    """An action flush makes nothing visible: the acks it covered are answered (GroupCommit)."""
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def run_broker(config: BrokerConfig) -> int:

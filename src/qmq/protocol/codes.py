@@ -39,6 +39,9 @@ class RequestCode(IntEnum):
     # (qmq.auth.handshake; docs/security.md): HELLO is answered with a challenge, PROOF with OK
     AUTH_HELLO = 40
     AUTH_PROOF = 41
+    # one consumer's pulls of many (subject, group) pairs in one request (broker/pull_many.py;
+    # docs/protocol.md); numbered apart so that codes other branches add never collide
+    PULL_MANY = 50
 
 
 class Status(IntEnum):

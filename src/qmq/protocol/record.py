@@ -26,7 +26,7 @@ RECORD_HEADER = struct.Struct("<IIIQq")
 RECORD_HEADER_BYTES = RECORD_HEADER.size  # 28
 RECORD_MAGIC = 0x31524D51
 _TAIL = struct.Struct("<IQq")
-_CRC = struct.Struct("<I")  # length, sequence, stored_ms: the CRC-covered part of the header
+_CRC = RECORD_CRC = struct.Struct("<I")  # the crc32c field, packed in place once the rest is written
 
 
 def record_header(message: bytes | memoryview, sequence: int, stored_ms: int) -> bytes:

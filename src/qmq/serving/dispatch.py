@@ -5,6 +5,8 @@ the one mapping of a handler's failure to its answer:
     BadRequest     → BAD_REQUEST     (the request is wrong; its text names the field)
     DiskFullError  → DISK_FULL       (retriable elsewhere or later)
     OutOfFilesError → BUSY           (no file descriptor to spare: retriable shortly)
+    StoreFailedError → BUSY          (the store failed before the request wrote anything: ask
+                                     again, of the restarted broker or its promoted slave)
     StoreError     → INTERNAL_ERROR  (logged)
     any other      → INTERNAL_ERROR  "internal error: Type: text" (logged with its traceback)
 
@@ -30,7 +32,7 @@ from qmq.protocol.message import ScannedMessage
 from qmq.serving.connection import Responder
 from qmq.serving.disk import FreeSpace
 from qmq.serving.requests import BadRequest, scan_send
-from qmq.store.datadir import DiskFullError, OutOfFilesError, StoreError
+from qmq.store.datadir import DiskFullError, OutOfFilesError, StoreError, StoreFailedError
 
 if TYPE_CHECKING:  # group_commit answers through replies, which answers failures through here
     from qmq.serving.group_commit import GroupCommit
@@ -86,6 +88,9 @@ def answer_failure(conn: Responder, frame: Frame, exc: Exception) -> None:
     elif isinstance(exc, OutOfFilesError):
         log.warning("%s: %s", RequestCode(frame.code).name, exc)
         status, text = Status.BUSY, f"{exc}; retry shortly"
+    elif isinstance(exc, StoreFailedError):  # refused before writing: the request may go again
+        log.warning("%s refused: %s", RequestCode(frame.code).name, exc)
+        status, text = Status.BUSY, f"{exc}; ask again (this group's next master takes it)"
     elif isinstance(exc, StoreError):
         log.error("store error on %s: %s", RequestCode(frame.code).name, exc)
         status, text = Status.INTERNAL_ERROR, str(exc)

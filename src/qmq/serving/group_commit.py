@@ -9,6 +9,12 @@ The role says what one flush covers (``begin``: fds and the offset they reach, o
 and what becomes true once it has (``complete``: e.g. messages made visible to consumers).
 Each waiting write's reply runs through ``call_reply``: one that fails is logged and the
 others are answered; the flush task goes on, as it does when ``complete`` fails.
+
+One group commit may cover a second log (``actions()``: the broker's action log beside its
+message log): each flush fsyncs both, and writes to either wait for the same flushes. One
+fsync pass covers sends, acks and the records of pulls alike, and a pull woken by a flush
+(its messages just became visible) has its record covered by the very next one, rather than
+queueing behind a second log's own fsync already under way.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from qmq.serving.replies import Reply, call_reply
 from qmq.store.segments import FlushTicket
@@ -41,15 +47,21 @@ class GroupCommit:
         self.observe_seconds = observe_seconds
         self.on_failure = on_failure
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="qmq-fsync")
+        # a ticket's second log is fsynced on a thread of its own, at the same time as the first
+        # (FlushTicket.parts); started from the fsync thread, so a flush costs the event loop one
+        # hand-off either way
+        self._aside = ThreadPoolExecutor(1, thread_name_prefix="qmq-fsync-aside")
         self._waiting: deque[tuple[int, Reply]] = deque()
+        self._waiting_actions: deque[tuple[int, Reply]] = deque()  # on the second log (``actions``)
         self._task: asyncio.Task[None] | None = None
+        self._in_order = asyncio.Lock()
         self._periodic: asyncio.Task[None] | None = None
         self.failed: BaseException | None = None
         self.flushed_offset = 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._waiting_actions)
 
     def after_write(self, end_offset: int, reply: Reply) -> None:
         """Call ``reply`` once everything up to ``end_offset`` is fsynced."""
@@ -57,9 +69,19 @@ class GroupCommit:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._drain())
 
+    def after_action(self, end_offset: int, reply: Reply) -> None:
+        """Call ``reply`` once the second log (see ``actions``) is fsynced up to ``end_offset``."""
+        self._waiting_actions.append((end_offset, reply))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    def actions(self) -> ActionCommit:
+        """The view of this commit that waits on its second log (tickets' ``action_offset``)."""
+        return ActionCommit(self)
+
     async def _drain(self) -> None:
         try:
-            while self._waiting and self.failed is None:
+            while (self._waiting or self._waiting_actions) and self.failed is None:
                 await self.flush_once()
         except OSError:
             pass  # flush_once answered every waiting write and reported the failure
@@ -67,16 +89,24 @@ class GroupCommit:
             self._task = None
 
     async def flush_once(self) -> None:
+        # one ticket at a time, begun and finished in order: a ticket hands the segments rolled
+        # since the last to its own fsync, so a later one finishing first would answer writes
+        # whose bytes an earlier one has still to make durable
+        async with self._in_order:
+            await self._flush_once()
+
+    async def _flush_once(self) -> None:
         ticket = self.begin()
         t0 = time.perf_counter()
         try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, ticket.run)
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._run, ticket)
         except OSError as exc:
             # After a failed fsync the page cache state is unknown: stop taking writes.
             self.failed = exc
             log.critical("fsync of %s failed: %s; no more writes are taken", self.what, exc)
-            while self._waiting:
-                call_reply(self._waiting.popleft()[1], f"fsync of {self.what} failed: {exc}")
+            for waiting in (self._waiting, self._waiting_actions):
+                while waiting:
+                    call_reply(waiting.popleft()[1], f"fsync of {self.what} failed: {exc}")
             self.on_failure(exc)
             raise
         self.observe_seconds(time.perf_counter() - t0)
@@ -88,6 +118,20 @@ class GroupCommit:
         waiting = self._waiting
         while waiting and waiting[0][0] <= ticket.offset:
             call_reply(waiting.popleft()[1], None)
+        waiting = self._waiting_actions
+        while waiting and waiting[0][0] <= ticket.action_offset:
+            call_reply(waiting.popleft()[1], None)
+
+    def _run(self, ticket: FlushTicket) -> None:
+        """The ticket's fsyncs, its parts at the same time (on the fsync thread)."""
+        first, *rest = ticket.parts()
+        aside = [self._aside.submit(part) for part in rest]
+        try:
+            first()
+        finally:
+            wait(aside)  # every part ends (and closes its descriptors) whatever the first did
+        for future in aside:
+            future.result()  # raises what the part raised
 
     def start_periodic(self, interval_ms: int) -> None:
         self._periodic = asyncio.get_running_loop().create_task(self._every(interval_ms / 1000))
@@ -103,7 +147,7 @@ class GroupCommit:
     async def drain(self, deadline_s: float) -> bool:
         """Wait until every waiting write is answered (or the deadline passes); True if all were."""
         end = time.monotonic() + deadline_s
-        while self._waiting and time.monotonic() < end and self.failed is None:
+        while (self._waiting or self._waiting_actions) and time.monotonic() < end and self.failed is None:
             task = self._task
             if task is None:
                 try:
@@ -112,10 +156,36 @@ class GroupCommit:
                     break
             else:
                 await asyncio.wait([task], timeout=max(0.0, end - time.monotonic()))
-        return not self._waiting
+        return not self._waiting and not self._waiting_actions
 
     async def stop(self) -> None:
         if self._periodic is not None:
             self._periodic.cancel()
             await asyncio.gather(self._periodic, return_exceptions=True)
         self.executor.shutdown(wait=True)
+        self._aside.shutdown(wait=True)
+
+
+class ActionCommit:
+    """A group commit's second log seen as a commit of its own: ``after_write`` waits on the
+    tickets' ``action_offset``; flushing, draining and stopping are the shared commit's."""
+
+    def __init__(self, shared: GroupCommit) -> None:
+        self.shared = shared
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self.shared.failed
+
+    @property
+    def waiting(self) -> int:
+        return len(self.shared._waiting_actions)
+
+    def after_write(self, end_offset: int, reply: Reply) -> None:
+        self.shared.after_action(end_offset, reply)
+
+    async def flush_once(self) -> None:
+        await self.shared.flush_once()
+
+    async def drain(self, deadline_s: float) -> bool:
+        return await self.shared.drain(deadline_s)

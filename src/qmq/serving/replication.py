@@ -32,7 +32,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -115,6 +115,10 @@ class ReplicationSource:
         # long polls waiting for the logs to grow, and the slave each is from
         self._parked: list[tuple[Responder, int, int, dict[str, Any], asyncio.TimerHandle, str]] = []
         self._wake_scheduled = False
+        # set by fail_all (no longer master, or stopping) until reset (master again): a write
+        # whose fsync completes after that is answered with this text, never left waiting for
+        # a slave that no longer copies from here, nor answered as done by an ex-master
+        self._refusing: str | None = None
 
     # -- the group's write state ---------------------------------------------------------
 
@@ -155,6 +159,7 @@ class ReplicationSource:
             self.named = {}
         self.replicated = log_end
         self.actions_replicated = action_end
+        self._refusing = None
 
     def lowest_kept(self, within_s: float) -> int | None:
         """The lowest first-log offset written by a slave seen in the last ``within_s`` seconds
@@ -174,6 +179,9 @@ class ReplicationSource:
         self._after(self._action_waiters, self.actions_replicated, end, reply, "acks")
 
     def _after(self, waiters: deque[tuple[int, Reply]], replicated: int, end: int, reply: Reply, what: str) -> None:
+        if self._refusing is not None:
+            call_reply(reply, self._refusing)
+            return
         state = self.write_state()
         if state in ("alone", "degraded") or replicated >= end:
             call_reply(reply, None)
@@ -192,9 +200,19 @@ class ReplicationSource:
         )
 
     def check(self) -> None:
-        """Fail waiting writes once the group turned read-only (called on a timer)."""
-        if self.write_state() == "read-only" and (self._log_waiters or self._action_waiters):
+        """Fail waiting writes once the group turned read-only, or answer them once it degraded to
+        unreplicated writes (called on a timer): a write waiting for a slave that went away
+        before the group degraded is answered as later ones are, not left waiting for good."""
+        if not (self._log_waiters or self._action_waiters):
+            return
+        state = self.write_state()
+        if state == "read-only":
             self._fail_waiters(self.read_only_text())
+        elif state == "degraded":
+            while self._log_waiters:
+                call_reply(self._log_waiters.popleft()[1], None)
+            while self._action_waiters:
+                call_reply(self._action_waiters.popleft()[1], None)
 
     def _fail_waiters(self, text: str) -> None:
         while self._log_waiters:
@@ -203,6 +221,9 @@ class ReplicationSource:
             call_reply(self._action_waiters.popleft()[1], text)
 
     def fail_all(self, text: str) -> None:
+        """No longer master (or stopping): answer every waiting write and parked slave request with
+        ``text``, and every write that comes to wait from now on, until ``reset``."""
+        self._refusing = text
         self._fail_waiters(text)
         for conn, code, request_id, _h, timer, _slave in self._parked:
             timer.cancel()
@@ -345,7 +366,9 @@ class Replicator:
 
     ``conn`` carries REPLICATE requests to the master; ``ask()`` says where this copy ends (the
     header's from / action_from and the role's own fields); ``take(frame)`` appends an answer
-    (ReplicaError when the copies diverged: the loop stops, an operator must look)."""
+    (ReplicaError when the copies diverged: the loop stops, an operator must look), and may
+    return something to await before the next request (a delay slave swapping in a copy of its
+    master's schedule: qmq.delay.resync)."""
 
     def __init__(
         self,
@@ -354,7 +377,7 @@ class Replicator:
         me: str,
         conn: MasterConnection,
         ask: Callable[[], dict[str, Any]],
-        take: Callable[[Frame], None],
+        take: Callable[[Frame], Awaitable[None] | None],
     ) -> None:
         self.master = master
         self.epoch = epoch
@@ -381,7 +404,9 @@ class Replicator:
             }
             try:
                 frame = await self._conn.request(RequestCode.REPLICATE, header)
-                self._take(frame)
+                pending = self._take(frame)
+                if pending is not None:
+                    await pending
                 self.last_ms = time.time_ns() // 1_000_000
                 retry_s = _RETRY_S_MIN
             except asyncio.CancelledError:

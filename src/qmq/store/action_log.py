@@ -32,8 +32,8 @@ that passes its CRC but is no action of this version was written by another vers
 recovery refuses to start rather than cut it (only a frame that fails its CRC is a torn tail).
 A consumer's pull log is the sequence of its PULL runs; it lives in memory
 (``progress``), in checkpoints, and here. Writes go to the OS at once (so ``kill -9`` loses
-nothing) and are fsynced by the broker's action flush (``BrokerStore.begin_action_flush``),
-which an ack's answer waits for under flush = "sync".
+nothing) and are fsynced by the broker's group commit, with the message log
+(``BrokerStore.begin_flush``), which an ack's answer waits for under flush = "sync".
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ the action log (action_log.ProgressLog), the duplicate window (dedup.py), the he
 the files; no part knows the store.
 
 Everything is synchronous. ``begin_flush`` returns a ticket whose ``run`` (fdatasync of the
-files written since the last flush) may run on another thread; ``complete_flush`` then makes
-the flushed messages visible to consumers.
+files written since the last flush: message log, dead letters and action log) may run on
+another thread; ``complete_flush`` then makes the flushed messages visible to consumers.
 
 When a write fails, the store is left as it was before it: a send's batch is undone whole
 (message log, consume logs and dead letters cut back, sequences restored, nothing in the
@@ -25,7 +25,8 @@ duplicate window), so the producer's retry stores it once. A full disk (``DiskFu
 no free file descriptor (``OutOfFilesError``) clears by itself: the next write just works.
 Any other I/O error, a failed fsync, or an undo that fails leaves the store unsure of what
 is durable: it sets ``failed`` (the reason) and refuses every later write with a StoreError
-saying a restart is needed; recovery then finds what is on disk.
+saying a restart is needed (a StoreFailedError, retriable: nothing of it was written);
+recovery then finds what is on disk.
 """
 
 from __future__ import annotations
@@ -36,18 +37,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import crc32c
+
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import BrokerConfig
 from qmq.common.limits import DEFAULT_LIMITS, Limits
-from qmq.protocol.message import ScannedMessage, order_slot_field
-from qmq.protocol.record import pack_record_into
+from qmq.protocol.message import FLAG_ORDERED, FLAGS_POS, ScannedMessage, order_slot_field
+from qmq.protocol.record import RECORD_CRC, RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC, pack_record_into
 from qmq.store import fileio
 from qmq.store.action_log import ActionLog
 from qmq.store.checkpoint import FORMAT_VERSION as CHECKPOINT_VERSION
 from qmq.store.checkpoint import history as checkpoint_history
 from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY
-from qmq.store.datadir import DataDirLock, StoreError, clears_by_itself, store_error
+from qmq.store.datadir import DataDirLock, StoreError, StoreFailedError, clears_by_itself, store_error
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.held import HELD_SEQUENCE, Held
 from qmq.store.indexer import RecordIndexer
@@ -95,6 +98,8 @@ class BrokerStore:
         self.alog = ActionLog(self.dir / "action", on_append=self._grew)
         self.dead = DeadLetters(self.dir / "dead")
         self.flushed_offset = 0  # the message log is fsynced up to here
+        # (message log, action log) ends the last flush ticket took: begin_flush
+        self._ticketed = (-1, -1)
 
     def _install(self, parts: StoreParts) -> None:
         self._subjects = parts.subjects
@@ -150,22 +155,29 @@ class BrokerStore:
             "tell what is durable: restart the broker, and recovery will find what is on disk"
         )
 
+    def _refused_before_writing(self) -> StoreFailedError:
+        return StoreFailedError(str(self._refused()))
+
     def _write(self, what: str, write: Callable[..., T], *args: Any) -> T:
         """``write(*args)``, refused when the store failed; an OSError becomes the StoreError it is."""
         if self.failed is not None:
-            raise self._refused()
+            raise self._refused_before_writing()
         try:
             return write(*args)
         except OSError as exc:
             raise self._write_failed(exc, what) from exc
 
     def _write_failed(self, exc: OSError, what: str) -> StoreError:
-        """The error to raise for ``exc``, met while ``what``; the store fails unless it clears by itself."""
+        """The error to raise for ``exc``, met while ``what``; the store fails unless it clears by itself.
+
+        Retriable (StoreFailedError) when it does not: a send's batch was undone whole, and an
+        action (an ack, a pull's record) repeats safely, so the request may go again, to the
+        group's next master (a delay server gave up the due messages a failed append refused)."""
         err = store_error(exc, self.dir)
         if clears_by_itself(err):
             return err
         self._fail(f"{what} failed: {exc}")
-        return self._refused()
+        return self._refused_before_writing()
 
     def _fail(self, reason: str) -> None:
         if self.failed is None:
@@ -201,7 +213,7 @@ class BrokerStore:
         by index, messages the caller found unfit to store (the reason goes into the errors).
         """
         if self.failed is not None:
-            raise self._refused()
+            raise self._refused_before_writing()
         now = self.clock.now_ms() if now_ms is None else now_ms
         try:
             errors, accepted, duplicates, total = check_send(
@@ -221,34 +233,48 @@ class BrokerStore:
         pos = 0
         pack_entry = ENTRY.pack
         held: list[Held] = []
+        # The loop below packs the records of messages due now inline (what pack_record_into
+        # does, less a call, a slice and a memoryview per message): it runs once per message sent.
+        outv = memoryview(out)
+        pack_head = RECORD_HEADER.pack_into
+        pack_crc = RECORD_CRC.pack_into
+        crc32 = crc32c.crc32c
+        head_bytes = RECORD_HEADER_BYTES
+        last: SubjectState | None = None
+        counts = [0, 0]
         for sm, dest, bloom, key in accepted:
-            message = view[sm.pos : sm.pos + sm.length]
+            start, length = sm.pos, sm.length
             if isinstance(dest, str):
                 # a dead letter: in the message log (so slaves get it) and kept apart, never pulled
+                message = view[start : start + length]
                 dead_letters.setdefault(dest, []).append((base + pos, message))
                 pos = pack_record_into(out, pos, message, 0, now)
                 continue
             if sm.deliver_at_ms > now:
                 # due later: written now, in no consume log until its copy is appended once due
-                end = pack_record_into(out, pos, message, HELD_SEQUENCE, now)
+                end = pack_record_into(out, pos, view[start : start + length], HELD_SEQUENCE, now)
                 held.append(Held(sm.deliver_at_ms, base + pos, end - pos, key))
                 pos = end
                 continue
             st = dest
-            if st not in touched:
-                touched[st] = st.next_seq
+            if st is not last:
+                last = st
+                if st not in touched:
+                    touched[st] = st.next_seq
+                counts = per_subject.setdefault(st.name, [0, 0])
             seq = st.next_seq
             st.next_seq = seq + 1
-            end = pack_record_into(out, pos, message, seq, now)
+            at = pos + head_bytes
+            end = at + length
+            outv[at:end] = view[start : start + length]
+            pack_head(out, pos, RECORD_MAGIC, 0, length, seq, now)
+            pack_crc(out, pos + 4, crc32(outv[pos + 8 : end]))
             # the message's order slot + 1 (0 without an order key) goes into the entry's last field
-            st.pending += pack_entry(base + pos, end - pos, now, bloom, order_slot_field(message))
+            slot = order_slot_field(body, start) if body[start + FLAGS_POS] & FLAG_ORDERED else 0
+            st.pending += pack_entry(base + pos, end - pos, now, bloom, slot)
             pos = end
-            counts = per_subject.get(st.name)
-            if counts is None:
-                per_subject[st.name] = [1, sm.length]
-            else:
-                counts[0] += 1
-                counts[1] += sm.length
+            counts[0] += 1
+            counts[1] += length
         self._write_batch(out, base, touched, dead_letters, now)
         self.dedup.add_many([a[3] for a in accepted], now)
         self.dedup.total_messages += len(accepted)
@@ -303,33 +329,47 @@ class BrokerStore:
     # -- flush -------------------------------------------------------------------------
 
     def begin_flush(self, consume_logs: bool = False) -> FlushTicket:
-        """fsync work for what was written so far: the message log and dead letters always; with
-        ``consume_logs`` (checkpoints) also, with one syncfs of the data's file system, every
-        consume log written since the last one (open or closed: open_files.py).
+        """fsync work for what was written so far: the message log, dead letters and the action
+        log (the ticket's ``action_offset``); with ``consume_logs``
+        (checkpoints) also, with one syncfs of the data's file system, every consume log written
+        since the last one (open or closed: open_files.py).
 
-        The action log has a flush of its own (``begin_action_flush``): acks are answered after
-        it, as sends are after this one.
+        Acks, pulls and resets reach the OS at once, so ``kill -9`` loses none; an ack is answered
+        only after the flush that covers it (under flush = "sync"; under "periodic" that flush
+        comes within ``flush_interval_ms``), so a power loss does not deliver again what a group
+        was told it had acknowledged. The broker's one group commit covers both logs: sends, acks
+        and pulls share its fsyncs. Only that group commit calls this (a checkpoint on its own
+        thread: ``begin_checkpoint_flush``): the segments rolled since the last flush are handed
+        to one ticket only, and an answer must never go out before the thread holding them has
+        fsynced them.
         """
-        fds = self.mlog.segments.sync_fds()
+        # a log with nothing written since the last ticket needs no fsync: that ticket covers it,
+        # and finishes first (tickets run in order: serving/group_commit.py)
+        fds = [] if self.mlog.end == self._ticketed[0] else self.mlog.segments.sync_fds()
         fds.extend(self.dead.take_sync_fds())  # dead letters are answered like any send: after this flush
+        action_offset = self.alog.end
+        action_fds = [] if action_offset == self._ticketed[1] else self.alog.segments.sync_fds()
+        self._ticketed = (self.mlog.end, action_offset)
         syncfs_fd = -1
         if consume_logs:
             files = self._subjects.files
             if files.unsynced:
                 files.unsynced = False
                 syncfs_fd = self._dir_fd
-        return FlushTicket(fds, self.mlog.end, self._flush_failed, syncfs_fd)
+        return FlushTicket(fds, self.mlog.end, self._flush_failed, syncfs_fd, action_offset, action_fds)
 
-    def begin_action_flush(self) -> FlushTicket:
-        """fsync work for the action log written so far (its ticket's offset is the action log's).
-
-        Acks, pulls and resets reach the OS at once, so ``kill -9`` loses none; an ack is answered
-        only after the flush that covers it (under flush = "sync"; under "periodic" that flush
-        comes within ``flush_interval_ms``), so a power loss does not deliver again what a group
-        was told it had acknowledged. One flush covers every action written before it began:
-        acks share fsyncs as sends do.
-        """
-        return FlushTicket(self.alog.segments.sync_fds(), self.alog.end, self._flush_failed)
+    def begin_checkpoint_flush(self) -> FlushTicket:
+        """fsync work for a checkpoint taken on its own thread, after a flush of the group commit
+        that covers the offsets it names: one syncfs of the data's file system, for every consume
+        log written since the last one (open or closed: open_files.py), if any was. The logs are
+        left to the group commit: the segments a ticket takes are fsynced by that ticket alone,
+        and answers go out only once the group commit's tickets, in order, are done."""
+        files = self._subjects.files
+        syncfs_fd = -1
+        if files.unsynced:
+            files.unsynced = False
+            syncfs_fd = self._dir_fd
+        return FlushTicket([], self.mlog.end, self._flush_failed, syncfs_fd)
 
     def complete_flush(self, ticket: FlushTicket) -> set[str]:
         """Make everything the ticket covered visible; returns the subjects that moved."""
@@ -382,11 +422,12 @@ class BrokerStore:
         session: str,
         max_n: int,
         tag_filter: RecordFilter | None = None,
+        bytes_max: int | None = None,
     ) -> PullResult | None:
         """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
         st = self._subjects.get(gp.subject)
         now_ms = self.clock.now_ms()
-        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms)
+        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
 
     @property
     def dispatched(self) -> bool:

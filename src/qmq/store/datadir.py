@@ -28,6 +28,15 @@ class DiskFullError(StoreError):
     retriable = True
 
 
+class StoreFailedError(StoreError):
+    """A request refused before it wrote anything, because the store stopped taking writes (a
+    failed fsync): asking again may succeed, of the store restarted or of the slave promoted in
+    its place, which holds every pull and ack the master answered (so a consumer keeps its acks
+    for them rather than drop them, and they take there)."""
+
+    retriable = True
+
+
 class OutOfFilesError(StoreError):
     """The process (or the system) has no file descriptor to spare; clears by itself once some
     are closed (connections end, the store closes files it caches)."""

@@ -95,6 +95,15 @@ class Letter:
             "bytes": len(self.message),
         }
 
+    def contents(self, body_bytes_max: int) -> dict[str, Any]:
+        """What the letter carries: its properties and the first ``body_bytes_max`` of its body."""
+        fields = decode_message(self.message)
+        return {
+            "properties": decode_properties(fields.properties_raw),
+            "body": bytes(fields.body[:body_bytes_max]),
+            "body_bytes": len(fields.body),
+        }
+
 
 Mark = tuple[int, int, int]  # a box's size, count and last number, to cut back to
 

@@ -14,13 +14,10 @@ consumed for the group.)
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Final
 
-from jmespath.exceptions import JMESPathError
-
-from qmq.common.filter_expr import compile_filter, truthy
+from qmq.common.filter_expr import BODY_BYTES_MAX, UnevaluableError, compile_filter, evaluate, needs_body, truthy
 from qmq.common.naming import dead_subject
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.message import (
@@ -39,7 +36,8 @@ from qmq.store.tags import RecordFilter
 
 log = logging.getLogger(__name__)
 
-BODY_BYTES_MAX: Final = 256 * 1024  # a body the filter parses as JSON: bounds its cost
+__all__ = ["BODY_BYTES_MAX", "GroupFilter", "dead_letter_unevaluable"]
+
 UNEVALUABLE_KEPT_MAX: Final = 100  # messages waiting for the dead letters, per group
 
 
@@ -51,7 +49,7 @@ class GroupFilter:
     def __init__(self, expr: str, also: RecordFilter | None = None) -> None:
         self.expr = expr
         self._compiled: Any = compile_filter(expr)
-        self._needs_body = "body" in expr  # a filter over properties and tags never parses bodies
+        self._needs_body = needs_body(expr)
         self.also = also
         self.unevaluable = 0
         self.waiting: list[tuple[bytes, str]] = []  # (message, reason), shared with with_tags' copies
@@ -78,14 +76,9 @@ class GroupFilter:
             return False
         try:
             m = decode_message(bytes(record), pos + RECORD_HEADER_BYTES)
-            body: object = None
-            if self._needs_body:
-                if len(m.body) > BODY_BYTES_MAX:
-                    raise ValueError(f"its body has {len(m.body)} bytes; a filter parses at most {BODY_BYTES_MAX}")
-                body = json.loads(m.body)
-            doc = {"properties": decode_properties(m.properties_raw), "tags": m.tags, "body": body}
-            return truthy(self._compiled.search(doc))
-        except (RemoteProtocolError, ValueError, JMESPathError, RecursionError, TypeError) as exc:
+            body = m.body if self._needs_body else None
+            return truthy(evaluate(self._compiled, decode_properties(m.properties_raw), m.tags, body))
+        except (RemoteProtocolError, UnevaluableError, ValueError) as exc:
             self.unevaluable += 1
             if len(self.waiting) < UNEVALUABLE_KEPT_MAX:
                 message = bytes(record[pos + RECORD_HEADER_BYTES :])

@@ -69,33 +69,32 @@ def check_send(
     seen: set[int] = set()
     duplicates = 0
     total = 0
-    for_raw = subjects.for_raw
+    # where each subject named in the send goes, found once a send (a batch names few subjects)
+    targets: dict[bytes, SubjectState | str] = {}
+    message_bytes_max = limits.message_bytes_max
+    id_chars_max = limits.message_id_chars_max
+    due_max = now_ms + HOLD_MS_MAX
     for i, sm in enumerate(scanned):
         if refused and i in refused:
             errors.append([i, Status.INVALID_MESSAGE, f"message {i} of the batch is refused: {refused[i]}"])
             continue
-        target: SubjectState | str
-        try:
-            if sm.subject.startswith(_DEAD_RAW):
-                target = subjects.dead_name(sm.subject)
-            else:
-                target = for_raw(sm.subject)
-        except InvalidSubjectError as exc:
-            errors.append([i, Status.INVALID_SUBJECT, str(exc)])
-            continue
-        if sm.length > limits.message_bytes_max:
-            errors.append(
-                [
-                    i,
-                    Status.MESSAGE_TOO_LARGE,
-                    f"message of {sm.length} bytes exceeds message_bytes_max {limits.message_bytes_max}",
-                ]
-            )
-            continue
-        if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
-            errors.append([i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"])
-            continue
-        if sm.deliver_at_ms > now_ms + HOLD_MS_MAX:
+        target = targets.get(sm.subject)
+        if target is None:
+            try:
+                if sm.subject.startswith(_DEAD_RAW):
+                    target = subjects.dead_name(sm.subject)
+                else:
+                    target = subjects.for_raw(sm.subject)
+            except InvalidSubjectError as exc:
+                errors.append([i, Status.INVALID_SUBJECT, str(exc)])
+                continue
+            targets[sm.subject] = target
+        if sm.length > message_bytes_max or not sm.message_id or len(sm.message_id) > id_chars_max:
+            error = _size_or_id_error(i, sm, limits)
+            if error is not None:
+                errors.append(error)
+                continue
+        if sm.deliver_at_ms > due_max:
             errors.append(
                 [
                     i,
@@ -119,6 +118,15 @@ def check_send(
         accepted.append((sm, target, bloom, key))
         total += RECORD_HEADER_BYTES + sm.length
     return Intake(errors, accepted, duplicates, total)
+
+
+def _size_or_id_error(i: int, sm: ScannedMessage, limits: Limits) -> list[Any] | None:
+    if sm.length > limits.message_bytes_max:
+        text = f"message of {sm.length} bytes exceeds message_bytes_max {limits.message_bytes_max}"
+        return [i, Status.MESSAGE_TOO_LARGE, text]
+    if not sm.message_id or len(sm.message_id) > limits.message_id_chars_max:
+        return [i, Status.INVALID_MESSAGE, f"message id must be 1..{limits.message_id_chars_max} bytes"]
+    return None
 
 
 def _tag_count(tags_block: bytes) -> int:

@@ -228,7 +228,7 @@ class OrderedDispatch:
         self, st: SubjectState, gp: GroupProgress, og: OrderedGroup, puller: ConsumerProgress, live: frozenset[str]
     ) -> None:
         start = max(gp.pull_offset, st.clog.min_seq)
-        n = min(_SCAN_ENTRIES_MAX, st.visible_seq - start)
+        n = min(_SCAN_ENTRIES_MAX, st.next_seq - start)  # written: answers wait for their flush (take.py)
         if n <= 0:
             return
         entries = st.clog.read(start, n)

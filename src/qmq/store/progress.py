@@ -38,6 +38,7 @@ class ConsumerProgress:
     session: str | None = None
     cursor: int = 0
     last_seen_ms: int = 0
+    since_ms: int = 0  # when this broker first saw it (a pull or an ack) since the broker started; 0: not yet
     parked: int = 0  # long polls of this consumer waiting now (a live consumer of an ordered group)
 
     @property
@@ -179,6 +180,34 @@ class Progress:
             cp.cursor = p
         gp.pull_offset = max(gp.pull_offset, new_pull_offset)
         return start
+
+    @staticmethod
+    def cut_pull_log(cp: ConsumerProgress, seq_end: int) -> int:
+        """Drop the tail of ``cp``'s pull log that names sequences from ``seq_end`` on (messages a
+        power loss took while the pull's record survived: recovery, under flush = "sync", where
+        such a pull was never answered, see take.py). Returns how many entries went.
+
+        Only the tail: a pull answered before the loss named durable messages, and every pull
+        after the first one never answered was not answered either."""
+        end = cp.pull_log_end
+        runs = cp.runs
+        while runs:
+            poff, seq, count = runs[-1]
+            if seq + count <= seq_end:
+                break
+            keep = max(0, seq_end - seq)
+            end = poff + keep
+            if keep:
+                runs[-1][2] = keep
+                break
+            runs.pop()
+        end = max(end, cp.ack_offset)
+        cut = cp.pull_log_end - end
+        if cut > 0:
+            cp.pull_log_end = end
+            cp.cursor = min(cp.cursor, end)
+            cp.acked = [[a, min(b, end)] for a, b in cp.acked if a < end]
+        return max(cut, 0)
 
     # -- acks --------------------------------------------------------------------------
 

@@ -239,6 +239,17 @@ def recover(
             log.warning("group %r of %r was past the end of the subject; moved back to %d", gp.group, gp.subject, limit)
             gp.pull_offset = limit
         for cp in gp.consumers.values():
+            if config.flush == "sync":
+                cut = Progress.cut_pull_log(cp, limit)
+                if cut:
+                    log.warning(
+                        "pull log of consumer %r of group %r named %d messages of %r past its end (lost with the "
+                        "power, their pull never answered): cut",
+                        cp.consumer_id,
+                        gp.group,
+                        cut,
+                        gp.subject,
+                    )
             cp.cursor = cp.pull_log_end
             cp.session = None
             cp.last_seen_ms = now_ms  # silence is counted from the restart, not from the epoch

@@ -311,10 +311,16 @@ class FlushTicket:
 
     ``syncfs_fd`` (a checkpoint's, or -1) is a descriptor on the data's file system, borrowed
     from its store, whose ``syncfs`` makes every consume log durable. ``on_error`` is told of a
-    failed fsync (on the thread that ran it) before ``run`` raises it.
+    failed fsync (on the thread that ran it) before ``run`` raises it. ``action_offset`` (or -1)
+    is where a second log the same ticket covers ends (the broker's action log, which shares
+    its message log's group commit), and ``action_fds`` its descriptors to fsync.
+
+    ``parts`` splits the work in two when there is a second log, to run on two threads at
+    once: two fdatasyncs under way together share the file system's journal commit, where one
+    after the other would each wait for a commit of its own.
     """
 
-    __slots__ = ("fds", "offset", "on_error", "syncfs_fd")
+    __slots__ = ("action_fds", "action_offset", "fds", "offset", "on_error", "syncfs_fd")
 
     def __init__(
         self,
@@ -322,25 +328,47 @@ class FlushTicket:
         offset: int,
         on_error: Callable[[OSError], None] | None = None,
         syncfs_fd: int = -1,
+        action_offset: int = -1,
+        action_fds: list[int] | None = None,
     ) -> None:
         self.fds = fds
         self.offset = offset
+        self.action_offset = action_offset
+        self.action_fds = action_fds or []
         self.on_error = on_error
         self.syncfs_fd = syncfs_fd
 
+    def parts(self) -> list[Callable[[], None]]:
+        """The work of ``run`` as parts that may run at the same time, on threads of their own."""
+        if not self.action_fds:
+            return [self.run]
+        return [self._run_main, self._run_actions]
+
     def run(self) -> None:
         try:
-            for fd in self.fds:
+            self._run_main()
+        finally:
+            self._run_actions()
+
+    def _run_main(self) -> None:
+        self._sync(self.fds, self.syncfs_fd)
+
+    def _run_actions(self) -> None:
+        self._sync(self.action_fds, -1)
+
+    def _sync(self, fds: list[int], syncfs_fd: int) -> None:
+        try:
+            for fd in fds:
                 if fileio.is_dir(fd):
                     fileio.fsync(fd)  # a new entry: fdatasync need not commit it
                 else:
                     fileio.fdatasync(fd)
-            if self.syncfs_fd >= 0:
-                syncfs(self.syncfs_fd)
+            if syncfs_fd >= 0:
+                syncfs(syncfs_fd)
         except OSError as exc:
             if self.on_error is not None:
                 self.on_error(exc)
             raise
         finally:
-            for fd in self.fds:
+            for fd in fds:
                 fileio.close(fd)

@@ -1,9 +1,19 @@
 """Pulls: what a consumer receives from a subject and how the store reads it.
 
 A pull hands a consumer first what it pulled before and never acked (when its session
-changed), then the group's next visible messages: the range after the group's pull offset,
-or, for a group subscribed with tags, the matching messages in it. ``read_range`` reads a
-subject by sequence outside any group (READ, for data jobs).
+changed), then the group's next messages: the range after the group's pull offset, or, for a
+group subscribed with tags, the matching messages in it.
+
+A pull takes every message written, also those whose fsync is still to come under flush =
+"sync" (``next_seq``, not ``visible_seq``): its answer waits for the group commit's next
+flush, which covers both its record in the action log and the messages it hands out (the
+broker's handlers), so a consumer still only ever has durable messages, and a message
+waits for one fsync between its send and its delivery, not two. A power loss before that
+flush may keep the pull's record and lose the messages (the kernel writes pages back in any
+order): recovery then cuts the pull logs back to the subjects' ends (``recovery.py``).
+
+``read_range`` reads a subject by sequence outside any group (READ, for data jobs): only
+what is durable (``visible_seq``), since its answer waits for nothing.
 
 Entries whose records retention removed are skipped (never handed out). A filtered take
 scans at most ``_SCAN_ENTRIES_MAX`` entries per pull, so a subject full of other tags costs
@@ -25,7 +35,6 @@ damage is done with it, as with a record retention removed. Both are logged and 
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
@@ -39,9 +48,10 @@ from qmq.store.action_log import ProgressLog
 from qmq.store.clog_repair import DAMAGED, GOOD, check_record
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE
 from qmq.store.datadir import StoreError
-from qmq.store.message_log import RECORD_HEADER_DTYPE, Checked, MessageLog
+from qmq.store.message_log import Checked, MessageLog
 from qmq.store.ordered_take import OrderedDispatch
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
+from qmq.store.record_read import read_fast, without
 from qmq.store.subjects import SubjectState
 from qmq.store.tags import RecordFilter
 
@@ -51,9 +61,32 @@ _T = TypeVar("_T")
 _SCAN_ENTRIES_MAX = 20_000
 _SCAN_CHUNK_ENTRIES = 2048
 _FAST_ENTRIES_MIN = 128  # from this many entries a pull's records are checked with numpy
-_HEADER_SPAN = np.arange(RECORD_HEADER_BYTES)
 _REPAIRS_MAX = 4  # repairs of a subject's consume log one pull may make
 _UNREPAIRABLE_MAX = 10_000  # (subject, sequence) of damaged records remembered, so a repair is tried once
+
+
+def _kept_within(entries: bytes, log_start: int, budget: int) -> tuple[int, int]:
+    """How many leading ``entries`` name records retention removed (below ``log_start``), and how
+    many of the rest fit ``budget`` bytes (the first always does): one pass, with numpy for many."""
+    n = len(entries) // ENTRY_BYTES
+    if n >= _FAST_ENTRIES_MIN:
+        e = np.frombuffer(entries, dtype=ENTRY_DTYPE)
+        kept = e["offset"] >= log_start
+        if not kept.any():
+            return n, 0
+        skip = int(kept.argmax())
+        within = np.cumsum(e["size"][skip:], dtype=np.int64) <= budget
+        return skip, max(1, int(np.count_nonzero(within)))
+    skip = k = acc = 0
+    for off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
+        if not k and off < log_start:
+            skip += 1
+            continue
+        if k and acc + size > budget:
+            break
+        acc += size
+        k += 1
+    return skip, k
 
 
 class PullResult(NamedTuple):
@@ -92,6 +125,7 @@ class Pulls:
         self.checked = Checked() if checked is None else checked
         self.progress = progress
         self.bytes_max = bytes_max
+        self._bytes_max = bytes_max  # of the pull being made
         self.ordered = OrderedDispatch(mlog, progress, ordered_lease_ms)
         self._recorded = False  # the pull being made wrote the action log (see ``pull``)
         self.entries_repaired = 0  # consume-log entries rewritten from the message log
@@ -109,10 +143,12 @@ class Pulls:
         max_n: int,
         tag_filter: RecordFilter | None,
         now_ms: int = 0,
+        bytes_max: int | None = None,
     ) -> PullResult | None:
-        """Hand ``cp`` up to ``max_n`` messages of ``st``, the subject ``gp`` consumes (None
+        """Hand ``cp`` up to ``max_n`` messages of ``st`` (of at most ``bytes_max`` bytes, if less
+        than the store's bound, the first message always), the subject ``gp`` consumes (None
         before its first message): first what it pulled before and never acked (when its session
-        changed), then the group's next visible messages (those matching ``tag_filter``, if any).
+        changed), then the group's next messages (those matching ``tag_filter``, if any).
         For an ordered group (``gp.ordered``) the next messages are dispatched to their slots'
         owners first (``ordered_take``), and ``cp`` is handed what its pull log holds for it."""
         was = cp.session, cp.cursor
@@ -122,6 +158,7 @@ class Pulls:
         if st is None:
             return None
         self._recorded = False
+        self._bytes_max = self.bytes_max if bytes_max is None else max(1, min(bytes_max, self.bytes_max))
         self.ordered.dispatched = False
         self.ordered.settling_ms = 0
         began = cp.cursor
@@ -219,7 +256,7 @@ class Pulls:
             got, size = self._read_records(st.clog.read(seq, k), out.chunks, cp, poff, out.runs, st, seq)
             out = out._replace(messages=out.messages + got, nbytes=out.nbytes + size)
         left = max_n - out.messages
-        budget = self.bytes_max - out.nbytes
+        budget = self._bytes_max - out.nbytes
         if left > 0 and budget > 0:
             if tag_filter is None:
                 out = self._take_next(gp, cp, st, left, budget, out)
@@ -258,23 +295,11 @@ class Pulls:
         self, gp: GroupProgress, cp: ConsumerProgress, st: SubjectState, left: int, budget: int, out: PullResult
     ) -> PullResult:
         start = max(gp.pull_offset, st.clog.min_seq)
-        take = min(left, st.visible_seq - start)
+        take = min(left, st.next_seq - start)
         if take <= 0:
             return out
         entries = st.clog.read(start, take)
-        log_start = self.mlog.start
-        skip = 0
-        for off, _size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
-            if off >= log_start:
-                break
-            skip += 1
-        k = 0
-        acc = 0
-        for _off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries[skip * ENTRY_BYTES :]):
-            if k and acc + size > budget:
-                break
-            acc += size
-            k += 1
+        skip, k = _kept_within(entries, self.mlog.start, budget)
         first = start + skip
         if not k:
             if skip:
@@ -321,7 +346,7 @@ class Pulls:
     ) -> PullResult:
         """Scan from the group's pull offset for messages ``tag_filter`` matches."""
         first = seq = max(gp.pull_offset, st.clog.min_seq)
-        end = min(st.visible_seq, seq + _SCAN_ENTRIES_MAX)
+        end = min(st.next_seq, seq + _SCAN_ENTRIES_MAX)
         log_start = self.mlog.start
         matched: list[tuple[int, bytes]] = []  # (seq, record)
         nbytes = 0
@@ -390,7 +415,7 @@ class Pulls:
         already), the consumer is done with it, as with one retention removed.
         """
         if len(entries) >= _FAST_ENTRIES_MIN * ENTRY_BYTES and not self._damaged and not self.checked.damaged:
-            fast = self._read_fast(entries, chunks, poff, runs, seq)
+            fast = read_fast(self.mlog, self.checked.crc_from, entries, chunks, poff, runs, seq)
             if fast is not None:
                 return fast
         read_into = self.mlog.read_into
@@ -487,86 +512,13 @@ class Pulls:
             for i in disagree:
                 self._disagrees(st, seq + i)
         if retry:  # damaged records go: the good ones are copied out of the chunks one by one
-            chunks[first_chunk:] = self._without(chunks[first_chunk:], first_chunk, listed, set(bad))
+            chunks[first_chunk:] = without(chunks[first_chunk:], first_chunk, listed, set(bad))
         if bad:
             if skipped is not None:
                 skipped.extend(bad)
             elif cp is not None:
                 Progress.apply_ack(cp, [[poff + i, poff + i + 1] for i in sorted(bad)])
         return got, nbytes
-
-    def _read_fast(
-        self, entries: bytes, chunks: list[bytes], poff: int, runs: list[list[int]], seq: int
-    ) -> tuple[int, int] | None:
-        """``_read_records`` for many entries, checked with numpy, when nothing is out of the
-        ordinary; None (``chunks`` as it was) when something is: the caller goes one by one."""
-        e = np.frombuffer(entries, dtype=ENTRY_DTYPE)
-        n = len(e)
-        offsets = e["offset"].astype(np.int64)
-        sizes = e["size"].astype(np.int64)
-        ends = offsets + sizes
-        if (
-            int(offsets.min()) < self.mlog.start
-            or int(sizes.min()) < RECORD_HEADER_BYTES
-            or int(ends.max()) > self.mlog.end
-        ):
-            return None
-        breaks = np.flatnonzero(offsets[1:] != ends[:-1]) + 1
-        first_chunk = len(chunks)
-        crc_from = self.checked.crc_from
-        seqs = np.arange(seq, seq + n, dtype=np.uint64)
-        bounds = [0, *breaks.tolist(), n]
-        for a, b in itertools.pairwise(bounds):
-            start = int(offsets[a])
-            self.mlog.read_into(start, int(ends[b - 1]) - start, chunks)
-            chunk = chunks[-1]
-            rel = offsets[a:b] - start
-            if len(chunk) != int(ends[b - 1]) - start:  # split over two segments: one by one
-                del chunks[first_chunk:]
-                return None
-            heads = np.frombuffer(chunk, dtype=np.uint8)[rel[:, None] + _HEADER_SPAN].view(RECORD_HEADER_DTYPE)[:, 0]
-            ok = (
-                (heads["magic"] == RECORD_MAGIC)
-                & (heads["length"].astype(np.int64) + RECORD_HEADER_BYTES == sizes[a:b])
-                & (heads["sequence"] == seqs[a:b])
-                & (heads["stored_ms"] == e["stored_ms"][a:b])
-            )
-            if not ok.all():
-                del chunks[first_chunk:]
-                return None
-            if start < crc_from:  # before what recovery checked: the CRCs too
-                view = memoryview(chunk)
-                crc32 = crc32c.crc32c
-                crcs = heads["crc"].tolist()
-                for j, (r, size) in enumerate(zip(rel.tolist(), sizes[a:b].tolist(), strict=True)):
-                    if crc32(view[r + 8 : r + size]) != crcs[j]:
-                        del chunks[first_chunk:]
-                        return None
-        if runs and runs[-1][0] + runs[-1][1] == poff:
-            runs[-1][1] += n
-        else:
-            runs.append([poff, n])
-        return n, int(sizes.sum())
-
-    @staticmethod
-    def _without(
-        chunks: list[bytes], first: int, listed: list[tuple[int, int, int, int, bool]], bad: set[int]
-    ) -> list[bytes]:
-        """The records of ``chunks`` (read for ``listed``, whose chunk numbers count from
-        ``first``) less those of ``bad``."""
-        out: list[bytes] = []
-        ci = -1
-        p = 0
-        started = -1
-        for i, size, _ms, at, _crc in listed:
-            if at != started:
-                started, ci, p = at, at - first, 0
-            elif p >= len(chunks[ci]) and ci + 1 < len(chunks):
-                ci, p = ci + 1, 0
-            if i not in bad:
-                out.append(bytes(memoryview(chunks[ci])[p : p + size]))
-            p += size
-        return out
 
     def read_range(self, st: SubjectState | None, from_seq: int, max_n: int) -> tuple[int, int, list[bytes]]:
         """Up to ``max_n`` visible records of ``st`` from sequence ``from_seq`` (or the first

@@ -1,0 +1,142 @@
+"""PULL_MANY: one consumer pulls many (subject, group) pairs of this broker group in one request.
+
+A consumer of many subjects (issue 27's W7: 1,000) would otherwise send one PULL per subject;
+here one request names them all and one answer carries what each got, so the request costs,
+the group commit's waits and the replication waits are paid once. The header::
+
+    consumer_id, session           as PULL's
+    max                            messages in the whole answer (each entry has its own too)
+    pulls                          [{subject, group, max, [start], [broadcast], [tags], [tag_type],
+                                     [max_retries], [ack]}, ...], at most PULL_MANY_ENTRIES_MAX
+
+The answer's header is ``{"results": [...]}``, one per entry in order: ``{"runs", "bytes"}`` (the
+entry's PULL runs and how many bytes of the body are its records, which follow the previous
+entry's) or ``{"error", "status"}`` (that entry refused: a group that pulls ordered, a bad
+subject), so one bad entry does not fail the others; ``acks_error`` as PULL's when the acks the
+entries carried could not be made durable or replicated. It is answered at once (no long
+poll: a consumer waits with a PULL of one subject), and, like a PULL that handed out messages,
+only once the action log is durable and on the slave. Entries past the request's ``max`` or
+the broker's ``pull_bytes_max`` for the whole answer get empty results.
+
+A broker that predates it answers UNKNOWN_COMMAND; the SDK then pulls subject by subject.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from qmq.protocol.codes import Status
+from qmq.protocol.frame import Frame
+from qmq.serving.connection import Responder
+from qmq.serving.requests import BadRequest, get_bool, get_int, get_ranges, get_str, get_tags
+from qmq.store import fileio
+from qmq.store.broker_store import PullResult
+from qmq.store.group_filter import dead_letter_unevaluable
+from qmq.store.redelivery import DEFAULT_MAX_RETRIES
+from qmq.store.tags import RecordFilter
+
+if TYPE_CHECKING:
+    from qmq.broker.handlers import Handlers
+
+PULL_MANY_ENTRIES_MAX = 2_000
+_ID_CHARS_MAX = 200
+
+
+def pull_many(handlers: Handlers, conn: Responder, frame: Frame) -> None:
+    header = frame.header
+    limits = handlers.limits
+    consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
+    session = get_str(header, "session", max_chars=_ID_CHARS_MAX)
+    left = get_int(header, "max", 1, limits.pull_messages_max * PULL_MANY_ENTRIES_MAX)
+    entries = header.get("pulls")
+    if not isinstance(entries, list) or not entries:
+        raise BadRequest("'pulls' must be a non-empty list of {subject, group, max} maps")
+    if len(entries) > PULL_MANY_ENTRIES_MAX:
+        raise BadRequest(f"'pulls' has {len(entries)} entries; at most {PULL_MANY_ENTRIES_MAX} a request")
+    budget = limits.pull_bytes_max
+    results: list[dict[str, object]] = []
+    chunks: list[bytes] = []
+    acked = False
+    handed = False
+    metrics = handlers.metrics
+    for entry in entries:
+        if not isinstance(entry, dict):
+            results.append({"error": f"a 'pulls' entry must be a map, got {type(entry).__name__}", "status": 1})
+            continue
+        try:
+            result, had_acks = _one(handlers, {**entry, "consumer_id": consumer_id}, session, left, budget)
+        except BadRequest as exc:
+            results.append({"error": str(exc), "status": int(Status.BAD_REQUEST)})
+            continue
+        acked = acked or had_acks
+        if result is None:
+            results.append({"runs": [], "bytes": 0})
+            metrics.pulls.labels("empty").inc()
+            continue
+        handed = True
+        results.append({"runs": result.runs, "bytes": result.nbytes})
+        chunks.extend(result.chunks)
+        left -= result.messages
+        budget -= result.nbytes
+        metrics.pulls.labels("messages").inc()
+        subject, group = entry.get("subject"), entry.get("group")
+        metrics.messages_out.labels(subject, group).inc(result.messages)
+        metrics.bytes_out.labels(subject, group).inc(result.nbytes)
+    code, request_id = frame.code, frame.request_id
+    answer: dict[str, Any] = {"results": results}
+    if not acked and not handed:
+        conn.respond(code, request_id, answer)
+        return
+
+    store = handlers.store
+    traced = fileio.tracing and store.sync_policy and handed  # the I/O trace (store/iotrace.py)
+    end, messages_end = store.alog.end, store.mlog.end
+
+    def send(error: str | None) -> None:
+        if traced and error is None:
+            fileio.trace_answer(store.alog.segments, end, "pull")
+            fileio.trace_answer(store.mlog.segments, messages_end, "pull")
+        if error is not None:
+            if not handed:
+                answer["acks_error"] = error  # the client keeps those acks and sends them again
+            else:
+                text = f"the pull could not be made durable ({error}); pull again"
+                conn.respond(code, request_id, {"error": text}, status=Status.BUSY)
+                return
+        conn.respond(code, request_id, answer, chunks)
+
+    # what the entries acked and the records of what they handed out (and the messages, which a
+    # pull takes before their fsync: store/take.py), durable and on the slave before the answer
+    handlers.after_actions(conn, code, request_id, send)
+
+
+def _one(
+    handlers: Handlers, entry: dict[str, object], session: str, left: int, budget: int
+) -> tuple[PullResult | None, bool]:
+    """One entry: its acks applied, then its pull made (None when it got nothing, or when the
+    answer is full); and whether it carried acks."""
+    if (left <= 0 or budget <= 0) and "ack" not in entry:
+        return None, False  # the answer is full: nothing to do for this entry
+    limits = handlers.limits
+    max_n = get_int(entry, "max", 0, limits.pull_messages_max)  # 0: its acks only (a consume quota)
+    ack_ranges = get_ranges(entry, "ack", required=False)
+    tag_filter: RecordFilter | None = handlers.tag_filter(*get_tags(entry, limits.tags_max))
+    max_retries = get_int(entry, "max_retries", 0, 1000, default=DEFAULT_MAX_RETRIES)
+    if get_bool(entry, "ordered"):
+        raise BadRequest("an ordered group is pulled with PULL, one subject a request")
+    gp, cp = handlers.group_and_consumer(entry, create=True)
+    if gp.ordered:
+        raise BadRequest(f"group {gp.group!r} of {gp.subject!r} pulls ordered: pull it with PULL")
+    gp.max_retries = max_retries
+    parked = handlers.broker.parked
+    group_filter = parked.filters.get((gp.subject, gp.group))
+    if group_filter is not None:
+        tag_filter = group_filter = group_filter.with_tags(tag_filter)
+    if ack_ranges:
+        handlers.apply_acks(gp, cp, ack_ranges)
+    if max_n == 0 or left <= 0 or budget <= 0 or (gp.subject, gp.group) in parked.paused:
+        return None, bool(ack_ranges)
+    result = handlers.store.pull(gp, cp, session, min(max_n, left), tag_filter, budget)
+    if group_filter is not None and group_filter.waiting:
+        dead_letter_unevaluable(handlers.store, gp.subject, gp.group, group_filter)
+    return result, bool(ack_ranges)

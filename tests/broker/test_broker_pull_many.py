@@ -1,0 +1,70 @@
+"""PULL_MANY against a real broker (flush = "sync", the default): one answer for many (subject,
+group) pairs, each result naming its part of the body; a refused entry fails alone; its
+answer goes out only after the fsync covering what it handed out (the I/O trace)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rawclient import RawClient, message, split_records
+
+from qmq.protocol.codes import RequestCode, Status
+from qmq.protocol.message import decode_message
+from qmq.store.trace_check import check_file
+from qmq.testing import running_role
+
+
+def _ids(body: bytes) -> list[str]:
+    return [decode_message(m).message_id for _seq, m in split_records(body)]
+
+
+def test_pull_many_answers_each_entry_with_its_part_and_a_bad_entry_alone(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    args = ["broker", "--data-dir", str(tmp_path / "data"), "--port", "0", "--http-port", "0"]
+    with running_role(args, env={"QMQ_IO_TRACE": str(trace)}) as proc:
+        client = RawClient(proc.ready["address"])
+        try:
+            for s in ("a", "b", "c"):
+                assert client.send(*(message(s, f"{s}{i}") for i in range(3))).status == Status.OK
+            entries = [
+                {"subject": "a", "group": "g", "max": 2, "start": "earliest"},
+                {"subject": "b", "group": "g", "max": 10, "start": "earliest", "tags": "not a list"},
+                "not a map",
+                {"subject": "c", "group": "g", "max": 10, "start": "earliest"},
+                {"subject": "empty", "group": "g", "max": 10, "start": "earliest"},
+            ]
+            header = {"consumer_id": "c1", "session": "s1", "max": 100, "pulls": entries}
+            answer = client.call(RequestCode.PULL_MANY, header)
+            assert answer.status == Status.OK, answer.header
+            results = answer.header["results"]
+            assert [("error" in r) for r in results] == [False, True, True, False, False]
+            assert "tags" in results[1]["error"]
+            body = bytes(answer.body)
+            a_bytes = results[0]["bytes"]
+            assert _ids(body[:a_bytes]) == ["a0", "a1"]
+            assert _ids(body[a_bytes : a_bytes + results[3]["bytes"]]) == ["c0", "c1", "c2"]
+            assert results[0]["runs"] == [[0, 2]]
+            assert results[4] == {"runs": [], "bytes": 0}
+            # the acks ride on the entries; the answer caps the total
+            entries = [
+                {"subject": "a", "group": "g", "max": 10, "ack": [[0, 2]]},
+                {"subject": "c", "group": "g", "max": 10, "ack": [[0, 3]]},
+                {"subject": "b", "group": "g", "max": 10, "start": "earliest"},
+            ]
+            header = {"consumer_id": "c1", "session": "s1", "max": 2, "pulls": entries}
+            answer = client.call(RequestCode.PULL_MANY, header)
+            results = answer.header["results"]
+            assert [r["runs"] for r in results] == [[[2, 1]], [], [[0, 1]]]
+            assert _ids(bytes(answer.body)) == ["a2", "b0"]
+            # a new session gets again what it was handed and never acked: a2 and b0, not c's
+            entries = [{"subject": s, "group": "g", "max": 10} for s in ("a", "b", "c")]
+            header = {"consumer_id": "c1", "session": "s2", "max": 100, "pulls": entries}
+            again = client.call(RequestCode.PULL_MANY, header)
+            assert [r["runs"] for r in again.header["results"]] == [[[2, 1]], [[0, 3]], []]
+            assert _ids(bytes(again.body)) == ["a2", "b0", "b1", "b2"]
+        finally:
+            client.close()
+        assert proc.stop() == 0
+    report = check_file(trace)
+    assert report.violations == [], report.violations
+    assert report.pulls >= 4  # each answer that handed out messages: its records and its messages
