@@ -41,12 +41,12 @@ class CrashBeforeSend:
         self._producer = producer
         self._crash_at = crash_at_payment
 
-    def send_async(self, message: Message) -> concurrent.futures.Future[None]:
+    def send_async(self, message: Message, *, resend: bool = False) -> concurrent.futures.Future[None]:
         # The StoredMessage handed over carries only the encoded bytes; the payment id is in the message id.
         if message.message_id == payment_message_id(self._crash_at):
             print(f"payment-service: crashing after the commit of payment {self._crash_at}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return self._producer.send_async(message)
+        return self._producer.send_async(message, resend=resend)
 
 
 def payment_message_id(payment_id: int) -> str:

@@ -12,7 +12,7 @@ from qmq.client.accumulator import Accumulator, Entry
 
 
 def _entry(n: int = 100, at: float = 0.0, epoch: int = 0, mid: str = "id") -> Entry:
-    return (b"x" * n, concurrent.futures.Future(), mid, at, epoch)
+    return (b"x" * n, concurrent.futures.Future(), mid, at, epoch, False)
 
 
 def test_the_message_bound_refuses_at_once_and_release_frees_room() -> None:

@@ -10,7 +10,7 @@ import pytest
 import qmq
 from qmq import ConfigError, MetaServerError
 from qmq.aio import Consumer, Producer
-from qmq.client.consumer import failure_subjects
+from qmq.client.failure import failure_subjects
 from qmq.client.meta import MetaClient, parse_answer
 from qmq.client.options import default_consumer_id
 from qmq.client.pull_consumer import check_pull_args

@@ -12,7 +12,7 @@ import pytest
 from qmq import SendError
 from qmq.client.accumulator import Accumulator, Entry, RouteKey
 from qmq.client.message import Message
-from qmq.client.routing import Router
+from qmq.client.routing import Router, pick_group
 from qmq.common.limits import HOLD_UNTIL_DUE_MS
 
 _URL = "http://meta.example:8080/meta/address"
@@ -21,13 +21,14 @@ _URL = "http://meta.example:8080/meta/address"
 class _Meta:
     def __init__(self) -> None:
         self.url = _URL
-        self.routes: dict[str, RouteKey] = {}
+        self.routes: dict[str, RouteKey] = {}  # the groups of each route that take sends now
+        self.full_routes: dict[str, RouteKey] = {}  # every group of the route, when it differs
         self.delay_groups: RouteKey = ()
         self.refreshes_asked = 0
         self.lookups: dict[str, asyncio.Future[RouteKey]] = {}
 
     def route(self, subject: str) -> RouteKey | None:
-        return self.routes.get(subject)
+        return self.full_routes.get(subject) or self.routes.get(subject)
 
     def send_route(self, subject: str) -> RouteKey | None:
         return self.routes.get(subject)
@@ -81,15 +82,24 @@ def _parts() -> tuple[Router, _Meta, Accumulator, _Sender]:
 
 
 def _entry(mid: str) -> Entry:
-    return (b"x" * 10, asyncio.get_running_loop().create_future(), mid, 0.0, 0)
+    return (b"x" * 10, asyncio.get_running_loop().create_future(), mid, 0.0, 0, False)
 
 
-def _message_entry(key: str | None) -> Entry:
+def _message_entry(key: str | None, resend: bool = False) -> Entry:
     """A real encoded message of subject "s", with order key ``key`` (None: without one)."""
     m = Message("s", body="x")
     if key is not None:
         m.set_order_key(key)
-    return (m.encode(), asyncio.get_running_loop().create_future(), m.message_id, 0.0, 0)
+    return (m.encode(), asyncio.get_running_loop().create_future(), m.message_id, 0.0, 0, resend)
+
+
+def _picking(group: str, route: RouteKey, resend: bool) -> Entry:
+    """An entry of a real message to "s" whose id picks ``group`` of ``route``."""
+    for _ in range(1_000):
+        entry = _message_entry(None, resend)
+        if pick_group(route, entry[2]) == group:
+            return entry
+    raise AssertionError(f"no message id picked {group} of {route} in 1,000 tries")
 
 
 def _queued(acc: Accumulator, group: str) -> list[str]:
@@ -115,7 +125,7 @@ async def test_a_message_due_later_goes_to_the_delay_groups_one_due_soon_to_the_
 async def test_without_a_delay_group_a_message_due_later_fails_at_once() -> None:
     router, meta, acc, sender = _parts()
     fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    router.enqueue("s", _now_ms() + 60_000, (b"x", fut, "m1", 0.0, 0))
+    router.enqueue("s", _now_ms() + 60_000, (b"x", fut, "m1", 0.0, 0, False))
     with pytest.raises(SendError, match=f"no delay server is registered with the meta server {_URL}") as info:
         await fut
     assert info.value.message_id == "m1"
@@ -225,3 +235,33 @@ async def test_ordered_messages_queued_for_a_group_gone_stay_queued_for_it() -> 
     on_b2 = _queued(acc, "b2")
     assert len(on_b2) == 40  # the plain ones, b1's among them, went to b2
     assert ordered[2] not in on_b2
+
+
+async def test_a_resend_waits_for_the_group_its_id_picks_while_a_plain_send_goes_to_the_others() -> None:
+    # an outbox row (resend=True): b1, the group its id picks, takes no sends now (its master cut
+    # off); it may have stored the row's first send, so the row waits for it instead of b2
+    router, meta, acc, _ = _parts()
+    meta.full_routes["s"] = ("b1", "b2")
+    meta.routes["s"] = ("b2",)
+    resend = _picking("b1", ("b1", "b2"), resend=True)
+    plain = _picking("b1", ("b1", "b2"), resend=False)
+    router.enqueue("s", 0, resend)
+    router.enqueue("s", 0, plain)
+    assert _queued(acc, "b1") == [resend[2]]
+    assert _queued(acc, "b2") == [plain[2]]
+
+
+async def test_a_frame_with_a_resend_never_fails_over_and_a_resend_queued_for_a_group_gone_stays() -> None:
+    router, meta, acc, _ = _parts()
+    meta.routes["s"] = ("b1", "b2")
+    plain = [_picking("b1", ("b1", "b2"), resend=False) for _ in range(3)]
+    resend = _picking("b1", ("b1", "b2"), resend=True)
+    assert router.widen("b1", plain) == ("b1", "b2")
+    assert router.widen("b1", [*plain, resend]) == ("b1",)
+    for e in [*plain, resend]:
+        router.enqueue("s", 0, e)
+    meta.full_routes["s"] = ("b1", "b2")
+    meta.routes["s"] = ("b2",)  # b1 takes no sends now
+    router.on_meta_change()
+    assert _queued(acc, "b1") == [resend[2]]  # waits for b1
+    assert sorted(_queued(acc, "b2")) == sorted(e[2] for e in plain)  # the plain ones went to b2

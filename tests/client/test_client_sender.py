@@ -20,7 +20,7 @@ _SEND_TIMEOUT_MS = 40
 def _entry(mid: str) -> tuple[Entry, asyncio.Future[None]]:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
-    return (b"x" * 10, fut, mid, loop.time(), 0), fut
+    return (b"x" * 10, fut, mid, loop.time(), 0, False), fut
 
 
 async def test_what_waited_past_send_timeout_fails_with_where_it_could_not_go() -> None:

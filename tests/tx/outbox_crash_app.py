@@ -21,7 +21,7 @@ from qmq.tx import TransactionalProducer
 class StallBeforeSend:
     """Stands before the real producer: the commit has happened, the send never will."""
 
-    def send_async(self, message: Message) -> concurrent.futures.Future[None]:
+    def send_async(self, message: Message, *, resend: bool = False) -> concurrent.futures.Future[None]:
         print(f"committed {message.message_id}", flush=True)
         sys.stdin.read()  # blocks until the test kills this process
         raise AssertionError("stdin closed before the kill")

@@ -32,10 +32,10 @@ class CountingProducer:
         self._lock = threading.Lock()
         self.sends: collections.Counter[str] = collections.Counter()
 
-    def send_async(self, message: Message) -> concurrent.futures.Future[None]:
+    def send_async(self, message: Message, *, resend: bool = False) -> concurrent.futures.Future[None]:
         with self._lock:
             self.sends[message.message_id] += 1
-        return self._producer.send_async(message)
+        return self._producer.send_async(message, resend=resend)
 
 
 @pytest.fixture

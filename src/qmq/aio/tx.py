@@ -9,9 +9,10 @@ The same outbox as ``qmq.tx`` (same table, same watchdog) over SQLAlchemy's asyn
             await tx_producer.send(conn, msg)
         # committed: sent at once, its outbox row deleted once stored
 
-After the commit the message goes to ``producer.send_nowait`` (inside the commit call, on
-the event loop's thread, never awaiting); a task deletes the rows of stored messages in
-batches from a bounded queue.
+After the commit the message goes to ``producer.send_nowait(..., resend=True)`` (inside the
+commit call, on the event loop's thread, never awaiting; only to the broker group its id
+picks, as the watchdog's sends, see ``qmq.tx.producer``); a task deletes the rows of stored
+messages in batches from a bounded queue.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ _State = Literal["new", "open", "closed"]
 class SendsNowait(Protocol):
     """What the transactional producer needs of ``qmq.aio.Producer``."""
 
-    def send_nowait(self, message: Message) -> asyncio.Future[None]: ...
+    def send_nowait(self, message: Message, *, resend: bool = False) -> asyncio.Future[None]: ...
 
 
 class TransactionalProducer:
@@ -166,7 +167,7 @@ class TransactionalProducer:
     def _dispatch(self, row_id: int, stored: StoredMessage) -> None:
         # Inside the application's commit, on the loop's thread: hand over, never await.
         try:
-            fut = self._producer.send_nowait(stored)
+            fut = self._producer.send_nowait(stored, resend=True)
         except QmqError as exc:
             log.warning(
                 "outbox row %d (message %s) not sent after commit: %s; a watchdog will send it",

@@ -22,6 +22,8 @@ WAITER: Final = 1
 MESSAGE_ID: Final = 2
 ENQUEUED_AT: Final = 3
 EPOCH: Final = 4
+# True: the message may have been sent before (ProducerOptions.resends, for this message alone)
+RESEND: Final = 5
 
 
 class Waiter(Protocol):
@@ -32,7 +34,7 @@ class Waiter(Protocol):
     def set_exception(self, exception: BaseException, /) -> None: ...
 
 
-Entry = tuple[bytes, Waiter, str, float, int]
+Entry = tuple[bytes, Waiter, str, float, int, bool]
 RouteKey = tuple[str, ...]
 
 

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from ssl import SSLContext
 from types import TracebackType
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack
 
 from qmq.client import telemetry
 from qmq.client.connection import ConnectionPool
+from qmq.client.failure import Failures, is_internal
 from qmq.client.keywords import ASYNC_LISTENER_KEYS, AsyncListenerKeywords, ListenerKeywords, check_keywords
 from qmq.client.lag_watch import watch_lag
 from qmq.client.listener import Listener
@@ -43,25 +43,18 @@ from qmq.client.options import (
 )
 from qmq.client.ordered_listener import OrderedListener
 from qmq.client.producer import Producer
-from qmq.client.pull_consumer import OrderedPullConsumer, PullConsumer, PullConsumerBase
+from qmq.client.pull_consumer import OrderedPullConsumer, PullConsumer, PullConsumerBase, check_pull_args
+from qmq.client.pull_many import pull_many
 from qmq.client.puller import ConsumerContext, SubjectPuller, flush_acks_together, leave_ordered
 from qmq.client.received import Batch, BatchBase, M, ReceivedBase, ReceivedMessage
 from qmq.client.subscription import Subscription, make_subscription
-from qmq.common.errors import ERROR_CHARS_MAX, ConfigError, NeedRetry, QmqError, error_text, printable_text
+from qmq.common.errors import (
+    ConfigError,
+    QmqError,
+)
 from qmq.common.limits import DEFAULT_LIMITS
 from qmq.common.naming import (
-    DEAD_PREFIX,
-    RETRY_PREFIX,
-    dead_subject,
-    parse_internal_subject,
     retry_subject,
-)
-from qmq.protocol.message import (
-    TIMES_MAX,
-    PropertyValue,
-    encode_message,
-    encode_properties,
-    with_times,
 )
 
 if TYPE_CHECKING:  # the checkers live above the SDK (qmq.idempotency); only their shape is needed here
@@ -72,46 +65,7 @@ log = logging.getLogger(__name__)
 _State = Literal["new", "open", "closing", "closed"]
 _PREFETCH_DEFAULT_MIN = 256
 LISTENER_CONCURRENCY_DEFAULT = 32
-# an unreadable id made readable: each bad byte becomes 4 characters, 63 of them fit in 255 bytes
-_READABLE_ID_CHARS_MAX = 63
-ERROR_PROPERTY = "qmq.error"  # the failing handler's exception, on retried and dead messages
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-
-def is_internal(subject: str) -> bool:
-    return subject.startswith((RETRY_PREFIX, DEAD_PREFIX))
-
-
-def failure_subjects(subject: str, group: str) -> tuple[str, str]:
-    """Where a failed message of ``subject`` in ``group`` goes: (retry subject, dead-letter subject)."""
-    if not is_internal(subject):
-        return retry_subject(subject, group), dead_subject(subject, group)
-    kind, original, original_group = parse_internal_subject(subject)
-    if kind == "retry":
-        return subject, dead_subject(original, original_group)
-    return subject, subject  # a dead letter read and failed again stays a dead letter
-
-
-def readable_copy(m: ReceivedBase, subject: bytes, attempt: int, reason: str) -> bytes:
-    """A dead letter for a message that cannot be read: its id made readable, its tags dropped,
-    its properties kept when they decode, the reason under ``qmq.error``, the body as it was."""
-    props: dict[str, PropertyValue]
-    try:
-        props = dict(m.properties)
-    except QmqError:
-        props = {}
-    props[ERROR_PROPERTY] = printable_text(reason[:ERROR_CHARS_MAX])
-    return encode_message(
-        subject,
-        m.printable_id[:_READABLE_ID_CHARS_MAX].encode("utf-8"),
-        b"",
-        0,
-        encode_properties(props),
-        m.body,
-        m.created_ms,
-        0,
-        attempt,
-    )
 
 
 def is_async_function(fn: object) -> bool:
@@ -170,7 +124,7 @@ class Consumer:
         self._lag_watch: asyncio.Task[None] | None = None  # the lag metric's refresher (qmq.client.lag_watch)
         self._pull_consumers: dict[tuple[str, str], PullConsumerBase] = {}
         self._listeners: list[Listener[Any]] = []
-        self._warned_no_delay = False
+        self._failures = Failures(self.options.max_retries)
         # one flush of acks at a time, so a flush that returned has seen the outcome of those before it
         self._ack_flushing = asyncio.Lock()
 
@@ -246,6 +200,18 @@ class Consumer:
         pc = self._pull_consumer(subject, group, start_from, ReceivedMessage, Batch, cls, sub)
         assert isinstance(pc, PullConsumer)
         return pc
+
+    async def pull_many(
+        self, pull_consumers: Sequence[PullConsumer], max_messages: int = 1_000, per_subject_max: int = 100
+    ) -> list[Batch]:
+        """A batch for each of ``pull_consumers`` (this consumer's, in order; empty for those with
+        nothing): one request per broker group for all their subjects (PULL_MANY), up to
+        ``per_subject_max`` messages of each and ``max_messages`` in all a broker group. It does
+        not wait for messages. Retry subjects are not looked at: ``pull()`` does that."""
+        check_pull_args(per_subject_max, 0)
+        check_pull_args(max_messages, 0)
+        batches = await pull_many(pull_consumers, max_messages, per_subject_max)
+        return [b for b in batches if isinstance(b, Batch)]
 
     def _pull_consumer(
         self,
@@ -448,67 +414,11 @@ class Consumer:
         return listener
 
     async def _fail_message(self, m: ReceivedBase, exc: BaseException | None) -> None:
-        """Re-send ``m`` to its retry subject, due after the back-off for its attempt (or to the
-        dead letters once its group's ``max_retries`` are used up, or at once when it cannot be
-        read), then ack it."""
+        """Re-send ``m`` to its retry subject or its dead letters, then ack it (qmq.client.failure)."""
         producer = self._producer
         if producer is None:
             raise QmqError("the consumer is not started")
-        tracker = m._tracker
-        sub: Subscription = tracker.subscription or make_subscription(max_retries=self.options.max_retries)
-        if sub.broadcast:
-            log.warning("broadcast message %s failed (%r); broadcast messages are not retried", m.printable_id, exc)
-            tracker.ack(m._offset)
-            return
-        subject, group = tracker.origin_subject, tracker.group
-        attempt = min(m.times, TIMES_MAX)
-        retry, dead = failure_subjects(subject, group)
-        problem = m.unreadable()
-        target = dead if attempt > sub.max_retries or attempt >= TIMES_MAX or problem is not None else retry
-        copy_times = attempt if target == dead else attempt + 1  # the attempt the copy is delivered as
-        delay_ms = 0
-        if target != dead:
-            after = exc.after_ms if isinstance(exc, NeedRetry) else None
-            delay_ms = sub.backoff_ms(attempt) if after is None else after
-        target_raw = subject_bytes(target)
-        if problem is not None:
-            encoded = readable_copy(m, target_raw, attempt, f"unreadable message: {problem}")
-            message_id = m.printable_id
-        else:
-            props = dict(m.properties)
-            if exc is not None:
-                props[ERROR_PROPERTY] = error_text(exc)
-            props_raw = encode_properties(props)
-            due_ms = time.time_ns() // 1_000_000 + delay_ms if delay_ms else 0
-            encoded = with_times(m.encoded, copy_times, subject=target_raw, deliver_at_ms=due_ms, properties=props_raw)
-            message_id = m.message_id
-        try:
-            await producer.send_encoded(target, encoded, message_id)
-        except QmqError as exc_send:
-            if not delay_ms:
-                raise
-            # Back-off needs a delay server; without one the retry is delivered at once.
-            if not self._warned_no_delay:
-                self._warned_no_delay = True
-                log.warning(
-                    "retrying message %s after %d ms failed (%s); retried at once instead (no delay server?)",
-                    message_id,
-                    delay_ms,
-                    exc_send,
-                )
-            encoded = with_times(encoded, copy_times, deliver_at_ms=0)
-            await producer.send_encoded(target, encoded, message_id)
-        if target == dead and dead != retry:
-            log.warning(
-                "message %s of %r failed %d time(s) in group %s; sent to %s (last error: %s)",
-                message_id,
-                subject,
-                attempt,
-                group,
-                target,
-                problem or (error_text(exc) if exc is not None else None),
-            )
-        tracker.ack(m._offset)
+        await self._failures.fail(producer, m, exc)
 
     def _lag_pairs(self) -> list[tuple[str, str]]:
         return [(listener.subject, listener.group) for listener in self._listeners if listener.running]

@@ -105,7 +105,7 @@ class OrderedSends:
     def _send(self, key: str, p: _Pending) -> None:
         inner: asyncio.Future[None] = self._loop.create_future()
         inner.add_done_callback(lambda f: self._answered(key, p, f))
-        entry: Entry = (p.entry[0], inner, p.entry[2], self._loop.time(), p.entry[4])
+        entry: Entry = (p.entry[0], inner, p.entry[2], self._loop.time(), p.entry[4], p.entry[5])
         route = self._routes.route(p.subject)
         if route is None:
             task = asyncio.ensure_future(self._look_up_then_submit(p, entry))

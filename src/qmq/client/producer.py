@@ -202,34 +202,38 @@ class Producer:
         """A new message to ``subject`` with a fresh unique message id."""
         return Message.generate(subject)
 
-    def send_nowait(self, message: Message) -> asyncio.Future[None]:
+    def send_nowait(self, message: Message, *, resend: bool = False) -> asyncio.Future[None]:
         """Buffer ``message`` and return at once; the future resolves when it is stored.
 
         Raises ``qmq.BufferFullError`` at once when the buffer is full (back-pressure), and
         ``InvalidMessageError`` for a message too large. The future fails with
         ``qmq.SendError`` saying why the message could not be stored.
+
+        ``resend=True``: this message may have been sent before (an outbox row, a send whose
+        answer never came): it goes only to the broker group its id picks, as every send of a
+        producer made with ``resends=True`` does (``ProducerOptions.resends``).
         """
         path = self._open
         if path is None:
             raise self._not_open()
         if telemetry.enabled:
-            return self._send_nowait_traced(path, message)
-        return self._send_nowait(path, message)
+            return self._send_nowait_traced(path, message, resend)
+        return self._send_nowait(path, message, resend)
 
-    def _send_nowait_traced(self, path: _Open, message: Message) -> asyncio.Future[None]:
+    def _send_nowait_traced(self, path: _Open, message: Message, resend: bool) -> asyncio.Future[None]:
         record = telemetry.begin_send(message)
         try:
-            fut = self._send_nowait(path, message)
+            fut = self._send_nowait(path, message, resend)
         except BaseException as exc:
             record.finish(exc)
             raise
         fut.add_done_callback(record.finish_future)
         return fut
 
-    def _send_nowait(self, path: _Open, message: Message) -> asyncio.Future[None]:
+    def _send_nowait(self, path: _Open, message: Message, resend: bool) -> asyncio.Future[None]:
         encoded = message.encode()
         fut: asyncio.Future[None] = path.loop.create_future()
-        entry = (encoded, fut, message.message_id, path.loop.time(), self._acc.epoch)
+        entry = (encoded, fut, message.message_id, path.loop.time(), self._acc.epoch, resend)
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
         if message.order_key is not None:
             _check_ordered(message.message_id, deliver_at_ms)
@@ -272,11 +276,13 @@ class Producer:
         *,
         order_key: str | None = None,
         order: OrderMode = "strict",
+        resend: bool = False,
     ) -> None:
         """Send a message already encoded (``Message.encode`` or a received message's bytes).
 
         Its ``deliver_at_ms`` decides where it goes: a delay group when it is due later. With
-        ``order_key`` (the key ``encoded`` was made with) it is sent in order with that key's others.
+        ``order_key`` (the key ``encoded`` was made with) it is sent in order with that key's
+        others. ``resend``: as ``send_nowait``'s.
         """
         path = self._open
         if path is None:
@@ -288,7 +294,7 @@ class Producer:
             if self._open is None:
                 raise self._not_open()
         fut: asyncio.Future[None] = path.loop.create_future()
-        self.enqueue_encoded(subject, encoded, message_id, fut, order_key=order_key, order=order)
+        self.enqueue_encoded(subject, encoded, message_id, fut, order_key=order_key, order=order, resend=resend)
         await fut
 
     def enqueue_encoded(
@@ -300,16 +306,18 @@ class Producer:
         *,
         order_key: str | None = None,
         order: OrderMode = "strict",
+        resend: bool = False,
     ) -> None:
         """Buffer an encoded message whose outcome resolves ``waiter`` (for the blocking SDK).
 
         Runs on the producer's event loop. Raises BufferFullError when there is no room.
+        ``resend``: as ``send_nowait``'s.
         """
         path = self._open
         if path is None:
             raise self._not_open()
         (deliver_at_ms,) = _DELIVER_AT.unpack_from(encoded, _DELIVER_AT_POS)
-        entry = (encoded, waiter, message_id, path.loop.time(), self._acc.epoch)
+        entry = (encoded, waiter, message_id, path.loop.time(), self._acc.epoch, resend)
         if order_key is not None:
             _check_ordered(message_id, deliver_at_ms)
             path.ordered.enqueue(subject, order_key, _slot(encoded), order, entry)

@@ -40,6 +40,11 @@ class PullConsumerBase:
         self._retry_interval_s = retry_interval_ms / 1000
         self._next_retry_check = 0.0
 
+    @property
+    def puller(self) -> SubjectPuller[Any]:
+        """The puller of the subject itself (not its retry subject): what PULL_MANY asks."""
+        return self._main
+
     async def _pull(self, max_messages: int, timeout_ms: int) -> BatchBase[Any]:
         max_messages, timeout_ms = check_pull_args(max_messages, timeout_ms)
         loop = asyncio.get_running_loop()

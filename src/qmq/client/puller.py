@@ -54,6 +54,8 @@ class ConsumerContext:
     pool: ConnectionPool | None = None
     pullers: list[SubjectPuller[Any]] = field(default_factory=list)
     closed: bool = False
+    # broker groups that answered PULL_MANY UNKNOWN_COMMAND (older brokers): pulled subject by subject
+    no_pull_many: set[str] = field(default_factory=set)
 
     def started(self) -> tuple[MetaClient, ConnectionPool]:
         if self.meta is None or self.pool is None or self.closed:
@@ -161,6 +163,51 @@ class SubjectPuller(Generic[M]):
                 raise last_error
             return self._batch_cls()
 
+    # -- what a PULL_MANY of many subjects (client/pull_many.py) asks of each subject -----
+
+    @property
+    def context(self) -> ConsumerContext:
+        return self._ctx
+
+    def empty(self) -> BatchBase[M]:
+        return self._batch_cls()
+
+    def stashed(self, max_messages: int) -> BatchBase[M] | None:
+        """A batch answered to a pull whose caller had gone, if one waits (see ``_stash_late``)."""
+        return self._from_stash(max_messages) if self._stash else None
+
+    def next_group(self, groups: list[BrokerGroup]) -> BrokerGroup:
+        """The broker group to pull next among ``groups`` (round robin, as ``pull`` goes)."""
+        bg = groups[self._rr % len(groups)]
+        self._rr += 1
+        return bg
+
+    def many_entry(self, bg: BrokerGroup, max_messages: int) -> tuple[dict[str, Any], AckTracker, list[list[int]]]:
+        """This subject's entry of a PULL_MANY to ``bg``, with its pending acks (taken: requeue
+        them on the tracker when the request fails)."""
+        tracker = self._tracker(bg.name)
+        entry: dict[str, Any] = {
+            "subject": self.subject,
+            "group": self.group,
+            "max": max_messages,
+            "start": self.start_from,
+            **self._pull_extra,
+        }
+        ranges = tracker.take() if self._ctx.options.acks_with_pulls else []
+        if ranges:
+            entry["ack"] = ranges
+        return entry, tracker, ranges
+
+    def parse_part(self, body: bytes, runs: object, tracker: AckTracker) -> BatchBase[M]:
+        """The batch of one PULL_MANY result: its ``runs`` and its part of the answer's body."""
+        batch = self._batch_cls()
+        parse_records(
+            body, parse_runs(runs), self.origin_subject, tracker, batch, self._make, self._ctx.options.check_crc
+        )
+        self.pulls += 1
+        self.messages += len(batch)
+        return batch
+
     def _note_failure(self, broker_group: str, exc: QmqError) -> None:
         # The other groups carry on; say so on the first failure and then rarely.
         count = self._failures.get(broker_group, 0) + 1
@@ -221,7 +268,9 @@ class SubjectPuller(Generic[M]):
                 f"broker group {bg.name} ({bg.address}) did not answer a pull of {self.subject!r} within "
                 f"{timeout_ms} ms + request_timeout_ms={ctx.options.request_timeout_ms}; reconnecting"
             ) from None
-        except ConnectionLostError:
+        except (ConnectionLostError, BrokerError):
+            # refused (a broker whose store failed, no longer master) or never answered: the acks
+            # it carried go with a later request (they repeat safely), never dropped unanswered
             tracker.requeue(ranges)
             raise
         acks_error = frame.header.get("acks_error")

@@ -13,6 +13,9 @@ application retrying a send whose outcome it never learnt, an outbox watchdog re
 a delay server handing over again after a restart — reaches the group that may have stored it,
 whose duplicate window drops the repeat; another group would store a second copy, which a
 consumer group receives again after it acknowledged the first (found by the fault campaign).
+A message known to be such a repeat (``resend=True``, every send of a producer made with
+``resends=True``: the outbox's sends, the watchdog's, a delay server's hand-overs) waits for
+that group while it takes no sends, and never fails over to another.
 
 The route of a subject not seen before is asked of the meta server once (``MetaClient``
 batches the lookups of one loop turn); its messages are held in the buffer meanwhile, and go
@@ -29,7 +32,7 @@ import time
 import zlib
 from typing import Protocol
 
-from qmq.client.accumulator import ENCODED, MESSAGE_ID, Accumulator, Entry, RouteKey
+from qmq.client.accumulator import ENCODED, MESSAGE_ID, RESEND, Accumulator, Entry, RouteKey
 from qmq.common.limits import HOLD_UNTIL_DUE_MS
 from qmq.protocol.message import HEADER, HEADER_BYTES, order_slot_field
 
@@ -65,7 +68,8 @@ class Router:
     """Puts each message on the queue of its route, holding it while the route is looked up."""
 
     def __init__(self, meta: Routes, acc: Accumulator, sender: Queues, strict: bool = False) -> None:
-        """``strict``: a message due now waits for the group its id picks (ProducerOptions.resends)."""
+        """``strict``: every message due now waits for the group its id picks (ProducerOptions.resends);
+        otherwise those sent with ``resend=True`` do (the entry's RESEND)."""
         self._meta = meta
         self._acc = acc
         self._sender = sender
@@ -96,8 +100,8 @@ class Router:
                 key = self._first_route(subject, entry)
                 if key is None:
                     return
-            if len(key) > 1 or self._strict:
-                key = self._pinned(subject, key, entry[MESSAGE_ID])
+            if len(key) > 1 or self._strict or entry[RESEND]:
+                key = self._pinned(subject, key, entry)
         self._sender.submit(key, entry)
 
     def widen(self, group: str, entries: list[Entry]) -> RouteKey:
@@ -106,8 +110,9 @@ class Router:
 
         A frame holding a message with an order key stays on ``group``: its key's slot lives
         there (client/ordering.py), and stored elsewhere it could be consumed before the key's
-        earlier messages (a strict key waits for its group, as across a master's failover)."""
-        if any(is_ordered(e) for e in entries):
+        earlier messages (a strict key waits for its group, as across a master's failover). So
+        does a frame holding a resend: ``group`` may have stored it."""
+        if any(is_ordered(e) or e[RESEND] for e in entries):
             return (group,)
         common: RouteKey | None = None
         for subject in {subject_of(e[ENCODED]) for e in entries}:
@@ -117,20 +122,21 @@ class Router:
 
     def _rerouted(self, single: RouteKey, entry: Entry) -> RouteKey:
         """Where a message queued for the group of ``single``, no longer available, goes now
-        (a message with an order key nowhere else: it waits there, see ``widen``)."""
-        if is_ordered(entry):
+        (a message with an order key, or a resend, nowhere else: it waits there, see ``widen``)."""
+        if is_ordered(entry) or entry[RESEND]:
             return single
         subject = subject_of(entry[ENCODED])
         key = self._meta.send_route(subject)
         if not key:
             return single  # nowhere else to go: it waits (or expires) there
-        return self._pinned(subject, key, entry[MESSAGE_ID]) if len(key) > 1 else key
+        return self._pinned(subject, key, entry) if len(key) > 1 else key
 
-    def _pinned(self, subject: str, key: RouteKey, message_id: str) -> RouteKey:
-        """The group of ``key`` that ``message_id`` picks in ``subject``'s route (the module
-        docstring), as a route of one; all of ``key`` when that group takes no sends now."""
-        group = pick_group(self._meta.route(subject) or key, message_id)
-        if group not in key and not self._strict:
+    def _pinned(self, subject: str, key: RouteKey, entry: Entry) -> RouteKey:
+        """The group of ``key`` that the entry's message id picks in ``subject``'s route (the
+        module docstring), as a route of one; all of ``key`` when that group takes no sends now
+        (unless the entry is a resend or the producer strict: the group all the same)."""
+        group = pick_group(self._meta.route(subject) or key, entry[MESSAGE_ID])
+        if group not in key and not (self._strict or entry[RESEND]):
             return key
         single = self._singles.get(group)
         if single is None:
@@ -173,7 +179,10 @@ class Router:
         if not key:
             return
         pin = len(key) > 1 or self._strict
-        pick = (lambda entry: self._pinned(subject, key, entry[MESSAGE_ID])) if pin else (lambda _e: key)
+
+        def pick(entry: Entry) -> RouteKey:
+            return self._pinned(subject, key, entry) if pin or entry[RESEND] else key
+
         for moved in self._acc.route_held(subject, pick):
             self._sender.wake(moved)
 

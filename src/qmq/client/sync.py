@@ -166,8 +166,10 @@ class Producer:
         self._send_wait_s = 2 * opts.send_timeout_ms / 1000 + _MARGIN_S
         self._close_wait_s = 2 * self._async.connect_options.close_timeout_ms / 1000 + _MARGIN_S
         self._lock = threading.Lock()
-        # (subject, encoded, message id, future, order key, order)
-        self._handoff: deque[tuple[str, bytes, str, concurrent.futures.Future[None], str | None, OrderMode]] = deque()
+        # (subject, encoded, message id, future, order key, order, resend)
+        self._handoff: deque[tuple[str, bytes, str, concurrent.futures.Future[None], str | None, OrderMode, bool]] = (
+            deque()
+        )
         self._handoff_bytes = 0
         self._wake_pending = False
         self._closed = False
@@ -207,16 +209,20 @@ class Producer:
         message: Message,
         on_success: Callable[[Message], object] | None = None,
         on_failed: Callable[[Message, BaseException], object] | None = None,
+        *,
+        resend: bool = False,
     ) -> concurrent.futures.Future[None]:
         """Buffer ``message`` and return at once; the future resolves when it is stored.
 
         ``on_success(message)`` or ``on_failed(message, error)`` is called on the SDK's I/O
         thread: keep it short and never call a blocking qmq method from it. Raises
-        ``qmq.BufferFullError`` at once when the send buffer is full.
+        ``qmq.BufferFullError`` at once when the send buffer is full. ``resend=True``: the
+        message may have been sent before, so it goes only to the broker group its id picks
+        (``qmq.aio.Producer.send_nowait``).
         """
         record = telemetry.begin_send(message) if telemetry.enabled else None
         try:
-            fut = self._send_async(message, on_success, on_failed)
+            fut = self._send_async(message, on_success, on_failed, resend)
         except BaseException as exc:
             if record is not None:
                 record.finish(exc)
@@ -230,6 +236,7 @@ class Producer:
         message: Message,
         on_success: Callable[[Message], object] | None,
         on_failed: Callable[[Message, BaseException], object] | None,
+        resend: bool,
     ) -> concurrent.futures.Future[None]:
         encoded = message.encode()
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -242,7 +249,9 @@ class Producer:
             # Messages handed over but not yet in the buffer count against its bounds too.
             if not self._async.has_room(n, len(self._handoff), self._handoff_bytes):
                 raise self._async.full_error(n, message.message_id)
-            self._handoff.append((message.subject, encoded, message.message_id, fut, message.order_key, message.order))
+            self._handoff.append(
+                (message.subject, encoded, message.message_id, fut, message.order_key, message.order, resend)
+            )
             self._handoff_bytes += n
             wake = not self._wake_pending
             self._wake_pending = True
@@ -256,11 +265,11 @@ class Producer:
             self._handoff_bytes = 0
             self._wake_pending = False
         enqueue = self._async.enqueue_encoded
-        for subject, encoded, message_id, fut, order_key, order in items:
+        for subject, encoded, message_id, fut, order_key, order, resend in items:
             if fut.done():
                 continue  # cancelled by its caller
             try:
-                enqueue(subject, encoded, message_id, fut, order_key=order_key, order=order)
+                enqueue(subject, encoded, message_id, fut, order_key=order_key, order=order, resend=resend)
             except QmqError as exc:
                 with contextlib.suppress(*_INVALID_STATE):
                     fut.set_exception(exc)

@@ -7,7 +7,12 @@ waiting (``send_async``), and once the broker has stored it the row is deleted i
 separate short transaction (``qmq.tx.finisher``). After a rollback nothing is sent. If
 the process dies after the commit, or the broker is down, the row stays and ``qmq
 watchdog`` sends it later; a send repeated after all is dropped by the broker's duplicate
-window, which keys on the message id the row keeps.
+window, which keys on the message id the row keeps. For that, every send of a row, this
+one and the watchdog's, is a resend (``send_async(..., resend=True)``): it goes only to the
+broker group the message id picks, and waits for that group rather than fail over to
+another, which would store a second copy (found by the fault campaign: a row whose
+after-commit send failed over while a master was cut off, then stored again by the
+watchdog in the group its id picks).
 """
 
 from __future__ import annotations
@@ -46,9 +51,12 @@ _CLOSE_TIMEOUT_MS = 10_000
 
 
 class SendsAsync(Protocol):
-    """What the transactional producer needs of ``qmq.Producer`` (the blocking SDK)."""
+    """What the transactional producer and the watchdog need of ``qmq.Producer`` (the blocking
+    SDK). Every send of an outbox row is made with ``resend=True``: a row may have been sent
+    before (the send's answer lost, the process killed before the row was deleted), so it goes
+    only to the broker group its message id picks, whose duplicate window drops a repeat."""
 
-    def send_async(self, message: Message) -> concurrent.futures.Future[None]: ...
+    def send_async(self, message: Message, *, resend: bool = False) -> concurrent.futures.Future[None]: ...
 
 
 def connection_of(conn: sa.Connection | Session) -> sa.Connection:
@@ -151,7 +159,7 @@ class TransactionalProducer:
     def _dispatch(self, row_id: int, stored: StoredMessage) -> None:
         # Runs inside the application's commit call: hand over and return, never block.
         try:
-            fut = self._producer.send_async(stored)
+            fut = self._producer.send_async(stored, resend=True)
         except QmqError as exc:
             log.warning(
                 "outbox row %d (message %s) not sent after commit: %s; a watchdog will send it",

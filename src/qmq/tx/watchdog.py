@@ -14,7 +14,9 @@ process died right after the commit, or the broker was down. Each pass, for each
 
 At most ``batches_per_pass`` batches run per database per pass. A row resent although it
 had been delivered is dropped by the broker's duplicate window (same message id, subject
-and attempt), as long as the threshold is well below the broker's ``dedup_window_ms``.
+and attempt), as long as the threshold is well below the broker's ``dedup_window_ms``: every
+send is a resend (``resend=True``), made only to the broker group the message id picks, the
+one the first send went to, even while that group takes no sends.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ class Watchdog:
         errors: dict[int, str] = {}
         for row in rows:
             try:
-                futures[self._producer.send_async(StoredMessage(row.subject, row.message_id, row.content))] = row
+                stored = StoredMessage(row.subject, row.message_id, row.content)
+                futures[self._producer.send_async(stored, resend=True)] = row
             except Exception as exc:  # a full buffer, a closed producer, a row that is not a message
                 errors[row.id] = f"{exc.__class__.__name__}: {exc}"
         done, not_done = concurrent.futures.wait(futures, timeout=self.send_wait_ms / 1000)
