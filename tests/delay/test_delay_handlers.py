@@ -51,16 +51,18 @@ class Context:
     role: str = "master"
     epoch: int = 1
     replicator: Replicator | None = None
+    tracing: None = None
 
     @property
     def source(self) -> ReplicationSource:
         return ReplicationSource(lambda _h: ({}, [], False), self.config, lambda: (0, 0))
 
-    def after_replicated(self, end: int, reply: Reply) -> None:
+    def after_replicated(self, end: int, reply: Reply, replicated: Reply | None = None) -> None:
+        done = replicated or reply  # no slave here: durable is replicated
         if self.store.sync_policy:
-            self.flusher.after_write(end, reply)
+            self.flusher.after_write(end, lambda error: reply(error) if error is not None else done(None))
         else:
-            reply(None)
+            done(None)
 
     def sync_in_background(self) -> None:
         pass

@@ -5,6 +5,8 @@ dispatch logs say was handed over reaches the slave's, once, however often it is
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from delayhelpers import T0_MS, append, manual_clock, open_store
 
 from qmq.delay.bucket import DISPATCH_DTYPE
 from qmq.delay.replica import SlaveCopy, read_for_slave
+from qmq.delay.resync import Resync
 from qmq.delay.store import DelayStore
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
@@ -29,8 +32,29 @@ def copy_all(master: DelayStore, copy: SlaveCopy, token: int = TOKEN, max_bytes:
         fields, parts, has_data = read_for_slave(master, token, header)
         if not has_data:
             return answers
-        copy.take(Frame(RequestCode.REPLICATE, 1, fields, b"".join(parts)))
+        pending = copy.take(Frame(RequestCode.REPLICATE, 1, fields, b"".join(parts)))
+        if pending is not None:  # a copy made anew, swapped in
+            asyncio.run(_awaited(pending))
     raise AssertionError("the copy never caught up")
+
+
+async def _awaited(pending: Awaitable[None]) -> None:
+    await pending
+
+
+def checkpoint(store: DelayStore) -> int:
+    """A checkpoint as the server makes one, with no slave to keep segments for; segments deleted."""
+    job = store.checkpoint_job()
+    job.run()
+    return store.after_checkpoint(job)
+
+
+def install_into(slave: DelayStore) -> Callable[[Resync], Awaitable[None]]:
+    async def install(resync: Resync) -> None:
+        assert resync.checkpoint is not None
+        slave.install_copy(resync.staging, resync.checkpoint)
+
+    return install
 
 
 def wal_bytes(store: DelayStore) -> bytes:
@@ -65,6 +89,27 @@ def test_the_slave_copies_the_log_byte_for_byte_and_replays_it_into_the_same_ent
     assert {b.start_ms: b.count for b in slave.iter_buckets()} == {b.start_ms: b.count for b in master.iter_buckets()}
     assert slave.pending_total == master.pending_total == 19
     assert dispatched(slave) == dispatched(master)  # the cancel: replayed there, copied once
+
+
+def test_a_far_bucket_takes_its_messages_in_log_order_however_they_were_batched(
+    pair: tuple[DelayStore, DelayStore],
+) -> None:
+    """The slave replays many sends as one run; the master took them one send at a time. A send
+    due within one far bucket joins that bucket's messages waiting for the flush, so the entry
+    numbers are the same on both (before, it went into the bucket at once, ahead of the earlier
+    send's messages still waiting: the slave's entries then named other messages than the
+    master's dispatch log did, and after a promotion some were never handed over)."""
+    master, slave = pair
+    copy = SlaveCopy(slave)
+    far = T0_MS + 86_400_000
+    append(master, [("s.a", "near", T0_MS + 30_000), ("s.a", "far-1", far + 1)])  # spread: far-1 waits
+    append(master, [("s.a", "far-2", far + 2), ("s.a", "far-3", far + 3)])  # one bucket, the same far one
+    copy_all(master, copy)  # all three sends in one answer: replayed as one run
+    master.flush_buffers()
+    slave.flush_buffers()
+    on_master = master.buckets[far].load_index(3)["due"].tolist()
+    assert on_master == [far + 1, far + 2, far + 3]  # write-ahead log order
+    assert slave.buckets[far].load_index(3)["due"].tolist() == on_master
 
 
 def test_what_the_master_handed_over_reaches_the_slave_once(pair: tuple[DelayStore, DelayStore]) -> None:
@@ -111,3 +156,59 @@ def test_a_chunk_that_does_not_continue_the_copy_is_refused(pair: tuple[DelaySto
         SlaveCopy(slave).take(Frame(RequestCode.REPLICATE, 1, fields, b"".join(parts)))
     with pytest.raises(ReplicaError, match="past the end of the log"):
         read_for_slave(master, TOKEN, {"from": master.wal.end + 100, "action_from": 0})
+
+
+def test_a_slave_behind_the_masters_log_copies_its_schedule_anew_and_misses_nothing(tmp_path: Path) -> None:
+    """The slave copied some, then was down while the master took many more sends and deleted the
+    log segments holding them (checkpoints): asking from its old offset it is answered behind,
+    copies the master's schedule as its checkpoint names it, then the log after it and the
+    dispatch logs, and ends with the master's pending messages, entry for entry."""
+    clock = manual_clock()
+    master = open_store(tmp_path / "master", clock, wal_segment_bytes=64 * 1024)
+    slave = open_store(tmp_path / "slave", clock, wal_segment_bytes=64 * 1024)
+    copy = SlaveCopy(slave, install_into(slave))
+    body = b"x" * 1000
+    append(master, [("s.a", f"early-{i}", T0_MS + 60_000 + i) for i in range(20)], body)
+    copy_all(master, copy)
+    assert slave.pending_total == 20
+    for f in range(30):  # the slave is down: 300 messages over buckets near and far, ~5 segments
+        append(master, [("s.a", f"late-{f}-{i}", T0_MS + 90_000 + f * 61_000 + i) for i in range(10)], body)
+    assert checkpoint(master) >= 3
+    assert master.wal.start > slave.wal.end  # what the slave had not copied is gone from the master
+    [first] = [b.start_ms for b in master.iter_buckets()][:1]
+    master.dispatched(first, np.array([0, 2, 5], dtype=DISPATCH_DTYPE).tobytes())
+    append(master, [("s.b", f"after-{i}", T0_MS + 70_000 + i) for i in range(5)], body)  # after the checkpoint
+    assert master.cancel("late-3-4", None) == 1
+    copy_all(master, copy, max_bytes=32 * 1024)  # small answers: files come in several parts
+    assert not copy.resyncing
+    assert slave.wal.end == master.wal.end
+    master.flush_buffers()
+    slave.flush_buffers()
+    assert {b.start_ms: b.count for b in slave.iter_buckets()} == {b.start_ms: b.count for b in master.iter_buckets()}
+    assert dispatched(slave) == dispatched(master)
+    assert slave.pending_total == master.pending_total == 20 + 300 + 5 - 3 - 1
+    for b in master.iter_buckets():
+        assert slave.buckets[b.start_ms].load_index(b.count).tolist() == b.load_index(b.count).tolist()
+    # it copies on as any slave: a later send reaches it
+    append(master, [("s.a", "later", T0_MS + 65_000)], body)
+    copy_all(master, copy)
+    assert slave.pending_total == master.pending_total
+    slave.close()
+    slave = open_store(tmp_path / "slave", clock, wal_segment_bytes=64 * 1024)  # and it recovers as it is
+    assert slave.pending_total == master.pending_total
+    slave.close()
+    master.close()
+
+
+def test_a_swap_cut_short_leaves_a_store_that_starts_empty(tmp_path: Path) -> None:
+    clock = manual_clock()
+    slave = open_store(tmp_path, clock)
+    append(slave, [("s.a", "m", T0_MS + 60_000)])
+    slave.close()
+    (tmp_path / "resync.installing").write_bytes(b"")
+    (tmp_path / "resync" / "schedule").mkdir(parents=True)
+    slave = open_store(tmp_path, clock)
+    assert (slave.pending_total, slave.wal.end, list(slave.iter_buckets())) == (0, 0, [])
+    assert not (tmp_path / "resync.installing").exists()
+    assert not (tmp_path / "resync").exists()
+    slave.close()

@@ -22,7 +22,7 @@ import math
 from array import array
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,10 @@ from qmq.common.errors import QmqError, SendError
 from qmq.delay.bucket import DISPATCH_DTYPE, DISPATCH_TYPECODE
 from qmq.delay.scheduler import LoadJob, Scheduler
 from qmq.delay.timer import Rows
+from qmq.serving.tracing import ServerTracing, end_spans
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +54,12 @@ _LOAD_ON_LOOP_ENTRIES_MAX = 50_000
 class _Waiter:
     """The producer's view of one message in flight (``qmq.client.accumulator.Waiter``)."""
 
-    __slots__ = ("_done", "batch", "i")
+    __slots__ = ("_done", "batch", "i", "span")
 
-    def __init__(self, batch: _Batch, i: int) -> None:
+    def __init__(self, batch: _Batch, i: int, span: Span | None) -> None:
         self.batch = batch
         self.i = i
+        self.span = span  # the "fire" span of a traced message (qmq.serving.tracing)
         self._done = False
 
     def done(self) -> bool:
@@ -63,11 +68,15 @@ class _Waiter:
     def set_result(self, _result: None, /) -> None:
         if not self._done:
             self._done = True
+            if self.span is not None:
+                end_spans((self.span,))
             self.batch.dispatcher.acked(self.batch, self.i)
 
     def set_exception(self, exc: BaseException, /) -> None:
         if not self._done:
             self._done = True
+            if self.span is not None:
+                end_spans((self.span,), str(exc))
             self.batch.dispatcher.failed(self.batch, self.i, exc)
 
 
@@ -94,8 +103,10 @@ class Dispatcher:
         messages_max: int,
         bytes_max: int,
         on_disk_error: Callable[[BaseException], None],
+        tracing: ServerTracing | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.tracing = tracing
         self.producer = producer
         self.clock = clock
         self.lead_ms = lead_ms
@@ -259,9 +270,11 @@ class Dispatcher:
         enqueue = self.producer.enqueue_encoded
         subjects, encoded, ids = handover.subjects, handover.encoded, handover.message_ids
         sizes = batch.sizes
+        tracing = self.tracing
         for i in range(len(rows)):
+            span = tracing.span_of_message("fire", encoded[i]) if tracing is not None else None
             try:
-                enqueue(subjects[i], encoded[i], ids[i], _Waiter(batch, i))
+                enqueue(subjects[i], encoded[i], ids[i], _Waiter(batch, i, span))
             except QmqError as exc:
                 # the producer's buffer is sized above the hand-over bounds; this is a closing producer
                 self.scheduler.requeue(rows[i:])

@@ -30,6 +30,7 @@ from qmq.serving.dispatch import Handler, RoleContext, RoleHandlers
 from qmq.serving.replication import ReplicationSource, Replicator, take_request
 from qmq.serving.replies import Reply, guarded
 from qmq.serving.requests import BadRequest, get_int, get_str
+from qmq.serving.tracing import ServerTracing, end_spans
 from qmq.store import fileio
 
 STATS_BUCKETS_DEFAULT = 100
@@ -71,6 +72,8 @@ class DelayContext(RoleContext, Protocol):
     def arrived(self, rows: Rows) -> None: ...
     def release_durable(self) -> None: ...
     @property
+    def tracing(self) -> ServerTracing | None: ...
+    @property
     def address(self) -> str: ...
     @property
     def role(self) -> str: ...
@@ -80,8 +83,9 @@ class DelayContext(RoleContext, Protocol):
     def source(self) -> ReplicationSource: ...
     @property
     def replicator(self) -> Replicator | None: ...
-    def after_replicated(self, end: int, reply: Reply) -> None:
-        """``reply`` once the write-ahead log to ``end`` is durable (and on the slave, with one)."""
+    def after_replicated(self, end: int, reply: Reply, replicated: Reply | None = None) -> None:
+        """``reply`` once the write-ahead log to ``end`` is durable, then ``replicated`` once it is
+        on the slave (with one), or with why it will not be."""
         ...
 
 
@@ -134,7 +138,9 @@ class Handlers(RoleHandlers):
             text = f"delay server {server.address} is not master of its group; ask the meta server for the master"
             conn.respond(frame.code, frame.request_id, {"error": text}, status=Status.NOT_MASTER)
             return
-        take_request(server.source, server.epoch, conn, frame, self.limits.pull_timeout_ms_max, ("token", "dispatch"))
+        take_request(
+            server.source, server.epoch, conn, frame, self.limits.pull_timeout_ms_max, ("token", "dispatch", "snapshot")
+        )
 
     def refusal(self) -> tuple[Status, str] | None:
         server = self.server
@@ -156,6 +162,8 @@ class Handlers(RoleHandlers):
         body, scanned, problems = taken
         server = self.server
         store = self.store
+        tracing = server.tracing
+        spans = tracing.spans_of_frame("schedule", body, scanned) if tracing is not None else None
         result = self.storing(lambda: store.append(body, scanned, problems))
         metrics = self.metrics
         if result.stored:
@@ -181,6 +189,8 @@ class Handlers(RoleHandlers):
             server.unflushed.append((end, result.arrivals))
 
         def durable(error: str | None) -> None:
+            if spans:
+                end_spans(spans, error)
             try:
                 if error is None:
                     if fileio.tracing:  # the I/O trace (store/iotrace.py)
@@ -193,7 +203,22 @@ class Handlers(RoleHandlers):
                 if store.sync_policy:
                     server.release_durable()
 
-        server.after_replicated(end, guarded(conn, code, request_id, durable))
+        def replicated(error: str | None) -> None:
+            if error is None:
+                durable(None)
+                return
+            # durable here, but this server is no longer master (or is stopping, or read-only)
+            # before its slave said it has it: NOT_MASTER, so the producer sends it again at once
+            # (a repeat is dropped by the broker's duplicate window when both are handed over)
+            if spans:
+                end_spans(spans, error)
+            conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.NOT_MASTER)
+            if store.sync_policy:
+                server.release_durable()
+
+        server.after_replicated(
+            end, guarded(conn, code, request_id, durable), guarded(conn, code, request_id, replicated)
+        )
 
     def cancel_delay(self, conn: Responder, frame: Frame) -> None:
         """``{"message_id"}`` → ``{"cancelled": bool, "copies": n}``: whether pending messages
@@ -243,7 +268,15 @@ class Handlers(RoleHandlers):
             else:  # written, fsync failed: it may or may not be kept
                 conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.INTERNAL_ERROR)
 
-        server.after_replicated(store.wal.end, guarded(conn, code, request_id, durable))
+        def replicated(error: str | None) -> None:
+            if error is None:
+                durable(None)
+            else:  # no longer master before the slave had it: the client asks the group's master again
+                conn.respond(code, request_id, {"error": error, "outcome": "unknown"}, status=Status.NOT_MASTER)
+
+        server.after_replicated(
+            store.wal.end, guarded(conn, code, request_id, durable), guarded(conn, code, request_id, replicated)
+        )
 
     def delay_list(self, conn: Responder, frame: Frame) -> None:
         """``{"subject", "from_ms"?, "to_ms"?, "limit"?, "after"?}`` → one page of the subject's

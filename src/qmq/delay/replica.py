@@ -17,6 +17,10 @@ yet: a repeat the broker's duplicate window drops, since the hand-over carries t
 
 Each master process answers with a token of its own; a slave that meets a new token asks for
 the dispatch logs from their start (a restarted master's recovery may have rewritten them).
+A slave asking from before the start of the master's write-ahead log (it was down while the
+master deleted what it had not copied) is answered ``behind`` and copies the master's schedule
+anew from its last checkpoint (resync.py) before it copies the log again.
+
 Memory: one bit per entry of each bucket whose dispatch log the slave is copying.
 
 Synchronous; runs on the server's event loop.
@@ -24,7 +28,9 @@ Synchronous; runs on the server's event loop.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -32,11 +38,14 @@ import numpy.typing as npt
 
 from qmq.delay.bucket import DISPATCH, DISPATCH_DTYPE, DISPATCH_ENTRY_BYTES, read_dispatched
 from qmq.delay.recovery import replay_wal
+from qmq.delay.resync import Resync, behind_answer, read_part
 from qmq.delay.store import DelayStore
 from qmq.protocol.frame import Frame
 from qmq.serving.replication import CHUNK_BYTES_MAX
 from qmq.store.message_log import ScanResult
 from qmq.store.replica import Chunk, ReplicaError, append_records, read_records
+
+log = logging.getLogger(__name__)
 
 # Buckets whose dispatch-log tails one answer carries, at most (the rest come with the next).
 _TAILS_MAX = 64
@@ -51,6 +60,12 @@ def read_for_slave(store: DelayStore, token: int, header: dict[str, Any]) -> tup
     """The answer to a slave's REPLICATE: write-ahead log records from ``from`` and, once those
     reach the end, the dispatch-log tails the slave lacks (``dispatch``: {bucket start: bytes})."""
     budget = min(int(header.get("max_bytes", CHUNK_BYTES_MAX)), CHUNK_BYTES_MAX)
+    snapshot = header.get("snapshot")
+    if isinstance(snapshot, dict):
+        fields, data = read_part(store.dir, store.schedule.directory, snapshot, budget)
+        return {**behind_answer(token, store.wal.start), "behind": None, "snapshot": fields}, [data], True
+    if int(header["from"]) < store.wal.start:
+        return behind_answer(token, store.wal.start), [], True
     chunk = read_records(store.wal.segments, int(header["from"]), budget)
     parts = [chunk.data] if chunk.data else []
     tails: list[list[int]] = []
@@ -90,10 +105,15 @@ def read_for_slave(store: DelayStore, token: int, header: dict[str, Any]) -> tup
 
 
 class SlaveCopy:
-    """A delay slave's side: where its copy ends (``ask``) and appending an answer (``take``)."""
+    """A delay slave's side: where its copy ends (``ask``) and appending an answer (``take``).
 
-    def __init__(self, store: DelayStore) -> None:
+    ``install`` swaps a copy of the master's schedule in once it is whole (the server's, which
+    holds off its checkpoints meanwhile); ``take`` returns what it must await then."""
+
+    def __init__(self, store: DelayStore, install: Callable[[Resync], Awaitable[None]] | None = None) -> None:
         self.store = store
+        self.install = install
+        self.resync: Resync | None = None  # copying the master's schedule anew (resync.py)
         self.token: int | None = None
         self.copied: dict[int, int] = {}  # bucket start -> bytes of the master's dispatch log copied
         self._done: dict[int, npt.NDArray[np.bool_]] = {}  # bucket start -> entries its dispatch log holds
@@ -104,15 +124,26 @@ class SlaveCopy:
         for start in [s for s in self.copied if s not in buckets]:
             del self.copied[start]  # finished and deleted here too
             self._done.pop(start, None)
-        return {
+        asked: dict[str, Any] = {
             "from": self.store.wal.end,
             "action_from": 0,
             "token": self.token,
             "dispatch": {str(s): n for s, n in self.copied.items()},
         }
+        if self.resync is not None:
+            asked["snapshot"] = self.resync.ask()
+            asked["dispatch"] = {}
+        return asked
 
-    def take(self, frame: Frame) -> None:
+    @property
+    def resyncing(self) -> bool:
+        """Whether this copy is being made anew: it must not be promoted meanwhile."""
+        return self.resync is not None
+
+    def take(self, frame: Frame) -> Awaitable[None] | None:
         h = frame.header
+        if isinstance(h.get("behind"), int) or isinstance(h.get("snapshot"), dict):
+            return self._take_anew(h, bytes(frame.body))
         body = memoryview(bytes(frame.body))
         store = self.store
         token = h.get("token")
@@ -143,6 +174,36 @@ class SlaveCopy:
                 continue  # not where this copy of it ends (a stale answer): asked for again
             self._mark(int(start), entries)
             self.copied[start] = copied + size
+
+        return None
+
+    def _take_anew(self, h: dict[str, Any], body: bytes) -> Awaitable[None] | None:
+        if isinstance(h.get("behind"), int):
+            if self.resync is None:
+                log.warning(
+                    "this delay slave's copy ends at write-ahead log offset %d and its master's log now begins at %d "
+                    "(it deleted what this slave had not copied): copying the master's schedule anew",
+                    self.store.wal.end,
+                    h["behind"],
+                )
+                self.resync = Resync(self.store.dir, int(h["behind"]))
+            return None
+        resync = self.resync
+        if resync is None:
+            return None  # a stale answer
+        resync.take(h["snapshot"], body)
+        if not resync.done:
+            return None
+        return self._install(resync)
+
+    async def _install(self, resync: Resync) -> None:
+        if self.install is None:
+            raise ReplicaError("this copy cannot swap in a copy of its master's schedule")
+        await self.install(resync)
+        self.resync = None
+        self.token = None  # the dispatch logs come whole with the next answers
+        self.copied.clear()
+        self._done.clear()
 
     def _mark(self, start: int, entries: npt.NDArray[np.uint32]) -> None:
         b = self.store.buckets.get(start)

@@ -6,7 +6,9 @@ A message belongs to the bucket of ``max(due, stored time)``, so a message alrea
 the current bucket and no message ever joins a past one. Records are replayed into their
 buckets' buffers in write-ahead log order (``replay``): a batch due within one bucket as one
 run, numpy all the way; a batch spread over buckets bucket by bucket, except that the messages
-of far buckets wait for the next flush and are sorted in then in bulk (far.py). A loaded
+of far buckets wait for the next flush and are sorted in then in bulk (far.py), as do those of
+a batch within one far bucket while any wait: every bucket takes its messages in log order,
+whatever the batches, so a slave's or recovery's replay gives each the entry number it has here. A loaded
 bucket's records are written at once, since they are read as soon as they are due; other
 buffers are written when they pass ``schedule_buffer_bytes_max`` and before every checkpoint.
 Files written ``sync_bytes`` past their last fsync are handed to the server to fsync in the
@@ -184,6 +186,13 @@ class Schedule:
         self.buffered_bytes += int(ends[-1]) + INDEX_ENTRY_BYTES * n
         self.pending_total += n
         if n == 1 or bool((starts == first).all()):
+            far_from = self.far.from_ms
+            if far_from is not None and first > far_from and not self._loaded(first):
+                # Messages of far buckets wait for the flush, maybe of this one: these join
+                # them, so the bucket takes every message in write-ahead log order whatever
+                # the batches were (a slave or recovery replays many sends as one run).
+                self.far.add(view, base, dues, sizes, ends, starts, id_hashes)
+                return np.empty(0, dtype=ROW)
             # the common case (a batch due within one bucket): one run, numpy all the way
             b = self.bucket(first)
             entry, offsets = b.add_run(view, dues, sizes, base + int(ends[-1]), id_hashes)
@@ -200,6 +209,10 @@ class Schedule:
             near = ~far
             dues, sizes, ends, starts, id_hashes = dues[near], sizes[near], ends[near], starts[near], id_hashes[near]
         return self._replay_spread(view, dues, sizes, ends, starts, base, id_hashes)
+
+    def _loaded(self, start_ms: int) -> bool:
+        b = self.buckets.get(start_ms)
+        return b is not None and b.loaded
 
     def _replay_spread(
         self,

@@ -30,6 +30,7 @@ from qmq.delay.dispatcher import Dispatcher
 from qmq.delay.handlers import Handlers
 from qmq.delay.metrics import DelayMetrics
 from qmq.delay.replica import SlaveCopy, master_token, read_for_slave
+from qmq.delay.resync import Resync
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
@@ -39,6 +40,7 @@ from qmq.serving.replication import GroupMember, ReplicationSource, Replicator
 from qmq.serving.replies import Reply
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
+from qmq.serving.tracing import server_tracing
 from qmq.store.segments import FlushTicket
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,9 @@ class DelayServer(FrameServer, GroupMember):
         self.metrics = DelayMetrics()
         super().__init__(config, limits, self.metrics.connections.set, "qmq-delay-checkpoint")
         self.clock = clock
+        self.tracing = server_tracing(
+            config.trace_spans, config.trace_sample_ratio, config.trace_endpoint, "delay", config.group
+        )
         self.scheduler = Scheduler(self.store, config.preload_ms)
         self.flusher = GroupCommit(
             "the write-ahead log",
@@ -151,6 +156,7 @@ class DelayServer(FrameServer, GroupMember):
             messages_max=cfg.handover_messages_max,
             bytes_max=cfg.handover_bytes_max,
             on_disk_error=self._disk_failed,
+            tracing=self.tracing,
         )
         self.dispatcher.start()
 
@@ -215,7 +221,7 @@ class DelayServer(FrameServer, GroupMember):
             self.flusher.flushed_offset = self.store.wal.end
             self.unflushed.clear()
         self._set_epoch(epoch, "slave")
-        self.copy = SlaveCopy(self.store)
+        self.copy = SlaveCopy(self.store, self._install_copy)
         conn = Connection(
             master, connect_timeout_ms=_CONNECT_TIMEOUT_MS, credentials=self.credentials(), ssl=self.tls_out
         )
@@ -224,15 +230,27 @@ class DelayServer(FrameServer, GroupMember):
         if self._registration is not None:
             self._registration.beat_now()
 
-    def after_replicated(self, end: int, reply: Reply) -> None:
-        """``reply`` once the write-ahead log up to ``end`` is durable here and (with a slave and
-        ``wait_slave_wrote``) written on the slave."""
+    async def _install_copy(self, resync: Resync) -> None:
+        """Swap in the copy of the master's schedule a slave behind its master's log made (resync.py)."""
+        assert self.checkpointing is not None
+        assert resync.checkpoint is not None
+        async with self.checkpointing:  # no checkpoint of the store being swapped out meanwhile
+            report = self.store.install_copy(resync.staging, resync.checkpoint)
+        self.flusher.flushed_offset = self.store.wal.end
+        self.unflushed.clear()
+        log.warning("swapped in a copy of the master's schedule (%d bytes): %s", resync.copied_bytes, report)
+
+    def after_replicated(self, end: int, reply: Reply, replicated: Reply | None = None) -> None:
+        """``reply`` once the write-ahead log up to ``end`` is durable here (with the fsync's
+        error, if any) and then ``replicated`` (``reply`` when not given) once it is (with a slave
+        and ``wait_slave_wrote``) written on the slave, or with why it will not be: no longer
+        master, stopping, read-only."""
 
         def durable(error: str | None) -> None:
             if error is not None:
                 reply(error)
             else:
-                self.source.after_log_replicated(end, reply)
+                self.source.after_log_replicated(end, replicated or reply)
 
         if self.store.sync_policy:
             self.flusher.after_write(end, durable)
@@ -311,6 +329,9 @@ class DelayServer(FrameServer, GroupMember):
         }
         if self.role == "master":
             body["write_state"] = self.write_state()
+        elif self.copy is not None and self.copy.resync is not None:
+            # behind its master's log: copying its schedule anew, no promotion candidate until done
+            body["copying_anew_bytes"] = self.copy.resync.copied_bytes
         if failed is not None:
             body["error"] = f"the delay server's disk failed ({failed}); restart it"
         elif (low := self.handlers.free_space.low()) is not None:
@@ -328,7 +349,9 @@ class DelayServer(FrameServer, GroupMember):
         if self.role == "master":
             payload["write_state"] = self.write_state()
         elif self.replicator is not None:
-            payload["replicated_ms"] = self.replicator.last_ms
+            # while copying the master's schedule anew it has half a copy: never a promotion candidate
+            resyncing = self.copy is not None and self.copy.resyncing
+            payload["replicated_ms"] = 0 if resyncing else self.replicator.last_ms
         return payload
 
     def sync_in_background(self) -> None:
@@ -388,6 +411,8 @@ class DelayServer(FrameServer, GroupMember):
         if self.producer is not None:
             await self.producer.close()
         await self.close_store()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def run_delay(config: DelayConfig) -> int:

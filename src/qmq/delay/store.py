@@ -8,6 +8,8 @@ Directory layout under ``data_dir``::
     wal/<base>.log         the write-ahead log: records exactly like a broker's message log
                            (qmq.store.message_log); a record's sequence counts the messages before it
     schedule/<start_ms>/   the schedule log of one time bucket (bucket.py; all of them: schedule.py)
+    resync/                a slave's copy of its master's schedule, staged (resync.py)
+    resync.installing      there while that copy is swapped in: a start that finds it begins empty
 
 A send frame's accepted messages are appended to the write-ahead log with one write (the
 server acknowledges them once that is durable), then replayed at once, in order, into their
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,21 +48,24 @@ from qmq.delay.bucket import Bucket
 from qmq.delay.checkpoint import BucketMark, CheckpointJob, DelayCheckpoint, read_delay_checkpoint
 from qmq.delay.ids import IDS_DTYPE
 from qmq.delay.recovery import DelayParts, empty_parts, recover
+from qmq.delay.resync import STAGING_DIR, remove_tree
+from qmq.delay.schedule import SCHEDULE_DIR
 from qmq.delay.timer import ROW, Rows
 from qmq.protocol.codes import Status
 from qmq.protocol.message import FLAG_REPEAT, FLAGS_POS, ScannedMessage
 from qmq.protocol.record import RECORD_HEADER_BYTES, pack_record_into
 from qmq.store import fileio
 from qmq.store.checkpoint import NAME as CHECKPOINT_FILE
+from qmq.store.checkpoint import write_checkpoint
 from qmq.store.datadir import DataDirLock, StoreError, store_error
-from qmq.store.message_log import MessageLog
+from qmq.store.file_header import header
+from qmq.store.message_log import FILE_KIND, SEGMENT_SUFFIX, MessageLog
 
 log = logging.getLogger(__name__)
 
 DAY_MS = 86_400_000
 WAL_DIR = "wal"
-# A master keeps write-ahead log segments its slaves have not copied, up to this many bytes.
-_WAL_KEPT_FOR_SLAVES_BYTES_MAX = 4 << 30
+INSTALLING = "resync.installing"
 # Subjects checked once and remembered by their bytes; cleared when full so memory stays bounded.
 _SUBJECTS_CACHED_MAX = 10_000
 
@@ -117,6 +123,17 @@ class DelayStore:
 
     def open(self) -> dict[str, Any]:
         """Recover whatever state the last stop left (recovery.py); returns a report."""
+        remove_tree(self.dir / STAGING_DIR)  # a copy staged but never swapped in: begun anew if needed
+        if (self.dir / INSTALLING).exists():
+            log.error(
+                "%s was cut short while swapping in a copy of its master's schedule: it starts empty and "
+                "copies its master anew",
+                self.dir,
+            )
+            self.wal.close()
+            self._wipe()
+            self.wal = self._empty_wal(0)
+            fileio.unlink(self.dir / INSTALLING)
         parts, report = recover(self.config, self.clock, self.wal)
         self._install(parts)
         return report
@@ -326,9 +343,9 @@ class DelayStore:
     def after_checkpoint(self, job: CheckpointJob, keep_from: int | None = None) -> int:
         """The checkpoint is durable: delete write-ahead log segments it covers, except from
         ``keep_from`` on (what a slave has not copied yet), unless that would keep more than
-        ``_WAL_KEPT_FOR_SLAVES_BYTES_MAX``; returns how many."""
+        ``wal_kept_for_slaves_bytes_max``; returns how many."""
         covered = self.schedule.checkpointed(job.wal_offset)
-        if keep_from is not None and self.wal.end - keep_from <= _WAL_KEPT_FOR_SLAVES_BYTES_MAX:
+        if keep_from is not None and self.wal.end - keep_from <= self.config.wal_kept_for_slaves_bytes_max:
             covered = min(covered, keep_from)
         return len(self.wal.segments.delete_before(covered))
 
@@ -356,6 +373,42 @@ class DelayStore:
         fileio.sync()
         log.warning("cut %d bytes of the write-ahead log at offset %d; recovering", cut, wal_offset)
         return self.open()
+
+    def install_copy(self, staging: Path, checkpoint: DelayCheckpoint) -> dict[str, Any]:
+        """Swap a copy of a master's schedule (staged by resync.py under ``staging``, its buckets as
+        ``checkpoint`` names them) in for this store's, with an empty write-ahead log beginning at
+        the checkpoint's offset; returns recovery's report. A crash midway leaves the marker
+        ``INSTALLING``: the next ``open`` begins empty."""
+        fileio.replace_file(self.dir / INSTALLING, b"")
+        self.schedule.close()
+        self.wal.close()
+        self._wipe()
+        fileio.replace(staging / SCHEDULE_DIR, self.dir / SCHEDULE_DIR)
+        write_checkpoint(self.dir, checkpoint.to_state())
+        self.wal = self._empty_wal(checkpoint.wal_offset)
+        remove_tree(staging)
+        fileio.unlink(self.dir / INSTALLING)
+        fileio.fsync_dir(self.dir)
+        return self.open()
+
+    def _wipe(self) -> None:
+        """Delete the schedule logs, the checkpoint and the write-ahead log (closed first)."""
+        fileio.unlink(self.dir / CHECKPOINT_FILE, missing_ok=True)
+        remove_tree(self.dir / SCHEDULE_DIR)
+        remove_tree(self.dir / WAL_DIR)
+
+    def _empty_wal(self, base: int) -> MessageLog:
+        """A write-ahead log holding nothing, whose first segment begins at offset ``base``."""
+        directory = self.dir / WAL_DIR
+        fileio.make_dirs(directory)
+        fd = fileio.open(directory / f"{base:020d}{SEGMENT_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            fileio.write_all(fd, header(FILE_KIND))
+            fileio.fsync(fd)
+        finally:
+            fileio.close(fd)
+        fileio.fsync_dir(directory)
+        return MessageLog(directory, self.config.wal_segment_bytes)
 
     def close(self) -> None:
         self.schedule.close()
