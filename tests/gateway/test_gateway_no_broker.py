@@ -25,5 +25,5 @@ async def test_no_broker_is_503(tmp_path: Path) -> None:
             status, doc = await get(http, f"{gw.gateway}/v1/subjects")
             assert status == 503
             assert doc["error"]["code"] == "NO_BROKER"
-            health = {"ok": True, "alive": True, "ready": True, "held": 0, "expired": 0}
+            health = {"ok": True, "alive": True, "ready": True, "held": 0, "expired": 0, "holds_taken_again": 0}
             assert await get(http, f"{gw.gateway}/health") == (200, health)

@@ -2,7 +2,7 @@
 two real `qmq gateway` processes sharing a receipt key over one `qmq standalone`.
 
 - pulled on one, acked on the other: answered acked, and never delivered again;
-- pulled on one, nacked on the other: it comes back with times + 1;
+- pulled on one, nacked on the other: it comes back with times + 1, after the group's back-off;
 - pulled on one that is then killed (SIGKILL): it comes back through the other once its ack
   timeout passed, not before;
 - a forged or tampered receipt, or one signed with another key, is refused 400;
@@ -81,7 +81,7 @@ async def test_a_receipt_pulled_on_one_gateway_is_acked_on_another_and_never_com
         assert doc["results"][0]["status"] == "settled"
 
 
-async def test_a_receipt_nacked_on_another_gateway_comes_back_with_times_plus_one(
+async def test_a_receipt_nacked_on_another_gateway_comes_back_with_times_plus_one_after_the_back_off(
     shared_standalone: ReadyProcess, subject: str, group: str, http: aiohttp.ClientSession
 ) -> None:
     meta = shared_standalone.meta_server
@@ -91,9 +91,13 @@ async def test_a_receipt_nacked_on_another_gateway_comes_back_with_times_plus_on
             http, f"{a.gateway}/v1/subjects/{subject}/groups/{group}/pull", 1, 20, start_from="earliest"
         )
         status, doc = await post(http, f"{b.gateway}/v1/acks", {"nacks": [first["receipt"]]})
+        nacked_at = time.monotonic()
         assert (status, doc["results"][0]["status"]) == (200, "nacked")
-        [again] = await pull_until(http, f"{b.gateway}/v1/subjects/{subject}/groups/{group}/pull", 1, 30)
+        [again] = await pull_until(http, f"{b.gateway}/v1/subjects/{subject}/groups/{group}/pull", 1, 40)
         assert (again["message_id"], again["times"]) == ("lb-nack", 2)
+        # the group's back-off for a first failure is 5 s, whichever gateway the nack came to
+        assert time.monotonic() - nacked_at >= 4.0
+        assert again["body"] == "lb-nack"
         status, doc = await post(http, f"{a.gateway}/v1/acks", {"acks": [again["receipt"]]})
         assert doc["results"][0]["status"] == "acked"
 

@@ -12,7 +12,7 @@ from ssl import SSLContext
 from typing import Any, Final
 
 from qmq.client.connection import ConnectionPool
-from qmq.client.consumer import is_internal
+from qmq.client.failure import is_internal
 from qmq.client.meta import MetaClient
 from qmq.client.options import ConnectOptions, authorization_of, credentials_of, secret_of
 from qmq.client.pages import pages

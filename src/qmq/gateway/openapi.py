@@ -194,7 +194,10 @@ def _schemas() -> Json:
                 "subject": {"type": "string"},
                 "properties": {"type": "object", "additionalProperties": prop_value},
                 "tags": {"type": "array", "items": {"type": "string"}},
-                "body": {"type": "string", "description": "the body, when it is UTF-8 text"},
+                "body": {
+                    "type": "string",
+                    "description": "the body, when it is UTF-8 text (the JSON text of the group's transform, if any)",
+                },
                 "body_base64": {"type": "string", "description": "the body, when it is not UTF-8 text"},
                 "times": {"type": "integer", "minimum": 1, "description": "delivery attempt: 1 the first time"},
                 "receipt": _ref("Receipt"),

@@ -23,7 +23,7 @@ from typing import Any
 
 from qmq.aio import Consumer, PullConsumer, ReceivedMessage
 from qmq.client.options import TagType, check_start_from
-from qmq.common.errors import ConfigError, QmqError
+from qmq.common.errors import ConfigError, DeadLetterNow, QmqError
 from qmq.gateway.errors import ApiError, bad_request
 from qmq.gateway.payload import (
     ACK_TIMEOUT_MS_MAX,
@@ -36,6 +36,7 @@ from qmq.gateway.payload import (
 )
 from qmq.gateway.receipts import Issued, Receipt, ReceiptCodec
 from qmq.gateway.settle import Settler
+from qmq.gateway.transforms import Transforms
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,9 @@ _PULL_KEYS = frozenset(
 _TAG_MATCH: dict[str, TagType] = {"any": "or", "all": "and"}
 
 
-def message_json(m: ReceivedMessage, receipt: str) -> dict[str, Any]:
-    """A pulled message as JSON: ``body`` when its bytes are UTF-8 text, else ``body_base64``;
-    a bytes property as base64 text."""
+def message_json(m: ReceivedMessage, receipt: str, body: bytes | None = None) -> dict[str, Any]:
+    """A pulled message as JSON: ``body`` when its bytes (``body``, a transform's result, else
+    the stored body) are UTF-8 text, else ``body_base64``; a bytes property as base64 text."""
     out: dict[str, Any] = {
         "message_id": m.message_id,
         "subject": m.subject,
@@ -59,7 +60,8 @@ def message_json(m: ReceivedMessage, receipt: str) -> dict[str, Any]:
         "times": m.times,
         "receipt": receipt,
     }
-    body = m.body
+    if body is None:
+        body = m.body
     try:
         out["body"] = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -112,8 +114,10 @@ class Pulls:
         settler: Settler,
         ack_timeout_ms: int,
         groups_max: int,
+        transforms: Transforms | None = None,
     ) -> None:
         self.consumers = consumers
+        self.transforms = transforms or Transforms()
         self.ids = ids
         self.receipts = issued
         self.codec = codec
@@ -184,23 +188,39 @@ class Pulls:
         finally:
             lanes.busy[lane] -= 1
         out: list[dict[str, Any]] = []
-        readable: list[tuple[ReceivedMessage, Receipt]] = []
+        readable: list[tuple[ReceivedMessage, Receipt, bytes | None]] = []
         deadline_ms = int(time.time() * 1000) + ack_timeout_ms
+        transform = self.transforms.of(subject, group)
         for m in batch:
+            tracker = m._tracker
+            if self.receipts.is_out((tracker.broker_group, tracker.subject, group, lanes.ids[lane]), m.pull_offset):
+                # handed again by a new master (or over a new connection) while a client holds it:
+                # its receipt stands, and its hold gives it back at its deadline
+                log.info("message %s of %r is out under a receipt: not handed out twice", m.printable_id, subject)
+                continue
             problem = m.unreadable()
             if problem is not None:
                 log.warning("message %s of %r cannot be read (%s); dead-lettered", m.printable_id, subject, problem)
                 await m.nack(QmqError(problem))  # the SDK dead-letters an unreadable message at once
                 continue
-            tracker = m._tracker
-            receipt = Receipt(tracker.broker_group, tracker.subject, group, lanes.ids[lane], m.pull_offset, deadline_ms)
-            readable.append((m, receipt))
+            body = None
+            if transform is not None:
+                try:
+                    body = transform.body_of(m)
+                except DeadLetterNow as exc:
+                    log.warning("message %s of %r/%s: %s; dead-lettered", m.printable_id, subject, group, exc)
+                    await m.nack(exc)  # the SDK puts it in the group's dead letters with the reason
+                    continue
+            receipt = Receipt(
+                tracker.broker_group, tracker.subject, group, lanes.ids[lane], m.pull_offset, deadline_ms, m.sequence
+            )
+            readable.append((m, receipt, body))
         if readable:
             # a broker that did not take the hold leaves it to this gateway's sweeper alone
-            broker_holds = await self.settler.hold([r for _m, r in readable], ack_timeout_ms)
-            for m, receipt in readable:
+            broker_holds = await self.settler.hold([r for _m, r, _b in readable], ack_timeout_ms)
+            for m, receipt, body in readable:
                 self.receipts.hold(m, receipt, ack_timeout_ms, broker_holds)
-                out.append(message_json(m, self.codec.encode(receipt)))
+                out.append(message_json(m, self.codec.encode(receipt), body))
         if batch and consumer_id:
             log.debug("%d message(s) of %r/%s to consumer %r", len(out), subject, group, consumer_id)
         return {"messages": out}

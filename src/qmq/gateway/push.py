@@ -30,6 +30,7 @@ import aiohttp
 from qmq.client.options import META_ADDRESS_PATH, ConnectOptions, authorization_of, check_url, secret_of
 from qmq.common.errors import QmqError
 from qmq.gateway.push_delivery import PushRunner
+from qmq.gateway.transforms import Transforms
 from qmq.protocol.push import PushFieldError, PushSubscription, parse_subscription
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ class PushService:
         held_max: int = HELD_MAX_DEFAULT,
         make_runner: RunnerFactory | None = None,
         ssl: SSLContext | None = None,
+        transforms: Transforms | None = None,
     ) -> None:
         self.meta_url = meta_base_url(meta_server)
+        self._transforms = transforms
         # the gateway's TLS toward the meta server and brokers (its CA, its certificate as the
         # client's); None: plaintext, or the default trust for an https:// meta server
         self._ssl = ssl
@@ -97,7 +100,7 @@ class PushService:
         self._renewing = asyncio.Lock()
 
     def _runner(self, sub: PushSubscription, generation: int) -> PushRunner:
-        return PushRunner(sub, generation, self._meta_server, self._app_code, self._ssl)
+        return PushRunner(sub, generation, self._meta_server, self._app_code, self._ssl, self._transforms)
 
     async def start(self) -> None:
         """Ask for leases once (a meta server that is down is retried in the background), then every

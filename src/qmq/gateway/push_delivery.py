@@ -40,6 +40,7 @@ import aiohttp
 from qmq.aio import Consumer, ReceivedMessage
 from qmq.client.telemetry import trace_headers
 from qmq.common.errors import QmqError
+from qmq.gateway.transforms import Transform, Transforms
 from qmq.protocol.push import PushSubscription
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,9 @@ def _json_value(value: object) -> object:
     return value
 
 
-def delivery_body(m: ReceivedMessage, group: str) -> bytes:
-    """The JSON document POSTed for ``m``."""
+def delivery_body(m: ReceivedMessage, group: str, transform: Transform | None = None) -> bytes:
+    """The JSON document POSTed for ``m``; with ``transform``, its result is the body
+    (DeadLetterNow when it cannot be evaluated: the listener dead-letters the message)."""
     doc: dict[str, Any] = {
         "message_id": m.message_id,
         "subject": m.subject,
@@ -91,7 +93,7 @@ def delivery_body(m: ReceivedMessage, group: str) -> bytes:
         "properties": {k: _json_value(v) for k, v in m.properties.items()},
         "tags": list(m.tags),
     }
-    raw = m.body
+    raw = m.body if transform is None else transform.body_of(m)
     try:
         doc["body"] = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -150,9 +152,16 @@ class PushRunner:
     """Delivers one subscription while this gateway holds its lease: ``await start()``, ``await stop()``."""
 
     def __init__(
-        self, sub: PushSubscription, generation: int, meta_server: str, app_code: str, ssl: SSLContext | None = None
+        self,
+        sub: PushSubscription,
+        generation: int,
+        meta_server: str,
+        app_code: str,
+        ssl: SSLContext | None = None,
+        transforms: Transforms | None = None,
     ) -> None:
         self.sub = sub
+        self._transforms = transforms
         self.generation = generation
         self._meta_server = meta_server
         self._app_code = app_code
@@ -215,7 +224,8 @@ class PushRunner:
         if session is None:
             raise PushDeliveryError("the push runner is stopped; the message is delivered again later")
         sub = self.sub
-        body = delivery_body(m, sub.group)
+        transform = None if self._transforms is None else self._transforms.of(sub.subject, sub.group)
+        body = delivery_body(m, sub.group, transform)
         headers = delivery_headers(sub, m, body)
         await self._limiter.wait()
         try:

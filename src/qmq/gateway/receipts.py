@@ -34,6 +34,7 @@ import logging
 import os
 import secrets
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -58,7 +59,7 @@ GIVE_BACKS_AT_ONCE_MAX: Final = 1_000
 RECEIPT_KEY_ENV: Final = "QMQ_RECEIPT_KEY"
 RECEIPT_KEY_BYTES_MIN: Final = 16
 _MAC_BYTES: Final = 16
-_VERSION: Final = 1
+_VERSION: Final = 2  # 2 adds the sequence; receipts of version 1 are still read
 _RECEIPT_CHARS_MAX: Final = 2_000
 
 
@@ -72,6 +73,9 @@ class Receipt:
     consumer_id: str
     offset: int
     deadline_ms: int  # wall clock of the issuing gateway
+    # the message's sequence in ``subject`` (-1: a receipt of version 1, without it): lets any
+    # gateway read the message back for a nack with the group's back-off (qmq.gateway.nacks)
+    sequence: int = -1
 
     @property
     def lane(self) -> tuple[str, str, str, str]:
@@ -122,7 +126,10 @@ class ReceiptCodec:
         return hmac.digest(self._key, payload, "sha256")[:_MAC_BYTES]
 
     def encode(self, r: Receipt) -> str:
-        payload = f"{_VERSION}\n{r.broker_group}\n{r.subject}\n{r.group}\n{r.consumer_id}\n{r.offset}\n{r.deadline_ms}"
+        payload = (
+            f"{_VERSION}\n{r.broker_group}\n{r.subject}\n{r.group}\n{r.consumer_id}\n{r.offset}\n{r.deadline_ms}"
+            f"\n{r.sequence}"
+        )
         raw = payload.encode()
         return f"{_b64(raw)}.{_b64(self._mac(raw))}"
 
@@ -138,10 +145,13 @@ class ReceiptCodec:
         if not hmac.compare_digest(mac, self._mac(payload)):
             raise _invalid(text, "its signature does not match")
         try:
-            v, bg, subject, group, consumer_id, offset, deadline_ms = payload.decode().split("\n")
-            if v != str(_VERSION):
+            fields = payload.decode().split("\n")
+            if fields[0] == "1" and len(fields) == 7:
+                fields.append("-1")
+            elif fields[0] != str(_VERSION) or len(fields) != 8:
                 raise _invalid(text, "it is of another version")
-            return Receipt(bg, subject, group, consumer_id, int(offset), int(deadline_ms))
+            _v, bg, subject, group, consumer_id, offset, deadline_ms, sequence = fields
+            return Receipt(bg, subject, group, consumer_id, int(offset), int(deadline_ms), int(sequence))
         except (ValueError, UnicodeDecodeError):
             raise _invalid(text, "it cannot be read") from None
 
@@ -183,11 +193,16 @@ class Issued:
         self.receipts_max = receipts_max
         self._broker_held: dict[Receipt, Held] = {}  # oldest first
         self._own: dict[Receipt, Held] = {}
+        # (lane, pull-log position) of every receipt held: a position a broker hands this
+        # gateway's consumer again (a new master, a new connection) while it is out is not
+        # handed out twice (Pulls skips it)
+        self._positions: dict[tuple[tuple[str, str, str, str], int], Receipt] = {}
         self._due: list[tuple[float, int, Receipt]] = []  # a heap; entries of settled receipts are skipped
         self._order = 0
         self._outcomes: OrderedDict[Receipt, Outcome] = OrderedDict()
         self._task: asyncio.Task[None] | None = None
         self.give_back_fn: GiveBack | None = None
+        self.before_sweep: Callable[[], Awaitable[None]] | None = None  # qmq.gateway.holds: holds on a new master
         self.expired = 0
 
     @property
@@ -205,17 +220,33 @@ class Issued:
     def _push(self, held: Held) -> None:
         if held.broker_holds:
             while len(self._broker_held) >= self.receipts_max:
-                del self._broker_held[next(iter(self._broker_held))]  # the broker gives it back in any case
+                self._drop(next(iter(self._broker_held)))  # the broker gives it back in any case
             self._broker_held[held.receipt] = held
         else:
             self._own[held.receipt] = held
+        self._positions[(held.receipt.lane, held.receipt.offset)] = held.receipt
         due = held.deadline + (BACKUP_GRACE_MS / 1000 if held.broker_holds else 0)
         self._order += 1
         heapq.heappush(self._due, (due, self._order, held.receipt))
 
     def take(self, receipt: Receipt) -> Held | None:
         held = self._broker_held.pop(receipt, None)
-        return held if held is not None else self._own.pop(receipt, None)
+        if held is None:
+            held = self._own.pop(receipt, None)
+        if held is not None and self._positions.get((receipt.lane, receipt.offset)) == receipt:
+            del self._positions[(receipt.lane, receipt.offset)]
+        return held
+
+    def _drop(self, receipt: Receipt) -> None:
+        self.take(receipt)
+
+    def is_out(self, lane: tuple[str, str, str, str], offset: int) -> bool:
+        """Whether the message at ``offset`` of ``lane``'s pull log is out under a receipt of this gateway."""
+        return (lane, offset) in self._positions
+
+    def broker_held_in(self, broker_group: str) -> list[Held]:
+        """The receipts of ``broker_group`` whose hold its master took (to take them again on a new master)."""
+        return [h for h in self._broker_held.values() if h.receipt.broker_group == broker_group]
 
     def _get(self, receipt: Receipt) -> Held | None:
         held = self._broker_held.get(receipt)
@@ -251,6 +282,8 @@ class Issued:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_MS / 1000)  # the sweep period, not a readiness wait
             try:
+                if self.before_sweep is not None:
+                    await self.before_sweep()
                 await self.give_back_due()
             except Exception:  # a bug must not stop the sweeps
                 log.exception("giving back expired messages failed")

@@ -61,7 +61,14 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
 
     async def acks(request: web.Request) -> web.Response:
         return web.json_response(
-            await settle.settle(gateway.settler, gateway.codec, gateway.receipts, gateway.acks, await request.read())
+            await settle.settle(
+                gateway.settler,
+                gateway.codec,
+                gateway.receipts,
+                gateway.acks,
+                await request.read(),
+                gateway.consumers[0],
+            )
         )
 
     async def subjects(request: web.Request) -> web.Response:
@@ -98,6 +105,7 @@ def add_routes(app: web.Application, gateway: Gateway) -> None:
             "ready": gateway.ready,
             "held": gateway.receipts.held,
             "expired": gateway.receipts.expired,
+            "holds_taken_again": gateway.holds.reheld,
         }
         return web.json_response(with_probe_error(request, body), status=probe_status(request, body))
 

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from qmq.aio import Consumer, Producer
 from qmq.auth.exposure import check_exposure
 from qmq.auth.file import load_auth_file
+from qmq.auth.http import basic_authorization
 from qmq.auth.permissions import Action
 from qmq.client.options import secret_of
 from qmq.common.config import GatewayConfig
@@ -34,11 +35,13 @@ from qmq.common.errors import ConfigError, QmqError
 from qmq.gateway import routes
 from qmq.gateway.admin import Admin
 from qmq.gateway.errors import ApiError, api_error_of
+from qmq.gateway.holds import HoldKeeper
 from qmq.gateway.payload import REQUEST_BYTES_MAX
 from qmq.gateway.pulls import Pulls
 from qmq.gateway.receipts import Issued, ReceiptCodec, receipt_key
 from qmq.gateway.services import BackgroundService, background_services
 from qmq.gateway.settle import AckRecorder, Settler
+from qmq.gateway.transforms import Transforms
 from qmq.serving.http_auth import HttpAuth, Need
 from qmq.serving.tls import outgoing_context, server_context
 
@@ -91,6 +94,12 @@ class Gateway:
         self.admin = Admin(config.meta_server, config.app_code, self.tls_out)
         self.settler = Settler(self.admin.meta, self.admin.pool)
         self.receipts.give_back_fn = self.settler.give_back
+        self.holds = HoldKeeper(self.settler, self.receipts)
+        self.receipts.before_sweep = self.holds.check
+        self.transforms = Transforms()
+        secret = secret_of(None)
+        authorization = basic_authorization(config.app_code, secret) if secret else None
+        self.transforms.poll(config.meta_server, authorization, self.tls_out)
         self.pulls = Pulls(
             self.consumers,
             ids,
@@ -99,6 +108,7 @@ class Gateway:
             self.settler,
             config.ack_timeout_ms,
             config.pull_groups_max,
+            self.transforms,
         )
         self.acks = AckRecorder(self.consumers)
 
@@ -192,15 +202,8 @@ class GatewayServer:
 
     def reload_auth(self) -> None:
         """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
-        if self.http_auth is None:
-            return
-        try:
-            auth = load_auth_file(Path(self.config.auth_file))
-        except ConfigError as exc:
-            log.error("SIGHUP: kept the auth file in use, the new one is wrong: %s", exc)
-            return
-        self.http_auth.reload(auth)
-        log.info("SIGHUP: reloaded %s, %d app(s)", self.config.auth_file, len(auth.apps))
+        if self.http_auth is not None:
+            self.http_auth.reload_file(self.config.auth_file)
 
     def ready_line(self) -> str:
         return f"qmq ready role=gateway gateway={self.url} meta_server={self.config.meta_server}"

@@ -29,11 +29,13 @@ def background_services(gateway: Gateway) -> list[BackgroundService]:
     config = gateway.config
     return [
         gateway.receipts,
+        gateway.transforms,
         PushService(
             config.meta_server,
             app_code=config.app_code,
             lease_ms=config.push_lease_ms,
             held_max=config.push_subscriptions_max,
             ssl=gateway.tls_out,
+            transforms=gateway.transforms,
         ),
     ]

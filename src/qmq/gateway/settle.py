@@ -2,7 +2,8 @@
 the broker recorded them.
 
 Each receipt is answered on its own: ``acked``; ``nacked`` (it comes back with ``times`` one
-higher: after the group's back-off when this gateway pulled it, else at once); ``expired``
+higher after the group's back-off, whichever gateway pulled it: qmq.gateway.nacks; at once only
+for a receipt past its deadline or whose message cannot be read back); ``expired``
 (its ack timeout passed and it was given back: it comes again); ``settled`` (acked or nacked
 before through another gateway: this changed nothing); ``held`` (a nack whose retry copy
 could not be stored just then: nack it again). The broker decides between an ack and a
@@ -55,6 +56,8 @@ class Settler:
         self.meta = meta
         self.pool = pool
         self._at_once = asyncio.Semaphore(_SETTLES_AT_ONCE)
+        # broker group -> its master's address when holds were first taken there (qmq.gateway.holds)
+        self.held_at: dict[str, str] = {}
 
     async def request(self, lane: Lane, **ranges: Any) -> dict[str, Any]:
         bg_name, subject, group, consumer_id = lane
@@ -65,6 +68,8 @@ class Settler:
                 f"{', '.join(sorted(self.meta.groups)) or 'none'}); send the acks again shortly"
             )
         header = {"subject": subject, "group": group, "consumer_id": consumer_id, **ranges}
+        if "hold" in ranges:
+            self.held_at.setdefault(bg_name, bg.address)
         async with self._at_once, asyncio.timeout(ACK_RECORD_TIMEOUT_MS / 1000):
             return answer_of(await self.pool.get(bg.address).request(RequestCode.SETTLE, header))
 
@@ -123,7 +128,12 @@ def _already_status(r: Receipt, issued: Issued, answer: dict[str, Any]) -> str:
 
 
 async def settle(
-    settler: Settler, codec: ReceiptCodec, issued: Issued, recorder: AckRecorder, raw: bytes
+    settler: Settler,
+    codec: ReceiptCodec,
+    issued: Issued,
+    recorder: AckRecorder,
+    raw: bytes,
+    consumer: Consumer | None = None,
 ) -> dict[str, Any]:
     doc = json_object(raw)
     unknown = sorted(set(doc) - {"acks", "nacks"})
@@ -180,6 +190,28 @@ async def settle(
             results[i]["status"] = "nacked"
     if local:
         await recorder.recorded()
+    if foreign and consumer is not None:
+        # another gateway's receipts: read back and nacked through the SDK, with the group's back-off
+        from qmq.gateway.nacks import nack_with_back_off
+
+        copied = await nack_with_back_off(settler, consumer, [r for _i, r in foreign])
+        done = [(i, r) for i, r in foreign if copied[r]]
+        foreign = [(i, r) for i, r in foreign if not copied[r]]
+        if done:
+            answers = await settler.each_lane([r for _i, r in done], "ack")
+            for i, r in done:
+                answer = answers[r.lane]
+                if isinstance(answer, BaseException):
+                    failed = _as_qmq_error(answer)
+                    results[i]["status"] = "held"  # its retry copy is stored: a nack again only adds a copy
+                elif r.offset in set(answer.get("settled", ())):
+                    log.warning(
+                        "receipt of %r at %d was settled meanwhile: its retry copy is one more", r.subject, r.offset
+                    )
+                    results[i]["status"] = _already_status(r, issued, answer)
+                else:
+                    issued.settled(r, "nacked")
+                    results[i]["status"] = "nacked"
     if foreign:
         backs = await settler.each_lane([r for _i, r in foreign], "give_back")
         for i, r in foreign:
