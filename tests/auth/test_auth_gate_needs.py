@@ -30,8 +30,14 @@ EXPECTED: dict[RequestCode, list[tuple[Action, str | None, str | None]]] = {
     RequestCode.CANCEL_DELAY: [(Action.ADMIN, None, None)],
     RequestCode.DELAY_LIST: [(Action.CONSUME, S, None)],
     RequestCode.TRACE: [(Action.ADMIN, None, None)],
+    RequestCode.PULL_MANY: [(Action.CONSUME, S, G), (Action.CONSUME, "third", "g3")],
 }
-HEADER = {"subject": S, "group": G, "acks": [{"subject": S, "group": G}, {"subject": "other", "group": "g2"}]}
+HEADER = {
+    "subject": S,
+    "group": G,
+    "acks": [{"subject": S, "group": G}, {"subject": "other", "group": "g2"}],
+    "pulls": [{"subject": S, "group": G}, {"subject": "third", "group": "g3"}],
+}
 
 
 @pytest.mark.parametrize("code", [c for c in RequestCode if c not in (RequestCode.AUTH_HELLO, RequestCode.AUTH_PROOF)])
@@ -47,3 +53,4 @@ def test_a_code_the_gate_does_not_know_needs_admin() -> None:
 def test_fields_of_the_wrong_type_name_nothing() -> None:
     assert list(needs(Frame(RequestCode.PULL, 1, {"subject": 5, "group": None}))) == [(Action.CONSUME, None, None)]
     assert list(needs(Frame(RequestCode.ACK_MANY, 1, {"acks": "x"}))) == []
+    assert list(needs(Frame(RequestCode.PULL_MANY, 1, {"pulls": "x"}))) == []

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.auth_files import write_auth_file
 
 import qmq
 import qmq.aio
@@ -169,6 +170,30 @@ async def test_pulls_over_the_consume_quota_are_slowed_not_refused(broker: str) 
         assert len(await fast.pull(max_messages=1000, timeout_ms=1000)) > 100
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_multi_subject_pull_is_held_to_the_consume_quota_of_each_group(broker: str) -> None:
+    async with qmq.aio.Producer(app_code="shop", meta_server=broker, secret=SECRET) as p:
+        await asyncio.gather(*(p.send_nowait(p.generate_message("drained.many")) for _ in range(4000)))
+        await asyncio.gather(*(p.send_nowait(p.generate_message("plain.many")) for _ in range(500)))
+    async with qmq.aio.Consumer(app_code="shop", meta_server=broker, secret=SECRET) as c:
+        slow = c.pull_consumer("drained.many", "slow", start_from="earliest")  # "drained.*:slow" has a quota
+        free = c.pull_consumer("plain.many", "slow", start_from="earliest")  # none for this subject
+        got, free_got = 0, 0
+        started = time.monotonic()
+        while time.monotonic() - started < 10.0:
+            slow_batch, free_batch = await c.pull_many([slow, free], max_messages=2000, per_subject_max=1000)
+            slow_batch.ack_all()
+            free_batch.ack_all()
+            got += len(slow_batch)
+            free_got += len(free_batch)
+            if not slow_batch:
+                await asyncio.sleep(0.02)  # PULL_MANY does not wait: an over-quota entry gets nothing
+        _within_10_percent(got, CONSUME_RATE, time.monotonic() - started)
+        assert free_got == 500, "the other entry of the same requests is not held back"
+
+
 RUNTIME_RATE = 200
 
 
@@ -177,19 +202,11 @@ RUNTIME_RATE = 200
 @pytest.mark.timeout(180)
 async def test_limits_set_at_run_time_reach_the_broker(tmp_path: Path) -> None:
     secrets = {"qmq-cluster": "c-secret", "ops": "o-secret"}
-    auth = tmp_path / "auth.toml"
-    auth.write_text(
-        f"""
-[apps.qmq-cluster]
-secret_hash = "{hash_secret(secrets["qmq-cluster"], log2_n=8)}"
-cluster = true
-[apps.ops]
-secret_hash = "{hash_secret(secrets["ops"], log2_n=8)}"
-admin = true
-[apps.shop]
-secret_hash = "{HASH}"
-produce = ["*"]
-"""
+    auth = write_auth_file(
+        tmp_path / "auth.toml",
+        secrets["qmq-cluster"],
+        secrets["ops"],
+        f'[apps.shop]\nsecret_hash = "{HASH}"\nproduce = ["*"]',
     )
     common = ["--auth-file", str(auth)]
     env = {"QMQ_SECRET": secrets["qmq-cluster"]}

@@ -60,6 +60,7 @@ def test_up_status_promote_down(tmp_path: Path) -> None:
         assert ready["meta_server"].endswith("/meta/address")
         assert (ready["broker_groups"], ready["slaves_per_group"], ready["delay_groups"]) == ("b1,b2", "1", "d1")
         assert (ready["processes"], ready["data_dir"]) == ("7", str(data_dir.resolve()))
+        assert ready["console"] == ready["meta_server"].removesuffix("/meta/address") + "/console/"
 
         state = c.file()
         assert state.meta_server == ready["meta_server"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from tests.auth.test_quotas import qmq_cli
+from tests.auth_files import write_auth_file
 
 from qmq.auth.secrets import hash_secret
 from qmq.testing import running_role
@@ -19,21 +20,8 @@ SECRETS = {"qmq-cluster": "c-secret", "ops": "o-secret", "shop": "s-secret"}
 
 
 def test_an_admin_pauses_and_an_authenticated_broker_applies_it(tmp_path: Path) -> None:
-    auth = tmp_path / "auth.toml"
-    auth.write_text(
-        f"""
-[apps.qmq-cluster]
-secret_hash = "{hash_secret(SECRETS["qmq-cluster"], log2_n=8)}"
-cluster = true
-[apps.ops]
-secret_hash = "{hash_secret(SECRETS["ops"], log2_n=8)}"
-admin = true
-[apps.shop]
-secret_hash = "{hash_secret(SECRETS["shop"], log2_n=8)}"
-produce = ["*"]
-consume = ["*"]
-"""
-    )
+    shop = f'[apps.shop]\nsecret_hash = "{hash_secret(SECRETS["shop"], log2_n=8)}"\nproduce = ["*"]\nconsume = ["*"]'
+    auth = write_auth_file(tmp_path / "auth.toml", SECRETS["qmq-cluster"], SECRETS["ops"], shop)
     common = ["--auth-file", str(auth)]
     env = {"QMQ_SECRET": SECRETS["qmq-cluster"]}
     with running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0", *common], env=env) as meta:
@@ -60,3 +48,24 @@ consume = ["*"]
             as_app("ops", "group", "resume", "s.x", "--group", "g")
             time.sleep(1.0)
             assert as_app("shop", "consume", "s.x", "--group", "g", "--count", "1", "--json") == ["b"]
+
+            # a transform is a change (an admin's); a group's consumers a read, which the meta server
+            # makes of the brokers with the caller's own credentials
+            refused = qmq_cli(
+                "group", "transform", "s.x", "--group", "g", "--expr", "body", *url, app="shop", secret=SECRETS["shop"]
+            )
+            assert refused.returncode == 1
+            assert "HTTP 403" in refused.stderr
+            as_app("ops", "group", "transform", "s.x", "--group", "g", "--expr", "body")
+            ask = ["group", "consumers", "s.x", "--group", "g", "--json", *url]
+            seen = qmq_cli(*ask, app="shop", secret=SECRETS["shop"])
+            assert seen.returncode == 0, seen.stderr
+            doc = json.loads(seen.stdout)
+            # three `qmq consume` runs: three consumers
+            assert (doc["group"], doc["unreachable"], doc["consumers_total"], len(doc["consumers"])) == ("g", [], 3, 3)
+            # the delete check asks the brokers as the admin: refused while a message waits
+            as_app("ops", "subject", "create", "s.x", "--owner", "team")
+            as_app("shop", "send", "s.x", "--body", "c")
+            left = qmq_cli("subject", "delete", "s.x", *url, app="ops", secret=SECRETS["ops"])
+            assert left.returncode == 1
+            assert "group 'g': 1 not pulled" in left.stderr, left.stderr

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.integration
 # Interpreter start and imports on a busy 2-core machine; the wait ends as soon as the line comes.
 READY_DEADLINE_S = 30.0
 EXIT_DEADLINE_S = 15.0
-READY = re.compile(r"^qmq ready role=meta meta_server=(http://127\.0\.0\.1:(\d+)/meta/address) http=(\S+)$")
+READY = re.compile(
+    r"^qmq ready role=meta meta_server=(http://127\.0\.0\.1:(\d+)/meta/address) http=(\S+) console=(\S+)$"
+)
 
 
 def _start(data_dir: Path, port: int = 0) -> subprocess.Popen[str]:
@@ -64,8 +66,9 @@ def test_prints_the_ready_line_serves_and_exits_0_on_a_signal(
         meta_process.kill()
         _, err = meta_process.communicate(timeout=EXIT_DEADLINE_S)
         raise AssertionError(f"not a ready line: {line!r}; stderr: {err}")
-    meta_server, port, http = match.groups()
+    meta_server, port, http, console = match.groups()
     assert http == f"http://127.0.0.1:{port}"
+    assert console == f"http://127.0.0.1:{port}/console/"
 
     with urllib.request.urlopen(meta_server, timeout=10) as resp:
         view = json.load(resp)

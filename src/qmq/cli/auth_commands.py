@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import ssl
 import sys
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import click
@@ -19,14 +20,30 @@ if TYPE_CHECKING:
     from qmq.auth.handshake import ClientCredentials
 
 
+# (app code, secret) of the person a console request acts for (qmq.console): set for the
+# request only, it takes the place of --app-code/--secret, so the console runs the commands'
+# own calls as that person with that person's permissions.
+ACTING_FOR: ContextVar[tuple[str, str] | None] = ContextVar("qmq_acting_for", default=None)
+
+
 def cli_app_code(default: str) -> str:
     """The app a client command acts as: ``qmq --app-code`` or $QMQ_APP_CODE, else ``default``."""
+    acting = ACTING_FOR.get()
+    if acting is not None:
+        return acting[0]
     return os.environ.get("QMQ_APP_CODE") or default
+
+
+def _cli_secret() -> str:
+    acting = ACTING_FOR.get()
+    if acting is not None:
+        return acting[1]
+    return os.environ.get("QMQ_SECRET", "")
 
 
 def cli_credentials(default_app: str = "qmq-cli") -> ClientCredentials | None:
     """What a client command's broker connections authenticate with, or None without a secret."""
-    secret = os.environ.get("QMQ_SECRET", "")
+    secret = _cli_secret()
     if not secret:
         return None
     from qmq.auth.handshake import ClientCredentials
@@ -46,7 +63,7 @@ def cli_tls(meta_server: str) -> ssl.SSLContext | None:
 
 def cli_authorization(default_app: str = "qmq-cli") -> str | None:
     """The Authorization header of a client command's meta server requests, or None without a secret."""
-    secret = os.environ.get("QMQ_SECRET", "")
+    secret = _cli_secret()
     if not secret:
         return None
     from qmq.auth.http import basic_authorization

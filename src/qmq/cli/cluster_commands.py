@@ -176,7 +176,9 @@ def up(
         f"qmq ready meta_server={state.meta_server} meta_pid={meta.pid} "
         f"broker_groups={','.join(f'b{i}' for i in range(1, broker_groups + 1))} slaves_per_group={slaves} "
         f"delay_groups={','.join(f'd{i}' for i in range(1, delay_groups + 1)) or '-'} "
-        f"processes={len(state.members)} data_dir={state.data_dir}" + (f" gateways={gateway_urls}" if gateways else "")
+        f"processes={len(state.members)} data_dir={state.data_dir}"
+        + (f" gateways={gateway_urls}" if gateways else "")
+        + f" console={meta.ready.get('console', '?')}"
     )
 
 

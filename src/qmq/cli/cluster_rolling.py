@@ -1,14 +1,18 @@
 """``qmq cluster rolling-restart``: restart every process of a local cluster one at a time while it
 serves (docs/cluster.md, "Rolling restart").
 
-The order keeps every broker group writable throughout:
+The order keeps every broker group and every delay group with a slave writable throughout:
 
-1. broker slaves: each restarted, then waited for until it follows its master in the group's
-   epoch and has copied at least what the master held when it came back;
-2. delay servers, then gateways: each restarted and waited for until ready (and registered);
-3. each broker master: its slave is promoted first (``POST /meta/promote``), so clients move to
-   it; the old master is then restarted and waited for as a caught-up slave of the new epoch.
-   A master without a slave is restarted in place (its subjects' other groups take the sends);
+1. slaves, of broker groups and of delay groups: each restarted, then waited for until it
+   follows its master in the group's epoch and has copied at least what the master held when
+   it came back;
+2. delay servers without a slave, then gateways: each restarted and waited for until ready (and
+   registered);
+3. each master, of a broker group or a delay group: its slave (caught up in step 1) is promoted
+   first (``POST /meta/promote``), so clients move to it and a delay group's new master hands
+   over what is due; the old master is then restarted and waited for as a caught-up slave of
+   the new epoch. A broker master without a slave is restarted in place (its subjects' other
+   groups take the sends);
 4. the meta server last, on the port it had (clients keep their last answer meanwhile, and a
    meta server just started counts nobody silent for a heartbeat timeout).
 
@@ -130,15 +134,19 @@ class RollingRestart:
             row = self._row(view, m.pid)
             return row["role_in_group"] if row is not None else (m.role_in_group or m.role)
 
-        slaves = [m for m in members if m.role == "broker" and role_now(m) == "slave"]
-        masters = [m for m in members if m.role == "broker" and role_now(m) == "master"]
+        replicated = ("broker", "delay")  # roles whose groups may have slaves
+        slaves = [m for m in members if m.role in replicated and role_now(m) == "slave"]
+        masters = [m for m in members if m.role in replicated and role_now(m) == "master"]
+        with_slaves = {(g["role"], g["group"]) for g in view["groups"] if g.get("slaves")}
+        alone = [m for m in masters if m.role == "delay" and (m.role, m.group) not in with_slaves]
+        masters = [m for m in masters if m not in alone]
         for m in masters:
             _set_role(m, "master")  # a promoted slave comes back as the master it is
         for m in slaves:
             _set_role(m, "slave")  # it may have been started as a master, before a promotion
             self._restart_slave(m, "slave")
         for m in members:
-            if m.role == "delay":
+            if m.role == "delay" and (m in alone or m not in masters + slaves):
                 self._restart_in_place(m, registers=True)
         for m in members:
             if m.role == "gateway":
@@ -172,7 +180,7 @@ class RollingRestart:
 
         def ok(view: dict[str, Any]) -> bool:
             row = self._row(view, m.pid)
-            group = self._group(view, "broker", m.group)
+            group = self._group(view, m.role, m.group)
             if row is None or group is None or row["role_in_group"] != "slave":
                 return False
             master = next((s for s in view["servers"] if s["address"] == group["master"]), None)
@@ -197,7 +205,7 @@ class RollingRestart:
 
     def _restart_master(self, m: Member) -> None:
         view = self.view()
-        group = self._group(view, "broker", m.group)
+        group = self._group(view, m.role, m.group)
         if group is None or not group["slaves"]:
             old_pid, began = self._restart(m)
             self.wait(
@@ -207,10 +215,10 @@ class RollingRestart:
             self._record(m, "master", "master", old_pid, "restarted in place (no slave)", began)
             return
         began = time.monotonic()
-        promoted = self._promote(str(m.group))
+        promoted = self._promote(m.role, str(m.group))
         self.wait(
-            f"group {m.group}'s new master {promoted} in charge",
-            lambda v: (g := self._group(v, "broker", m.group)) is not None and g["master"] == promoted,
+            f"{m.role} group {m.group}'s new master {promoted} in charge",
+            lambda v: (g := self._group(v, m.role, m.group)) is not None and g["master"] == promoted,
         )
         # Started again as what it is now: a process started `--role master` that reports the
         # group's epoch is taken for the master restarted elsewhere (docs/cluster.md).
@@ -219,8 +227,8 @@ class RollingRestart:
         self._caught_up(m)
         self._record(m, "master", "slave", old_pid, f"{promoted} promoted first; restarted, caught up", began)
 
-    def _promote(self, group: str) -> str:
-        body = {"group": group, "role": "broker", "by": self.by}
+    def _promote(self, role: str, group: str) -> str:
+        body = {"group": group, "role": role, "by": self.by}
         url = f"{self.base}/meta/promote"
         deadline = time.monotonic() + self.step_timeout_s
         while True:
@@ -233,7 +241,7 @@ class RollingRestart:
             # 409: the slave is not fresh yet (it just heartbeat late); the next heartbeat may do
             if code != 409 or time.monotonic() >= deadline:
                 raise ClusterError(
-                    f"rolling restart stopped: promoting group {group}'s slave was refused (HTTP {code}): "
+                    f"rolling restart stopped: promoting {role} group {group}'s slave was refused (HTTP {code}): "
                     f"{str(answer)[:_ERROR_CHARS_MAX]}"
                 )
             time.sleep(_POLL_S)  # waiting for the slave's next heartbeat, bounded by the deadline

@@ -1,5 +1,6 @@
-"""``qmq group pause|resume|paused|filter``: control-plane records of consumer groups, kept by the meta
-server (``/meta/controls``, qmq.meta.controls) and applied by every broker within a second.
+"""``qmq group pause|resume|paused|filter|transform|consumers``: control-plane records of
+consumer groups, kept by the meta server (``/meta/controls``, qmq.meta.controls) and applied by
+every broker (filters, pauses) or gateway (transforms) within a second.
 
 Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it).
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import urllib.parse
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -22,7 +25,7 @@ from qmq.common.config import meta_base_url
 
 @cli.group("group")
 def group_cli() -> None:
-    """Consumer groups on every broker: list them with their consumers, pause, resume and filter them."""
+    """Consumer groups on every broker: list them with their consumers, pause, resume, filter and transform them."""
 
 
 def _set(subject: str, group: str, meta_server: str, action: str) -> dict[str, object]:
@@ -73,6 +76,28 @@ def group_filter(subject: str, group: str, expr: str | None, clear: bool, meta_s
         click.echo(f"filter set: {subject} for group {group}: {expr}; brokers apply it within a second")
 
 
+@group_cli.command("transform")
+@click.argument("subject")
+@click.option("--group", "group", required=True, help="consumer group")
+@click.option("--expr", default=None, help='JMESPath over {properties, tags, body}, e.g. "{id: body.id}"')
+@click.option("--clear", is_flag=True, help="remove the group's transform: its HTTP consumers get the stored body")
+@meta_server_option
+def group_transform(subject: str, group: str, expr: str | None, clear: bool, meta_server: str) -> None:
+    """Give GROUP's HTTP consumers (gateway pulls, push) the expression's result as the body of
+    each message of SUBJECT; a message it cannot be evaluated over goes to GROUP's dead letters."""
+    if clear == (expr is not None):
+        raise CommandError("give either --expr 'EXPRESSION' or --clear")
+    body = {"subject": subject, "group": group, "expr": expr}
+    answer = meta_request("POST", f"{meta_base_url(meta_server)}/meta/controls/transform", body)
+    if clear:
+        was = "" if answer.get("was") else " (it had none)"
+        click.echo(
+            f"transform cleared: {subject} for group {group}{was}; gateways deliver stored bodies within a second"
+        )
+    else:
+        click.echo(f"transform set: {subject} for group {group}: {expr}; gateways apply it within a second")
+
+
 @group_cli.command("paused")
 @meta_server_option
 @json_option("lines", "each paused group")
@@ -84,6 +109,39 @@ def group_paused(meta_server: str, as_json: bool) -> None:
             echo_json({"subject": subject, "group": group})
         else:
             click.echo(f"{subject}\t{group}")
+
+
+@group_cli.command("consumers")
+@click.argument("subject")
+@click.option("--group", "group", required=True, help="consumer group")
+@meta_server_option
+@json_option("document", "{subject, group, paused, backlog, unacked, consumers_total, truncated, consumers: [...]}")
+def group_consumers(subject: str, group: str, meta_server: str, as_json: bool) -> None:
+    """GROUP's consumers of SUBJECT, as the brokers know them now (through the meta server): id,
+    host, broker group, since, last seen, unacknowledged messages."""
+    query = urllib.parse.urlencode({"subject": subject, "group": group})
+    doc = meta_request("GET", f"{meta_base_url(meta_server)}/meta/groups/consumers?{query}")
+    if as_json:
+        echo_json(doc)
+        return
+    state = "paused" if doc["paused"] else "running"
+    click.echo(f"{subject} / {group}: {state}, backlog {doc['backlog']:,}, unacked {doc['unacked']:,}")
+    click.echo("consumer	host	broker group	since (UTC)	last seen (UTC)	unacked	state")
+    for c in doc["consumers"]:
+        click.echo(
+            f"{c['consumer_id']}	{c['host'] or '-'}	{c['broker_group']}	{_utc(c['since_ms'])}	"
+            f"{_utc(c['last_seen_ms'])}	{c['unacked']:,}	{'offline' if c['offline'] else 'online'}"
+        )
+    if doc["truncated"]:
+        click.echo(f"... {doc['consumers_total'] - len(doc['consumers']):,} more not listed")
+    for name in doc.get("unreachable", []):
+        click.echo(f"broker group {name} could not be asked", err=True)
+
+
+def _utc(ms: int | None) -> str:
+    if not ms:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="seconds")
 
 
 # the SDK's consumer ids: <hostname>-<pid>-<6 hex> (qmq.client.options.default_consumer_id)
@@ -101,7 +159,7 @@ def host_of(consumer_id: str) -> str | None:
 @meta_server_option
 @json_option("lines", "each group: {subject, group, paused, backlog, unacked, consumers: [{id, host, ...}]}")
 def group_list(subject: str, meta_server: str, as_json: bool) -> None:
-    """SUBJECT's consumer groups, paused or not, with their consumers (id, host, last seen, unacked)."""
+    """SUBJECT's consumer groups, paused or not, with their consumers (id, host, since, last seen, unacked)."""
     from qmq.cli.subject_commands import held_by_brokers
 
     held = asyncio.run(held_by_brokers(meta_server)).get(subject, {"consumer_groups": []})
@@ -116,7 +174,7 @@ def group_list(subject: str, meta_server: str, as_json: bool) -> None:
         for c in doc["consumers"]:
             offline = " (offline)" if c["offline"] else ""
             click.echo(
-                f"  {c['consumer_id']}\thost {c['host'] or '-'}\tlast seen {c['last_seen']}\t"
+                f"  {c['consumer_id']}\thost {c['host'] or '-'}\tsince {c['since']}\tlast seen {c['last_seen']}\t"
                 f"unacked {c['unacked']:,}{offline}"
             )
 
@@ -137,6 +195,7 @@ async def _group_doc(meta_server: str, subject: str, group: str, paused: bool) -
                 "consumer_id": c["consumer_id"],
                 "host": host_of(c["consumer_id"]),
                 "broker_group": c["broker_group"],
+                "since": _utc(c.get("since_ms")),
                 "last_seen": c["last_seen"],
                 "unacked": c["unacked"],
                 "offline": c["offline"],

@@ -1,5 +1,5 @@
 """``qmq limits set|list|remove``: quotas set at run time, kept by the meta server
-(``/meta/limits``, qmq.meta.limits) and applied by every broker and delay server within seconds.
+(``/meta/limits``, qmq.meta.limits) and applied by every broker and delay server within a second.
 
 Registered on the ``qmq`` group when imported (``qmq.cli.main.main`` imports it).
 """
@@ -78,7 +78,7 @@ def limits_set(
         "consume_msgs_per_s": consume_msgs_per_s,
     }
     _request("PUT", f"{meta_base_url(meta_server)}/meta/limits", body)
-    click.echo(f"set: app {app!r}, {pattern!r}; brokers apply it within seconds")
+    click.echo(f"set: app {app!r}, {pattern!r}; brokers apply it within a second")
 
 
 @limits.command("list")

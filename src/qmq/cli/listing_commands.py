@@ -14,7 +14,7 @@ from rich.table import Table
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.main import CommandError, cli
 from qmq.cli.output import echo_json, json_option, print_table, stdout_console
-from qmq.client.consumer import is_internal
+from qmq.client.failure import is_internal
 from qmq.common.errors import QmqError
 from qmq.protocol.codes import RequestCode
 

@@ -150,9 +150,10 @@ def rolling_restart(
     ctx: click.Context, data_dir: Path, step_timeout_ms: int, stop_timeout_ms: int, as_json: bool
 ) -> None:
     """Restart every process of the cluster started from DATA_DIR, one at a time, while it serves:
-    slaves first, then delay servers and gateways, then each master after promoting its slave,
-    then the meta server; each waited for until ready and caught up. A table at the end says
-    what each was and is, its old and new pid, and how long it took."""
+    slaves first (of broker and delay groups), then delay servers without a slave and gateways,
+    then each master after promoting its slave, then the meta server; each waited for until ready
+    and caught up. A table at the end says what each was and is, its old and new pid, and how long
+    it took."""
     state = Cluster.load(data_dir)
     began = time.monotonic()
     echo = (lambda _text: None) if as_json else click.echo

@@ -7,7 +7,8 @@ have printed their ready lines, the supervisor prints its own::
     qmq ready meta_server=http://HOST:PORT/meta/address broker=HOST:PORT meta_pid=N broker_pid=N
               delay=HOST:PORT delay_pid=N data_dir=DIR
               broker_http=http://HOST:PORT delay_http=http://HOST:PORT
-              gateway=http://HOST:PORT gateway_pid=N                        (one line)
+              gateway=http://HOST:PORT gateway_pid=N
+              console=http://HOST:PORT/console/                            (one line)
 
 ``broker_http`` and ``delay_http`` serve each role's Prometheus ``/metrics``.
 
@@ -210,7 +211,8 @@ class Supervisor:
             f"delay={self.delay.ready.get('address', '?')} delay_pid={self.delay.proc.pid} "
             f"data_dir={self.config.data_dir} broker_http={self.broker.ready.get('http', '?')} "
             f"delay_http={self.delay.ready.get('http', '?')} "
-            f"gateway={self.gateway.ready.get('gateway', '?')} gateway_pid={self.gateway.proc.pid}",
+            f"gateway={self.gateway.ready.get('gateway', '?')} gateway_pid={self.gateway.proc.pid} "
+            f"console={self.meta.ready.get('console', '?')}",
             flush=True,
         )
         if self.demo:

@@ -14,10 +14,10 @@ import click
 
 from qmq.cli.client_commands import meta_server_option
 from qmq.cli.limits_commands import _request as meta_request
-from qmq.cli.listing_commands import _by_subject, _lag
-from qmq.cli.main import CommandError, cli
+from qmq.cli.listing_commands import _by_subject
+from qmq.cli.main import cli
 from qmq.cli.output import echo_json, json_option
-from qmq.client.consumer import is_internal
+from qmq.client.failure import is_internal
 from qmq.common.config import meta_base_url
 
 
@@ -80,33 +80,13 @@ def subject_list(meta_server: str, as_json: bool) -> None:
             click.echo(f"{name}\t{doc['owner'] or '-'}\t{doc['messages']:,}\t{groups}\t{doc['description'] or ''}")
 
 
-async def _unconsumed(meta_server: str, subject: str, held: dict[str, Any]) -> list[str]:
-    """What is left of ``subject`` per consumer group, as phrases; empty when nothing is."""
-    left: list[str] = []
-    for group in held["consumer_groups"]:
-        answers, _consumers = await _lag(meta_server, subject, group)
-        backlog = sum(int(a.get("backlog", 0)) for a in answers.values())
-        unacked = sum(int(a.get("unacked", 0)) for a in answers.values())
-        if backlog or unacked:
-            left.append(f"group {group!r}: {backlog:,} not pulled, {unacked:,} unacknowledged")
-    if not held["consumer_groups"] and held["messages"]:
-        left.append(f"{held['messages']:,} message(s) no consumer group has pulled")
-    return left
-
-
 @subject_cli.command("delete")
 @click.argument("subject")
+@click.option("--force", is_flag=True, help="delete the record although messages of SUBJECT remain")
 @meta_server_option
-def subject_delete(subject: str, meta_server: str) -> None:
-    """Delete the record of SUBJECT; refused while a consumer group has not consumed all of it."""
-    held = asyncio.run(held_by_brokers(meta_server)).get(subject)
-    if held is not None:
-        left = asyncio.run(_unconsumed(meta_server, subject, held))
-        if left:
-            raise CommandError(
-                f"cannot delete subject {subject!r}: it is not consumed yet ({'; '.join(left)}); let the consumers "
-                "finish, or reset their offset (`qmq reset-offset`)"
-            )
-    query = urllib.parse.urlencode({"subject": subject})
+def subject_delete(subject: str, force: bool, meta_server: str) -> None:
+    """Delete the record of SUBJECT; the meta server refuses while a consumer group has not consumed
+    all of it, messages of it wait with no group, or delay messages of it are pending (unless --force)."""
+    query = urllib.parse.urlencode({"subject": subject, "force": "true" if force else "false"})
     meta_request("DELETE", f"{meta_base_url(meta_server)}/meta/subjects?{query}")
-    click.echo(f"deleted: {subject}")
+    click.echo(f"deleted: {subject}{' (forced)' if force else ''}")

@@ -10,121 +10,31 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from qmq.common.config_fields import (
+    FlushPolicy,
+    _auth_file,
+    _connections_per_host_max,
+    _first_request_timeout_ms,
+    _insecure,
+    _opt,
+    _port,
+    _range,
+    _replication_fields,
+    _reply_backlog_bytes_max,
+    _server_app_code,
+    _tls_fields,
+    _tracing_fields,
+)
 from qmq.common.errors import ConfigError
 from qmq.common.limits import HOLD_UNTIL_DUE_MS, KiB, MiB
 
 T = TypeVar("T")
-
-
-def _range(lo: float, hi: float) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        return None if lo <= v <= hi else f"must be between {lo:g} and {hi:g}"
-
-    return check
-
-
-def _port(v: Any) -> str | None:
-    return None if 0 <= v <= 65535 else "must be a TCP port, 0 to 65535 (0 picks a free port)"
-
-
-def _opt(doc: str, default: Any, check: Callable[[Any], str | None] | None = None) -> Any:
-    # Returns dataclasses.field(...); ruff's RUF009 cannot see through that, hence its noqa below.
-    return field(default=default, metadata={"doc": doc, "check": check})
-
-
-FlushPolicy = Literal["sync", "periodic"]
-
-
-# Two fields every role that takes frames has (qmq.serving.connection), one definition each.
-def _first_request_timeout_ms() -> Any:
-    return _opt(
-        "a connection that has sent no complete request this long after it opened is closed (clients send "
-        "theirs as soon as they connect); one that has sent a request stays open however long it is quiet",
-        10_000,
-        _range(100, 3_600_000),
-    )
-
-
-def _auth_file() -> Any:
-    return _opt(
-        "TOML file of the apps that may connect, their secret hashes and what each may do "
-        "(docs/security.md); empty: no authentication. Reloaded on SIGHUP",
-        "",
-    )
-
-
-def _insecure() -> Any:
-    return _opt(
-        "listen on an address other than loopback without an auth file (anyone who can reach it may do "
-        "anything); without it such a server refuses to start",
-        False,
-    )
-
-
-def _tls_fields() -> tuple[Any, Any, Any]:
-    return (
-        _opt("PEM certificate (chain) every port of the role serves TLS with (docs/security.md); empty: no TLS", ""),
-        _opt("PEM private key of tls_cert", ""),
-        _opt(
-            "PEM CA certificate(s): clients must present a certificate signed by it; also what the role "
-            "trusts when it connects to the other roles (without it: the system's CAs and $SSL_CERT_FILE)",
-            "",
-        ),
-    )
-
-
-# The four fields of a role whose groups have slaves (brokers, delay servers), one definition each.
-def _replication_fields() -> tuple[Any, Any, Any, Any]:
-    return (
-        _opt(
-            "what this server starts as in its group; the meta server decides from then on (docs/cluster.md)",
-            "master",
-        ),
-        _opt("when the group has a slave, acknowledge a send only once the slave has written it", True),
-        _opt(
-            "a master whose slave has not replicated for this long turns read-only (or degrades, see below)",
-            10_000,
-            _range(10, 3_600_000),
-        ),
-        _opt(
-            "when the slave is gone, keep acknowledging sends on the master's copy alone instead of turning "
-            "read-only",
-            False,
-        ),
-    )
-
-
-def _server_app_code() -> Any:
-    return _opt(
-        "the app this server authenticates as to the other roles of a cluster with auth files (an app "
-        "with cluster = true there; docs/security.md); its secret comes from $QMQ_SECRET. Empty: none",
-        "",
-    )
-
-
-def _connections_per_host_max() -> Any:
-    return _opt(
-        "most client connections at once from one host (IP address): one host's idle or hostile "
-        "connections leave the rest of connections_max to the others",
-        1024,
-        _range(1, 1_000_000),
-    )
-
-
-def _reply_backlog_bytes_max() -> Any:
-    return _opt(
-        "bytes of replies one connection may hold that its client has not read; past it the connection is "
-        "closed. A connection whose client does not read stops taking requests once 64 KiB wait, but answers "
-        "to requests already taken (parked pulls) still come; at least 32 MiB, two of the largest frames",
-        64 * MiB,
-        _range(32 * MiB, 1 << 34),
-    )
 
 
 @dataclass(slots=True)
@@ -228,6 +138,9 @@ class BrokerConfig:
         _range(120_000, 30 * 86_400_000),
     )
     shutdown_grace_ms: int = _opt("how long shutdown waits for in-flight requests", 5_000, _range(0, 600_000))
+    trace_spans: bool = _tracing_fields()[0]
+    trace_sample_ratio: float = _tracing_fields()[1]
+    trace_endpoint: str = _tracing_fields()[2]
     role: Literal["master", "slave"] = _replication_fields()[0]
     wait_slave_wrote: bool = _replication_fields()[1]
     slave_timeout_ms: int = _replication_fields()[2]
@@ -362,6 +275,9 @@ class DelayConfig:
         10_000,
         _range(10, 600_000),
     )
+    trace_spans: bool = _tracing_fields()[0]
+    trace_sample_ratio: float = _tracing_fields()[1]
+    trace_endpoint: str = _tracing_fields()[2]
     role: Literal["master", "slave"] = _replication_fields()[0]
     wait_slave_wrote: bool = _replication_fields()[1]
     slave_timeout_ms: int = _replication_fields()[2]
@@ -370,6 +286,12 @@ class DelayConfig:
         "how long shutdown waits for in-flight sends and hand-overs",
         5_000,
         _range(0, 600_000),
+    )
+    wal_kept_for_slaves_bytes_max: int = _opt(
+        "a master keeps write-ahead log segments its slaves have not copied up to this many bytes; "
+        "a slave further behind copies the master's schedule anew when it comes back",
+        4 << 30,
+        _range(0, 1 << 50),
     )
 
     @property
@@ -441,8 +363,7 @@ class GatewayConfig:
         _range(1, 10_000_000),
     )
     pull_consumers: int = _opt(
-        "SDK consumers (consumer ids) the gateway pulls through: pulls of one consumer group run this many "
-        "at once",
+        "SDK consumers (consumer ids) the gateway pulls through: pulls of one consumer group run this many at once",
         4,
         _range(1, 64),
     )

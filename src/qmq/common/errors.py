@@ -14,6 +14,7 @@ __all__ = [
     "BufferFullError",
     "ConfigError",
     "ConnectionLostError",
+    "DeadLetterNow",
     "InvalidMessageError",
     "InvalidSubjectError",
     "MessageTooLargeError",
@@ -145,6 +146,16 @@ class NeedRetry(QmqError):
             raise ConfigError(f"NeedRetry(after={after!r}): use a timedelta or a number of seconds >= 0")
         self.reason = reason
         super().__init__(reason or f"retry requested after {self.after_ms} ms")
+
+
+class DeadLetterNow(QmqError):
+    """A nack (or a handler's raise) that sends the message to its group's dead letters at once,
+    with ``reason`` as its last error, whatever retries are left: one no attempt can handle (a
+    transform that cannot evaluate it, qmq.gateway.transforms)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
 
 
 class QmqTimeoutError(QmqError, TimeoutError):

@@ -1,42 +1,87 @@
-"""Server-side filters of consumer groups: JMESPath expressions (the ``jmespath`` package, pure
-functions over JSON: no loops, no calls out, no ``eval``) checked when an operator sets them (by
-the meta server) and compiled once per group by the brokers (qmq.store.group_filter).
+"""Consumer groups' server-side expressions: filters and transforms, both JMESPath (the
+``jmespath`` package, pure functions over JSON: no loops, no calls out, no ``eval``), checked when
+an operator sets them (by the meta server), compiled once per group where they run (a filter on
+the brokers, qmq.store.group_filter; a transform on the gateways, qmq.gateway.transforms), and
+evaluated with the same bounds over the same document:
 
-A message matches when the expression, evaluated over ``{"properties": {...}, "tags": [...],
-"body": <the JSON body>}``, gives a true value in JMESPath's sense: anything but ``false``,
-``null`` and an empty string, list or object.
+    {"properties": {...}, "tags": [...], "body": <the body parsed as JSON>}
+
+A message matches a filter when the expression gives a true value in JMESPath's sense: anything
+but ``false``, ``null`` and an empty string, list or object. A transform's result is the new body.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 EXPR_CHARS_MAX: Final = 4096
+BODY_BYTES_MAX: Final = 256 * 1024  # a body an expression parses as JSON: bounds its cost
+RESULT_BYTES_MAX: Final = 1024 * 1024  # a transform's result, as JSON text
 
 
 class FilterExprError(ValueError):
-    """An expression that cannot be a filter; the text says where it is wrong."""
+    """An expression that cannot be a filter or transform; the text says where it is wrong."""
 
 
-def compile_filter(expr: object) -> Any:
-    """The compiled expression; FilterExprError naming the position of what is wrong."""
+class UnevaluableError(ValueError):
+    """A message an expression cannot be evaluated over; the text says why."""
+
+
+def compile_filter(expr: object, what: str = "filter") -> Any:
+    """The compiled expression; FilterExprError naming the position of what is wrong (``what``:
+    "filter" or "transform", for the text)."""
     # imported here: jmespath comes with the servers (qmq[server]), and qmq.common is also the client's
     import jmespath
     from jmespath.exceptions import JMESPathError, ParseError
 
     if not isinstance(expr, str) or not expr.strip():
-        raise FilterExprError(f"a filter must be a non-empty JMESPath expression, got {expr!r}")
+        raise FilterExprError(f"a {what} must be a non-empty JMESPath expression, got {expr!r}")
     if len(expr) > EXPR_CHARS_MAX:
-        raise FilterExprError(f"the filter has {len(expr)} characters; the limit is {EXPR_CHARS_MAX}")
+        raise FilterExprError(f"the {what} has {len(expr)} characters; the limit is {EXPR_CHARS_MAX}")
     try:
         return jmespath.compile(expr)
     except ParseError as exc:
         at = exc.lex_position
         near = f" near {exc.token_value!r}" if exc.token_value not in (None, "") else ""
-        what = "incomplete expression" if "Incomplete" in type(exc).__name__ else "syntax error"
-        raise FilterExprError(f"invalid filter {expr!r}: {what} at position {at}{near}") from None
+        kind = "incomplete expression" if "Incomplete" in type(exc).__name__ else "syntax error"
+        raise FilterExprError(f"invalid {what} {expr!r}: {kind} at position {at}{near}") from None
     except (JMESPathError, RecursionError) as exc:
-        raise FilterExprError(f"invalid filter {expr!r}: {exc}") from None
+        raise FilterExprError(f"invalid {what} {expr!r}: {exc}") from None
+
+
+def needs_body(expr: str) -> bool:
+    """Whether ``expr`` may read the body: one over properties and tags never parses bodies."""
+    return "body" in expr
+
+
+def evaluate(compiled: Any, properties: Mapping[str, Any], tags: Sequence[str], body: bytes | None) -> Any:
+    """``compiled`` over a message (``body`` None: not parsed); UnevaluableError saying why not."""
+    from jmespath.exceptions import JMESPathError
+
+    try:
+        doc: object = None
+        if body is not None:
+            if len(body) > BODY_BYTES_MAX:
+                raise UnevaluableError(f"its body has {len(body)} bytes; an expression parses at most {BODY_BYTES_MAX}")
+            doc = json.loads(body)
+        return compiled.search({"properties": dict(properties), "tags": list(tags), "body": doc})
+    except UnevaluableError:
+        raise
+    except (ValueError, JMESPathError, RecursionError, TypeError) as exc:
+        raise UnevaluableError(str(exc) or type(exc).__name__) from None
+
+
+def result_json(result: object) -> bytes:
+    """A transform's result as JSON text; UnevaluableError past ``RESULT_BYTES_MAX``."""
+    try:
+        text = json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UnevaluableError(f"its result is not JSON: {exc}") from None
+    if len(text) > RESULT_BYTES_MAX:
+        raise UnevaluableError(f"its result has {len(text)} bytes of JSON; the limit is {RESULT_BYTES_MAX}")
+    return text
 
 
 def truthy(value: object) -> bool:

@@ -7,6 +7,12 @@
     POST /meta/controls/filter            {"subject", "group", "expr"}: the group gets only the
                                           messages the JMESPath ``expr`` matches (null: all);
                                           an invalid one is refused naming the position
+    POST /meta/controls/transform         {"subject", "group", "expr"}: the group's HTTP consumers
+                                          (gateway pulls, push) get the JMESPath ``expr``'s result
+                                          as the body (null: the stored body); checked as a filter
+
+``GET /meta/controls`` also answers ``"transforms": [[subject, group, expr], ...]``, which the
+gateways apply (qmq.gateway.transforms).
 
 A paused group keeps its progress and every message; brokers ask every ``POLL_S`` of
 qmq.broker.controls (well under a second), so a pause or resume holds on every broker within a
@@ -33,6 +39,7 @@ CONTROLS_PATH: Final = "/meta/controls"
 PAUSE_PATH: Final = "/meta/controls/pause"
 RESUME_PATH: Final = "/meta/controls/resume"
 FILTER_PATH: Final = "/meta/controls/filter"
+TRANSFORM_PATH: Final = "/meta/controls/transform"
 CONTROLS_MAX: Final = 10_000
 
 controls_table = sa.Table(
@@ -44,14 +51,23 @@ controls_table = sa.Table(
     sa.Column("updated_ms", sa.BigInteger, nullable=False),
 )
 
-filters_table = sa.Table(
-    "qmq_meta_group_filters",
-    metadata,
-    sa.Column("subject", name_type(SUBJECT_CHARS), primary_key=True),
-    sa.Column("group_name", name_type(GROUP_CHARS), primary_key=True),
-    sa.Column("expr", sa.Text, nullable=False),
-    sa.Column("updated_ms", sa.BigInteger, nullable=False),
-)
+
+def _expr_table(name: str) -> sa.Table:
+    """A table of one JMESPath expression per (subject, group): filters, transforms."""
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("subject", name_type(SUBJECT_CHARS), primary_key=True),
+        sa.Column("group_name", name_type(GROUP_CHARS), primary_key=True),
+        sa.Column("expr", sa.Text, nullable=False),
+        sa.Column("updated_ms", sa.BigInteger, nullable=False),
+    )
+
+
+filters_table = _expr_table("qmq_meta_group_filters")
+transforms_table = _expr_table("qmq_meta_group_transforms")
+
+_EXPR_TABLES: Final = {"filter": filters_table, "transform": transforms_table}
 
 Call = Callable[..., Awaitable[Any]]
 
@@ -96,8 +112,13 @@ class ControlsStore:
 
     def set_filter(self, subject: str, group: str, expr: str | None, now_ms: int) -> str | None:
         """Set (``expr``) or clear (None) a group's filter; the expression it had before."""
-        t = filters_table
-        with self._store.transaction("set a group filter") as conn:
+        return self.set_expr("filter", subject, group, expr, now_ms)
+
+    def set_expr(self, kind: str, subject: str, group: str, expr: str | None, now_ms: int) -> str | None:
+        """Set (``expr``) or clear (None) a group's ``kind`` ("filter" or "transform"); the
+        expression it had before."""
+        t = _EXPR_TABLES[kind]
+        with self._store.transaction(f"set a group {kind}") as conn:
             key = (t.c.subject == subject) & (t.c.group_name == group)
             before = conn.scalar(sa.select(t.c.expr).where(key))
             if expr is None:
@@ -108,14 +129,18 @@ class ControlsStore:
                 count = int(conn.scalar(sa.select(sa.func.count()).select_from(t)) or 0)
                 if count >= CONTROLS_MAX:
                     raise ControlsFullError(
-                        f"the meta server keeps at most {CONTROLS_MAX} group filters; clear one first"
+                        f"the meta server keeps at most {CONTROLS_MAX} group {kind}s; clear one first"
                     )
                 conn.execute(sa.insert(t).values(subject=subject, group_name=group, expr=expr, updated_ms=now_ms))
             return None if before is None else str(before)
 
     def filters(self) -> list[tuple[str, str, str]]:
-        t = filters_table
-        with self._store.transaction("read the group filters") as conn:
+        return self.exprs("filter")
+
+    def exprs(self, kind: str) -> list[tuple[str, str, str]]:
+        """Every group's ``kind`` ("filter" or "transform"): (subject, group, expr)."""
+        t = _EXPR_TABLES[kind]
+        with self._store.transaction(f"read the group {kind}s") as conn:
             rows = conn.execute(
                 sa.select(t.c.subject, t.c.group_name, t.c.expr)
                 .order_by(t.c.subject, t.c.group_name)
@@ -159,11 +184,19 @@ class ControlsApi:
         app.router.add_post(PAUSE_PATH, self._pause)
         app.router.add_post(RESUME_PATH, self._resume)
         app.router.add_post(FILTER_PATH, self._filter)
+        app.router.add_post(TRANSFORM_PATH, self._transform)
 
     async def _list(self, _request: web.Request) -> web.Response:
         paused = await self._call(lambda: self._store().paused())
-        filters = await self._call(lambda: self._store().filters())
-        return web.json_response({"paused": [list(p) for p in paused], "filters": [list(f) for f in filters]})
+        filters = await self._call(lambda: self._store().exprs("filter"))
+        transforms = await self._call(lambda: self._store().exprs("transform"))
+        return web.json_response(
+            {
+                "paused": [list(p) for p in paused],
+                "filters": [list(f) for f in filters],
+                "transforms": [list(t) for t in transforms],
+            }
+        )
 
     async def _pause(self, request: web.Request) -> web.Response:
         return await self._set(request, paused=True)
@@ -183,16 +216,22 @@ class ControlsApi:
         return web.json_response({"ok": True, "subject": subject, "group": group, "paused": paused, "was": before})
 
     async def _filter(self, request: web.Request) -> web.Response:
+        return await self._set_expr(request, "filter")
+
+    async def _transform(self, request: web.Request) -> web.Response:
+        return await self._set_expr(request, "transform")
+
+    async def _set_expr(self, request: web.Request, kind: str) -> web.Response:
         try:
             doc = json.loads(await request.read())
             subject, group = parse_group(doc, frozenset({"expr"}))
             expr = doc.get("expr")
             if expr is not None:
-                compile_filter(expr)  # refused here, with the position, rather than skipped by brokers
+                compile_filter(expr, kind)  # refused here, with the position, rather than skipped where it runs
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             return web.json_response({"error": f"{exc}"}, status=400)
         try:
-            before = await self._call(lambda: self._store().set_filter(subject, group, expr, self._now_ms()))
+            before = await self._call(lambda: self._store().set_expr(kind, subject, group, expr, self._now_ms()))
         except ControlsFullError as exc:
             return web.json_response({"error": str(exc)}, status=409)
         return web.json_response({"ok": True, "subject": subject, "group": group, "expr": expr, "was": before})

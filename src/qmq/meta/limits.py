@@ -6,8 +6,8 @@
     DELETE /meta/limits?app=A&pattern=P           remove one; 404 when there is none
 
 With an auth file, reading needs any known app and a change an admin app (qmq.meta.server).
-Brokers and delay servers ask every few seconds and apply a row on top of the auth file's quotas
-for the same app (qmq.serving.limits), so a change holds everywhere within seconds.
+Brokers and delay servers ask every 0.4 s and apply a row on top of the auth file's quotas
+for the same app (qmq.serving.limits), so a change holds everywhere within a second.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ from qmq.common.clock import Clock
 from qmq.common.errors import QmqError
 from qmq.meta.operations_store import Backlog, GroupState, HistoryEntry, OperationsStore
 from qmq.meta.payload import PayloadError
+from qmq.meta.read_cache import ReadCache
 from qmq.meta.registry import READ_CACHE_MS, Registry, UnknownGroupError
 from qmq.meta.schema import SUBJECT_CHARS
-from qmq.meta.store import MetaStore, MetaStoreError
+from qmq.meta.store import MetaStore
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,10 @@ class Operations:
         self._registry = registry
         self._clock = clock
         self._timeout_ms = heartbeat_timeout_ms
-        self._cache_s = cache_ms / 1000
         self._states: dict[tuple[str, str], GroupState] = {}
         self._retired: dict[str, set[str]] = {}
         self._history_seen = 0
-        self._loaded_at = -1e18
-        self._reload_failures = 0
+        self._cache = ReadCache(clock, cache_ms / 1000, self._reload, "the group states")
         self._reload()
 
     # -- what clients and servers see ------------------------------------------------------
@@ -99,23 +98,10 @@ class Operations:
         if last != self._history_seen:
             self._history_seen = last
             self._registry.reload_routes()
-        self._loaded_at = self._clock.monotonic()
+        self._cache.loaded()
 
     def _fresh(self) -> None:
-        now = self._clock.monotonic()
-        if now - self._loaded_at < self._cache_s:
-            return
-        try:
-            self._reload()
-        except MetaStoreError as exc:
-            # Serve what memory holds through a database outage, as the registry does; tried
-            # again after another cache period.
-            self._loaded_at = now
-            self._reload_failures += 1
-            if self._reload_failures == 1 or self._reload_failures % 100 == 0:
-                log.warning("serving the group states read before: %s", exc)
-        else:
-            self._reload_failures = 0
+        self._cache.fresh()
 
     def unwritable(self) -> set[str]:
         """Broker groups that take no new sends: draining or removed."""

@@ -42,6 +42,7 @@ from qmq.meta.decisions import (
     promoted,
     slave_addresses,
 )
+from qmq.meta.read_cache import ReadCache
 from qmq.meta.store import GroupRecord, MetaStore, MetaStoreError, ServerRecord
 
 __all__ = [
@@ -174,8 +175,7 @@ class Registry:
         # The same records by group, so a heartbeat looks at its group's servers only.
         self._by_group: dict[tuple[str, str], dict[str, ServerRecord]] = {}
         self._groups: dict[tuple[str, str], GroupRecord] = {}
-        self._loaded_at = 0.0
-        self._reload_failures = 0
+        self._cache = ReadCache(clock, self._cache_s, self.reload, "the servers and groups")
         self.reload()
         # When this registry started, and when the store last heard from any server: the time
         # the meta servers went away, if they did (see _heard_now_ms).
@@ -200,23 +200,10 @@ class Registry:
         for r in servers:
             self._by_group.setdefault((r.role, r.group), {})[r.address] = r
         self._groups = {(g.role, g.group): g for g in groups}
-        self._loaded_at = self._clock.monotonic()
+        self._cache.loaded()
 
     def _fresh(self) -> None:
-        now = self._clock.monotonic()
-        if now - self._loaded_at < self._cache_s:
-            return
-        try:
-            self.reload()
-        except MetaStoreError as exc:
-            # Serve what memory holds through a database outage: clients keep finding brokers.
-            # Tried again after another cache period, not on every request.
-            self._loaded_at = now
-            self._reload_failures += 1
-            if self._reload_failures == 1 or self._reload_failures % 100 == 0:
-                log.warning("serving the servers and groups read before: %s", exc)
-        else:
-            self._reload_failures = 0
+        self._cache.fresh()
 
     def _heard_now_ms(self) -> int:
         """Now, for telling who is silent. For the first ``heartbeat_timeout_ms`` after this

@@ -1,15 +1,13 @@
 """The meta server process: the HTTP API over the registry, its lifecycle, and ``run_meta``.
 
 Routes:
-    GET  /meta/address[?subject=S...]  groups, their states and the routes of the subjects asked for
-    POST /meta/register                a broker or delay server reporting itself (also its heartbeat);
-                                       the answer says what it must be (docs/cluster.md)
-    GET  /meta/cluster[?routes_max=N]  every group and server, routes, the leading meta server
-    POST /meta/promote                 {"group": G, "role": "broker"}: make G's freshest slave master
+    /meta/address, /meta/register, /meta/cluster, /meta/promote: routes, registration and
+                                       heartbeats, the cluster view, promotion (qmq.meta.cluster_http)
     /meta/drain, /meta/undrain, /meta/routes, /meta/remove-group, /meta/history: cluster
                                        operations (qmq.meta.operations_http)
     /meta/push...                      push subscriptions and their leases (qmq.meta.push_http)
     /meta/alarms                       backlog alarms (qmq.meta.alarms_http)
+    /console/...                       the web console (qmq.console), admin apps only
     GET  /health                       {"ok": true}
     GET  /metrics                      Prometheus text
 
@@ -32,7 +30,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import uvloop
 from aiohttp import web
@@ -43,52 +41,48 @@ from qmq.auth.permissions import Action
 from qmq.common.clock import SYSTEM_CLOCK, Clock
 from qmq.common.config import MetaConfig
 from qmq.common.errors import ConfigError, QmqError
+from qmq.console import CONSOLE_PATH, ConsoleApi
 from qmq.meta.alarms import AlarmStore, Notice
 from qmq.meta.alarms_http import AlarmApi
+from qmq.meta.broker_reads import BrokerReads, GroupsApi
+from qmq.meta.cluster_http import (
+    ADDRESS_PATH,
+    PROMOTE_PATH,
+    REGISTER_PATH,
+    ClusterApi,
+    ClusterParts,
+    error_response,
+)
 from qmq.meta.controls import ControlsApi, ControlsStore
 from qmq.meta.leader import LeaderLease, default_owner
 from qmq.meta.limits import LimitsApi, LimitsStore
 from qmq.meta.metrics import CONTENT_TYPE, MetaMetrics
-from qmq.meta.operations import GroupRemovedError, Operations, parse_unconsumed
+from qmq.meta.operations import Operations
 from qmq.meta.operations_http import OperationsApi
 from qmq.meta.payload import (
     REGISTER_BODY_BYTES_MAX,
     REQUEST_LINE_BYTES_MAX,
     PayloadError,
-    parse_promote,
-    parse_registration,
-    parse_subjects,
 )
 from qmq.meta.push_http import LEASE_PATH as PUSH_LEASE_PATH
 from qmq.meta.push_http import RELEASE_PATH as PUSH_RELEASE_PATH
 from qmq.meta.push_http import PushApi
 from qmq.meta.push_store import PushStore
 from qmq.meta.registry import (
-    ROLES,
     Promotion,
-    PromotionRefusedError,
-    Registration,
     Registry,
     RegistryFullError,
-    Reported,
-    UnknownGroupError,
 )
-from qmq.meta.schema import OWNER_CHARS
 from qmq.meta.store import MetaStore, MetaStoreError, sqlite_url
 from qmq.meta.subjects import SubjectsApi, SubjectsStore
-from qmq.meta.views import MetaSelf, address_json, cluster_json, heartbeat_json
 from qmq.serving.http_auth import HttpAuth, Need
 from qmq.serving.probes import probe_status, with_probe_error
-from qmq.serving.tls import server_context
+from qmq.serving.tls import outgoing_context, server_context
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ADDRESS_PATH: Final = "/meta/address"
-REGISTER_PATH: Final = "/meta/register"
-CLUSTER_PATH: Final = "/meta/cluster"
-PROMOTE_PATH: Final = "/meta/promote"
 
 # Meta requests are short; shutdown waits this long for those in flight, then cuts them.
 SHUTDOWN_GRACE_S: Final = 5.0
@@ -103,28 +97,10 @@ _INTERVAL_MS_MIN: Final = 10
 _TICKS_PER_TIMEOUT: Final = 4
 _TICKS_PER_LEASE: Final = 3
 _TICK_MS_MAX: Final = 10_000
-# Routes listed by GET /meta/cluster: by default, and at most when asked (the rest are counted).
-CLUSTER_ROUTES_DEFAULT: Final = 1_000
-CLUSTER_ROUTES_MAX: Final = 10_000
 
 
 class MetaStartupError(QmqError):
     """The meta server cannot start; the message names the cause and what to do."""
-
-
-class _NotLeaderError(QmqError):
-    """Another meta server holds the leader lease; ``leader_url`` is where to ask instead."""
-
-    def __init__(self, text: str, leader_url: str) -> None:
-        super().__init__(text)
-        self.leader_url = leader_url
-
-
-def _error(status: int, text: str, field: str | None = None) -> web.Response:
-    body: dict[str, Any] = {"error": text}
-    if field is not None:
-        body["field"] = field
-    return web.json_response(body, status=status)
 
 
 def _running(part: T | None) -> T:
@@ -237,16 +213,16 @@ class MetaServer:
             self.http_auth = HttpAuth(auth, _needs, self.metrics.registry)
             middlewares.append(self.http_auth.middleware)
         app = web.Application(middlewares=middlewares, client_max_size=REGISTER_BODY_BYTES_MAX)
-        app.router.add_get(ADDRESS_PATH, self._address)
-        app.router.add_post(REGISTER_PATH, self._register)
-        app.router.add_get(CLUSTER_PATH, self._cluster)
-        app.router.add_post(PROMOTE_PATH, self._promote)
+        ClusterApi(self._call, self._json_body, self._cluster_parts, self.metrics, self.clock).add_routes(app)
         OperationsApi(self._call, self._json_body, self._operations_now).add_to(app)
         PushApi(self._call, self._push_now, self.clock).add_routes(app)
         self._alarm_api.add_routes(app)
         LimitsApi(self._call, self._limits_now, self.clock.now_ms).add_routes(app)
         ControlsApi(self._call, self._controls_now, self.clock.now_ms).add_routes(app)
-        SubjectsApi(self._call, self._subjects_now, self.clock.now_ms).add_routes(app)
+        reads = BrokerReads(self._masters, outgoing_context(self.config))
+        SubjectsApi(self._call, self._subjects_now, self.clock.now_ms, reads).add_routes(app)
+        GroupsApi(reads, self._is_paused).add_routes(app)
+        ConsoleApi(lambda: self.meta_server_url, auth=self.http_auth is not None).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(
@@ -268,15 +244,8 @@ class MetaServer:
 
     def reload_auth(self) -> None:
         """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
-        if self.http_auth is None:
-            return
-        try:
-            auth = load_auth_file(Path(self.config.auth_file))
-        except ConfigError as exc:
-            log.error("SIGHUP: kept the auth file in use, the new one is wrong: %s", exc)
-            return
-        self.http_auth.reload(auth)
-        log.info("SIGHUP: reloaded %s, %d app(s)", self.config.auth_file, len(auth.apps))
+        if self.http_auth is not None:
+            self.http_auth.reload_file(self.config.auth_file)
 
     async def stop(self) -> None:
         """Stop listening, let requests in flight finish (bounded), give up the lease, close the store."""
@@ -319,6 +288,15 @@ class MetaServer:
     def _controls_now(self) -> ControlsStore:
         return _running(self._controls)
 
+    async def _masters(self, role: Literal["broker", "delay"]) -> dict[str, str]:
+        """{group: its master's address} of the available groups of ``role``."""
+        groups = await self._call(lambda: self._registry_now().groups(role))
+        return {g.group: g.address for g in groups if g.state == "available"}
+
+    async def _is_paused(self, subject: str, group: str) -> bool:
+        paused = await self._call(lambda: self._controls_now().paused())
+        return (subject, group) in paused
+
     def _subjects_now(self) -> SubjectsStore:
         return _running(self._subjects)
 
@@ -330,6 +308,18 @@ class MetaServer:
 
     def _alarms_now(self) -> AlarmStore:
         return _running(self._alarms)
+
+    def _cluster_parts(self) -> ClusterParts:
+        return ClusterParts(
+            self._registry_now(),
+            self._operations_now(),
+            self._lease_now(),
+            _running(self._store),
+            self.config,
+            self.owner,
+            self.url,
+            self.interval_ms,
+        )
 
     def _lease_now(self) -> LeaderLease:
         return _running(self._lease)
@@ -388,34 +378,19 @@ class MetaServer:
             if exc.status < 400:
                 self.metrics.http_requests.labels(path=path, status=str(exc.status)).inc()
                 raise
-            response = _error(exc.status, f"{request.method} {request.path}: {exc.reason}")
+            response = error_response(exc.status, f"{request.method} {request.path}: {exc.reason}")
             if "Allow" in exc.headers:
                 response.headers["Allow"] = exc.headers["Allow"]
         except (MetaStoreError, RegistryFullError) as exc:
             log.warning("%s %s: %s", request.method, request.path, exc)
-            response = _error(503, str(exc))
+            response = error_response(503, str(exc))
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
-            response = _error(500, f"{request.method} {request.path}: internal error of the meta server (see its log)")
+            response = error_response(
+                500, f"{request.method} {request.path}: internal error of the meta server (see its log)"
+            )
         self.metrics.http_requests.labels(path=path, status=str(response.status)).inc()
         return response
-
-    async def _address(self, request: web.Request) -> web.Response:
-        try:
-            subjects = parse_subjects(request.query.getall("subject", []))
-        except PayloadError as exc:
-            return _error(400, str(exc), exc.field)
-        body = await self._call(self._address_view, subjects)
-        return web.json_response(body)
-
-    def _address_view(self, subjects: list[str]) -> dict[str, Any]:
-        registry = self._registry_now()
-        operations = self._operations_now()
-        groups = {role: registry.groups(role) for role in ROLES}
-        routes = registry.routes(subjects, operations.unwritable()) if subjects else {}
-        body = address_json(groups, routes, self.config.client_refresh_ms)
-        operations.decorate_address(body)
-        return body
 
     async def _json_body(self, request: web.Request, what: str) -> object:
         raw = await request.read()
@@ -427,128 +402,6 @@ class MetaServer:
             raise PayloadError(
                 "body", f"the {what} body nests JSON arrays or objects too deeply; send a flat JSON object"
             ) from None
-
-    async def _register(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json_body(request, "register")
-            reg = parse_registration(body)
-            unconsumed = parse_unconsumed(body)
-        except PayloadError as exc:
-            return _error(400, str(exc), exc.field)
-        try:
-            reported, draining = await self._call(self._register_now, reg, unconsumed)
-        except GroupRemovedError as exc:
-            return _error(410, str(exc), "group")
-        answer = reported.answer
-        if reported.is_new:
-            log.info(
-                "registered %s %s of group %r, pid %d: reports %s epoch %s, is %s of epoch %d",
-                reg.role,
-                reg.address,
-                reg.group,
-                reg.pid,
-                reg.role_in_group,
-                reg.epoch,
-                answer.role_in_group,
-                answer.epoch,
-            )
-            self.metrics.registrations.labels(role=reg.role).inc()
-        else:
-            self.metrics.heartbeats.labels(role=reg.role).inc()
-        doc = heartbeat_json(answer, self.interval_ms)
-        if draining:  # absent otherwise: the answer of a meta server without operations
-            doc["draining"] = True
-        return web.json_response(doc)
-
-    def _register_now(self, reg: Registration, unconsumed: dict[str, Any] | None) -> tuple[Reported, bool]:
-        operations = self._operations_now()
-        operations.check_registration(reg.role, reg.group)
-        reported = self._registry_now().register(reg)
-        if unconsumed is not None and reported.answer.role_in_group == "master":
-            operations.record_backlog(reg.role, reg.group, reg.address, unconsumed)
-        return reported, operations.is_draining(reg.role, reg.group)
-
-    async def _cluster(self, request: web.Request) -> web.Response:
-        text = request.query.get("routes_max", str(CLUSTER_ROUTES_DEFAULT))
-        if not text.isascii() or not text.isdigit() or int(text) > CLUSTER_ROUTES_MAX:
-            return _error(
-                400, f"routes_max {text!r} must be a whole number from 0 to {CLUSTER_ROUTES_MAX}", "routes_max"
-            )
-        return web.json_response(await self._call(self._cluster_view, int(text)))
-
-    def _cluster_view(self, routes_max: int) -> dict[str, Any]:
-        registry = self._registry_now()
-        store = self._store
-        assert store is not None
-        lease = self._lease_now()
-        now_ms = self.clock.now_ms()
-        me = MetaSelf(
-            owner=self.owner,
-            url=self.url,
-            leading=lease.leads(now_ms),
-            heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
-            auto_promote=self.config.auto_promote,
-            route_groups=self.config.route_groups,
-        )
-        view = cluster_json(
-            me,
-            now_ms,
-            registry.servers(),
-            registry.group_records(),
-            lease.holder(),
-            store.routes(routes_max) if routes_max else {},
-            store.subjects_routed(),
-        )
-        self._operations_now().decorate_cluster(view)
-        return view
-
-    async def _promote(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json_body(request, "promote")
-            role, group = parse_promote(body)
-            by = body.get("by") if isinstance(body, dict) else None
-            who = by[:OWNER_CHARS] if isinstance(by, str) and by.strip() else f"unnamed@{request.remote or 'unknown'}"
-        except PayloadError as exc:
-            return _error(400, str(exc), exc.field)
-        try:
-            promotion = await self._call(self._promote_now, role, group, who)
-        except UnknownGroupError as exc:
-            return _error(404, str(exc), "group")
-        except PromotionRefusedError as exc:
-            return _error(409, str(exc), "group")
-        except _NotLeaderError as exc:
-            return web.json_response({"error": str(exc), "leader": exc.leader_url}, status=421)
-        self.metrics.promotions.labels(role=role, how="manual").inc()
-        g = promotion.group
-        return web.json_response(
-            {
-                "ok": True,
-                "role": g.role,
-                "group": g.group,
-                "epoch": g.epoch,
-                "master": g.master,
-                "previous_master": promotion.previous_master,
-                "message_offset": g.message_offset,
-                "action_offset": g.action_offset,
-            }
-        )
-
-    def _promote_now(self, role: Any, group: str, who: str) -> Promotion:
-        lease = self._lease_now()
-        if not lease.acquire(self.clock.now_ms()):
-            holder = lease.holder()
-            url = holder.url if holder is not None else ""
-            raise _NotLeaderError(
-                f"this meta server ({self.url}) does not lead the meta servers sharing its database; "
-                f"send the promotion to the leader, {url or 'unknown'}",
-                url,
-            )
-        self.metrics.leader.set(1)
-        promotion = self._registry_now().promote(role, group)
-        g = promotion.group
-        detail = f"{g.master} master in epoch {g.epoch} (was {promotion.previous_master}), by hand"
-        self._operations_now().record_promotion(role, group, who, detail)
-        return promotion
 
     async def _health(self, request: web.Request) -> web.Response:
         """Alive while it answers; ready when its store answers too (it serves routes from it)."""
@@ -567,13 +420,15 @@ class MetaServer:
 def _needs(request: web.Request) -> Need:
     """What a request needs its app to be allowed, with an auth file: registration (and its
     heartbeats, and the push leases of gateways, which carry the subscriptions' secrets) only the
-    cluster's own servers; promotion and any other change an admin; reading
+    cluster's own servers; promotion, any other change and the console an admin; reading
     any known app; /health nobody."""
     path = request.path
     if path == "/health":
         return "open"
     if path in (REGISTER_PATH, PUSH_LEASE_PATH, PUSH_RELEASE_PATH):
         return Action.CLUSTER
+    if path == CONSOLE_PATH or path.startswith(CONSOLE_PATH + "/"):
+        return Action.ADMIN  # the console's pages and their static files alike
     if request.method in ("GET", "HEAD") and path != PROMOTE_PATH:
         return "authenticated"
     return Action.ADMIN
@@ -596,7 +451,7 @@ def _bind_problem(host: str, port: int, exc: OSError) -> str:
 def run_meta(config: MetaConfig) -> int:
     """Run a meta server until SIGTERM or SIGINT; 0 after a clean shutdown, 3 when it cannot start.
 
-    Prints one line to stdout once it serves: ``qmq ready role=meta meta_server=URL http=URL``.
+    Prints one line to stdout once it serves: ``qmq ready role=meta meta_server=URL http=URL console=URL``.
     """
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(_serve(config))
@@ -618,7 +473,11 @@ async def _serve(config: MetaConfig) -> int:
         if server.http_auth is not None:
             loop.add_signal_handler(signal.SIGHUP, server.reload_auth)
         try:
-            print(f"qmq ready role=meta meta_server={server.meta_server_url} http={server.url}", flush=True)
+            print(
+                f"qmq ready role=meta meta_server={server.meta_server_url} http={server.url} "
+                f"console={server.url}{CONSOLE_PATH}/",
+                flush=True,
+            )
             await stop.wait()
             log.info("meta server on %s shutting down", server.url)
         finally:

@@ -3,11 +3,14 @@
 
     GET    /meta/subjects                 every record: {"subjects": [{subject, description, owner, created_ms}]}
     POST   /meta/subjects                 create one: {"subject", "description", "owner"}; 409 if it exists
-    DELETE /meta/subjects?subject=S       remove one; 404 when there is none
+    DELETE /meta/subjects?subject=S       remove one; 404 when there is none; 409 naming what
+           [&force=true]                  remains while some group has not consumed it, messages
+                                          wait with no group, or delay messages are pending
+                                          (asked of every broker and delay group then:
+                                          qmq.meta.broker_reads), unless ``force``
 
 A record is what a person says of a subject; messages and consumer groups live on the brokers
-(``qmq subjects``, ``qmq lag``). ``qmq subject delete`` refuses a subject some consumer group has
-not consumed yet, naming the groups. With an auth file, reading needs any known app and a change
+(``qmq subjects``, ``qmq lag``). With an auth file, reading needs any known app and a change
 an admin app (qmq.meta.server).
 """
 
@@ -22,6 +25,7 @@ from aiohttp import web
 
 from qmq.common.errors import InvalidSubjectError
 from qmq.common.naming import check_name
+from qmq.meta.broker_reads import BrokerReads, credentials_of, describe_left
 from qmq.meta.schema import OWNER_CHARS, SUBJECT_CHARS, metadata, name_type
 from qmq.meta.store import MetaStore, MetaStoreError
 
@@ -102,10 +106,17 @@ def parse_subject(doc: object) -> dict[str, Any]:
 class SubjectsApi:
     """The subject routes of one meta server: ``call`` runs a function on its store thread."""
 
-    def __init__(self, call: Call, store: Callable[[], SubjectsStore], now_ms: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        call: Call,
+        store: Callable[[], SubjectsStore],
+        now_ms: Callable[[], int],
+        reads: BrokerReads | None = None,
+    ) -> None:
         self._call = call
         self._store = store
         self._now_ms = now_ms
+        self._reads = reads
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(SUBJECTS_PATH, self._list)
@@ -129,7 +140,18 @@ class SubjectsApi:
 
     async def _remove(self, request: web.Request) -> web.Response:
         subject = request.query.get("subject", "")
+        force = request.query.get("force", "false")
+        if force not in ("true", "false"):
+            return web.json_response({"error": f"force = {force!r}: give true or false"}, status=400)
+        missing = web.json_response({"error": f"no subject {subject!r} was created (`qmq subject list`)"}, status=404)
+        known = {r["subject"] for r in await self._call(lambda: self._store().rows())}
+        if subject not in known:
+            return missing
+        if force == "false" and self._reads is not None:
+            left = await self._reads.left_of(subject, credentials_of(request))
+            if left:
+                return web.json_response({"error": describe_left(subject, left), "left": left}, status=409)
         removed = await self._call(lambda: self._store().remove(subject))
         if not removed:
-            return web.json_response({"error": f"no subject {subject!r} was created (`qmq subject list`)"}, status=404)
-        return web.json_response({"ok": True})
+            return missing
+        return web.json_response({"ok": True, "subject": subject, "forced": force == "true"})

@@ -7,7 +7,7 @@ is checked against what its app may do (``qmq.auth.permissions``) before its han
     anything before the proof   UNAUTHENTICATED
     SEND_MESSAGES               produce, per subject of the frame (checked by the handlers,
                                 which read the subjects: ``RoleHandlers.take_send``)
-    PULL, ACK, SETTLE, DEAD_LETTERS  consume on subject:group; ACK_MANY each of its pairs
+    PULL, ACK, SETTLE, DEAD_LETTERS  consume on subject:group; ACK_MANY, PULL_MANY each of their pairs
     READ, DELAY_LIST            consume on the subject, for every group
     RESET_OFFSET, RESEND_DEAD,  admin (CANCEL_DELAY too: it names a message id, not a subject)
     PURGE_DEAD, CANCEL_DELAY,
@@ -70,8 +70,8 @@ def needs(frame: Frame) -> Iterable[Need]:
         return ((Action.CONSUME, _names(header.get("subject")), _names(header.get("group"))),)
     if code in (RequestCode.READ, RequestCode.DELAY_LIST):
         return ((Action.CONSUME, _names(header.get("subject")), None),)
-    if code == RequestCode.ACK_MANY:
-        entries = header.get("acks")
+    if code in (RequestCode.ACK_MANY, RequestCode.PULL_MANY):
+        entries = header.get("acks" if code == RequestCode.ACK_MANY else "pulls")
         if not isinstance(entries, list):
             return ()  # the handler answers BAD_REQUEST
         return [
@@ -157,6 +157,8 @@ class AuthGate:
                 conn.grants = app.grants
                 if code == RequestCode.PULL and self._held_back(conn, frame, app, gated):
                     return
+                if code == RequestCode.PULL_MANY:
+                    self._charge_entries(frame, app)
                 dispatch(conn, frame)
 
         return gated
@@ -204,6 +206,36 @@ class AuthGate:
             frame.header["max"] = most
         self.buckets.take(key, rate, frame.header["max"], now)
         return False
+
+    def _charge_entries(self, frame: Frame, app: App) -> None:
+        """PULL_MANY never waits: an entry whose subject:group is over its consume quota pulls
+        nothing this time (its acks still apply: ``max`` 0), one under it at most a tenth of a
+        second's worth, which is charged — the same quota PULL is held to."""
+        entries = frame.header.get("pulls")
+        rules = self.rules(app)
+        if not rules or not isinstance(entries, list):
+            return
+        now = time.monotonic()
+        for entry in entries:
+            if not isinstance(entry, dict):
+                continue  # the broker answers that entry's error
+            subject, group = _names(entry.get("subject")), _names(entry.get("group"))
+            if subject is None or group is None:
+                continue
+            quota = quota_for(rules, subject, group)
+            if quota is None or not quota.consume_msgs_per_s:
+                continue
+            rate = quota.consume_msgs_per_s
+            key = ("consume", app.code, subject, group)
+            if self.buckets.wait_s(key, rate, now) > 0:
+                self.throttled.labels("consume").inc()
+                entry["max"] = 0
+                continue
+            most = max(1, math.ceil(rate * BURST_S))
+            asked = entry.get("max")
+            if not isinstance(asked, int) or isinstance(asked, bool) or asked > most:
+                entry["max"] = most
+            self.buckets.take(key, rate, entry["max"], now)
 
     def over_quota(self, conn: Responder, frame: Frame, scanned: Sequence[ScannedMessage]) -> bool:
         """Answer a send THROTTLED (with retry_after_ms) when a subject of it is over its

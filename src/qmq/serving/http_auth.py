@@ -15,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from qmq.auth.file import App, AuthConfig
+from qmq.auth.file import App, AuthConfig, load_auth_file
 from qmq.auth.http import HttpAuthError, HttpVerifier, parse_authorization
 from qmq.auth.permissions import Action
+from qmq.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,16 @@ class HttpAuth:
 
     def reload(self, auth: AuthConfig) -> None:
         self.verifier.reload(auth)
+
+    def reload_file(self, path: str) -> None:
+        """Read the auth file again (SIGHUP); a wrong new file is logged and the old one kept."""
+        try:
+            auth = load_auth_file(Path(path))
+        except ConfigError as exc:
+            log.error("SIGHUP: kept the auth file in use, the new one is wrong: %s", exc)
+            return
+        self.reload(auth)
+        log.info("SIGHUP: reloaded %s, %d app(s)", path, len(auth.apps))
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:

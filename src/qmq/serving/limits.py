@@ -1,5 +1,5 @@
 """Quotas set at run time, fetched from the meta server (``GET /meta/limits``, qmq.meta.limits)
-every ``POLL_S`` by a broker or delay server with an auth file, and handed to its auth gate,
+every ``POLL_S`` (0.4 s) by a broker or delay server with an auth file, and handed to its auth gate,
 which applies them on top of the auth file's. A meta server that cannot be asked leaves the
 last rows in force; a row that cannot be read is logged and skipped."""
 
@@ -16,7 +16,7 @@ from qmq.serving.meta_poll import MetaPoller
 
 log = logging.getLogger(__name__)
 
-POLL_S = 2.0
+POLL_S = 0.4  # a change holds within a second, as the group controls
 _ROWS_MAX = 10_000
 
 

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from qmq.aio import Producer, PullConsumer
 from qmq.common.errors import QmqError
@@ -49,7 +50,9 @@ class Load:
         send_every_s: float = 0.002,
         outstanding_max: int = 1_000,
         body_bytes: int = 100,
+        delay_ms: int = 0,
     ) -> None:
+        """``delay_ms``: every message is due this long after its send (through a delay group)."""
         self.producer = producer
         self.pull = pull
         self.subject = subject
@@ -57,6 +60,7 @@ class Load:
         self.send_every_s = send_every_s
         self.outstanding_max = outstanding_max
         self.body = b"x" * body_bytes
+        self.delay = timedelta(milliseconds=delay_ms) if delay_ms else None
         self.record = LoadRecord()
         self._stop_sending = asyncio.Event()
         self._stop_taking = asyncio.Event()
@@ -86,6 +90,8 @@ class Load:
         while not self._stop_sending.is_set():
             m = self.producer.generate_message(self.subject)
             m.body = self.body
+            if self.delay is not None:
+                m.set_delay(self.delay)
             fut = self.producer.send_nowait(m)
             r.in_flight += 1
             r.in_flight_max = max(r.in_flight_max, r.in_flight)
