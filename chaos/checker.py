@@ -11,6 +11,7 @@ or may not be stored), deliveries repeated before an ack was answered.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,3 +109,64 @@ def check(history: History, groups: Sequence[str]) -> Figures:
                 fig.early += 1
                 fig.example(f"early: {mid} due at {due_ms} received by {group} at {ms}")
     return fig
+
+
+@dataclass(slots=True)
+class Allowance:
+    """What a power loss under ``flush = "periodic"`` may cost, told apart from what it may not."""
+
+    lost_within: int = 0  # (group, id) never delivered, acknowledged within the window before a cut
+    lost_beyond: int = 0
+    again_within: int = 0  # deliveries again after an ack answered, excused by a cut (see periodic_allowance)
+    again_beyond: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+def periodic_allowance(history: History, groups: Sequence[str], cut_ms: Sequence[int], window_ms: int) -> Allowance:
+    """Sort each loss and each delivery after an answered ack into allowed by the periodic flush
+    policy or not. A power cut may undo what the servers wrote within ``window_ms`` before it
+    (``flush_interval_ms`` and the fsync that follows). So allowed are:
+
+    - a send acknowledged within the window before a cut, never delivered;
+    - a delivery again after an ack that was answered within the window before a cut (the ack
+      undone);
+    - a delivery again after an ack answered after a cut, when the delivery that ack was for came
+      within the window before that cut: the pull that handed it out was undone, so the ack, made
+      after the restart, names pull-log positions the broker no longer holds, and does not take.
+    """
+    cuts = sorted(cut_ms)
+
+    def cut_after(ms: int) -> int | None:
+        """The first cut at or after ``ms``."""
+        i = bisect.bisect_left(cuts, ms)
+        return cuts[i] if i < len(cuts) else None
+
+    def within(ms: int) -> bool:
+        cut = cut_after(ms)
+        return cut is not None and cut - ms <= window_ms
+
+    out = Allowance()
+    for _group, mid in history.missing(groups):
+        if within(history.acked[mid]):
+            out.lost_within += 1
+        else:
+            out.lost_beyond += 1
+    for (group, mid), deliveries in history.delivered.items():
+        ordered = sorted(deliveries, key=lambda d: d[1])
+        for i, (times, ms) in enumerate(ordered):
+            answered = history.answered.get((group, mid, times))
+            if answered is None or ms <= answered:
+                continue
+            # the delivery the ack was for: the last of this attempt before the ack was answered
+            first = max((d_ms for t, d_ms in ordered[:i] if t == times and d_ms <= answered), default=ms)
+            cut = cut_after(first)
+            if within(answered) or (cut is not None and cut - first <= window_ms and answered >= cut):
+                out.again_within += 1
+            else:
+                out.again_beyond += 1
+                if len(out.examples) < _EXAMPLES_MAX:
+                    out.examples.append(
+                        f"again after ack: {mid} attempt {times} to {group} delivered at {first}, "
+                        f"ack answered at {answered}, again at {ms}; cuts at {list(cuts)}"
+                    )
+    return out

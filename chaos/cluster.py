@@ -30,6 +30,19 @@ FAST: dict[str, dict[str, Any]] = {
     "delay": {"heartbeat_interval_ms": 300},
 }
 
+# From the producers' start until each has a send acknowledged (interpreter start, imports, the
+# meta server's answer, a connection; on a loaded 2-core machine).
+LOAD_START_TIMEOUT_S = 60.0
+
+
+def _has_ack(history: Path) -> bool:
+    """Whether a worker's history holds an acknowledged send (an ``A`` line)."""
+    try:
+        data = history.read_bytes()
+    except FileNotFoundError:
+        return False
+    return data.startswith(b"A\t") or b"\nA\t" in data
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -203,6 +216,21 @@ class ChaosCluster:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.child_env(),
             )
             out.close()
+        self._wait_for_load(hist)
+
+    def _wait_for_load(self, hist: Path) -> None:
+        """Until every producer has a send acknowledged: a worker prints its ready line before it
+        imports the SDK and connects, which takes seconds on a loaded machine, and a scenario that
+        injects its faults meanwhile would run without load (a quick hostile_auth sent nothing)."""
+        producers = [w for n, w in self.workers.items() if n.startswith("producer")]
+        deadline = time.monotonic() + LOAD_START_TIMEOUT_S
+        while not all(_has_ack(w.history) for w in producers):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the load did not start: no send acknowledged within {LOAD_START_TIMEOUT_S:.0f} s "
+                    f"(see the producers' output and history in {self.data_dir} and {hist})"
+                )
+            time.sleep(0.1)  # the workers' progress is only in their history files
 
     def _add_worker(self, name: str, argv: list[str], hist: Path) -> None:
         w = Worker(name, [*argv, "--history", str(hist / f"{name}.tsv")], hist / f"{name}.tsv")

@@ -126,7 +126,11 @@ async def consume(meta_server: str, history: HistoryFile, group: str, consumer_i
             if waiting:
                 try:
                     await consumer.flush_acks()
-                except QmqError:
+                except QmqError as exc:
+                    if not exc.retriable:
+                        # refused for good: the SDK dropped those acks, never answered as done;
+                        # a later empty flush must not record them as answered
+                        waiting = []
                     continue
                 if consumer.acks_undelivered or consumer.acks_pending:
                     # a broker went away mid-request (killed, cut off), or its group was not

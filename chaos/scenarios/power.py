@@ -6,7 +6,10 @@ be lost; under ``periodic`` only sends acknowledged within ``flush_interval_ms``
 may be, and how many is reported. The sync run also writes the I/O trace (QMQ_IO_TRACE) and
 checks no send and no ack was answered before the fsync covering it (qmq.store.trace_check).
 An ack is answered once durable (under ``periodic``: fsynced within the interval), so nothing
-may be delivered again to a group after its ack was answered."""
+may be delivered again to a group after its ack was answered, but what a cut may undo under
+``periodic``: an ack answered within the interval before it, or a pull answered within it
+(whose acks, made after the restart, name positions the broker no longer holds);
+``chaos.checker.periodic_allowance`` counts those apart."""
 
 from __future__ import annotations
 
@@ -17,13 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from chaos.checker import History
+from chaos.checker import History, periodic_allowance
 from chaos.cluster import GROUPS, ChaosCluster
 from chaos.scenario import Result, Settings, drain
 from qmq.store.trace_check import check_file
 
 SERVERS = ("b1-m", "d1")
 PERIODIC_INTERVAL_MS = 1_000
+# What a cut may undo also covers the fsync that follows the interval (its own duration).
+FSYNC_MARGIN_MS = 100
 MOUNT_TIMEOUT_S = 30.0
 
 
@@ -127,35 +132,19 @@ def _run(settings: Settings, flush: str) -> Result:
 
 
 def _periodic_allowance(cluster: ChaosCluster, cut_ms: list[int], result: Result) -> None:
-    """Under periodic flushing a send acknowledged, or an ack answered, within the interval before
-    a cut may be lost: count those as allowed (and say how many), the rest stay lost or
-    duplicated after their ack."""
+    """Under periodic flushing what was answered within the interval before a cut may be undone:
+    count those as allowed (and say how many), the rest stay lost or duplicated after their ack
+    (chaos.checker.periodic_allowance says which is which)."""
     history = History()
     history.read_files(cluster.histories())
-
-    def within(ms: int) -> bool:
-        return any(0 <= cut - ms <= PERIODIC_INTERVAL_MS + 100 for cut in cut_ms)
-
-    allowed = beyond = 0
-    for _group, mid in history.missing(GROUPS):
-        if within(history.acked[mid]):
-            allowed += 1
-        else:
-            beyond += 1
-    acks_allowed = acks_beyond = 0
-    for (group, mid), deliveries in history.delivered.items():
-        for times, ms in deliveries:
-            answered = history.answered.get((group, mid, times))
-            if answered is None or ms <= answered:
-                continue
-            if within(answered):
-                acks_allowed += 1
-            else:
-                acks_beyond += 1
+    a = periodic_allowance(history, GROUPS, cut_ms, PERIODIC_INTERVAL_MS + FSYNC_MARGIN_MS)
     result.notes.append(
-        f"{allowed} (group, message) deliveries lost within flush_interval_ms={PERIODIC_INTERVAL_MS} before a cut "
-        f"(allowed by the policy, not counted as lost); {beyond} beyond it; {acks_allowed} deliveries again after "
-        f"an ack answered within it (allowed, not counted as duplicated after ack); {acks_beyond} beyond it"
+        f"{a.lost_within} (group, message) deliveries lost within flush_interval_ms={PERIODIC_INTERVAL_MS} "
+        f"(+{FSYNC_MARGIN_MS} ms for the fsync) before a cut (allowed by the policy, not counted as lost); "
+        f"{a.lost_beyond} beyond it; {a.again_within} deliveries again after an ack answered within it, or after "
+        f"an ack answered after a cut of a delivery made within it (its pull undone; allowed, not counted as "
+        f"duplicated after ack); {a.again_beyond} beyond it; cuts at {cut_ms} (ms since the epoch)"
+        + "".join(f"; {e}" for e in a.examples)
     )
-    result.figures.lost = beyond
-    result.figures.duplicated_after_ack = acks_beyond
+    result.figures.lost = a.lost_beyond
+    result.figures.duplicated_after_ack = a.again_beyond

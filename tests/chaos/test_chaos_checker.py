@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chaos.checker import History, check
+from chaos.checker import History, check, periodic_allowance
 
 GROUPS = ("g1", "g2")
 
@@ -47,3 +47,22 @@ def test_lost_duplicated_and_early_are_each_counted() -> None:
     lost = check(_history("S a rt 0", "A a 10", "D g1 a 1 30"), GROUPS)
     assert lost.lost == 1
     assert "never delivered to g2" in lost.examples[0]
+
+
+def test_the_periodic_allowance_excuses_what_a_cut_may_undo_and_nothing_else() -> None:
+    # a cut at 10,000 ms, a window of 1,000 ms before it
+    h = _history(
+        "S a rt 0", "A a 9500",  # acknowledged 500 ms before the cut, never delivered: allowed
+        "S b rt 0", "A b 5000",  # acknowledged 5 s before it, never delivered: lost
+        "S c rt 0", "A c 100", "D g1 c 1 200", "D g2 c 1 200", "K g1 c 1 9800", "D g1 c 1 12000",  # ack undone
+        "K g2 c 1 300", "D g2 c 1 12000",  # an ack answered 9.7 s before the cut: beyond
+        # delivered 300 ms before the cut, its ack answered after the restart: the pull was undone
+        "S d rt 0", "A d 100", "D g1 d 1 9700", "D g2 d 1 200", "K g1 d 1 13000", "D g1 d 1 13100",
+        # delivered 9.8 s before the cut (its pull durable by then), acked after it: beyond
+        "K g2 d 1 13000", "D g2 d 1 13100",
+    )
+    a = periodic_allowance(h, GROUPS, [10_000], 1_000)
+    assert (a.lost_within, a.lost_beyond) == (2, 2)  # a and b, to both groups
+    assert (a.again_within, a.again_beyond) == (2, 2)
+    assert len(a.examples) == 2
+    assert all("again after ack" in e for e in a.examples)
