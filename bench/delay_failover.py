@@ -189,6 +189,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "promotion_s_after_kill": round(promotion_s, 2),
         "lost": len(lost),
         "lost_due_ms_after_kill": [round(due[i] - killed_at) for i in lost[:20]],
+        "lost_ids": lost[:20],  # to look for in the brokers' logs of a run kept with --keep
         "early": sum(1 for x in late if x < 0),
         "delivered_twice": sum(repeats.values()),
         "late_ms_p50": round(statistics.median(late)) if late else None,

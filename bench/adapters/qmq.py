@@ -23,6 +23,9 @@ BUFFER_FULL_RETRIES_MAX = 10_000
 BUFFER_FULL_WAIT_S = 0.001
 # Subjects pulled concurrently by a consumer of many subjects (W7).
 SUBJECTS_PER_PULL_ROUND = 20
+# Subjects named in one PULL_MANY (W7): a window that moves on, each call beginning after the
+# last subject that had messages (the answer holds at most a round's worth of them)
+SUBJECTS_PER_PULL_MANY = 100
 NO_DELAY_YET = "not yet: delay server (issue 4)"
 
 
@@ -41,6 +44,7 @@ class QmqAdapter(Adapter):
         self._stack = contextlib.AsyncExitStack()
         self._producer: Any = None
         self._pull_consumers: list[Any] = []
+        self._consumer: Any = None
         self._cursor = 0
         # a server with TLS and an auth file (bench/secure_throughput.py): its CA and the app's secret
         self._secure: dict[str, Any] = {}
@@ -132,6 +136,7 @@ class QmqAdapter(Adapter):
                 **self._secure,
             )
         )
+        self._consumer = consumer
         self._pull_consumers = [
             consumer.pull_consumer(subject, group=GROUP, start_from="earliest") for subject in subjects
         ]
@@ -143,6 +148,27 @@ class QmqAdapter(Adapter):
         return await self._recv_many(max_n, timeout_s)
 
     async def _recv_many(self, max_n: int, timeout_s: float) -> Received:
+        """Every subject in one request per broker group (PULL_MANY), beginning after the last
+        subject that had messages the call before; a client without it pulls rounds of subjects."""
+        if not hasattr(self._consumer, "pull_many"):
+            return await self._recv_rounds(max_n, timeout_s)
+        pcs = self._pull_consumers
+        per_subject = max(1, max_n // SUBJECTS_PER_PULL_ROUND)
+        for _ in range((len(pcs) + SUBJECTS_PER_PULL_MANY - 1) // SUBJECTS_PER_PULL_MANY):
+            start = self._cursor % len(pcs)
+            window = (pcs[start:] + pcs[:start])[:SUBJECTS_PER_PULL_MANY]
+            batches = await self._consumer.pull_many(window, max_messages=max_n, per_subject_max=per_subject)
+            out = [(m.body, (m, batch)) for batch in batches for m in batch]
+            if out:
+                # the next call begins after the last subject that had messages
+                last = max(i for i, batch in enumerate(batches) if batch)
+                self._cursor = (start + last + 1) % len(pcs)
+                return out
+            self._cursor = (start + len(window)) % len(pcs)
+        await asyncio.sleep(min(0.01, timeout_s))
+        return []
+
+    async def _recv_rounds(self, max_n: int, timeout_s: float) -> Received:
         """Pull a round of subjects at once; the next call starts where this one stopped."""
         count = len(self._pull_consumers)
         per_subject = max(1, max_n // SUBJECTS_PER_PULL_ROUND)
