@@ -19,7 +19,7 @@ _qmq_covered_by_test() {
   local extra
   grep -qxF "$(_qmq_install_key test)" "$1/$QMQ_VENV_MARKER" || return 1
   for extra in ${2//,/ }; do
-    case $extra in server | cli | tx | spark | otel | all | test) ;; *) return 1 ;; esac
+    case $extra in server | cli | tx | spark | otel | otel-server | all | test) ;; *) return 1 ;; esac
   done
 }
 
