@@ -4,15 +4,15 @@ fails over to the slave they are gone. The slave has the pull logs (a pull is an
 action reached the slave), not the timers.
 
 Every sweep of the receipts (``qmq.gateway.receipts``) asks whether a broker group this gateway
-holds receipts on has another master address than when its holds were taken (the meta server
-names the promoted slave); if so, the gateway sends the new master the holds of every receipt it
-still keeps there, for what is left of each one's ack timeout. The messages then come back at
+holds receipts on has another master than when its holds were taken: another address (the meta
+server names the promoted slave), or the same address over another connection (the gateway's
+connection to it was lost: the master restarted in place, or the network cut it, and its holds
+may be gone). If so, the gateway sends the master the holds of every receipt it still keeps
+there, for what is left of each one's ack timeout; taking a hold a live broker still has again
+only moves its deadline to the same moment, rounded up. The messages then come back at
 their deadlines, exactly once (the broker decides between an ack and the give-back), and an ack
 before the deadline is honoured by the new master like any. Receipts past their deadline meanwhile
 are given back by the gateway's own sweeper, as for a broker that did not take a hold.
-
-A master restarted at the same address is not seen here: its holds are lost until the gateway's
-own give-back a few seconds after each deadline (``BACKUP_GRACE_MS``).
 """
 
 from __future__ import annotations
@@ -40,15 +40,19 @@ class HoldKeeper:
         self.reheld = 0
 
     async def check(self) -> None:
-        """Take the holds again on every broker group whose master changed."""
-        held_at = self.settler.held_at  # broker group -> its master's address when holds were taken there
-        for name, address in list(held_at.items()):
+        """Take the holds again on every broker group whose master changed or was reconnected."""
+        held_at = self.settler.held_at  # broker group -> (master's address, connection) when holds were taken
+        for name, (address, incarnation) in list(held_at.items()):
             bg = self.settler.meta.groups.get(name)
-            if bg is None or bg.address == address:
-                continue  # between masters (no master listed), or the same one
+            if bg is None:
+                continue  # between masters (no master listed)
+            if bg.address == address:
+                conn = self.settler.pool.get(address)
+                if conn.connected and conn.incarnations == incarnation:
+                    continue  # the same master over the same connection: its holds are there
             helds = self.issued.broker_held_in(name)
             if not helds or await self._hold_again(name, helds):
-                held_at[name] = bg.address
+                held_at[name] = (bg.address, self.settler.pool.get(bg.address).incarnations)
 
     async def _hold_again(self, name: str, helds: list[Held]) -> bool:
         now = asyncio.get_running_loop().time()
@@ -67,7 +71,7 @@ class HoldKeeper:
         failed = [a for by_lane in answers for a in by_lane.values() if isinstance(a, BaseException)]
         if failed:
             log.info(
-                "broker group %s has a new master; %d hold(s) could not be taken again there yet (%s): tried again",
+                "broker group %s: new or reconnected master; %d hold(s) not taken again there yet (%s): tried again",
                 name,
                 len(failed),
                 failed[0],
@@ -75,5 +79,7 @@ class HoldKeeper:
             return False
         taken = sum(len(r) for _k, r in pulls)
         self.reheld += taken
-        log.info("broker group %s has a new master: the holds of %d receipt(s) taken there again", name, taken)
+        log.info(
+            "broker group %s has a new or reconnected master: the holds of %d receipt(s) taken there again", name, taken
+        )
         return len(pulls) == len(by_pull)

@@ -56,8 +56,9 @@ class Settler:
         self.meta = meta
         self.pool = pool
         self._at_once = asyncio.Semaphore(_SETTLES_AT_ONCE)
-        # broker group -> its master's address when holds were first taken there (qmq.gateway.holds)
-        self.held_at: dict[str, str] = {}
+        # broker group -> (its master's address, which connection to it) when holds were first
+        # taken there: a new address or a new connection means the holds may be gone (qmq.gateway.holds)
+        self.held_at: dict[str, tuple[str, int]] = {}
 
     async def request(self, lane: Lane, **ranges: Any) -> dict[str, Any]:
         bg_name, subject, group, consumer_id = lane
@@ -68,10 +69,12 @@ class Settler:
                 f"{', '.join(sorted(self.meta.groups)) or 'none'}); send the acks again shortly"
             )
         header = {"subject": subject, "group": group, "consumer_id": consumer_id, **ranges}
-        if "hold" in ranges:
-            self.held_at.setdefault(bg_name, bg.address)
+        conn = self.pool.get(bg.address)
         async with self._at_once, asyncio.timeout(ACK_RECORD_TIMEOUT_MS / 1000):
-            return answer_of(await self.pool.get(bg.address).request(RequestCode.SETTLE, header))
+            answer = answer_of(await conn.request(RequestCode.SETTLE, header))
+        if "hold" in ranges:
+            self.held_at.setdefault(bg_name, (bg.address, conn.incarnations))
+        return answer
 
     async def each_lane(
         self, receipts: list[Receipt], op: str, extra: dict[str, Any] | None = None
