@@ -4,7 +4,9 @@ A consumer of many subjects asks each broker group once for all the subjects it 
 each subject's pending acks riding along as they do on a PULL, instead of one PULL per
 subject. A broker group that does not know PULL_MANY (older brokers answer UNKNOWN_COMMAND)
 is remembered and pulled subject by subject, as are ordered subscriptions (the broker serves
-those by PULL only). Nothing waits: a subject with nothing gets an empty batch.
+those by PULL only). A consumer's retry subject rides along when it is due, as with ``pull``.
+A call may wait (``timeout_ms``, the broker's long poll) when all its subjects go to one broker
+group; otherwise nothing waits, and a subject with nothing gets an empty batch.
 """
 
 from __future__ import annotations
@@ -33,46 +35,79 @@ _Entry = tuple[int, SubjectPuller[Any], AckTracker, list[list[int]]]
 
 
 async def pull_many(
-    pull_consumers: Sequence[PullConsumer], max_messages: int, per_subject_max: int
+    pull_consumers: Sequence[PullConsumer], max_messages: int, per_subject_max: int, timeout_ms: int = 0
 ) -> list[BatchBase[Any]]:
     """A batch for each of ``pull_consumers`` (in order; empty for those that got nothing): up to
-    ``per_subject_max`` messages of each subject and ``max_messages`` in all per request."""
-    out: list[BatchBase[Any] | None] = [None] * len(pull_consumers)
+    ``per_subject_max`` messages of each subject and ``max_messages`` in all per request. Each
+    consumer's retry subject is looked at too, as ``pull`` does (every retry_pull_interval_ms, and
+    again at once while it has messages), its messages first in the consumer's batch. With
+    ``timeout_ms`` the broker waits that long for messages when none of the subjects has any; only
+    when they all go in one request (one broker group), since a wait on one broker group would hold
+    back what another has."""
     if not pull_consumers:
         return []
     ctx = pull_consumers[0].puller.context
     meta, pool = ctx.started()
+    # what is pulled: each consumer's subject, and its retry subject when due; ``of[k]`` is the
+    # consumer target ``k`` belongs to
+    pullers: list[SubjectPuller[Any]] = []
+    of: list[int] = []
+    retries: list[int] = []  # targets that are retry subjects
+    for i, pc in enumerate(pull_consumers):
+        retry = pc.retry_due() if pc.puller.context is ctx else None
+        if retry is not None:
+            retries.append(len(pullers))
+            pullers.append(retry)
+            of.append(i)
+        pullers.append(pc.puller)
+        of.append(i)
+    out: list[BatchBase[Any] | None] = [None] * len(pullers)
     by_group: dict[str, tuple[BrokerGroup, list[int]]] = {}
     one_by_one: list[int] = []
-    for i, pc in enumerate(pull_consumers):
-        p = pc.puller
+    for k, p in enumerate(pullers):
         stashed = p.stashed(per_subject_max)
         if stashed is not None:
-            out[i] = stashed
+            out[k] = stashed
             continue
         groups = meta.available(await meta.resolve(p.subject))
         if not groups:
-            out[i] = p.empty()  # nowhere to pull it now; the next call looks again
+            out[k] = p.empty()  # nowhere to pull it now; the next call looks again
             continue
         bg = p.next_group(groups)
         if p.context is not ctx or p.subscription.ordered or bg.name in ctx.no_pull_many:
-            one_by_one.append(i)
+            one_by_one.append(k)
         else:
-            by_group.setdefault(bg.name, (bg, []))[1].append(i)
+            by_group.setdefault(bg.name, (bg, []))[1].append(k)
     requests = [
-        (bg, indexes[k : k + ENTRIES_PER_REQUEST_MAX])
+        (bg, indexes[n : n + ENTRIES_PER_REQUEST_MAX])
         for bg, indexes in by_group.values()
-        for k in range(0, len(indexes), ENTRIES_PER_REQUEST_MAX)
+        for n in range(0, len(indexes), ENTRIES_PER_REQUEST_MAX)
     ]
+    waits = len(requests) == 1 and not one_by_one and all(b is None for b in out)
+    wait_ms = timeout_ms if waits else 0
     refused = await asyncio.gather(
-        *(_request(ctx, pool, bg, idx, pull_consumers, max_messages, per_subject_max, out) for bg, idx in requests)
+        *(_request(ctx, pool, bg, idx, pullers, max_messages, per_subject_max, out, wait_ms) for bg, idx in requests)
     )
-    one_by_one.extend(i for indexes in refused for i in indexes)
+    one_by_one.extend(k for indexes in refused for k in indexes)
     if one_by_one:
-        batches = await asyncio.gather(*(pull_consumers[i].pull(per_subject_max, 0) for i in one_by_one))
-        for i, batch in zip(one_by_one, batches, strict=True):
-            out[i] = batch
-    return [b if b is not None else pull_consumers[i].puller.empty() for i, b in enumerate(out)]
+        retry_set = set(retries)
+        # a consumer's own subject through its pull consumer (an ordered one holds keys), a retry
+        # subject through its puller
+        batches = await asyncio.gather(
+            *(
+                (pullers[k] if k in retry_set else pull_consumers[of[k]]).pull(per_subject_max, 0)
+                for k in one_by_one
+            )
+        )
+        for k, batch in zip(one_by_one, batches, strict=True):
+            out[k] = batch
+    for k in retries:
+        pull_consumers[of[k]].retry_looked(bool(out[k]))
+    merged: list[BatchBase[Any]] = [pc.puller.empty() for pc in pull_consumers]
+    for k, got in enumerate(out):
+        if got:
+            merged[of[k]].extend(got)
+    return merged
 
 
 async def _request(
@@ -80,24 +115,27 @@ async def _request(
     pool: ConnectionPool,
     bg: BrokerGroup,
     indexes: list[int],
-    pull_consumers: Sequence[PullConsumer],
+    pullers: Sequence[SubjectPuller[Any]],
     max_messages: int,
     per_subject_max: int,
     out: list[BatchBase[Any] | None],
+    wait_ms: int,
 ) -> list[int]:
     """One PULL_MANY to ``bg``; fills ``out``. Returns the indexes to pull one by one instead
     (all of them when ``bg`` does not know PULL_MANY)."""
     taken: list[_Entry] = []
     entries: list[dict[str, Any]] = []
     for i in indexes:
-        p = pull_consumers[i].puller
+        p = pullers[i]
         entry, tracker, ranges = p.many_entry(bg, per_subject_max)
         entries.append(entry)
         taken.append((i, p, tracker, ranges))
-    header = {"consumer_id": ctx.consumer_id, "max": max_messages, "pulls": entries}
+    header: dict[str, Any] = {"consumer_id": ctx.consumer_id, "max": max_messages, "pulls": entries}
+    if wait_ms:
+        header["timeout_ms"] = wait_ms
     conn = pool.get(bg.address)
     try:
-        async with asyncio.timeout(ctx.options.request_timeout_ms / 1000):
+        async with asyncio.timeout((wait_ms + ctx.options.request_timeout_ms) / 1000):
             frame = await conn.request(RequestCode.PULL_MANY, header, with_session=True)
     except BaseException as exc:
         for _i, _p, tracker, ranges in taken:
