@@ -10,6 +10,7 @@ and, when a flush covers both logs, the second log's fsync on a thread of its ow
 - ``two``: a ticket of both logs, as a flush of sends and pulls (the two fdatasyncs at once, on
   two threads);
 - ``message``: a ticket of the message log alone, as a flush of sends only (one thread);
+- ``actions``: a ticket of the action log alone, as a flush of acks and pulls only;
 - ``serial``: both files fdatasynced one after the other on one thread (what the second thread
   saves on a disk whose fdatasync waits for a journal commit).
 
@@ -34,7 +35,7 @@ import uvloop
 from qmq.serving.group_commit import GroupCommit
 from qmq.store.segments import FlushTicket
 
-MODES = ("two", "message", "serial")
+MODES = ("two", "message", "actions", "serial")
 _WARM_UP_FLUSHES = 200
 
 
@@ -51,6 +52,8 @@ async def _flushes(directory: str, mode: str, count: int) -> tuple[float, float]
         if mode == "message":
             return FlushTicket([os.dup(a)], flushed)
         os.write(b, b"p" * 40)
+        if mode == "actions":
+            return FlushTicket([], flushed, None, -1, flushed, [os.dup(b)])
         if mode == "serial":
             return FlushTicket([os.dup(a), os.dup(b)], flushed)
         return FlushTicket([os.dup(a)], flushed, None, -1, flushed, [os.dup(b)])
