@@ -116,3 +116,23 @@ async def test_pull_many_waits_for_the_first_message_of_any_subject(meta_server:
         batches = await asyncio.wait_for(waiting, 10)
         assert loop.time() - t0 < 10
         assert [[m.body for m in b] for b in batches] == [[], [], [f"{subjects[2]}/0".encode()]]
+
+
+async def test_what_a_cancelled_pull_many_was_handed_comes_with_the_next(meta_server: str, subject: str) -> None:
+    subjects = [f"{subject}.{k}" for k in range(2)]
+    async with Consumer(app_code="test", meta_server=meta_server) as consumer:
+        pcs = [consumer.pull_consumer(s, "g", "earliest") for s in subjects]
+        assert [len(b) for b in await consumer.pull_many(pcs)] == [0, 0]  # the groups begin here
+        waiting = asyncio.ensure_future(consumer.pull_many(pcs, timeout_ms=20_000))
+        await asyncio.sleep(0.2)  # parked on the broker
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # the broker answers the parked request it still holds with this message
+        await _send(meta_server, [subjects[1]], 1)
+        got: list[bytes] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not got and loop.time() < deadline:
+            got = [m.body for b in await consumer.pull_many(pcs, timeout_ms=100) for m in b]
+        assert got == [f"{subjects[1]}/0".encode()]

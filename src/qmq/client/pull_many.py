@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from qmq.client.acks import AckTracker
@@ -25,6 +25,7 @@ from qmq.client.received import BatchBase
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.frame import Frame
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +135,24 @@ async def _request(
     if wait_ms:
         header["timeout_ms"] = wait_ms
     conn = pool.get(bg.address)
+    fut: asyncio.Future[Frame] | None = None
     try:
-        async with asyncio.timeout((wait_ms + ctx.options.request_timeout_ms) / 1000):
-            frame = await conn.request(RequestCode.PULL_MANY, header, with_session=True)
+        fut = await conn.start_request(RequestCode.PULL_MANY, header, with_session=True)
+        fut.add_done_callback(_retrieve)
+        try:
+            async with asyncio.timeout((wait_ms + ctx.options.request_timeout_ms) / 1000):
+                frame = await asyncio.shield(fut)
+        except (asyncio.CancelledError, TimeoutError):
+            # the caller gave up (while the broker waited, say), or the answer is late: what it
+            # hands out is this consumer's now, kept for its next pulls rather than dropped
+            if not fut.done():
+                fut.add_done_callback(lambda f: _keep_late(f, taken))
+            raise
+    except asyncio.CancelledError:
+        if fut is None:  # cancelled before the request was written: its acks go with a later one
+            for _i, _p, tracker, ranges in taken:
+                tracker.requeue(ranges)
+        raise
     except BaseException as exc:
         for _i, _p, tracker, ranges in taken:
             tracker.requeue(ranges)
@@ -147,27 +163,58 @@ async def _request(
             log.debug("a pull of %d subjects from broker group %s failed: %s", len(indexes), bg.name, exc)
             return []  # empty batches: the next call asks again
         raise
+    for i, batch in _parts(frame, taken, bg.name, conn.abort):
+        out[i] = batch
+    return []
+
+
+def _retrieve(fut: asyncio.Future[Frame]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _parts(
+    frame: Frame, taken: list[_Entry], broker_group: str, abort: Callable[[], None]
+) -> list[tuple[int, BatchBase[Any]]]:
+    """The batch of each entry of a PULL_MANY answer (those the broker refused get none, their
+    acks requeued); a malformed answer drops the connection and raises."""
     results = frame.header.get("results")
     if not isinstance(results, list) or len(results) != len(taken):
-        conn.abort()
-        raise RemoteProtocolError(f"a PULL_MANY answer of broker group {bg.name} has no result for each subject")
+        abort()
+        raise RemoteProtocolError(f"a PULL_MANY answer of broker group {broker_group} has no result for each subject")
     if frame.header.get("acks_error") is not None:
         for _i, _p, tracker, ranges in taken:
             tracker.requeue(ranges)  # recorded on the master but not replicated: sent again later
     body = frame.body if isinstance(frame.body, bytes) else bytes(frame.body)
     at = 0
+    batches: list[tuple[int, BatchBase[Any]]] = []
     for (i, p, tracker, ranges), result in zip(taken, results, strict=True):
         if not isinstance(result, dict) or "error" in result:
             tracker.requeue(ranges)
             text = result.get("error") if isinstance(result, dict) else result
-            log.warning("broker group %s refused a pull of %r in group %r: %s", bg.name, p.subject, p.group, text)
+            log.warning("broker group %s refused a pull of %r in group %r: %s", broker_group, p.subject, p.group, text)
             continue
         size = result.get("bytes")
         if not isinstance(size, int) or size < 0 or at + size > len(body):
-            conn.abort()
+            abort()
             raise RemoteProtocolError(
-                f"a PULL_MANY answer of broker group {bg.name} gives {size!r} bytes to {p.subject!r}"
+                f"a PULL_MANY answer of broker group {broker_group} gives {size!r} bytes to {p.subject!r}"
             )
-        out[i] = p.parse_part(body[at : at + size], result.get("runs", []), tracker)
+        batches.append((i, p.parse_part(body[at : at + size], result.get("runs", []), tracker)))
         at += size
-    return []
+    return batches
+
+
+def _keep_late(fut: asyncio.Future[Frame], taken: list[_Entry]) -> None:
+    """A PULL_MANY answered after its caller had gone: each subject's batch kept by its puller."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    try:
+        parts = _parts(fut.result(), taken, "(late answer)", lambda: None)
+    except RemoteProtocolError as exc:
+        log.error("a late PULL_MANY answer is malformed: %s", exc)
+        return
+    trackers = {i: tracker for i, _p, tracker, _r in taken}
+    pullers = {i: p for i, p, _t, _r in taken}
+    for i, batch in parts:
+        pullers[i].keep(batch, trackers[i])
