@@ -4,6 +4,7 @@ answer goes out only after the fsync covering what it handed out (the I/O trace)
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rawclient import RawClient, message, split_records
@@ -68,3 +69,50 @@ def test_pull_many_answers_each_entry_with_its_part_and_a_bad_entry_alone(tmp_pa
     report = check_file(trace)
     assert report.violations == [], report.violations
     assert report.pulls >= 4  # each answer that handed out messages: its records and its messages
+
+
+def test_pull_many_long_polls_on_all_its_subjects_and_answers_after_the_flush(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    args = ["broker", "--data-dir", str(tmp_path / "data"), "--port", "0", "--http-port", "0"]
+    with running_role(args, env={"QMQ_IO_TRACE": str(trace)}) as proc:
+        waiter = RawClient(proc.ready["address"])
+        sender = RawClient(proc.ready["address"])
+        try:
+            entries = [{"subject": s, "group": "g", "max": 10, "start": "earliest"} for s in ("x", "y", "z")]
+            # nothing anywhere: a short wait is answered empty once it passes
+            t0 = time.monotonic()
+            header = {"consumer_id": "c1", "session": "s1", "max": 100, "pulls": entries, "timeout_ms": 300}
+            empty = waiter.call(RequestCode.PULL_MANY, header)
+            assert empty.status == Status.OK, empty.header
+            assert time.monotonic() - t0 >= 0.25
+            assert [r["runs"] for r in empty.header["results"]] == [[], [], []]
+            # a long wait is answered by the first send to any of its subjects
+            header = {**header, "timeout_ms": 20_000}
+            t0 = time.monotonic()
+            waiter.send_frame(RequestCode.PULL_MANY, header)
+            assert sender.send(message("y", "y0"), message("y", "y1")).status == Status.OK
+            answer = waiter.read_frame()
+            assert time.monotonic() - t0 < 10
+            assert answer.status == Status.OK, answer.header
+            assert [r["runs"] for r in answer.header["results"]] == [[], [[0, 2]], []]
+            assert _ids(bytes(answer.body)) == ["y0", "y1"]
+            # its acks are applied at once and the answer still waits for them to be durable
+            entries = [{**entries[0]}, {**entries[1], "ack": [[0, 2]]}, {**entries[2]}]
+            header = {"consumer_id": "c1", "session": "s1", "max": 100, "pulls": entries, "timeout_ms": 20_000}
+            waiter.send_frame(RequestCode.PULL_MANY, header)
+            assert sender.send(message("z", "z0")).status == Status.OK
+            answer = waiter.read_frame()
+            assert [r["runs"] for r in answer.header["results"]] == [[], [], [[0, 1]]]
+            assert _ids(bytes(answer.body)) == ["z0"]
+            # a new session gets nothing of y again: its acks took
+            entries = [{"subject": s, "group": "g", "max": 10} for s in ("x", "y", "z")]
+            header = {"consumer_id": "c1", "session": "s2", "max": 100, "pulls": entries}
+            again = waiter.call(RequestCode.PULL_MANY, header)
+            assert [r["runs"] for r in again.header["results"]] == [[], [], [[0, 1]]]
+        finally:
+            waiter.close()
+            sender.close()
+        assert proc.stop() == 0
+    report = check_file(trace)
+    assert report.violations == [], report.violations
+    assert report.pulls >= 2

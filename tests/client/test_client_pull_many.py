@@ -3,11 +3,12 @@ acks ride on the next one, and an ordered subscription is pulled with PULL."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
-from qmq.aio import Consumer, Message, Producer
+from qmq.aio import Consumer, Message, Producer, ReceivedMessage
 
 pytestmark = [pytest.mark.integration]
 
@@ -70,3 +71,68 @@ async def test_an_ordered_subscription_among_them_is_pulled_with_pull(
             batches = await consumer.pull_many(pcs)
         assert [m.body for m in batches[0]] == [f"{subjects[0]}/{i}".encode() for i in range(2)]
         assert "refused a pull" not in caplog.text
+
+
+async def test_pull_many_reads_the_retry_subjects_too(meta_server: str, subject: str) -> None:
+    subjects = [f"{subject}.{k}" for k in range(3)]
+    await _send(meta_server, subjects, 1)
+    async with Consumer(app_code="test", meta_server=meta_server, retry_pull_interval_ms=50) as consumer:
+        pcs = [consumer.pull_consumer(s, "g", "earliest", retry_backoff=[0]) for s in subjects]
+        batches = await consumer.pull_many(pcs)
+        assert [len(b) for b in batches] == [1, 1, 1]
+        [nacked] = batches[1]
+        batches[0].ack_all()
+        batches[2].ack_all()
+        await nacked.nack(ValueError("not now"))
+        again: list[object] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not again and loop.time() < deadline:
+            batches = await consumer.pull_many(pcs, timeout_ms=100)
+            assert not batches[0]
+            assert not batches[2]
+            again = list(batches[1])
+        assert len(again) == 1
+        [back] = again
+        assert isinstance(back, ReceivedMessage)
+        assert (back.message_id, back.times, back.subject) == (nacked.message_id, 2, subjects[1])
+        back.ack()
+
+
+async def test_pull_many_waits_for_the_first_message_of_any_subject(meta_server: str, subject: str) -> None:
+    subjects = [f"{subject}.{k}" for k in range(3)]
+    async with Consumer(app_code="test", meta_server=meta_server) as consumer:
+        pcs = [consumer.pull_consumer(s, "g", "earliest") for s in subjects]
+        assert [len(b) for b in await consumer.pull_many(pcs)] == [0, 0, 0]  # the groups begin here
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert [len(b) for b in await consumer.pull_many(pcs, timeout_ms=300)] == [0, 0, 0]
+        assert loop.time() - t0 >= 0.25  # it waited
+        waiting = asyncio.ensure_future(consumer.pull_many(pcs, timeout_ms=20_000))
+        await asyncio.sleep(0.2)  # the pull is parked on the broker (a send before it would do as well)
+        assert not waiting.done()
+        t0 = loop.time()
+        await _send(meta_server, [subjects[2]], 1)
+        batches = await asyncio.wait_for(waiting, 10)
+        assert loop.time() - t0 < 10
+        assert [[m.body for m in b] for b in batches] == [[], [], [f"{subjects[2]}/0".encode()]]
+
+
+async def test_what_a_cancelled_pull_many_was_handed_comes_with_the_next(meta_server: str, subject: str) -> None:
+    subjects = [f"{subject}.{k}" for k in range(2)]
+    async with Consumer(app_code="test", meta_server=meta_server) as consumer:
+        pcs = [consumer.pull_consumer(s, "g", "earliest") for s in subjects]
+        assert [len(b) for b in await consumer.pull_many(pcs)] == [0, 0]  # the groups begin here
+        waiting = asyncio.ensure_future(consumer.pull_many(pcs, timeout_ms=20_000))
+        await asyncio.sleep(0.2)  # parked on the broker
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # the broker answers the parked request it still holds with this message
+        await _send(meta_server, [subjects[1]], 1)
+        got: list[bytes] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not got and loop.time() < deadline:
+            got = [m.body for b in await consumer.pull_many(pcs, timeout_ms=100) for m in b]
+        assert got == [f"{subjects[1]}/0".encode()]

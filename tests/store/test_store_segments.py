@@ -37,3 +37,27 @@ def test_a_roll_leaves_the_directory_fsync_to_the_next_flush(tmp_path: Path) -> 
         raise AssertionError(f"fd {fd} was left open by the flush")
     assert kinds(log.sync_fds()) == ["file"]
     log.close()
+
+
+def test_a_ticket_splits_in_two_parts_only_when_both_logs_have_something_to_sync(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "a", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        both = FlushTicket([os.dup(fd)], 1, None, -1, 1, [os.dup(fd)])
+        assert len(both.parts()) == 2
+        message_only = FlushTicket([os.dup(fd)], 1)
+        assert len(message_only.parts()) == 1
+        # a flush of acks and pulls alone: one part, on one thread, and it closes its descriptor
+        dup = os.dup(fd)
+        actions_only = FlushTicket([], 1, None, -1, 1, [dup])
+        (part,) = actions_only.parts()
+        part()
+        try:
+            os.fstat(dup)
+        except OSError:
+            pass
+        else:
+            raise AssertionError("the action log's descriptor was left open")
+        for part in both.parts() + message_only.parts():
+            part()
+    finally:
+        os.close(fd)

@@ -6,6 +6,7 @@ the group commit's waits and the replication waits are paid once. The header::
 
     consumer_id, session           as PULL's
     max                            messages in the whole answer (each entry has its own too)
+    timeout_ms                     (0) how long to wait when no entry has messages (long poll)
     pulls                          [{subject, group, max, [start], [broadcast], [tags], [tag_type],
                                      [max_retries], [ack]}, ...], at most PULL_MANY_ENTRIES_MAX
 
@@ -13,8 +14,10 @@ The answer's header is ``{"results": [...]}``, one per entry in order: ``{"runs"
 entry's PULL runs and how many bytes of the body are its records, which follow the previous
 entry's) or ``{"error", "status"}`` (that entry refused: a group that pulls ordered, a bad
 subject), so one bad entry does not fail the others; ``acks_error`` as PULL's when the acks the
-entries carried could not be made durable or replicated. It is answered at once (no long
-poll: a consumer waits with a PULL of one subject), and, like a PULL that handed out messages,
+entries carried could not be made durable or replicated. With ``timeout_ms`` a request whose
+entries all found nothing waits (``ParkedMany`` in broker/pulls.py) until one of its subjects
+gets messages, when its entries are pulled again, or until the timeout, when it is answered
+empty; without, it is answered at once. Like a PULL that handed out messages, it is answered
 only once the action log is durable and on the slave. Entries past the request's ``max`` or
 the broker's ``pull_bytes_max`` for the whole answer get empty results.
 
@@ -25,9 +28,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from qmq.broker.pulls import ParkedMany
 from qmq.protocol.codes import Status
 from qmq.protocol.frame import Frame
 from qmq.serving.connection import Responder
+from qmq.serving.dispatch import answer_failure
 from qmq.serving.requests import BadRequest, get_bool, get_int, get_ranges, get_str, get_tags
 from qmq.store import fileio
 from qmq.store.broker_store import PullResult
@@ -47,50 +52,102 @@ def pull_many(handlers: Handlers, conn: Responder, frame: Frame) -> None:
     limits = handlers.limits
     consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
     session = get_str(header, "session", max_chars=_ID_CHARS_MAX)
-    left = get_int(header, "max", 1, limits.pull_messages_max * PULL_MANY_ENTRIES_MAX)
+    total = get_int(header, "max", 1, limits.pull_messages_max * PULL_MANY_ENTRIES_MAX)
+    timeout_ms = get_int(header, "timeout_ms", 0, limits.pull_timeout_ms_max, default=0)
     entries = header.get("pulls")
     if not isinstance(entries, list) or not entries:
         raise BadRequest("'pulls' must be a non-empty list of {subject, group, max} maps")
     if len(entries) > PULL_MANY_ENTRIES_MAX:
         raise BadRequest(f"'pulls' has {len(entries)} entries; at most {PULL_MANY_ENTRIES_MAX} a request")
-    budget = limits.pull_bytes_max
-    results: list[dict[str, object]] = []
-    chunks: list[bytes] = []
-    acked = False
-    handed = False
-    metrics = handlers.metrics
-    for entry in entries:
-        if not isinstance(entry, dict):
-            results.append({"error": f"a 'pulls' entry must be a map, got {type(entry).__name__}", "status": 1})
-            continue
-        try:
-            result, had_acks = _one(handlers, {**entry, "consumer_id": consumer_id}, session, left, budget)
-        except BadRequest as exc:
-            results.append({"error": str(exc), "status": int(Status.BAD_REQUEST)})
-            continue
-        acked = acked or had_acks
-        if result is None:
-            results.append({"runs": [], "bytes": 0})
-            metrics.pulls.labels("empty").inc()
-            continue
-        handed = True
-        results.append({"runs": result.runs, "bytes": result.nbytes})
-        chunks.extend(result.chunks)
-        left -= result.messages
-        budget -= result.nbytes
-        metrics.pulls.labels("messages").inc()
-        subject, group = entry.get("subject"), entry.get("group")
-        metrics.messages_out.labels(subject, group).inc(result.messages)
-        metrics.bytes_out.labels(subject, group).inc(result.nbytes)
+    made = _Pulls(handlers, consumer_id, session, total)
+    made.run(entries)
     code, request_id = frame.code, frame.request_id
-    answer: dict[str, Any] = {"results": results}
+    if made.handed or timeout_ms == 0 or handlers.broker.stopping or not made.subjects:
+        _answer(handlers, conn, code, request_id, made, made.acked)
+        return
+    # nothing yet: wait on every subject at once; the acks the entries carried were applied, so
+    # the pulls made again carry none, and the answer still waits for them to be durable
+    again = [{k: v for k, v in entry.items() if k != "ack"} if isinstance(entry, dict) else entry for entry in entries]
+    acked = made.acked
+
+    def retry() -> bool:
+        more = _Pulls(handlers, consumer_id, session, total, again=True)
+        more.run(again)
+        if not more.handed:
+            return False
+        _answer(handlers, conn, code, request_id, more, acked)
+        return True
+
+    parked = ParkedMany(
+        conn,
+        frozenset(made.subjects),
+        retry,
+        lambda: _answer(handlers, conn, code, request_id, made, acked),
+        lambda exc: answer_failure(conn, Frame(code, request_id), exc),
+    )
+    handlers.broker.parked.park_many(parked, timeout_ms)
+
+
+class _Pulls:
+    """The pulls of one PULL_MANY's entries, made once (``run``): their results, the records'
+    chunks, whether any carried acks or handed out messages, the subjects pulled."""
+
+    def __init__(self, handlers: Handlers, consumer_id: str, session: str, total: int, again: bool = False) -> None:
+        self.handlers = handlers
+        self.again = again  # a parked request's pulls made again: its empty entries were counted once
+        self.consumer_id = consumer_id
+        self.session = session
+        self.left = total
+        self.results: list[dict[str, object]] = []
+        self.chunks: list[bytes] = []
+        self.acked = False
+        self.handed = False
+        self.subjects: set[str] = set()
+
+    def run(self, entries: list[object]) -> None:
+        handlers = self.handlers
+        budget = handlers.limits.pull_bytes_max
+        metrics = handlers.metrics
+        results = self.results
+        for entry in entries:
+            if not isinstance(entry, dict):
+                results.append({"error": f"a 'pulls' entry must be a map, got {type(entry).__name__}", "status": 1})
+                continue
+            try:
+                named = {**entry, "consumer_id": self.consumer_id}
+                result, had_acks = _one(handlers, named, self.session, self.left, budget)
+            except BadRequest as exc:
+                results.append({"error": str(exc), "status": int(Status.BAD_REQUEST)})
+                continue
+            subject, group = entry.get("subject"), entry.get("group")
+            if isinstance(subject, str):
+                self.subjects.add(subject)
+            self.acked = self.acked or had_acks
+            if result is None:
+                results.append({"runs": [], "bytes": 0})
+                if not self.again:
+                    metrics.pulls.labels("empty").inc()
+                continue
+            self.handed = True
+            results.append({"runs": result.runs, "bytes": result.nbytes})
+            self.chunks.extend(result.chunks)
+            self.left -= result.messages
+            budget -= result.nbytes
+            metrics.pulls.labels("messages").inc()
+            metrics.messages_out.labels(subject, group).inc(result.messages)
+            metrics.bytes_out.labels(subject, group).inc(result.nbytes)
+
+
+def _answer(handlers: Handlers, conn: Responder, code: int, request_id: int, made: _Pulls, acked: bool) -> None:
+    answer: dict[str, Any] = {"results": made.results}
+    handed = made.handed
     if not acked and not handed:
         conn.respond(code, request_id, answer)
         return
-
     store = handlers.store
     traced = fileio.tracing and store.sync_policy and handed  # the I/O trace (store/iotrace.py)
     end, messages_end = store.alog.end, store.mlog.end
+    chunks = made.chunks
 
     def send(error: str | None) -> None:
         if traced and error is None:

@@ -1,7 +1,9 @@
 """Long polls: pulls that found nothing wait here until their subject gets new messages.
 
 A parked pull is retried when a flush makes messages of its subject visible, and answered
-empty when its timeout passes or its connection goes. No task per pull: a timer handle and
+empty when its timeout passes or its connection goes. A PULL_MANY that found nothing waits
+the same way on each of its subjects at once (``ParkedMany``): the first of them to get
+messages makes it pull them all again. No task per pull: a timer handle and
 an entry in a per-subject list. A retry that fails (a read error) answers that pull with the
 error; the others, and the flush that woke them, go on.
 
@@ -54,11 +56,36 @@ class ParkedPull:
         self.timer: asyncio.TimerHandle | None = None
 
 
+class ParkedMany:
+    """A PULL_MANY (broker/pull_many.py) that found nothing: waits on each of its ``subjects``.
+    ``retry()`` makes its pulls again and answers it if they handed out something (True);
+    ``answer_empty()`` answers it with nothing; ``fail`` with what a retry raised."""
+
+    __slots__ = ("answer_empty", "fail", "owner", "retry", "subjects", "timer")
+
+    def __init__(
+        self,
+        owner: object,
+        subjects: frozenset[str],
+        retry: Callable[[], bool],
+        answer_empty: Callable[[], None],
+        fail: Callable[[Exception], None],
+    ) -> None:
+        self.owner = owner
+        self.subjects = subjects
+        self.retry = retry
+        self.answer_empty = answer_empty
+        self.fail = fail
+        self.timer: asyncio.TimerHandle | None = None
+
+
 class ParkedPulls:
     def __init__(self, store: BrokerStore, on_count: Callable[[int], None]) -> None:
         self.store = store
         self.on_count = on_count
         self._by_subject: dict[str, list[ParkedPull]] = {}
+        # parked PULL_MANYs by each subject they wait on (one object under several subjects)
+        self._many_by_subject: dict[str, list[ParkedMany]] = {}
         self._count = 0
         # (subject, group) whose consumers get nothing for now (qmq.broker.controls)
         self.paused: frozenset[tuple[str, str]] = frozenset()
@@ -90,19 +117,64 @@ class ParkedPulls:
         self._remove(parked)
         parked.answer(None)
 
+    def park_many(self, parked: ParkedMany, timeout_ms: int) -> None:
+        for subject in parked.subjects:
+            self._many_by_subject.setdefault(subject, []).append(parked)
+        parked.timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, self._expire_many, parked)
+        self._count += 1
+        self.on_count(self._count)
+
+    def _remove_many(self, parked: ParkedMany) -> bool:
+        """Forget ``parked`` (False if it was not parked any more)."""
+        if parked.timer is None:
+            return False
+        parked.timer.cancel()
+        parked.timer = None
+        for subject in parked.subjects:
+            lst = self._many_by_subject.get(subject)
+            if lst is not None and parked in lst:
+                lst.remove(parked)
+                if not lst:
+                    del self._many_by_subject[subject]
+        self._count -= 1
+        self.on_count(self._count)
+        return True
+
+    def _expire_many(self, parked: ParkedMany) -> None:
+        if self._remove_many(parked):
+            parked.answer_empty()
+
+    def _pass_many(self, subject: str) -> None:
+        lst = self._many_by_subject.get(subject)
+        if not lst:
+            return
+        for parked in list(lst):
+            if parked.timer is None:
+                continue  # answered by an earlier subject of this notification
+            try:
+                answered = parked.retry()
+            except Exception as exc:  # fails this PULL_MANY only
+                self._remove_many(parked)
+                parked.fail(exc)
+                continue
+            if answered:
+                self._remove_many(parked)
+
     def notify(self, subjects: set[str]) -> None:
         """New messages became visible on ``subjects``: answer the parked pulls that can now get some."""
         for subject in subjects:
             for _ in range(_ORDERED_PASSES_MAX):
                 if not self._pass(subject):
                     break
+            if self._many_by_subject:
+                self._pass_many(subject)
 
     def notify_at_flush(self, subjects: set[str]) -> None:
         """Messages of ``subjects`` were written and wait for the group commit's next flush: the
         long polls of those subjects take them when that flush begins (``take_flush_wakes``),
         since a pull's answer waits for the flush covering what it hands out anyway (store/take.py)
         and the sends made until then are taken by the same pull."""
-        if self._by_subject:
+        if self._by_subject or self._many_by_subject:
             self._at_flush.update(subjects)
 
     def take_flush_wakes(self) -> None:
@@ -113,7 +185,7 @@ class ParkedPulls:
 
     def notify_soon(self, subject: str) -> None:
         """A pull handed messages to other consumers of an ordered group: try their parked pulls."""
-        if subject in self._by_subject:
+        if subject in self._by_subject or subject in self._many_by_subject:
             asyncio.get_running_loop().call_soon(self.notify, {subject})
 
     def notify_later(self, subject: str, delay_ms: int) -> None:
@@ -157,9 +229,14 @@ class ParkedPulls:
         for lst in list(self._by_subject.values()):
             for parked in [p for p in lst if p.owner is owner]:
                 self._remove(parked)
+        for many in {id(m): m for lst in self._many_by_subject.values() for m in lst if m.owner is owner}.values():
+            self._remove_many(many)
 
     def answer_all_empty(self) -> None:
         for lst in list(self._by_subject.values()):
             for parked in list(lst):
                 self._remove(parked)
                 parked.answer(None)
+        for many in {id(m): m for lst in self._many_by_subject.values() for m in lst}.values():
+            if self._remove_many(many):
+                many.answer_empty()

@@ -202,15 +202,21 @@ class Consumer:
         return pc
 
     async def pull_many(
-        self, pull_consumers: Sequence[PullConsumer], max_messages: int = 1_000, per_subject_max: int = 100
+        self,
+        pull_consumers: Sequence[PullConsumer],
+        max_messages: int = 1_000,
+        per_subject_max: int = 100,
+        timeout_ms: int = 0,
     ) -> list[Batch]:
         """A batch for each of ``pull_consumers`` (this consumer's, in order; empty for those with
         nothing): one request per broker group for all their subjects (PULL_MANY), up to
-        ``per_subject_max`` messages of each and ``max_messages`` in all a broker group. It does
-        not wait for messages. Retry subjects are not looked at: ``pull()`` does that."""
-        check_pull_args(per_subject_max, 0)
+        ``per_subject_max`` messages of each and ``max_messages`` in all a broker group. Each one's
+        retry subject is looked at too, as ``pull()`` does. With ``timeout_ms`` it waits up to that
+        long for the first message when the subjects all live on one broker group (a long poll on
+        all of them at once); otherwise it does not wait."""
+        check_pull_args(per_subject_max, timeout_ms)
         check_pull_args(max_messages, 0)
-        batches = await pull_many(pull_consumers, max_messages, per_subject_max)
+        batches = await pull_many(pull_consumers, max_messages, per_subject_max, timeout_ms)
         return [b for b in batches if isinstance(b, Batch)]
 
     def _pull_consumer(

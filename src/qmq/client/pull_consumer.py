@@ -61,6 +61,17 @@ class PullConsumerBase:
             self._next_retry_check = loop.time() + self._retry_interval_s
         return await self._main.pull(max_messages, timeout_ms)
 
+    def retry_due(self) -> SubjectPuller[Any] | None:
+        """The retry subject's puller when it is time to look at it (PULL_MANY: client/pull_many.py)."""
+        if self._retry is not None and asyncio.get_running_loop().time() >= self._next_retry_check:
+            return self._retry
+        return None
+
+    def retry_looked(self, found: bool) -> None:
+        """The retry subject was looked at: again at once if it had messages, else after the interval."""
+        if not found:
+            self._next_retry_check = asyncio.get_running_loop().time() + self._retry_interval_s
+
     @property
     def pulled(self) -> int:
         """Messages returned by pulls so far."""

@@ -4,14 +4,16 @@ A consumer of many subjects asks each broker group once for all the subjects it 
 each subject's pending acks riding along as they do on a PULL, instead of one PULL per
 subject. A broker group that does not know PULL_MANY (older brokers answer UNKNOWN_COMMAND)
 is remembered and pulled subject by subject, as are ordered subscriptions (the broker serves
-those by PULL only). Nothing waits: a subject with nothing gets an empty batch.
+those by PULL only). A consumer's retry subject rides along when it is due, as with ``pull``.
+A call may wait (``timeout_ms``, the broker's long poll) when all its subjects go to one broker
+group; otherwise nothing waits, and a subject with nothing gets an empty batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from qmq.client.acks import AckTracker
@@ -23,6 +25,7 @@ from qmq.client.received import BatchBase
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.frame import Frame
 
 log = logging.getLogger(__name__)
 
@@ -33,46 +36,79 @@ _Entry = tuple[int, SubjectPuller[Any], AckTracker, list[list[int]]]
 
 
 async def pull_many(
-    pull_consumers: Sequence[PullConsumer], max_messages: int, per_subject_max: int
+    pull_consumers: Sequence[PullConsumer], max_messages: int, per_subject_max: int, timeout_ms: int = 0
 ) -> list[BatchBase[Any]]:
     """A batch for each of ``pull_consumers`` (in order; empty for those that got nothing): up to
-    ``per_subject_max`` messages of each subject and ``max_messages`` in all per request."""
-    out: list[BatchBase[Any] | None] = [None] * len(pull_consumers)
+    ``per_subject_max`` messages of each subject and ``max_messages`` in all per request. Each
+    consumer's retry subject is looked at too, as ``pull`` does (every retry_pull_interval_ms, and
+    again at once while it has messages), its messages first in the consumer's batch. With
+    ``timeout_ms`` the broker waits that long for messages when none of the subjects has any; only
+    when they all go in one request (one broker group), since a wait on one broker group would hold
+    back what another has."""
     if not pull_consumers:
         return []
     ctx = pull_consumers[0].puller.context
     meta, pool = ctx.started()
+    # what is pulled: each consumer's subject, and its retry subject when due; ``of[k]`` is the
+    # consumer target ``k`` belongs to
+    pullers: list[SubjectPuller[Any]] = []
+    of: list[int] = []
+    retries: list[int] = []  # targets that are retry subjects
+    for i, pc in enumerate(pull_consumers):
+        retry = pc.retry_due() if pc.puller.context is ctx else None
+        if retry is not None:
+            retries.append(len(pullers))
+            pullers.append(retry)
+            of.append(i)
+        pullers.append(pc.puller)
+        of.append(i)
+    out: list[BatchBase[Any] | None] = [None] * len(pullers)
     by_group: dict[str, tuple[BrokerGroup, list[int]]] = {}
     one_by_one: list[int] = []
-    for i, pc in enumerate(pull_consumers):
-        p = pc.puller
+    for k, p in enumerate(pullers):
         stashed = p.stashed(per_subject_max)
         if stashed is not None:
-            out[i] = stashed
+            out[k] = stashed
             continue
         groups = meta.available(await meta.resolve(p.subject))
         if not groups:
-            out[i] = p.empty()  # nowhere to pull it now; the next call looks again
+            out[k] = p.empty()  # nowhere to pull it now; the next call looks again
             continue
         bg = p.next_group(groups)
         if p.context is not ctx or p.subscription.ordered or bg.name in ctx.no_pull_many:
-            one_by_one.append(i)
+            one_by_one.append(k)
         else:
-            by_group.setdefault(bg.name, (bg, []))[1].append(i)
+            by_group.setdefault(bg.name, (bg, []))[1].append(k)
     requests = [
-        (bg, indexes[k : k + ENTRIES_PER_REQUEST_MAX])
+        (bg, indexes[n : n + ENTRIES_PER_REQUEST_MAX])
         for bg, indexes in by_group.values()
-        for k in range(0, len(indexes), ENTRIES_PER_REQUEST_MAX)
+        for n in range(0, len(indexes), ENTRIES_PER_REQUEST_MAX)
     ]
+    waits = len(requests) == 1 and not one_by_one and all(b is None for b in out)
+    wait_ms = timeout_ms if waits else 0
     refused = await asyncio.gather(
-        *(_request(ctx, pool, bg, idx, pull_consumers, max_messages, per_subject_max, out) for bg, idx in requests)
+        *(_request(ctx, pool, bg, idx, pullers, max_messages, per_subject_max, out, wait_ms) for bg, idx in requests)
     )
-    one_by_one.extend(i for indexes in refused for i in indexes)
+    one_by_one.extend(k for indexes in refused for k in indexes)
     if one_by_one:
-        batches = await asyncio.gather(*(pull_consumers[i].pull(per_subject_max, 0) for i in one_by_one))
-        for i, batch in zip(one_by_one, batches, strict=True):
-            out[i] = batch
-    return [b if b is not None else pull_consumers[i].puller.empty() for i, b in enumerate(out)]
+        retry_set = set(retries)
+        # a consumer's own subject through its pull consumer (an ordered one holds keys), a retry
+        # subject through its puller
+        batches = await asyncio.gather(
+            *(
+                (pullers[k] if k in retry_set else pull_consumers[of[k]]).pull(per_subject_max, 0)
+                for k in one_by_one
+            )
+        )
+        for k, batch in zip(one_by_one, batches, strict=True):
+            out[k] = batch
+    for k in retries:
+        pull_consumers[of[k]].retry_looked(bool(out[k]))
+    merged: list[BatchBase[Any]] = [pc.puller.empty() for pc in pull_consumers]
+    for k, got in enumerate(out):
+        if got:
+            merged[of[k]].extend(got)
+    return merged
 
 
 async def _request(
@@ -80,25 +116,43 @@ async def _request(
     pool: ConnectionPool,
     bg: BrokerGroup,
     indexes: list[int],
-    pull_consumers: Sequence[PullConsumer],
+    pullers: Sequence[SubjectPuller[Any]],
     max_messages: int,
     per_subject_max: int,
     out: list[BatchBase[Any] | None],
+    wait_ms: int,
 ) -> list[int]:
     """One PULL_MANY to ``bg``; fills ``out``. Returns the indexes to pull one by one instead
     (all of them when ``bg`` does not know PULL_MANY)."""
     taken: list[_Entry] = []
     entries: list[dict[str, Any]] = []
     for i in indexes:
-        p = pull_consumers[i].puller
+        p = pullers[i]
         entry, tracker, ranges = p.many_entry(bg, per_subject_max)
         entries.append(entry)
         taken.append((i, p, tracker, ranges))
-    header = {"consumer_id": ctx.consumer_id, "max": max_messages, "pulls": entries}
+    header: dict[str, Any] = {"consumer_id": ctx.consumer_id, "max": max_messages, "pulls": entries}
+    if wait_ms:
+        header["timeout_ms"] = wait_ms
     conn = pool.get(bg.address)
+    fut: asyncio.Future[Frame] | None = None
     try:
-        async with asyncio.timeout(ctx.options.request_timeout_ms / 1000):
-            frame = await conn.request(RequestCode.PULL_MANY, header, with_session=True)
+        fut = await conn.start_request(RequestCode.PULL_MANY, header, with_session=True)
+        fut.add_done_callback(_retrieve)
+        try:
+            async with asyncio.timeout((wait_ms + ctx.options.request_timeout_ms) / 1000):
+                frame = await asyncio.shield(fut)
+        except (asyncio.CancelledError, TimeoutError):
+            # the caller gave up (while the broker waited, say), or the answer is late: what it
+            # hands out is this consumer's now, kept for its next pulls rather than dropped
+            if not fut.done():
+                fut.add_done_callback(lambda f: _keep_late(f, taken))
+            raise
+    except asyncio.CancelledError:
+        if fut is None:  # cancelled before the request was written: its acks go with a later one
+            for _i, _p, tracker, ranges in taken:
+                tracker.requeue(ranges)
+        raise
     except BaseException as exc:
         for _i, _p, tracker, ranges in taken:
             tracker.requeue(ranges)
@@ -109,27 +163,58 @@ async def _request(
             log.debug("a pull of %d subjects from broker group %s failed: %s", len(indexes), bg.name, exc)
             return []  # empty batches: the next call asks again
         raise
+    for i, batch in _parts(frame, taken, bg.name, conn.abort):
+        out[i] = batch
+    return []
+
+
+def _retrieve(fut: asyncio.Future[Frame]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _parts(
+    frame: Frame, taken: list[_Entry], broker_group: str, abort: Callable[[], None]
+) -> list[tuple[int, BatchBase[Any]]]:
+    """The batch of each entry of a PULL_MANY answer (those the broker refused get none, their
+    acks requeued); a malformed answer drops the connection and raises."""
     results = frame.header.get("results")
     if not isinstance(results, list) or len(results) != len(taken):
-        conn.abort()
-        raise RemoteProtocolError(f"a PULL_MANY answer of broker group {bg.name} has no result for each subject")
+        abort()
+        raise RemoteProtocolError(f"a PULL_MANY answer of broker group {broker_group} has no result for each subject")
     if frame.header.get("acks_error") is not None:
         for _i, _p, tracker, ranges in taken:
             tracker.requeue(ranges)  # recorded on the master but not replicated: sent again later
     body = frame.body if isinstance(frame.body, bytes) else bytes(frame.body)
     at = 0
+    batches: list[tuple[int, BatchBase[Any]]] = []
     for (i, p, tracker, ranges), result in zip(taken, results, strict=True):
         if not isinstance(result, dict) or "error" in result:
             tracker.requeue(ranges)
             text = result.get("error") if isinstance(result, dict) else result
-            log.warning("broker group %s refused a pull of %r in group %r: %s", bg.name, p.subject, p.group, text)
+            log.warning("broker group %s refused a pull of %r in group %r: %s", broker_group, p.subject, p.group, text)
             continue
         size = result.get("bytes")
         if not isinstance(size, int) or size < 0 or at + size > len(body):
-            conn.abort()
+            abort()
             raise RemoteProtocolError(
-                f"a PULL_MANY answer of broker group {bg.name} gives {size!r} bytes to {p.subject!r}"
+                f"a PULL_MANY answer of broker group {broker_group} gives {size!r} bytes to {p.subject!r}"
             )
-        out[i] = p.parse_part(body[at : at + size], result.get("runs", []), tracker)
+        batches.append((i, p.parse_part(body[at : at + size], result.get("runs", []), tracker)))
         at += size
-    return []
+    return batches
+
+
+def _keep_late(fut: asyncio.Future[Frame], taken: list[_Entry]) -> None:
+    """A PULL_MANY answered after its caller had gone: each subject's batch kept by its puller."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    try:
+        parts = _parts(fut.result(), taken, "(late answer)", lambda: None)
+    except RemoteProtocolError as exc:
+        log.error("a late PULL_MANY answer is malformed: %s", exc)
+        return
+    trackers = {i: tracker for i, _p, tracker, _r in taken}
+    pullers = {i: p for i, p, _t, _r in taken}
+    for i, batch in parts:
+        pullers[i].keep(batch, trackers[i])

@@ -315,6 +315,12 @@ class SubjectPuller(Generic[M]):
         except RemoteProtocolError as exc:
             log.error("late answer to a pull of %r is malformed: %s", self.subject, exc)
             return
+        self.keep(batch, tracker)
+
+    def keep(self, batch: BatchBase[M], tracker: AckTracker) -> None:
+        """Keep ``batch``, answered to a pull whose caller had gone, for the next pull (at most
+        ``_STASHED_BATCHES_MAX``; past that the connection is dropped, and the broker hands its
+        messages again to the next session)."""
         if not batch:
             return
         if len(self._stash) >= _STASHED_BATCHES_MAX:
