@@ -52,6 +52,8 @@ class History:
     # (group, id) -> [(times, ms)] of each delivery
     delivered: dict[tuple[str, str], list[tuple[int, int]]] = field(default_factory=dict)
     answered: dict[tuple[str, str, int], int] = field(default_factory=dict)  # (group, id, times) -> first answer ms
+    # (group, id, times, ms of the delivery) -> "broker group#sequence" it came from
+    origins: dict[tuple[str, str, int, int], str] = field(default_factory=dict)
     unreadable: int = 0
 
     def read_lines(self, lines: Iterable[str]) -> None:
@@ -64,6 +66,8 @@ class History:
                     self.acked.setdefault(f[1], int(f[2]))
                 elif f[0] == "D" and len(f) == 5:
                     self.delivered.setdefault((f[1], f[2]), []).append((int(f[3]), int(f[4])))
+                elif f[0] == "W" and len(f) == 7:
+                    self.origins[(f[1], f[2], int(f[3]), int(f[4]))] = f"{f[5]}#{f[6]}"
                 elif f[0] == "K" and len(f) == 5:
                     key = (f[1], f[2], int(f[3]))
                     ms = int(f[4])
@@ -101,6 +105,7 @@ def check(history: History, groups: Sequence[str]) -> Figures:
                 fig.duplicated_after_ack += 1
                 fig.example(
                     f"duplicated after ack: {mid} attempt {times} to {group} at {ms}, ack answered at {answered}"
+                    + _origins(history, group, mid, times, deliveries)
                 )
             elif times in seen:
                 fig.redelivered_before_ack += 1
@@ -170,3 +175,10 @@ def periodic_allowance(history: History, groups: Sequence[str], cut_ms: Sequence
                         f"ack answered at {answered}, again at {ms}; cuts at {list(cuts)}"
                     )
     return out
+
+
+def _origins(history: History, group: str, mid: str, times: int, deliveries: list[tuple[int, int]]) -> str:
+    """``; copies from b1#12, b2#7``: where each delivery of that attempt came from, when recorded."""
+    places = [history.origins.get((group, mid, t, ms), "?") for t, ms in sorted(deliveries, key=lambda d: d[1])
+              if t == times]
+    return f"; copies from {', '.join(places)}" if any(p != "?" for p in places) else ""

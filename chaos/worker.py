@@ -117,6 +117,11 @@ async def consume(meta_server: str, history: HistoryFile, group: str, consumer_i
             if batch:
                 ms = now_ms()
                 history.write(f"D\t{group}\t{m.message_id}\t{m.times}\t{ms}\n" for m in batch)
+                # where each copy came from (the broker group and its consume-log place), for the checker's examples
+                history.write(
+                    f"W\t{group}\t{m.message_id}\t{m.times}\t{ms}\t{m._tracker.broker_group}\t{m.sequence}\n"
+                    for m in batch
+                )
                 for m in batch:
                     if m.times == 1 and hash(m.message_id) % 10 == 0:
                         m.nack()

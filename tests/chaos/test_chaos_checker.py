@@ -66,3 +66,17 @@ def test_the_periodic_allowance_excuses_what_a_cut_may_undo_and_nothing_else() -
     assert (a.again_within, a.again_beyond) == (2, 2)
     assert len(a.examples) == 2
     assert all("again after ack" in e for e in a.examples)
+
+
+def test_a_repeat_names_where_each_copy_came_from() -> None:
+    fig = check(
+        _history(
+            "S a rt 0", "A a 10",
+            "D g1 a 1 30", "W g1 a 1 30 b2 306", "K g1 a 1 40",
+            "D g1 a 1 50", "W g1 a 1 50 b1 362",  # another group's copy: stored twice
+            "D g2 a 1 30", "D g2 a 1 31",  # no W lines (an older history): no places named
+        ),
+        GROUPS,
+    )
+    assert fig.duplicated_after_ack == 1
+    assert fig.examples[0].endswith("; copies from b2#306, b1#362"), fig.examples

@@ -105,13 +105,16 @@ class Accumulator:
         self._admit(entry)
         self._held.setdefault(subject, deque()).append(entry)
 
-    def route_held(self, subject: str, pick: Callable[[Entry], RouteKey]) -> set[RouteKey]:
-        """Queue what was held for ``subject``, each on the route ``pick`` gives it; return the
-        routes that got messages."""
+    def route_held(self, subject: str, pick: Callable[[Entry], RouteKey | None]) -> set[RouteKey]:
+        """Queue what was held for ``subject``, each on the route ``pick`` gives it (held still,
+        in order, when it gives None); return the routes that got messages."""
         held = self._held.pop(subject, None)
         keys: set[RouteKey] = set()
         for entry in held or ():
             key = pick(entry)
+            if key is None:
+                self._held.setdefault(subject, deque()).append(entry)
+                continue
             q = self._queues.get(key)
             if q is None:
                 q = self._new_queue(key)
@@ -136,6 +139,10 @@ class Accumulator:
             dest.append(entry)
             keys.add(to)
         return keys
+
+    def holds(self, subject: str) -> bool:
+        """Whether messages of ``subject`` are held."""
+        return subject in self._held
 
     def held_subjects(self) -> list[str]:
         return list(self._held)

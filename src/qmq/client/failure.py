@@ -113,7 +113,9 @@ class Failures:
                     exc_send,
                 )
             encoded = with_times(encoded, copy_times, deliver_at_ms=0)
-            await producer.send_encoded(target, encoded, message_id)
+            # a resend: the delay server may have kept the copy (no answer, or "outcome unknown")
+            # and will hand it over to the group its id picks, whose duplicate window drops one
+            await producer.send_encoded(target, encoded, message_id, resend=True)
         if target == dead and dead != retry:
             log.warning(
                 "message %s of %r failed %d time(s) in group %s; sent to %s (last error: %s)",

@@ -247,6 +247,18 @@ class MetaClient:
             return groups
         return self._all_groups if subject in self._subjects or subject in self._refused else None
 
+    def routed(self, subject: str) -> tuple[str, ...] | None:
+        """The broker groups the meta server routes ``subject`` to; None while they are not known
+        (never asked for, the lookup failed, or no group was available to route it to).
+
+        A subject the meta server refused to route (or one past the subjects tracked) has every
+        available group, as in ``route``: it never gets a route of its own.
+        """
+        groups = self._routes.get(subject)
+        if groups is not None:
+            return groups
+        return self._all_groups if subject in self._refused else None
+
     def send_route(self, subject: str) -> tuple[str, ...] | None:
         """The broker groups a message of ``subject`` goes to: its route less the groups that take
         no sends (draining, or a route being retired); None when its route was never asked for."""
@@ -343,6 +355,9 @@ class MetaClient:
         try:
             answer = await self._fetch(subjects)
         except MetaRefusedError as exc:
+            if exc.status >= 500:  # the meta server failing (its store away), not a refusal: asked again
+                self._unreachable(subjects, exc)
+                return
             if len(subjects) > 1:  # one of them was refused: find which, one request each
                 for s in subjects:
                     await self._lookup([s])
@@ -352,14 +367,20 @@ class MetaClient:
             self._refused.add(subjects[0])
             return
         except (MetaServerError, AuthError) as exc:
-            log.warning(
-                "cannot look up the route of %s, using every available broker group: %s",
-                ", ".join(map(repr, subjects[:3])) + (f" and {len(subjects) - 3} more" if len(subjects) > 3 else ""),
-                exc,
-            )
-            self._subjects.update(subjects)
+            self._unreachable(subjects, exc)
             return
         self._apply(answer, subjects)
+
+    def _unreachable(self, subjects: list[str], exc: Exception) -> None:
+        """The routes of ``subjects`` could not be looked up: every refresh asks for them again;
+        meanwhile they go to every available broker group (``route``), but for resends, which
+        wait for the route (``routed``; client/routing.py)."""
+        log.warning(
+            "cannot look up the route of %s, using every available broker group until it is known: %s",
+            ", ".join(map(repr, subjects[:3])) + (f" and {len(subjects) - 3} more" if len(subjects) > 3 else ""),
+            exc,
+        )
+        self._subjects.update(subjects)
 
     def refresh_soon(self) -> None:
         """Refresh now rather than at the next period (a broker said it is not master)."""

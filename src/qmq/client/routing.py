@@ -33,6 +33,7 @@ import zlib
 from typing import Protocol
 
 from qmq.client.accumulator import ENCODED, MESSAGE_ID, RESEND, Accumulator, Entry, RouteKey
+from qmq.client.meta import DELAY_TARGET_PREFIX
 from qmq.common.limits import HOLD_UNTIL_DUE_MS
 from qmq.protocol.message import HEADER, HEADER_BYTES, order_slot_field
 
@@ -48,6 +49,7 @@ class Routes(Protocol):
     @property
     def url(self) -> str: ...
     def route(self, subject: str) -> RouteKey | None: ...
+    def routed(self, subject: str) -> RouteKey | None: ...
     def send_route(self, subject: str) -> RouteKey | None: ...
     def delay_route(self) -> RouteKey: ...
     def targets(self) -> list[str]: ...
@@ -100,7 +102,13 @@ class Router:
                 key = self._first_route(subject, entry)
                 if key is None:
                     return
-            if len(key) > 1 or self._strict or entry[RESEND]:
+            if self._strict or entry[RESEND]:
+                single = self._repeatable(subject, entry)
+                if single is None:
+                    self._wait_for_route(subject, entry)
+                    return
+                key = single
+            elif len(key) > 1:
                 key = self._pinned(subject, key, entry)
         self._sender.submit(key, entry)
 
@@ -111,8 +119,12 @@ class Router:
         A frame holding a message with an order key stays on ``group``: its key's slot lives
         there (client/ordering.py), and stored elsewhere it could be consumed before the key's
         earlier messages (a strict key waits for its group, as across a master's failover). So
-        does a frame holding a resend: ``group`` may have stored it."""
-        if any(is_ordered(e) or e[RESEND] for e in entries):
+        does a frame holding a resend: ``group`` may have stored it. And a frame sent to a delay
+        group: it may have stored the messages (it is not pinned: sender.py) and will hand them
+        over to the group each id picks; sent to a broker group instead, a message would be
+        stored twice by two groups (found by the fault campaign: a delay server cut off, the
+        send failing over to the subject's first broker group)."""
+        if group.startswith(DELAY_TARGET_PREFIX) or any(is_ordered(e) or e[RESEND] for e in entries):
             return (group,)
         common: RouteKey | None = None
         for subject in {subject_of(e[ENCODED]) for e in entries}:
@@ -133,11 +145,33 @@ class Router:
 
     def _pinned(self, subject: str, key: RouteKey, entry: Entry) -> RouteKey:
         """The group of ``key`` that the entry's message id picks in ``subject``'s route (the
-        module docstring), as a route of one; all of ``key`` when that group takes no sends now
-        (unless the entry is a resend or the producer strict: the group all the same)."""
+        module docstring), as a route of one; all of ``key`` when that group takes no sends now.
+        (A resend, or any message of a strict producer, is never placed here: ``_repeatable``.)"""
         group = pick_group(self._meta.route(subject) or key, entry[MESSAGE_ID])
-        if group not in key and not (self._strict or entry[RESEND]):
+        if group not in key:
             return key
+        return self._single(group)
+
+    def _repeatable(self, subject: str, entry: Entry) -> RouteKey | None:
+        """The group a resend (or a strict producer's message) goes to: the one its id picks in
+        the route the meta server gave the subject, as a route of one; None while that route is
+        not known. Picked among the groups this producer last knew to be available instead (the
+        meta server unreachable when the subject was first asked for), a repeat sent by another
+        producer, or after the groups changed, could pick another group than the first copy did,
+        and both would be stored: a delay server cut off from the meta server, and the delay
+        slave promoted meanwhile, each handing over the copy it kept (found by the fault campaign)."""
+        route = self._meta.routed(subject)
+        return None if route is None else self._single(pick_group(route, entry[MESSAGE_ID]))
+
+    def _wait_for_route(self, subject: str, entry: Entry) -> None:
+        """Hold a resend until the meta server's route of its subject is known (the refreshes ask
+        for it again; the send fails as usual if that takes longer than ``send_timeout_ms``)."""
+        first = not self._acc.holds(subject)
+        self._acc.hold(subject, entry)
+        if first:
+            self._meta.refresh_soon()
+
+    def _single(self, group: str) -> RouteKey:
         single = self._singles.get(group)
         if single is None:
             single = self._singles[group] = (group,)
@@ -178,10 +212,10 @@ class Router:
         # Without any broker group the messages stay held until one appears or they expire.
         if not key:
             return
-        pin = len(key) > 1 or self._strict
-
-        def pick(entry: Entry) -> RouteKey:
-            return self._pinned(subject, key, entry) if pin or entry[RESEND] else key
+        def pick(entry: Entry) -> RouteKey | None:
+            if self._strict or entry[RESEND]:
+                return self._repeatable(subject, entry)  # None: it stays held
+            return self._pinned(subject, key, entry) if len(key) > 1 else key
 
         for moved in self._acc.route_held(subject, pick):
             self._sender.wake(moved)
