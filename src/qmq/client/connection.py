@@ -5,6 +5,10 @@ resolves. A connection that is lost fails every request waiting on it with
 ``ConnectionLostError``; the next request opens a new one (after a bounded backoff when
 connecting keeps failing). Each opening is an *incarnation* with its own random
 ``session`` id, which pulls carry so the broker can tell a consumer that reconnected.
+
+The transport reads into a buffer of the connection's own (a buffered protocol): over TLS,
+uvloop's SSL layer then decrypts in place, where a ``data_received`` protocol is handed each
+record in a fresh 256 KiB ``bytes`` that the C allocator maps and unmaps again.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from ssl import SSLContext
 from typing import TYPE_CHECKING, Any, cast
 
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
-from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
+from qmq.common.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import AUTH_STATUSES, RemoteProtocolError, auth_error, error_for_status, status_name
 
@@ -31,6 +35,9 @@ log = logging.getLogger(__name__)
 # full send frames in flight, so flow control only bites when the broker stops reading.
 _WRITE_HIGH_BYTES = 16 * MiB
 _WRITE_LOW_BYTES = 4 * MiB
+# What one read may bring: libuv reads 64 KiB from a socket at a time; over TLS, what does not
+# fit is decrypted on the next loop turn
+_READ_BUFFER_BYTES = 64 * KiB
 _BACKOFF_MS_MIN = 50
 _BACKOFF_MS_MAX = 2_000
 # a server holds the handshake of an address with many failed ones for up to 1 s (qmq.auth.failures)
@@ -45,7 +52,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class _FrameProtocol(asyncio.Protocol):
+class _FrameProtocol(asyncio.BufferedProtocol):
     """One incarnation of a connection: its transport, its pending requests, its session."""
 
     def __init__(self, address: str, limits: Limits) -> None:
@@ -57,6 +64,7 @@ class _FrameProtocol(asyncio.Protocol):
         self.server_said = ""  # why the broker closed the connection, when it said (request id 0)
         self.closed = asyncio.get_running_loop().create_future()
         self._decoder = FrameDecoder(limits)
+        self._read_buffer = memoryview(bytearray(_READ_BUFFER_BYTES))
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
 
@@ -66,7 +74,14 @@ class _FrameProtocol(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._read_buffer[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        """What arrived: the decoder copies it at once (``data`` may be the read buffer)."""
         decoder = self._decoder
         try:
             decoder.receive_data(data)
