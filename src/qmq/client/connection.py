@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any, cast
 
@@ -174,6 +174,7 @@ class Connection:
         self._limits = limits
         self._proto: _FrameProtocol | None = None
         self._connecting: asyncio.Task[_FrameProtocol] | None = None
+        self._warming: asyncio.Task[_FrameProtocol] | None = None  # the connect of warm(), until a request sees it
         self._next_id = 1
         self._failures = 0
         self._retry_at = 0.0
@@ -195,7 +196,11 @@ class Connection:
         if self._closed:
             raise ConnectionLostError(f"connection to broker {self.address} is closed")
         task = self._connecting
-        if task is None or task.done():
+        # a connect warm() began and that failed: its error is the answer, once (a refused secret
+        # is then told, and counted by the server, once, not again by a second handshake)
+        warmed, self._warming = self._warming, None
+        failed_warm = task is warmed and task is not None and task.done() and not task.cancelled() and task.exception()
+        if task is None or (task.done() and not failed_warm):
             task = self._connecting = asyncio.ensure_future(self._connect())
             # Retrieved here too, in case every caller stopped waiting before it ended.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -269,6 +274,14 @@ class Connection:
             raise ConnectionLostError(
                 f"broker {self.address} sent a bad challenge: {exc}", outcome_unknown=False
             ) from None
+
+    def warm(self) -> None:
+        """Connect (and authenticate) in the background now, so the first request finds the
+        connection ready; a failure here is met again, and reported, by the next request."""
+        if self.connected or self._closed or (self._connecting is not None and not self._connecting.done()):
+            return
+        task = self._connecting = self._warming = asyncio.ensure_future(self._connect())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def start_request(
         self,
@@ -414,6 +427,16 @@ class ConnectionPool:
             )
             self._connections[address] = conn
         return conn
+
+    def authenticate_early(self, addresses: Iterable[str]) -> None:
+        """With credentials, connect to the first of ``addresses`` in the background: the
+        client key the handshake needs (scrypt, some tens of milliseconds) is derived once per
+        app and kept, so the first send or pull then waits for neither it nor the connection."""
+        if self._credentials is None:
+            return
+        for address in addresses:
+            self.get(address).warm()
+            return
 
     async def close(self) -> None:
         self._closed = True
