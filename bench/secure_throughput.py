@@ -154,6 +154,19 @@ def summary(runs: dict[str, list[dict[str, Any]]], only: list[str], plain: str, 
         if rates[plain] and rates[secure]:
             ratio = statistics.median(rates[secure]) / statistics.median(rates[plain])
             out["W1_ratio_secure_to_plain"] = round(ratio, 3)
+        # CPU µs per message on each side (medians): what TLS and auth cost, less moved by the load
+        cpu: dict[str, dict[str, float]] = {}
+        for v in (plain, secure):
+            ok = [r["W1"] for r in runs[v] if r["W1"].get("ok") and r["W1"].get("messages")]
+            sides = {
+                "client": [w["client_cpu_s"] / w["messages"] * 1e6 for w in ok if "client_cpu_s" in w],
+                "server": [w["server"]["server_cpu_s"] / w["messages"] * 1e6 for w in ok
+                           if (w.get("server") or {}).get("server_cpu_s") is not None],
+            }
+            cpu[v] = {side: round(statistics.median(xs), 2) for side, xs in sides.items() if xs}
+        out["W1_cpu_us_per_msg"] = cpu
+        if all(len(cpu[v]) == 2 for v in (plain, secure)):
+            out["W1_cpu_ratio_secure_to_plain"] = round(sum(cpu[secure].values()) / sum(cpu[plain].values()), 3)
     if "W3" in only:
         lat: dict[str, dict[str, list[float]]] = {}
         for v in (plain, secure):

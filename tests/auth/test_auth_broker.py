@@ -92,6 +92,20 @@ async def test_the_right_app_sends_and_consumes(cluster: Cluster) -> None:
         batch[0].ack()
 
 
+async def test_a_producer_authenticates_at_start_not_at_its_first_send(cluster: Cluster) -> None:
+    async with producer(cluster, "shop", SECRETS["shop"]) as p:
+        assert p._open is not None
+        [conn] = p._open.pool._connections.values()  # opened by start, before any send
+        connecting = conn._connecting
+        assert connecting is not None
+        await asyncio.wait_for(asyncio.shield(connecting), 10)
+        assert conn.connected
+        msg = p.generate_message("order.early")
+        msg.body = b"x"
+        await p.send(msg)
+        assert conn.incarnations == 1  # the send used the connection start made
+
+
 async def test_a_wrong_secret_is_an_auth_error_as_itself(cluster: Cluster) -> None:
     before = cluster.denials("handshake")
     async with producer(cluster, "shop", "not-the-secret") as p:

@@ -170,6 +170,32 @@ async def test_requests_wait_while_the_client_does_not_read_its_replies() -> Non
     assert not transport.closed
 
 
+def read_into(conn: FrameConnection, data: bytes) -> None:
+    """What a transport does with a buffered protocol: read into its buffer, then say how much."""
+    buffer = conn.get_buffer(len(data))
+    assert len(buffer) >= len(data)
+    buffer[: len(data)] = data
+    conn.buffer_updated(len(data))
+
+
+async def test_connections_read_into_one_buffer_and_each_keeps_its_own_bytes() -> None:
+    host = Host()
+    a, _a_t = connect(host)
+    b, _b_t = connect(host)
+    # a transport reads into the buffer the protocol gives (uvloop's SSL decrypts into it)
+    assert isinstance(a, asyncio.BufferedProtocol)
+    assert not isinstance(a, asyncio.Protocol)
+    assert a.get_buffer(-1).obj is b.get_buffer(-1).obj  # one buffer for the server's connections
+    frame_a, frame_b = requests(RequestCode.PING, 1, 1), requests(RequestCode.PING, 2, 1)
+    # each connection's frame arrives in two reads, interleaved with the other's
+    read_into(a, frame_a[:7])
+    read_into(b, frame_b[:11])
+    read_into(a, frame_a[7:])
+    assert host.handled == [1]
+    read_into(b, frame_b[11:])
+    assert host.handled == [1, 2]
+
+
 async def test_reading_goes_on_once_the_replies_are_read() -> None:
     host = Host()
     conn, transport = connect(host)

@@ -5,6 +5,10 @@ resolves. A connection that is lost fails every request waiting on it with
 ``ConnectionLostError``; the next request opens a new one (after a bounded backoff when
 connecting keeps failing). Each opening is an *incarnation* with its own random
 ``session`` id, which pulls carry so the broker can tell a consumer that reconnected.
+
+The transport reads into a buffer of the connection's own (a buffered protocol): over TLS,
+uvloop's SSL layer then decrypts in place, where a ``data_received`` protocol is handed each
+record in a fresh 256 KiB ``bytes`` that the C allocator maps and unmaps again.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any, cast
 
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
-from qmq.common.limits import DEFAULT_LIMITS, Limits, MiB
+from qmq.common.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import AUTH_STATUSES, RemoteProtocolError, auth_error, error_for_status, status_name
 
@@ -31,6 +35,9 @@ log = logging.getLogger(__name__)
 # full send frames in flight, so flow control only bites when the broker stops reading.
 _WRITE_HIGH_BYTES = 16 * MiB
 _WRITE_LOW_BYTES = 4 * MiB
+# What one read may bring: libuv reads 64 KiB from a socket at a time; over TLS, what does not
+# fit is decrypted on the next loop turn
+_READ_BUFFER_BYTES = 64 * KiB
 _BACKOFF_MS_MIN = 50
 _BACKOFF_MS_MAX = 2_000
 # a server holds the handshake of an address with many failed ones for up to 1 s (qmq.auth.failures)
@@ -45,7 +52,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class _FrameProtocol(asyncio.Protocol):
+class _FrameProtocol(asyncio.BufferedProtocol):
     """One incarnation of a connection: its transport, its pending requests, its session."""
 
     def __init__(self, address: str, limits: Limits) -> None:
@@ -57,6 +64,7 @@ class _FrameProtocol(asyncio.Protocol):
         self.server_said = ""  # why the broker closed the connection, when it said (request id 0)
         self.closed = asyncio.get_running_loop().create_future()
         self._decoder = FrameDecoder(limits)
+        self._read_buffer = memoryview(bytearray(_READ_BUFFER_BYTES))
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
 
@@ -66,7 +74,14 @@ class _FrameProtocol(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_BYTES, low=_WRITE_LOW_BYTES)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._read_buffer[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        """What arrived: the decoder copies it at once (``data`` may be the read buffer)."""
         decoder = self._decoder
         try:
             decoder.receive_data(data)
@@ -159,6 +174,7 @@ class Connection:
         self._limits = limits
         self._proto: _FrameProtocol | None = None
         self._connecting: asyncio.Task[_FrameProtocol] | None = None
+        self._warming: asyncio.Task[_FrameProtocol] | None = None  # the connect of warm(), until a request sees it
         self._next_id = 1
         self._failures = 0
         self._retry_at = 0.0
@@ -180,7 +196,11 @@ class Connection:
         if self._closed:
             raise ConnectionLostError(f"connection to broker {self.address} is closed")
         task = self._connecting
-        if task is None or task.done():
+        # a connect warm() began and that failed: its error is the answer, once (a refused secret
+        # is then told, and counted by the server, once, not again by a second handshake)
+        warmed, self._warming = self._warming, None
+        failed_warm = task is warmed and task is not None and task.done() and not task.cancelled() and task.exception()
+        if task is None or (task.done() and not failed_warm):
             task = self._connecting = asyncio.ensure_future(self._connect())
             # Retrieved here too, in case every caller stopped waiting before it ended.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -254,6 +274,14 @@ class Connection:
             raise ConnectionLostError(
                 f"broker {self.address} sent a bad challenge: {exc}", outcome_unknown=False
             ) from None
+
+    def warm(self) -> None:
+        """Connect (and authenticate) in the background now, so the first request finds the
+        connection ready; a failure here is met again, and reported, by the next request."""
+        if self.connected or self._closed or (self._connecting is not None and not self._connecting.done()):
+            return
+        task = self._connecting = self._warming = asyncio.ensure_future(self._connect())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def start_request(
         self,
@@ -399,6 +427,16 @@ class ConnectionPool:
             )
             self._connections[address] = conn
         return conn
+
+    def authenticate_early(self, addresses: Iterable[str]) -> None:
+        """With credentials, connect to the first of ``addresses`` in the background: the
+        client key the handshake needs (scrypt, some tens of milliseconds) is derived once per
+        app and kept, so the first send or pull then waits for neither it nor the connection."""
+        if self._credentials is None:
+            return
+        for address in addresses:
+            self.get(address).warm()
+            return
 
     async def close(self) -> None:
         self._closed = True

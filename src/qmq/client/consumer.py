@@ -146,6 +146,7 @@ class Consumer:
             credentials=credentials_of(self.app_code, self.connect_options),
             ssl=self.connect_options.tls(self.meta_server),
         )
+        pool.authenticate_early(g.address for g in meta.groups.values())
         self._ctx.meta, self._ctx.pool = meta, pool
         self._producer = Producer._sharing(self.app_code, self.meta_server, meta, pool, self.connect_options)
         await self._producer.start()

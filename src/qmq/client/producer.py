@@ -174,6 +174,7 @@ class Producer:
                 credentials=credentials_of(self.app_code, self.connect_options),
                 ssl=self.connect_options.tls(self.meta_server),
             )
+            pool.authenticate_early(g.address for g in meta.groups.values())
         else:
             meta, pool = self._shared
         sender = Sender(self._acc, meta, pool, self.options, self.stats)
