@@ -25,7 +25,7 @@ from bench.workloads_basic import SLOWEST_MSGS_PER_S
 SETTLE_S = 2.0
 LISTING_LIMIT_S = 300.0
 # the drain of one message per subject is slower per message than a backlog's
-SLOWEST_DRAIN_PER_S = SLOWEST_MSGS_PER_S / 4
+SLOWEST_DRAIN_PER_S = SLOWEST_MSGS_PER_S / 10
 
 
 def _rss_by_role(cell: Cell) -> dict[str, int]:
