@@ -46,9 +46,8 @@ def fanout_lines(doc: dict[str, Any]) -> list[str]:
     rows = []
     for entry in doc["systems"].values():
         run = run_of(entry, "W9")
-        why = state(entry, "W9") if run is None else None
-        if why or run is None:
-            rows.append([label(entry), why or "not run"] + [""] * 11)
+        if run is None or "drained" not in run:  # no figures at all: skipped, or failed before any
+            rows.append([label(entry), state(entry, "W9") or "not run"] + [""] * 11)
             continue
         d, live = run.get("drained") or {}, run.get("live") or {}
         mine = d.get("deliveries_per_s") if d.get("ok") else None
@@ -86,9 +85,8 @@ def many_subjects_lines(doc: dict[str, Any]) -> list[str]:
     rows = []
     for entry in doc["systems"].values():
         run = run_of(entry, "W10")
-        why = state(entry, "W10") if run is None else None
-        if why or run is None:
-            rows.append([label(entry), why or "not run"] + [""] * 8)
+        if run is None or "reached" not in run:  # no figures at all: skipped, or failed before any
+            rows.append([label(entry), state(entry, "W10") or "not run"] + [""] * 8)
             continue
         per = run.get("rss_bytes_per_subject") or {}
         roles = " / ".join(f"{role} {fmt(v)}" for role, v in per.items() if role in ("broker", "meta", "server"))
@@ -124,9 +122,8 @@ def large_lines(doc: dict[str, Any]) -> list[str]:
     rows = []
     for entry in doc["systems"].values():
         run = run_of(entry, "W11")
-        why = state(entry, "W11") if run is None else None
-        if why or run is None:
-            rows.append([label(entry), why or "not run"] + [""] * 7)
+        if run is None or "sizes" not in run:  # no figures at all: skipped, or failed before any
+            rows.append([label(entry), state(entry, "W11") or "not run"] + [""] * 7)
             continue
         for size, r in (run.get("sizes") or {}).items():
             pub, drain, disk = r.get("publish") or {}, r.get("drain") or {}, r.get("disk") or {}
@@ -162,7 +159,7 @@ def cell_goals(doc: dict[str, Any]) -> list[tuple[str, Callable[[str], str]]]:
     def fanout(name: str) -> str:
         entry = doc["systems"][name]
         run = run_of(entry, "W9")
-        if run is None:
+        if run is None or "drained" not in run:
             return state(entry, "W9") or "–"
         mine = dig(run, "drained", "deliveries_per_s")
         p99 = dig(run, "live", "latency_ms", "p99")
@@ -179,7 +176,7 @@ def cell_goals(doc: dict[str, Any]) -> list[tuple[str, Callable[[str], str]]]:
     def subjects(name: str) -> str:
         entry = doc["systems"][name]
         run = run_of(entry, "W10")
-        if run is None:
+        if run is None or "reached" not in run:
             return state(entry, "W10") or "–"
         reached, asked = run.get("reached") or 0, run.get("asked") or 0
         broker = (run.get("rss_bytes_per_subject") or {}).get("broker")
