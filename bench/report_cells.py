@@ -100,7 +100,8 @@ def many_subjects_lines(doc: dict[str, Any]) -> list[str]:
             fmt(grow_cpu * 1000 / reached, 2) if grow_cpu is not None and reached else "–", roles or "–",
             fmt(dig(run, "drain", "msgs_per_s")) if dig(run, "drain", "ok") is not False
             else "FAIL: " + str(dig(run, "drain", "error"))[:80],
-            fmt(restart.get("restart_s"), 1) if restart.get("ok") else "FAIL: " + str(restart.get("error"))[:80],
+            (restart.get("skipped") or fmt(restart.get("restart_s"), 1)) if restart.get("ok")
+            else "FAIL: " + str(restart.get("error"))[:80],
             "–" if listing is None else (f"{fmt(listing.get('seconds'), 1)} ({fmt(listing.get('subjects_listed'))} "
                                         "listed)" if listing.get("ok") else "FAIL: " + str(listing.get("error"))[:80]),
         ])

@@ -76,6 +76,8 @@ class Settings:
     many_subjects_chunk: int = 1_000
     many_subjects_limit_s: float = 420.0
     many_subjects_server_rss_max_mib: int = 6_144
+    # the restart on the data held (RabbitMQ's alone takes half a minute: quick runs leave it out)
+    many_subjects_restart: bool = True
     # W11: W1/W2 with large bodies, each size its own cell; batch and window keep about
     # large_window_bytes in flight (a batch of large_batch_bytes, at least one message).
     large_sizes: tuple[int, ...] = (64 * 1024, 1024 * 1024)
@@ -115,9 +117,10 @@ class Settings:
             w6_cpu_messages=20_000,
             w7_messages_per_subject=20,
             w8_messages=20_000,
-            fanout_messages=500,
-            fanout_live_duration_s=2.0,
+            fanout_messages=300,
+            fanout_live_duration_s=1.0,
             many_subjects=300,
+            many_subjects_restart=False,
             many_subjects_limit_s=60.0,
             large_bytes_per_size=16 * 1024 * 1024,
             worker_slack_s=30.0,
