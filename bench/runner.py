@@ -199,8 +199,10 @@ def _headline(workload: str, result: dict[str, Any]) -> str:
         return (f"drained {drained.get('deliveries_per_s')} deliveries/s, "
                 f"live p99 {(live.get('latency_ms') or {}).get('p99')} ms")
     if workload == "W10":
+        restart = result.get("restart") or {}
         return (f"{result.get('reached')} of {result.get('asked')} subjects, "
-                f"{result.get('new_subjects_per_s')} new/s, restart {(result.get('restart') or {}).get('restart_s')} s")
+                f"{result.get('new_subjects_per_s')} new/s, restart "
+                + (restart.get("skipped") or f"{restart.get('restart_s')} s"))
     if workload == "W11":
         return ", ".join(f"{label} publish {(r.get('publish') or {}).get('MB_per_s')} MB/s"
                          for label, r in (result.get("sizes") or {}).items())
