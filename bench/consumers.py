@@ -7,7 +7,11 @@
   then ack that message (W6 elasticity).
 
 It stops when the tally (shared by every member of the cell) has seen every expected
-message, or at the deadline."""
+message, or at the deadline.
+
+A consumer of `groups` consumer groups of one subject (W9's fan-out) gets every message once
+per group: the tally counts (group, seq) pairs, `expected` = messages × groups, and the result
+says how far the slowest group trailed (`fanout`)."""
 
 from __future__ import annotations
 
@@ -31,9 +35,11 @@ async def consume(
     recv_max: int,
     deadline: float,
     handler_sleep_s: float = 0.0,
+    groups: int = 1,
 ) -> dict[str, Any]:
     if mode not in MODES:
         raise ValueError(f"consumer mode {mode!r}: expected one of {MODES}")
+    fanout = FanOut(groups, tally.expected // groups) if groups > 1 else None
     latencies_ns: list[int] = []
     from_schedule_ns: list[int] = []
     due_ns: list[int] = []
@@ -61,9 +67,14 @@ async def consume(
             continue
         epoch_ns = time.time_ns()
         last_receipt_epoch_ns = epoch_ns
-        for body, _token in batch:
+        for body, token in batch:
             seq, stamp_a, stamp_b = read_header(body)
-            if not tally.record(seq, now_ns):
+            if fanout is not None:
+                group = adapter.group_of(token)
+                if not tally.record(fanout.key(group, seq), now_ns):
+                    continue
+                fanout.delivered(group, now_ns, now_ns - stamp_a if mode == "latency" else None)
+            elif not tally.record(seq, now_ns):
                 continue
             if mode == "latency":
                 latencies_ns.append(now_ns - stamp_a)
@@ -94,6 +105,8 @@ async def consume(
         result["seconds"] = round(seconds, 3)
         result["msgs_per_s"] = round(tally.unique / seconds, 1) if seconds > 0 else None
         result["seconds_to_first_msg"] = round((tally.first_ns - started_ns) / 1e9, 3)
+    if fanout is not None:
+        result["fanout"] = fanout.summary()
     if mode == "latency":
         result["latency_ms"] = distribution_ms(latencies_ns)
         result["latency_from_schedule_ms"] = distribution_ms(from_schedule_ns)
@@ -117,3 +130,47 @@ def by_second(due_ns: list[int], lateness_ns: list[int]) -> list[dict[str, Any]]
     for due, late in zip(due_ns, lateness_ns, strict=True):
         seconds.setdefault((due - first) // 1_000_000_000, []).append(late)
     return [{"second": sec, **distribution_ms(values)} for sec, values in sorted(seconds.items())]
+
+
+class FanOut:
+    """Deliveries per consumer group of a fan-out: each group reads every one of `per_group`
+    messages. How far the slowest group trailed: its count when the first group had them all,
+    the time from the first group's last message to the last group's, and (live) each group's
+    latency p99."""
+
+    def __init__(self, groups: int, per_group: int) -> None:
+        self.groups = groups
+        self.per_group = per_group
+        self.counts = [0] * groups
+        self.done_ns = [0] * groups
+        self.slowest_when_first_done: int | None = None
+        self.latencies_ns: list[list[int]] = [[] for _ in range(groups)]
+
+    def key(self, group: int, seq: int) -> int:
+        """The tally's index of (group, seq); out of range (counted a duplicate) for a bad one."""
+        if not 0 <= group < self.groups or seq >= self.per_group:
+            return self.groups * self.per_group
+        return group * self.per_group + seq
+
+    def delivered(self, group: int, now_ns: int, latency_ns: int | None) -> None:
+        self.counts[group] += 1
+        if latency_ns is not None:
+            self.latencies_ns[group].append(latency_ns)
+        if self.counts[group] == self.per_group:
+            self.done_ns[group] = now_ns
+            if self.slowest_when_first_done is None:
+                self.slowest_when_first_done = min(self.counts)
+
+    def summary(self) -> dict[str, Any]:
+        done = [ns for ns in self.done_ns if ns]
+        p99s = [distribution_ms(values).get("p99") for values in self.latencies_ns if values]
+        return {
+            "groups": self.groups,
+            "per_group": self.per_group,
+            "groups_complete": len(done),
+            "slowest_group_received": min(self.counts),
+            "slowest_group_behind_when_first_done": (
+                None if self.slowest_when_first_done is None else self.per_group - self.slowest_when_first_done),
+            "last_group_done_after_first_s": round((max(done) - min(done)) / 1e9, 3) if len(done) > 1 else None,
+            "slowest_group_latency_p99_ms": max((p for p in p99s if p is not None), default=None),
+        }

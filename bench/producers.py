@@ -13,6 +13,7 @@ from typing import Any
 
 from bench.adapters.base import Adapter
 from bench.payload import make_body
+from bench.settings import PAYLOAD_BYTES
 
 DELAY_SCHEDULE_SEED = 42
 
@@ -53,9 +54,11 @@ def _check_deadline(deadline: float, what: str, sent: int) -> None:
 
 
 async def produce_bulk(
-    adapter: Adapter, subjects: Sequence[str], n: int, batch: int, window_limit: int, deadline: float
+    adapter: Adapter, subjects: Sequence[str], n: int, batch: int, window_limit: int, deadline: float,
+    body_bytes: int = PAYLOAD_BYTES, seq_base: int = 0,
 ) -> dict[str, Any]:
-    """W1/W2/W6/W7: n messages as fast as the acks allow; batch k goes to subjects[k % len]."""
+    """W1/W2/W6/W7/W9/W10/W11: n messages of body_bytes as fast as the acks allow; batch k goes to
+    subjects[k % len]; sequence numbers from seq_base."""
     window = Window(window_limit)
     started = time.perf_counter()
     cpu_started = time.process_time()
@@ -65,7 +68,7 @@ async def produce_bulk(
         _check_deadline(deadline, "bulk producer", sent)
         count = min(batch, n - sent)
         now_ns = time.monotonic_ns()
-        bodies = [make_body(sent + i, now_ns, now_ns) for i in range(count)]
+        bodies = [make_body(seq_base + sent + i, now_ns, now_ns, body_bytes) for i in range(count)]
         ack = await adapter.send_batch(subjects[batch_index % len(subjects)], bodies)
         window.add(ack, count)
         sent += count
@@ -79,7 +82,8 @@ async def produce_bulk(
         # the producer process's own CPU (user + system): a cost per message the machine's load moves less
         "client_cpu_s": round(time.process_time() - cpu_started, 3),
         "msgs_per_s": round(n / seconds, 1),
-        "MB_per_s": round(n * 1024 / seconds / 1e6, 2),
+        "body_bytes": body_bytes,
+        "MB_per_s": round(n * body_bytes / seconds / 1e6, 2),
     }
 
 

@@ -407,7 +407,7 @@ def goals_lines(doc: dict[str, Any]) -> list[str]:
         r = best(entry, "W8", lambda r: r.get("publish_ratio"), True)
         return state(entry, "W8") or "–" if r is None else f"{r:.2f} of the SDK's publish rate{mark(r >= 0.5)}"
 
-    goals = [
+    goals: list[tuple[str, Callable[[str], str]]] = [
         ("W1 ≥ 1.2× best peer of the same guarantee (sync ≥ 35k msg/s, periodic ≥ 65k)", w1),
         ("W2 ≥ 140k msg/s", w2),
         ("W3 p99 ≤ 2 ms and p99.9 ≤ 5 ms", w3),
@@ -415,7 +415,15 @@ def goals_lines(doc: dict[str, Any]) -> list[str]:
         ("W6 8 consumers ≥ 7× one (handler-bound)", w6),
         ("W8 HTTP gateway publish ≥ 0.5× the SDK's", w8),
     ]
+    from bench.report_cells import cell_goals  # it builds on this module's helpers
+
+    workloads = set(doc.get("workloads", []))
+    goals += cell_goals(doc)
+    # a goal of a workload the run left out (`--only`) has no row
+    goals = [(text, fn) for text, fn in goals if text.split()[0] in workloads]
     rows = [[text, *(fn(name) for name in qmq)] for text, fn in goals]
+    if not rows:
+        return []
     return ["## Goals (reported next to the figures, never asserted)", "", *table(["goal", *qmq], rows), ""]
 
 
@@ -452,6 +460,14 @@ def markdown(doc: dict[str, Any]) -> str:
         parts += subjects_lines(doc)
     if "W8" in workloads:
         parts += gateway_lines(doc)
+    from bench.report_cells import fanout_lines, large_lines, many_subjects_lines
+
+    if "W9" in workloads:
+        parts += fanout_lines(doc)
+    if "W10" in workloads:
+        parts += many_subjects_lines(doc)
+    if "W11" in workloads:
+        parts += large_lines(doc)
     parts += goals_lines(doc)
     parts += failure_lines(doc)
     return "\n".join(parts).rstrip() + "\n"

@@ -1,8 +1,9 @@
 """The driver: for each system, start its server, run the selected workloads in a fixed
 order with one cell each, stop the server; one failing system never stops the others.
 
-Order per system: W1+W2 (× repeats), W3, W6, W7, W8 (qmq only), then W4 and W5 on a freshly started
-server (full runs), so the delay figures see no earlier backlog in memory."""
+Order per system: W1+W2 (× repeats), W3, W6, W7, W8 (qmq only), W9 (fan-out to 70 groups), W11
+(64 KiB and 1 MiB messages), W10 (40,000 subjects: it restarts the server on its data), then W4 and
+W5 on a freshly started server (full runs), so the delay figures see no earlier backlog in memory."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from bench.settings import Settings
 from bench.workers import kill_all_workers
 from bench.workloads_basic import w1_publish, w2_drain, w3_latency
 from bench.workloads_delay import w4_delay, w5_thundering_second
+from bench.workloads_fanout import w9_fanout
 from bench.workloads_gateway import w8_gateway
+from bench.workloads_large import w11_large
+from bench.workloads_many import w10_many_subjects
 from bench.workloads_scale import w6_elasticity, w7_many_subjects
 
 Log = Callable[[str], None]
@@ -140,6 +144,9 @@ class SystemRun:
                 self._cell("W8", w8_gateway, cell)
             else:
                 self._record("W8", {"skipped": "no HTTP gateway: W8 measures qmq's"})
+        for workload, fn in (("W9", w9_fanout), ("W11", w11_large), ("W10", w10_many_subjects)):
+            if workload in want:
+                self._cell(workload, fn, cell)
         restarted = False
         for workload, fn in (("W4", w4_delay), ("W5", w5_thundering_second)):
             if workload not in want:
@@ -187,6 +194,18 @@ def _headline(workload: str, result: dict[str, Any]) -> str:
             f"x{k}: {v.get('speedup_vs_1')}" for k, v in handled.items())
     if workload == "W7":
         return f"publish {result.get('publish_msgs_per_s')} msg/s, drain {result.get('drain_msgs_per_s')} msg/s"
+    if workload == "W9":
+        drained, live = result.get("drained") or {}, result.get("live") or {}
+        return (f"drained {drained.get('deliveries_per_s')} deliveries/s, "
+                f"live p99 {(live.get('latency_ms') or {}).get('p99')} ms")
+    if workload == "W10":
+        restart = result.get("restart") or {}
+        return (f"{result.get('reached')} of {result.get('asked')} subjects, "
+                f"{result.get('new_subjects_per_s')} new/s, restart "
+                + (restart.get("skipped") or f"{restart.get('restart_s')} s"))
+    if workload == "W11":
+        return ", ".join(f"{label} publish {(r.get('publish') or {}).get('MB_per_s')} MB/s"
+                         for label, r in (result.get("sizes") or {}).items())
     if workload == "W8":
         return (f"HTTP publish {result.get('http_publish_per_s', 0):.0f} msg/s "
                 f"({result.get('publish_ratio', 0):.2f} of the SDK's), "

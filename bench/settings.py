@@ -22,7 +22,9 @@ REDIS_PORT = 36379
 HOST = "127.0.0.1"
 PAYLOAD_BYTES = 1024
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11")
+# What the newer cells measure: the report names each by it.
+CELL_NAMES = {"W9": "fan-out to 70 groups", "W10": "40,000 subjects", "W11": "64 KiB and 1 MiB messages"}
 PEERS = ("rabbitmq", "nats", "redis")
 QMQ_FLUSH_POLICIES = ("sync", "periodic")
 
@@ -62,6 +64,26 @@ class Settings:
     w8_messages: int = 100_000
     w8_connections: int = 16
     w8_rounds: int = 3
+    # W9 fan-out: one subject read by every one of fanout_groups consumer groups (one consumer
+    # process reading them all), a drained backlog, then live at a fixed rate.
+    fanout_groups: int = 70
+    fanout_messages: int = 20_000
+    fanout_prefetch_per_group: int = 100
+    fanout_live_rate_per_s: float = 1_000.0
+    fanout_live_duration_s: float = 20.0
+    # W10: subjects created (one message each) in chunks, until all or the time limit; then drained.
+    many_subjects: int = 40_000
+    many_subjects_chunk: int = 1_000
+    many_subjects_limit_s: float = 420.0
+    many_subjects_server_rss_max_mib: int = 6_144
+    # the restart on the data held (RabbitMQ's alone takes half a minute: quick runs leave it out)
+    many_subjects_restart: bool = True
+    # W11: W1/W2 with large bodies, each size its own cell; batch and window keep about
+    # large_window_bytes in flight (a batch of large_batch_bytes, at least one message).
+    large_sizes: tuple[int, ...] = (64 * 1024, 1024 * 1024)
+    large_bytes_per_size: int = 256 * 1024 * 1024
+    large_batch_bytes: int = 4 * 1024 * 1024
+    large_window_bytes: int = 16 * 1024 * 1024
     # Client shape shared by every system.
     batch_messages: int = 100
     window_messages: int = 1_000
@@ -73,7 +95,7 @@ class Settings:
     qmq_flush_interval_ms: int = 1_000
     # Bounds: one worker process, one system, and the whole run.
     worker_slack_s: float = 60.0
-    system_limit_s: float = 900.0
+    system_limit_s: float = 2_400.0
     run_limit_s: float = 7_200.0
 
     @classmethod
@@ -95,8 +117,14 @@ class Settings:
             w6_cpu_messages=20_000,
             w7_messages_per_subject=20,
             w8_messages=20_000,
+            fanout_messages=300,
+            fanout_live_duration_s=1.0,
+            many_subjects=300,
+            many_subjects_restart=False,
+            many_subjects_limit_s=60.0,
+            large_bytes_per_size=16 * 1024 * 1024,
             worker_slack_s=30.0,
-            system_limit_s=240.0,
+            system_limit_s=360.0,
             run_limit_s=900.0,
         )
 
@@ -109,6 +137,6 @@ class Settings:
     @classmethod
     def from_json(cls, text: str) -> Settings:
         raw = json.loads(text)
-        for key in ("w6_consumer_counts", "w6_cpu_consumer_counts"):
+        for key in ("w6_consumer_counts", "w6_cpu_consumer_counts", "large_sizes"):
             raw[key] = tuple(raw[key])
         return cls(**raw)

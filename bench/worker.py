@@ -2,7 +2,9 @@
 
 Roles: `setup` (fresh destinations, or why delay cannot be measured), `prepare` (several
 cells' destinations and untimed backlogs), `producer` and `consumer` (which may set their
-cell up first). Run by the driver as `python -m bench.worker SPEC_JSON`. It connects
+cell up first), `grow` (W10: subjects made and sent their first message chunk by chunk, until
+all or the deadline; where and why it stopped is its result). Run by the driver as
+`python -m bench.worker SPEC_JSON`. It connects
 (bounded retries), prints `READY` on stdout, waits for `GO` on stdin when the spec asks it
 to, runs, and prints its result, one JSON line. A spec with `rounds` repeats that for each
 round in one process (W6's consumer pool). Progress goes to stderr."""
@@ -20,7 +22,7 @@ from bench.adapters import make_adapter
 from bench.adapters.base import Adapter
 from bench.consumers import consume
 from bench.producers import produce_bulk, produce_delayed, produce_paced, warm_up_delayed
-from bench.settings import Settings
+from bench.settings import PAYLOAD_BYTES, Settings
 from bench.tally import Tally
 
 CONNECT_ATTEMPTS_MAX = 20
@@ -69,10 +71,13 @@ async def setup(adapter: Adapter, spec: dict[str, Any], settings: Settings) -> d
 async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -> dict[str, Any]:
     role = spec["role"]
     family: str = spec["family"]
-    subjects: list[str] = spec["subjects"]
+    # W10's 40,000 names would not fit in one argument: they are made here from a count
+    subjects: list[str] = spec["subjects"] or many_subject_names(family, spec.get("subject_count", 0))
     deadline = time.monotonic() + spec["limit_s"]
     if role == "setup":
         return await setup(adapter, spec, settings)
+    if role == "grow":
+        return await grow(adapter, spec, settings, subjects, deadline)
     if role in ("producer", "consumer") and spec.get("setup"):
         # A producer or consumer that sets its cell up first saves the driver a process.
         prepared = await setup(adapter, spec, settings)
@@ -105,9 +110,11 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
             await wait_go(spec.get("go_wait_s", GO_WAIT_S))
             deadline = time.monotonic() + spec["limit_s"]
         kind = spec["kind"]
-        batch, window = spec.get("batch", settings.batch_messages), settings.window_messages
+        batch, window = spec.get("batch", settings.batch_messages), spec.get("window", settings.window_messages)
         if kind == "bulk":
-            return await produce_bulk(adapter, subjects, spec["messages"], batch, window, deadline)
+            return await produce_bulk(
+                adapter, subjects, spec["messages"], batch, window, deadline, spec.get("body_bytes", PAYLOAD_BYTES)
+            )
         if kind == "paced":
             return await produce_paced(
                 adapter, subjects[0], spec["rate_per_s"], spec["duration_s"], batch, window, deadline
@@ -139,7 +146,7 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
         try:
             result = await consume(
                 adapter, tally, spec["mode"], spec.get("recv_max", settings.recv_max_messages), deadline,
-                spec.get("handler_sleep_ms", 0.0) / 1000.0,
+                spec.get("handler_sleep_ms", 0.0) / 1000.0, adapter.groups,
             )
         finally:
             tally.close()
@@ -150,11 +157,79 @@ async def run_role(adapter: Adapter, spec: dict[str, Any], settings: Settings) -
     raise ValueError(f"unknown role {role!r}")
 
 
+def many_subject_names(family: str, count: int) -> list[str]:
+    return [f"{family}-{i:05d}" for i in range(count)]
+
+
+def _stop_asked(path: str | None) -> str | None:
+    """Why the driver asks the grower to stop (the file it wrote), or None."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return f.read().strip() or "asked to stop"
+    except FileNotFoundError:
+        return None
+
+
+async def grow(
+    adapter: Adapter, spec: dict[str, Any], settings: Settings, subjects: list[str], deadline: float
+) -> dict[str, Any]:
+    """W10: set the family up, then chunk by chunk make the subjects (where the system needs it)
+    and send each its first message (sequence = its index). Stops at the deadline or at the first
+    error, and says where: a system that cannot hold them all is a figure, not a crash."""
+    chunk = spec["chunk"]
+    await adapter.setup(spec["family"], [], delayed=False, members=1, prefetch=settings.prefetch_messages)
+    await adapter.prepare_producer()
+    print("READY", flush=True)
+    await wait_go(spec.get("go_wait_s", GO_WAIT_S))
+    deadline = time.monotonic() + spec["limit_s"]
+    started = time.perf_counter()
+    made_s = sent_s = 0.0
+    reached = 0
+    stopped = None
+    steps: list[dict[str, Any]] = []
+    for at in range(0, len(subjects), chunk):
+        part = subjects[at : at + chunk]
+        try:
+            t0 = time.perf_counter()
+            await asyncio.wait_for(adapter.add_subjects(spec["family"], part), max(0.1, deadline - time.monotonic()))
+            t1 = time.perf_counter()
+            await produce_bulk(adapter, part, len(part), 1, settings.window_messages, deadline, seq_base=at)
+            t2 = time.perf_counter()
+        except Exception as exc:
+            stopped = f"at {at:,} subjects: {type(exc).__name__}: {str(exc)[:200] or 'time limit'}"
+            break
+        made_s += t1 - t0
+        sent_s += t2 - t1
+        reached += len(part)
+        steps.append({"subjects": reached, "seconds": round(t2 - started, 3)})
+        why = _stop_asked(spec.get("stop_path"))
+        if why is not None and reached < len(subjects):
+            stopped = f"at {reached:,} subjects: {why}"
+            break
+        if time.monotonic() > deadline and reached < len(subjects):
+            stopped = f"at {reached:,} subjects: the cell's time limit ({spec['limit_s']:.0f} s)"
+            break
+    seconds = time.perf_counter() - started
+    return {
+        "asked": len(subjects),
+        "reached": reached,
+        "stopped": stopped,
+        "seconds": round(seconds, 3),
+        "make_s": round(made_s, 3),
+        "first_send_s": round(sent_s, 3),
+        "new_subjects_per_s": round(reached / seconds, 1) if seconds > 0 and reached else None,
+        "steps": steps,
+    }
+
+
 async def run_once(spec: dict[str, Any], settings: Settings) -> dict[str, Any]:
     out: dict[str, Any] = {"system": spec["system"], "role": spec["role"]}
     adapter: Adapter | None = None
     try:
         adapter = make_adapter(spec["system"], spec["endpoint"], settings)
+        adapter.groups = spec.get("groups", 1)
         out["client"] = adapter.client
         await connect(adapter)
         out["server_version"] = adapter.server_version

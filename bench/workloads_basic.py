@@ -2,22 +2,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from bench.cell import Cell, require_ok
+from bench.settings import PAYLOAD_BYTES
 from bench.stats import histogram_delta
 
 # Slowest rate we still wait for, to turn a message count into a worker time limit.
 SLOWEST_MSGS_PER_S = 2_000
+SLOWEST_BYTES_PER_S = 4_000_000
 
 
-def w1_publish(cell: Cell, family: str) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Messages and their size for W1/W2 (1 KiB by default; W11 runs the same cells with large
+    bodies, batch, window and prefetch cut to keep about as many bytes in flight)."""
+
+    messages: int
+    body_bytes: int = PAYLOAD_BYTES
+    batch: int | None = None
+    window: int | None = None
+    prefetch: int | None = None
+
+    def limit_s(self, cell: Cell) -> float:
+        seconds = max(self.messages / SLOWEST_MSGS_PER_S, self.messages * self.body_bytes / SLOWEST_BYTES_PER_S)
+        return cell.worker_limit_s(seconds)
+
+    def producer_knobs(self) -> dict[str, Any]:
+        knobs: dict[str, Any] = {"body_bytes": self.body_bytes}
+        if self.batch is not None:
+            knobs["batch"] = self.batch
+        if self.window is not None:
+            knobs["window"] = self.window
+        return knobs
+
+    def consumer_knobs(self) -> dict[str, Any]:
+        return {} if self.prefetch is None else {"prefetch": self.prefetch, "recv_max": self.prefetch}
+
+
+def w1_publish(cell: Cell, family: str, shape: Shape | None = None) -> dict[str, Any]:
     """Acknowledged publish of w1_messages with no consumer running: builds W2's backlog."""
-    n = cell.settings.w1_messages
+    shape = shape or Shape(cell.settings.w1_messages)
+    n = shape.messages
     subjects = [family]
-    limit_s = cell.worker_limit_s(n / SLOWEST_MSGS_PER_S)
+    limit_s = shape.limit_s(cell)
     producer = cell.spawn(f"{family}-producer", cell.spec(
-        "producer", family, subjects, limit_s, kind="bulk", messages=n, wait_go=True, setup=True))
+        "producer", family, subjects, limit_s, kind="bulk", messages=n, wait_go=True, setup=True,
+        **shape.consumer_knobs(), **shape.producer_knobs()))
     cell.ready(producer)
     monitor = cell.monitor()
     monitor.start()
@@ -26,12 +58,14 @@ def w1_publish(cell: Cell, family: str) -> dict[str, Any]:
     return {**result, "server": monitor.stop(n)}
 
 
-def w2_drain(cell: Cell, family: str) -> dict[str, Any]:
+def w2_drain(cell: Cell, family: str, shape: Shape | None = None) -> dict[str, Any]:
     """Consume and ack W1's backlog (same family) as fast as possible."""
-    n = cell.settings.w1_messages
-    limit_s = cell.worker_limit_s(n / SLOWEST_MSGS_PER_S)
+    shape = shape or Shape(cell.settings.w1_messages)
+    n = shape.messages
+    limit_s = shape.limit_s(cell)
     consumer = cell.spawn(f"{family}-drain", cell.spec(
-        "consumer", family, [family], limit_s, mode="drain", messages=n, wait_go=True, subscribe_after_go=True))
+        "consumer", family, [family], limit_s, mode="drain", messages=n, wait_go=True, subscribe_after_go=True,
+        **shape.consumer_knobs()))
     cell.ready(consumer)
     monitor = cell.monitor()
     monitor.start()
@@ -40,6 +74,8 @@ def w2_drain(cell: Cell, family: str) -> dict[str, Any]:
     if result.get("received_unique", 0) < n:
         result["ok"] = False
         result["error"] = f"drained {result.get('received_unique')} of {n} before the deadline"
+    if result.get("seconds"):
+        result["MB_per_s"] = round(result.get("received_unique", 0) * shape.body_bytes / result["seconds"] / 1e6, 2)
     return {**result, "server": monitor.stop(n)}
 
 

@@ -9,6 +9,12 @@ consumer:  `recv_batch(max_n, timeout_s)` returns [(body, token)]; `ack_batch(to
 
 A *family* names the queues/streams/subjects of one measured cell, fresh per cell, so
 no cell sees another's messages; `subjects` are the family's subject names.
+
+fan-out:   with `groups` > 1 (W9; the worker sets it before any call) one subject is read by
+           that many consumer groups, `setup` makes them, a send reaches every group and a
+           consumer reads them all; `group_of(token)` says which group a delivery came from.
+many:      `add_subjects` makes more destinations of a family already set up (W10 grows to
+           40,000 in chunks).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Adapter(abc.ABC):
         self.endpoint = endpoint
         self.settings = settings
         self.server_version: str | None = None
+        self.groups = 1
 
     @abc.abstractmethod
     async def connect(self) -> None: ...
@@ -46,6 +53,13 @@ class Adapter(abc.ABC):
         self, family: str, subjects: Sequence[str], *, delayed: bool, members: int, prefetch: int
     ) -> None:
         """Make fresh, empty destinations (and consumer groups) for a cell."""
+
+    async def add_subjects(self, family: str, subjects: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Make destinations for more subjects of a family set up before (none where a first send makes one)."""
+
+    def group_of(self, token: Any) -> int:
+        """The consumer group (0..groups-1) a delivery came from; 0 without fan-out."""
+        return 0
 
     async def prepare_producer(self) -> None:  # noqa: B027 - optional hook
         """Whatever must happen once before the first send, kept out of the timed part."""

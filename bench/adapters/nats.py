@@ -69,6 +69,9 @@ class NatsAdapter(PushInbox, Adapter):
                 num_replicas=1,
             )
         )
+        if self.groups > 1:
+            await self._add_fanout_consumers(stream, family, prefetch)
+            return
         shared = members > 1
         await self._js.add_consumer(
             stream,
@@ -84,6 +87,22 @@ class NatsAdapter(PushInbox, Adapter):
                 ack_wait=ACK_WAIT_S,
             ),
         )
+
+    async def _add_fanout_consumers(self, stream: str, family: str, prefetch: int) -> None:
+        """Fan-out (W9): a durable push consumer per group, each reading the whole stream."""
+        for i in range(self.groups):
+            await self._js.add_consumer(
+                stream,
+                config=ConsumerConfig(
+                    durable_name=f"{GROUP_DURABLE}{i}",
+                    deliver_subject=f"deliver.{family}.g{i}",
+                    deliver_policy=DeliverPolicy.ALL,
+                    ack_policy=AckPolicy.ALL,
+                    max_ack_pending=prefetch,
+                    filter_subject=f"{family}.>",
+                    ack_wait=ACK_WAIT_S,
+                ),
+            )
 
     async def send_batch(self, subject: str, bodies: list[bytes]) -> Awaitable[Any]:
         publish = self._js.publish_async
@@ -108,9 +127,16 @@ class NatsAdapter(PushInbox, Adapter):
         prefetch: int,
         delayed: bool,
     ) -> None:
+        put = self.inbox.put_nowait
+        if self.groups > 1:
+            for i in range(self.groups):
+                await self._js.subscribe(
+                    f"{family}.>", durable=f"{GROUP_DURABLE}{i}", stream=_stream(family),
+                    cb=self._fanout_callback(i), manual_ack=True,
+                )
+            return
         shared = members > 1
         self._explicit_acks = shared
-        put = self.inbox.put_nowait
 
         async def on_message(msg: Msg) -> None:
             put((msg.data, msg))
@@ -124,11 +150,29 @@ class NatsAdapter(PushInbox, Adapter):
             manual_ack=True,
         )
 
+    def _fanout_callback(self, index: int) -> Any:
+        put = self.inbox.put_nowait
+
+        async def on_message(msg: Msg) -> None:
+            put((msg.data, (msg, index)))
+
+        return on_message
+
+    def group_of(self, token: Any) -> int:
+        index: int = token[1]
+        return index
+
     async def recv_batch(self, max_n: int, timeout_s: float) -> Received:
         return await PushInbox.recv_batch(self, max_n, timeout_s)
 
     async def ack_batch(self, tokens: list[Any]) -> None:
         if not tokens:
+            return
+        if self.groups > 1:
+            # AckAll per group: its last delivery in the batch acknowledges its earlier ones
+            last = {index: msg for msg, index in tokens}
+            for msg in last.values():
+                await msg.ack()
             return
         if self._explicit_acks:
             for msg in tokens:

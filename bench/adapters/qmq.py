@@ -26,6 +26,8 @@ SUBJECTS_PER_PULL_ROUND = 20
 # Subjects named in one PULL_MANY (W7): a window that moves on, each call beginning after the
 # last subject that had messages (the answer holds at most a round's worth of them)
 SUBJECTS_PER_PULL_MANY = 100
+# Nap of a fan-out consumer (W9) whose groups were all empty (the same for Redis's).
+FANOUT_IDLE_S = 0.002
 NO_DELAY_YET = "not yet: delay server (issue 4)"
 
 
@@ -137,6 +139,13 @@ class QmqAdapter(Adapter):
             )
         )
         self._consumer = consumer
+        if self.groups > 1:
+            # fan-out (W9): one pull consumer per group of the one subject, pulled together
+            self._pull_consumers = [
+                consumer.pull_consumer(subjects[0], group=f"{GROUP}{i}", start_from="earliest")
+                for i in range(self.groups)
+            ]
+            return
         self._pull_consumers = [
             consumer.pull_consumer(subject, group=GROUP, start_from="earliest") for subject in subjects
         ]
@@ -144,8 +153,12 @@ class QmqAdapter(Adapter):
     async def recv_batch(self, max_n: int, timeout_s: float) -> Received:
         if len(self._pull_consumers) == 1:
             batch = await self._pull_consumers[0].pull(max_messages=max_n, timeout_ms=int(timeout_s * 1000))
-            return [(m.body, (m, batch)) for m in batch]
+            return [(m.body, (m, batch, 0)) for m in batch]
         return await self._recv_many(max_n, timeout_s)
+
+    def group_of(self, token: Any) -> int:
+        index: int = token[2]
+        return index
 
     async def _recv_many(self, max_n: int, timeout_s: float) -> Received:
         """Every subject in one request per broker group (PULL_MANY), beginning after the last
@@ -158,14 +171,15 @@ class QmqAdapter(Adapter):
             start = self._cursor % len(pcs)
             window = (pcs[start:] + pcs[:start])[:SUBJECTS_PER_PULL_MANY]
             batches = await self._consumer.pull_many(window, max_messages=max_n, per_subject_max=per_subject)
-            out = [(m.body, (m, batch)) for batch in batches for m in batch]
+            out = [(m.body, (m, batch, (start + i) % len(pcs))) for i, batch in enumerate(batches) for m in batch]
             if out:
                 # the next call begins after the last subject that had messages
                 last = max(i for i, batch in enumerate(batches) if batch)
                 self._cursor = (start + last + 1) % len(pcs)
                 return out
             self._cursor = (start + len(window)) % len(pcs)
-        await asyncio.sleep(min(0.01, timeout_s))
+        # PULL_MANY does not wait: a fan-out's live latency would see a longer nap
+        await asyncio.sleep(min(FANOUT_IDLE_S if self.groups > 1 else 0.01, timeout_s))
         return []
 
     async def _recv_rounds(self, max_n: int, timeout_s: float) -> Received:
@@ -178,19 +192,20 @@ class QmqAdapter(Adapter):
             self._cursor = (self._cursor + 1) % rounds
             chosen = self._pull_consumers[start : start + SUBJECTS_PER_PULL_ROUND]
             batches = await asyncio.gather(*(pc.pull(max_messages=per_subject, timeout_ms=0) for pc in chosen))
-            out = [(m.body, (m, batch)) for batch in batches for m in batch]
+            out = [(m.body, (m, batch, start + i)) for i, batch in enumerate(batches) for m in batch]
             if out:
                 return out
         await asyncio.sleep(min(0.01, timeout_s))
         return []
 
     async def ack_batch(self, tokens: list[Any]) -> None:
-        seen: set[int] = set()
-        for _message, batch in tokens:
-            if id(batch) not in seen:
-                seen.add(id(batch))
-                await batch.ack_all()
+        batches = {id(batch): batch for _message, batch, _index in tokens}
+        if len(batches) == 1:
+            await next(iter(batches.values())).ack_all()
+            return
+        # a pull of many subjects or groups: their acks together, not one round trip after another
+        await asyncio.gather(*(batch.ack_all() for batch in batches.values()))
 
     async def ack_one(self, token: Any) -> None:
-        message, _batch = token
+        message, _batch, _index = token
         await message.ack()

@@ -105,11 +105,29 @@ class RabbitMqAdapter(PushInbox, Adapter):
     ) -> None:
         # pika serialises a channel's synchronous RPCs itself; issuing them all at once
         # leaves the server's queue creation as the only cost.
+        if self.groups > 1:
+            await self._setup_fanout(subjects[0])
+            return
+        await self.add_subjects(family, subjects)
+
+    async def add_subjects(self, family: str, subjects: Sequence[str]) -> None:
         declares = [
             self._rpc(self.channel.queue_declare, subject, durable=True, arguments=self._queue_args)
             for subject in subjects
         ]
         await asyncio.wait_for(asyncio.gather(*declares), RPC_LIMIT_S + len(subjects) * 0.2)
+
+    def _fanout_queues(self, subject: str) -> list[str]:
+        return [f"{subject}.g{i}" for i in range(self.groups)]
+
+    async def _setup_fanout(self, subject: str) -> None:
+        """Fan-out (W9): a fanout exchange named after the subject, bound to a queue per group."""
+        await asyncio.wait_for(self._rpc(
+            self.channel.exchange_declare, subject, exchange_type="fanout", durable=True), RPC_LIMIT_S)
+        queues = self._fanout_queues(subject)
+        await self.add_subjects(subject, queues)
+        binds = [self._rpc(self.channel.queue_bind, queue, subject) for queue in queues]
+        await asyncio.wait_for(asyncio.gather(*binds), RPC_LIMIT_S + len(queues) * 0.2)
 
     # -- producer --------------------------------------------------------------------
     def _on_confirm(self, frame: Any) -> None:
@@ -146,8 +164,9 @@ class RabbitMqAdapter(PushInbox, Adapter):
         await self.prepare_producer()
         publish = self.channel.basic_publish
         props = self._props
+        exchange, key = (subject, "") if self.groups > 1 else ("", subject)
         for body in bodies:
-            publish("", subject, body, props)
+            publish(exchange, key, body, props)
         self._published_tag += len(bodies)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((self._published_tag, fut))
@@ -169,22 +188,32 @@ class RabbitMqAdapter(PushInbox, Adapter):
     ) -> None:
         # Quorum queues have no channel-wide (global) prefetch, so the total in flight
         # is split over the queues this process consumes.
-        per_queue = max(1, prefetch // len(subjects))
+        # (fan-out: `prefetch` is per group already)
+        queues = self._fanout_queues(subjects[0]) if self.groups > 1 else list(subjects)
+        per_queue = prefetch if self.groups > 1 else max(1, prefetch // len(subjects))
         await asyncio.wait_for(self._rpc(self.channel.basic_qos, prefetch_count=per_queue), RPC_LIMIT_S)
         put = self.inbox.put_nowait
 
-        def on_message(_channel: Any, method: Any, _props: Any, body: bytes) -> None:
-            put((body, method.delivery_tag))
+        def on_message_of(index: int) -> Callable[[Any, Any, Any, bytes], None]:
+            def on_message(_channel: Any, method: Any, _props: Any, body: bytes) -> None:
+                put((body, (method.delivery_tag, index)))
 
-        for subject in subjects:
-            self.channel.basic_consume(subject, on_message)
+            return on_message
+
+        for index, queue in enumerate(queues):
+            self.channel.basic_consume(queue, on_message_of(index))
 
     async def recv_batch(self, max_n: int, timeout_s: float) -> Received:
         return await PushInbox.recv_batch(self, max_n, timeout_s)
 
     async def ack_batch(self, tokens: list[Any]) -> None:
+        # delivery tags count the channel's deliveries in order, whichever queue they came from
         if tokens:
-            self.channel.basic_ack(delivery_tag=max(tokens), multiple=True)
+            self.channel.basic_ack(delivery_tag=max(tag for tag, _index in tokens), multiple=True)
 
     async def ack_one(self, token: Any) -> None:
-        self.channel.basic_ack(delivery_tag=token, multiple=False)
+        self.channel.basic_ack(delivery_tag=token[0], multiple=False)
+
+    def group_of(self, token: Any) -> int:
+        index: int = token[1]
+        return index

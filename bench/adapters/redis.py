@@ -25,6 +25,11 @@ GROUP = "g"
 MOVE_PER_CALL_MAX = 1000
 # Streams read per XREADGROUP when a consumer reads many (W7).
 STREAMS_PER_READ = 50
+# Connections of one client process (redis-py's default pool has 100 and fails past them).
+CONNECTIONS_MAX = 100
+POOL_WAIT_S = 60.0
+# Nap of a fan-out consumer (W9) whose groups were all empty (the same for qmq's).
+FANOUT_IDLE_S = 0.002
 MOVE_DUE_LUA = """
 local items = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 for i = 1, #items do redis.call('XADD', KEYS[2], '*', 'd', items[i]) end
@@ -60,7 +65,13 @@ class RedisAdapter(Adapter):
         return self._r
 
     async def connect(self) -> None:
-        self._r = aioredis.Redis(host=self.endpoint["host"], port=self.endpoint["port"], decode_responses=False)
+        # a blocking pool: W10 sends one message per subject, as many pipelines as its window
+        # allows, and they wait for one of the pool's connections rather than fail
+        pool = aioredis.BlockingConnectionPool(
+            host=self.endpoint["host"], port=self.endpoint["port"], decode_responses=False,
+            max_connections=CONNECTIONS_MAX, timeout=POOL_WAIT_S,
+        )
+        self._r = aioredis.Redis.from_pool(pool)  # closing the client closes the pool
         info = await self.r.info("server")
         self.server_version = info.get("redis_version")
 
@@ -79,6 +90,16 @@ class RedisAdapter(Adapter):
         pipe = self.r.pipeline(transaction=False)
         pipe.delete(*streams, _delayed_key(family))
         for stream in streams:
+            for group in self._group_names():
+                pipe.xgroup_create(stream, group, id="0", mkstream=True)
+        await pipe.execute()
+
+    def _group_names(self) -> list[str]:
+        return [f"{GROUP}{i}" for i in range(self.groups)] if self.groups > 1 else [GROUP]
+
+    async def add_subjects(self, family: str, subjects: Sequence[str]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for stream in subjects:
             pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
         await pipe.execute()
 
@@ -121,6 +142,8 @@ class RedisAdapter(Adapter):
             self._poller = asyncio.create_task(self._poll_due(family))
 
     async def recv_batch(self, max_n: int, timeout_s: float) -> Received:
+        if self.groups > 1:
+            return await self._recv_groups(max_n, timeout_s)
         if len(self._streams) == 1:
             stream = self._streams[0]
             reply: Any = await self.r.xreadgroup(
@@ -150,8 +173,40 @@ class RedisAdapter(Adapter):
         await asyncio.sleep(min(0.01, timeout_s))
         return []
 
+    async def _recv_groups(self, max_n: int, timeout_s: float) -> Received:
+        """Fan-out (W9): one XREADGROUP per group of the one stream, all in one pipeline, without
+        blocking; a short sleep if every group was empty."""
+        stream = self._streams[0]
+        per_group = max(1, max_n // self.groups)
+        pipe = self.r.pipeline(transaction=False)
+        for group in self._group_names():
+            pipe.xreadgroup(group, self._consumer_name, {stream: ">"}, count=per_group)
+        replies: list[Any] = await pipe.execute()
+        out: Received = [
+            (fields[b"d"], (stream, entry_id, index))
+            for index, reply in enumerate(replies)
+            for _s, entries in reply or []
+            for entry_id, fields in entries
+        ]
+        if not out:
+            await asyncio.sleep(min(FANOUT_IDLE_S, timeout_s))
+        return out
+
+    def group_of(self, token: Any) -> int:
+        index: int = token[2]
+        return index
+
     async def ack_batch(self, tokens: list[Any]) -> None:
         if not tokens:
+            return
+        if self.groups > 1:
+            by_group: dict[int, list[bytes]] = {}
+            for _stream, entry_id, index in tokens:
+                by_group.setdefault(index, []).append(entry_id)
+            pipe = self.r.pipeline(transaction=False)
+            for index, ids in by_group.items():
+                pipe.xack(tokens[0][0], f"{GROUP}{index}", *ids)
+            await pipe.execute()
             return
         by_stream: dict[str, list[bytes]] = {}
         for stream, entry_id in tokens:

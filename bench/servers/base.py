@@ -31,6 +31,8 @@ class ServerProcess:
         self.dir = os.path.join(data_root, self.name)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        # set while restart_keeping_data() starts the server again on the data it holds (W10)
+        self.keep_data = False
 
     # -- overridden per server -------------------------------------------------
     def missing(self) -> str | None:
@@ -70,8 +72,23 @@ class ServerProcess:
         """Processes outside the main tree that serve the system (RabbitMQ's epmd)."""
         return []
 
+    def role_pids(self) -> dict[str, list[int]]:
+        """The server's processes by role, for memory per role (W10): one role unless a system has more."""
+        return {"server": self.pids()}
+
     # -- shared ------------------------------------------------------------------
+    def restart_keeping_data(self) -> dict[str, Any]:
+        """Start again on the same data, once stopped (W10's restart time); the new endpoint."""
+        self.keep_data = True
+        try:
+            return self.start()
+        finally:
+            self.keep_data = False
+
     def fresh_dir(self) -> None:
+        if self.keep_data:
+            os.makedirs(self.dir, exist_ok=True)
+            return
         if os.path.isdir(self.dir):
             shutil.rmtree(self.dir)
         os.makedirs(self.dir)

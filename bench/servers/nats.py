@@ -43,8 +43,8 @@ class NatsServer(ServerProcess):
             f.write(
                 f'listen: "{HOST}:{NATS_PORT}"\n'
                 "server_name: qmqbench\n"
-                # Large enough for the W7 backlog of many subjects on one connection.
-                "max_payload: 1MB\n"
+                # W11's 1 MiB bodies and their headers (and W7's backlog of many subjects).
+                "max_payload: 8MB\n"
                 "jetstream {\n"
                 f'  store_dir: "{self.dir}/js"\n'
                 "  max_memory_store: 1GB\n"

@@ -102,7 +102,7 @@ class QmqServer(ServerProcess):
     def start(self) -> dict[str, Any]:
         self.fresh_dir()
         data = os.path.join(self.dir, "data")
-        os.makedirs(data)
+        os.makedirs(data, exist_ok=self.keep_data)
         config = self._write_config()
         self.popen(
             [
@@ -141,6 +141,14 @@ class QmqServer(ServerProcess):
         if gateway and gateway_pid:
             endpoint.update(gateway=gateway.group(1), gateway_pid=int(gateway_pid.group(1)))
         return endpoint
+
+    def role_pids(self) -> dict[str, list[int]]:
+        """broker, meta, delay, gateway (from the ready line) and the supervisor."""
+        found = re.findall(r"\b(broker|meta|delay|gateway)_pid=(\d+)", self.ready_line)
+        roles = {role: [int(pid)] for role, pid in found}
+        named = {pid for pids in roles.values() for pid in pids}
+        rest = [pid for pid in super().pids() if pid not in named]
+        return {**roles, "supervisor": rest} if rest else roles
 
     def delay_holder_pids(self) -> list[int]:
         """The delay server's process: it alone holds pending delayed messages (the broker

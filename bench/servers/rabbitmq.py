@@ -103,7 +103,7 @@ class RabbitMqServer(ServerProcess):
         for port in (self.port, self.dist_port, self.epmd_port, *([self.tls_port] if self.tls_port else [])):
             self.ensure_port_free(port)
         self.fresh_dir()
-        os.makedirs(os.path.join(self.dir, "home"))
+        os.makedirs(os.path.join(self.dir, "home"), exist_ok=self.keep_data)
         self._write_config()
         env = self._env()
         # Our own epmd, in the foreground so we hold its PID and can stop it.

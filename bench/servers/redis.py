@@ -28,7 +28,7 @@ class RedisServer(ServerProcess):
         self.ensure_port_free(REDIS_PORT)
         self.fresh_dir()
         data = os.path.join(self.dir, "data")
-        os.makedirs(data)
+        os.makedirs(data, exist_ok=self.keep_data)
         self.popen([
             "redis-server",
             "--bind", HOST,
