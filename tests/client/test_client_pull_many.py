@@ -136,3 +136,17 @@ async def test_what_a_cancelled_pull_many_was_handed_comes_with_the_next(meta_se
         while not got and loop.time() < deadline:
             got = [m.body for b in await consumer.pull_many(pcs, timeout_ms=100) for m in b]
         assert got == [f"{subjects[1]}/0".encode()]
+
+
+async def test_the_routes_of_many_new_subjects_are_asked_for_together(meta_server: str, subject: str) -> None:
+    # a consumer of hundreds of subjects it never pulled: their routes come from a few requests
+    # to the meta server (up to 256 subjects each), not one request per subject
+    subjects = [f"{subject}.{k}" for k in range(300)]
+    async with Consumer(app_code="test", meta_server=meta_server) as consumer:
+        pcs = [consumer.pull_consumer(s, "g", "earliest") for s in subjects]
+        meta = consumer._ctx.meta
+        asked_before = meta.refreshes
+        batches = await consumer.pull_many(pcs)
+        assert [len(b) for b in batches] == [0] * len(subjects)
+        assert all(meta.route(s) is not None for s in subjects)
+        assert meta.refreshes - asked_before <= 4, meta.refreshes - asked_before

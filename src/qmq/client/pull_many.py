@@ -65,6 +65,11 @@ async def pull_many(
     out: list[BatchBase[Any] | None] = [None] * len(pullers)
     by_group: dict[str, tuple[BrokerGroup, list[int]]] = {}
     one_by_one: list[int] = []
+    # routes not known yet are asked for together (up to 256 subjects a request to the meta
+    # server), not one request per subject as the loop below would
+    unknown = {p.subject for p in pullers if meta.route(p.subject) is None}
+    if len(unknown) > 1:
+        await asyncio.gather(*(meta.resolve(s) for s in unknown))
     for k, p in enumerate(pullers):
         stashed = p.stashed(per_subject_max)
         if stashed is not None:
