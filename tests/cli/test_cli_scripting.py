@@ -36,6 +36,7 @@ def _send(meta_server: str, subject: str, body: str = "x") -> str:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(120)  # a dozen `qmq` processes, each a Python start: 34 s to over 60 s on a loaded 2-core machine
 def test_listings_print_json(meta_server: str, subject: str) -> None:
     _send(meta_server, subject)
     read = qmq(

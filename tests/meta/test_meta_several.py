@@ -190,12 +190,16 @@ async def test_with_real_time_the_other_leads_soon_after_the_leader_is_killed(
     http: aiohttp.ClientSession, tmp_path: Path, db: Database
 ) -> None:
     args = ["meta", "--data-dir", str(tmp_path / "a"), "--port", "0", "--db-url", db.url]
-    with running_role([*args, "--leader-lease-ms", "300"]) as a:
-        b = MetaServer(_config(tmp_path, db, "b", leader_lease_ms=300))
+    # a lease of a second: a leader kept from renewing a 300 ms one by a loaded machine lost it
+    # before b first looked (CI at load average 10-14)
+    with running_role([*args, "--leader-lease-ms", "1000"]) as a:
+        b = MetaServer(_config(tmp_path, db, "b", leader_lease_ms=1000))
         await b.start()
         try:
             a_url = a.meta_server.removesuffix("/meta/address")
-            assert (await _get(http, f"{b.url}/meta/cluster"))["meta"]["leader"]["url"] == a_url
+            leader = (await _get(http, f"{b.url}/meta/cluster"))["meta"]["leader"]
+            assert leader is not None, "b sees no leader: a's lease ran out before b looked"
+            assert leader["url"] == a_url
             a.proc.send_signal(signal.SIGKILL)  # no chance to give the lease up: it must run out
             a.proc.wait()
             deadline = asyncio.get_running_loop().time() + 10
