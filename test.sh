@@ -11,4 +11,4 @@ source scripts/venv.sh
 ensure_venv .venv "${PYTHON:-}" test
 .venv/bin/ruff check src tests bench chaos
 .venv/bin/mypy
-exec .venv/bin/pytest -n "${QMQ_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/pytest -n "${QMQ_TEST_WORKERS:-0}" --dist loadfile "$@"
