@@ -67,6 +67,19 @@ class Cell:
     def monitor(self) -> ServerMonitor:
         return ServerMonitor(self.server.pids)
 
+    def run_one(
+        self, tag: str, spec: dict[str, Any], limit_s: float, count: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One worker: spawned, ready, then released with the servers watched until its result.
+        Its result (CellError unless ok) and the servers' CPU and RSS per ``count`` messages."""
+        worker = self.spawn(tag, spec)
+        self.ready(worker)
+        monitor = self.monitor()
+        monitor.start()
+        worker.go()
+        result = require_ok(worker.result(limit_s + 10.0), spec["role"])
+        return result, monitor.stop(count)
+
     def worker_limit_s(self, expected_s: float) -> float:
         return expected_s + self.settings.worker_slack_s
 

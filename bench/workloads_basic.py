@@ -47,15 +47,10 @@ def w1_publish(cell: Cell, family: str, shape: Shape | None = None) -> dict[str,
     n = shape.messages
     subjects = [family]
     limit_s = shape.limit_s(cell)
-    producer = cell.spawn(f"{family}-producer", cell.spec(
+    result, server = cell.run_one(f"{family}-producer", cell.spec(
         "producer", family, subjects, limit_s, kind="bulk", messages=n, wait_go=True, setup=True,
-        **shape.consumer_knobs(), **shape.producer_knobs()))
-    cell.ready(producer)
-    monitor = cell.monitor()
-    monitor.start()
-    producer.go()
-    result = require_ok(producer.result(limit_s + 10.0), "producer")
-    return {**result, "server": monitor.stop(n)}
+        **shape.consumer_knobs(), **shape.producer_knobs()), limit_s, n)
+    return {**result, "server": server}
 
 
 def w2_drain(cell: Cell, family: str, shape: Shape | None = None) -> dict[str, Any]:
@@ -63,20 +58,15 @@ def w2_drain(cell: Cell, family: str, shape: Shape | None = None) -> dict[str, A
     shape = shape or Shape(cell.settings.w1_messages)
     n = shape.messages
     limit_s = shape.limit_s(cell)
-    consumer = cell.spawn(f"{family}-drain", cell.spec(
+    result, server = cell.run_one(f"{family}-drain", cell.spec(
         "consumer", family, [family], limit_s, mode="drain", messages=n, wait_go=True, subscribe_after_go=True,
-        **shape.consumer_knobs()))
-    cell.ready(consumer)
-    monitor = cell.monitor()
-    monitor.start()
-    consumer.go()
-    result = require_ok(consumer.result(limit_s + 10.0), "consumer")
+        **shape.consumer_knobs()), limit_s, n)
     if result.get("received_unique", 0) < n:
         result["ok"] = False
         result["error"] = f"drained {result.get('received_unique')} of {n} before the deadline"
     if result.get("seconds"):
         result["MB_per_s"] = round(result.get("received_unique", 0) * shape.body_bytes / result["seconds"] / 1e6, 2)
-    return {**result, "server": monitor.stop(n)}
+    return {**result, "server": server}
 
 
 def w3_latency(cell: Cell, family: str) -> dict[str, Any]:

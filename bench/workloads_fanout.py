@@ -23,23 +23,12 @@ def fanout_drained(cell: Cell, family: str) -> dict[str, Any]:
     n, groups = s.fanout_messages, s.fanout_groups
     deliveries = n * groups
     limit_s = cell.worker_limit_s(deliveries / SLOWEST_MSGS_PER_S)
-    producer = cell.spawn(f"{family}-producer", cell.spec(
-        "producer", family, [family], limit_s, kind="bulk", messages=n, wait_go=True, setup=True, **_knobs(cell)))
-    cell.ready(producer)
-    monitor = cell.monitor()
-    monitor.start()
-    producer.go()
-    published = require_ok(producer.result(limit_s + 10.0), "producer")
-    publish_server = monitor.stop(n)
-    consumer = cell.spawn(f"{family}-drain", cell.spec(
+    published, publish_server = cell.run_one(f"{family}-producer", cell.spec(
+        "producer", family, [family], limit_s, kind="bulk", messages=n, wait_go=True, setup=True, **_knobs(cell)),
+        limit_s, n)
+    drained, server = cell.run_one(f"{family}-drain", cell.spec(
         "consumer", family, [family], limit_s, mode="drain", messages=deliveries, wait_go=True,
-        subscribe_after_go=True, **_knobs(cell)))
-    cell.ready(consumer)
-    monitor = cell.monitor()
-    monitor.start()
-    consumer.go()
-    drained = require_ok(consumer.result(limit_s + 10.0), "consumer")
-    server = monitor.stop(deliveries)
+        subscribe_after_go=True, **_knobs(cell)), limit_s, deliveries)
     received = drained.get("received_unique", 0)
     return {
         "ok": received >= deliveries,

@@ -151,22 +151,12 @@ def w7_many_subjects(cell: Cell, family: str) -> dict[str, Any]:
     limit_s = cell.worker_limit_s(n / SLOWEST_MSGS_PER_S)
     # A batch never spans two subjects, so each subject gets exactly its share.
     batch = min(s.batch_messages, s.w7_messages_per_subject)
-    producer = cell.spawn(f"{family}-producer", cell.spec(
-        "producer", family, subjects, limit_s, kind="bulk", messages=n, batch=batch, wait_go=True, setup=True))
-    cell.ready(producer)
-    monitor = cell.monitor()
-    monitor.start()
-    producer.go()
-    published = require_ok(producer.result(limit_s + 10.0), "producer")
-    publish_server = monitor.stop(n)
-    consumer = cell.spawn(f"{family}-consumer", cell.spec(
-        "consumer", family, subjects, limit_s, mode="drain", messages=n, wait_go=True, subscribe_after_go=True))
-    cell.ready(consumer)
-    monitor = cell.monitor()
-    monitor.start()
-    consumer.go()
-    drained = require_ok(consumer.result(limit_s + 10.0), "consumer")
-    drain_server = monitor.stop(n)
+    published, publish_server = cell.run_one(f"{family}-producer", cell.spec(
+        "producer", family, subjects, limit_s, kind="bulk", messages=n, batch=batch, wait_go=True, setup=True),
+        limit_s, n)
+    drained, drain_server = cell.run_one(f"{family}-consumer", cell.spec(
+        "consumer", family, subjects, limit_s, mode="drain", messages=n, wait_go=True, subscribe_after_go=True),
+        limit_s, n)
     received = drained.get("received_unique", 0)
     return {
         "ok": received >= n,
