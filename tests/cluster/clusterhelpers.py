@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qmq.aio import Message, Producer
+from qmq.cli.admin import ask_every_broker
 from qmq.cli.cluster_launch import Cluster, is_running, stop
+from qmq.protocol.codes import RequestCode
 from qmq.testing import write_config
 
 # Interpreter starts and imports of six processes on a busy 2-core machine.
@@ -112,3 +115,22 @@ def cluster_up(data_dir: Path, args: Sequence[str] = (), config: Path | None = N
             members = Cluster.load(data_dir).members
             run_qmq("cluster", "down", "--data-dir", str(data_dir), "--timeout-ms", "10000")
             stop([m for m in members if is_running(m)], timeout_s=5.0)  # what down could not stop
+
+
+async def sent_one_by_one(meta_server: str, subject: str, n: int) -> list[Message]:
+    """Group "g" of ``subject`` made on every broker group (from the earliest message, so LAG
+    counts every message), then ``n`` messages sent one at a time: each may go to any group."""
+    pull = {"subject": subject, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
+    await ask_every_broker(meta_server, RequestCode.PULL, pull)
+    async with Producer(app_code="shop", meta_server=meta_server) as first:
+        messages = [first.generate_message(subject) for _ in range(n)]
+        for m in messages:
+            await first.send(m)
+    return messages
+
+
+async def stored_by_group(meta_server: str, subject: str) -> dict[str, int]:
+    """Messages of ``subject`` each broker group stores (its LAG answer for group "g")."""
+    answers = await ask_every_broker(meta_server, RequestCode.LAG, {"subject": subject, "group": "g"})
+    assert all(isinstance(a, dict) for a in answers.values()), answers
+    return {name: int(a["messages"]) for name, a in answers.items() if isinstance(a, dict)}

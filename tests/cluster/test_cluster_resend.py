@@ -12,12 +12,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from clusterhelpers import cluster_up, fast_config
+from clusterhelpers import cluster_up, fast_config, sent_one_by_one, stored_by_group
 
 from qmq.aio import Producer
-from qmq.cli.admin import ask_every_broker
 from qmq.common.errors import SendError
-from qmq.protocol.codes import RequestCode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -25,26 +23,13 @@ SUBJECT = "resend.orders"
 MESSAGES = 40
 
 
-async def _stored(meta_server: str) -> dict[str, int]:
-    """Messages of SUBJECT each broker group stores (its LAG answer)."""
-    answers = await ask_every_broker(meta_server, RequestCode.LAG, {"subject": SUBJECT, "group": "g"})
-    assert all(isinstance(a, dict) for a in answers.values()), answers
-    return {name: int(a["messages"]) for name, a in answers.items() if isinstance(a, dict)}
-
-
 async def test_a_message_sent_again_by_another_producer_is_dropped_by_the_group_that_stored_it(
     tmp_path: Path,
 ) -> None:
     args = ["--broker-groups", "2", "--slaves", "0", "--delay-groups", "0"]
     with cluster_up(tmp_path / "cluster", args, fast_config(tmp_path / "fast.toml")) as c:
-        # the group LAG counts for, from the earliest message, on both broker groups
-        pull = {"subject": SUBJECT, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
-        await ask_every_broker(c.meta_server, RequestCode.PULL, pull)
-        async with Producer(app_code="shop", meta_server=c.meta_server) as first:
-            messages = [first.generate_message(SUBJECT) for _ in range(MESSAGES)]
-            for m in messages:
-                await first.send(m)  # one at a time: each batch may go to either group
-        stored = await _stored(c.meta_server)
+        messages = await sent_one_by_one(c.meta_server, SUBJECT, MESSAGES)
+        stored = await stored_by_group(c.meta_server, SUBJECT)
         assert sum(stored.values()) == MESSAGES
         assert len(stored) == 2, stored
         assert min(stored.values()) > 0, stored  # both groups took some
@@ -53,7 +38,7 @@ async def test_a_message_sent_again_by_another_producer_is_dropped_by_the_group_
             for m in reversed(messages):  # not in the first order: which ones it resends is its own
                 await again.send_encoded(SUBJECT, m.encode(), m.message_id)
             assert again.stats.duplicates == MESSAGES
-        assert await _stored(c.meta_server) == stored
+        assert await stored_by_group(c.meta_server, SUBJECT) == stored
 
 
 async def test_a_resend_waits_for_the_group_its_id_picks_while_that_group_is_down(
@@ -63,13 +48,8 @@ async def test_a_resend_waits_for_the_group_its_id_picks_while_that_group_is_dow
     # that stored the first send is away: sent to the other group, it would be stored twice
     args = ["--broker-groups", "2", "--slaves", "0", "--delay-groups", "0"]
     with cluster_up(tmp_path / "cluster", args, fast_config(tmp_path / "fast.toml")) as c:
-        pull = {"subject": SUBJECT, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
-        await ask_every_broker(c.meta_server, RequestCode.PULL, pull)
-        async with Producer(app_code="shop", meta_server=c.meta_server) as first:
-            messages = [first.generate_message(SUBJECT) for _ in range(MESSAGES)]
-            for m in messages:
-                await first.send(m)
-        stored = await _stored(c.meta_server)
+        messages = await sent_one_by_one(c.meta_server, SUBJECT, MESSAGES)
+        stored = await stored_by_group(c.meta_server, SUBJECT)
         assert min(stored.values()) > 0, stored
         os.kill(c.member("b2-m").pid, signal.SIGKILL)
         await asyncio.to_thread(
@@ -88,7 +68,7 @@ async def test_a_resend_waits_for_the_group_its_id_picks_while_that_group_is_dow
         # and fail after send_timeout_ms, to be sent again later, never to b1
         assert len(failed) == stored["b2"]
         assert again.stats.duplicates == stored["b1"]  # the rest went to b1, which dropped them
-        assert (await _stored(c.meta_server))["b1"] == stored["b1"]
+        assert (await stored_by_group(c.meta_server, SUBJECT))["b1"] == stored["b1"]
 
 
 async def test_a_resending_producer_waits_for_a_read_only_group_rather_than_store_it_twice(
@@ -103,13 +83,8 @@ async def test_a_resending_producer_waits_for_a_read_only_group_rather_than_stor
             "both slaves replicating",
             lambda v: sum(1 for s in v["servers"] if s["role_in_group"] == "slave" and s["replicated_ms"] > 0) == 2,
         )
-        pull = {"subject": SUBJECT, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
-        await ask_every_broker(c.meta_server, RequestCode.PULL, pull)
-        async with Producer(app_code="shop", meta_server=c.meta_server) as first:
-            messages = [first.generate_message(SUBJECT) for _ in range(MESSAGES)]
-            for m in messages:
-                await first.send(m)
-        stored = await _stored(c.meta_server)
+        messages = await sent_one_by_one(c.meta_server, SUBJECT, MESSAGES)
+        stored = await stored_by_group(c.meta_server, SUBJECT)
         assert min(stored.values()) > 0, stored
         os.kill(c.member("b2-s1").pid, signal.SIGKILL)
         await asyncio.to_thread(
@@ -126,4 +101,4 @@ async def test_a_resending_producer_waits_for_a_read_only_group_rather_than_stor
         assert all(isinstance(r, SendError) for r in failed), failed
         assert len(failed) == stored["b2"]  # they wait for b2, to be sent again later
         assert again.stats.duplicates == stored["b1"]
-        assert (await _stored(c.meta_server))["b1"] == stored["b1"]
+        assert (await stored_by_group(c.meta_server, SUBJECT))["b1"] == stored["b1"]

@@ -13,11 +13,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from clusterhelpers import cluster_up, fast_config
+from clusterhelpers import cluster_up, fast_config, sent_one_by_one, stored_by_group
 
 from qmq.aio import Producer
-from qmq.cli.admin import ask_every_broker
-from qmq.protocol.codes import RequestCode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -92,13 +90,6 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     writer.close()
 
 
-async def _stored(meta_server: str) -> dict[str, int]:
-    """Messages of SUBJECT each broker group stores (its LAG answer)."""
-    answers = await ask_every_broker(meta_server, RequestCode.LAG, {"subject": SUBJECT, "group": "g"})
-    assert all(isinstance(a, dict) for a in answers.values()), answers
-    return {name: int(a["messages"]) for name, a in answers.items() if isinstance(a, dict)}
-
-
 async def test_a_resend_whose_route_cannot_be_looked_up_waits_for_it_rather_than_pick_among_all_groups(
     tmp_path: Path,
 ) -> None:
@@ -106,13 +97,8 @@ async def test_a_resend_whose_route_cannot_be_looked_up_waits_for_it_rather_than
     args = ["--broker-groups", "2", "--slaves", "0", "--delay-groups", "0"]
     config = fast_config(tmp_path / "fast.toml", {"meta": {"route_groups": 1}})
     with cluster_up(tmp_path / "cluster", args, config) as c:
-        pull = {"subject": SUBJECT, "group": "g", "consumer_id": "c", "session": "s", "max": 1, "start": "earliest"}
-        await ask_every_broker(c.meta_server, RequestCode.PULL, pull)
-        async with Producer(app_code="shop", meta_server=c.meta_server) as first:
-            messages = [first.generate_message(SUBJECT) for _ in range(MESSAGES)]
-            for m in messages:
-                await first.send(m)
-        stored = await _stored(c.meta_server)
+        messages = await sent_one_by_one(c.meta_server, SUBJECT, MESSAGES)
+        stored = await stored_by_group(c.meta_server, SUBJECT)
         assert sorted(stored.values()) == [0, MESSAGES], stored  # all in the subject's one group
         # a resending producer (a delay server's hand-overs) that knows the groups but not yet the
         # subject's route, and then cannot reach the meta server
@@ -129,4 +115,4 @@ async def test_a_resend_whose_route_cannot_be_looked_up_waits_for_it_rather_than
             results = await sends
         assert not [r for r in results if isinstance(r, BaseException)], results
         assert again.stats.duplicates == MESSAGES  # every one went to the group that stored it
-        assert await _stored(c.meta_server) == stored
+        assert await stored_by_group(c.meta_server, SUBJECT) == stored
