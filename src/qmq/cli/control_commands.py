@@ -28,8 +28,8 @@ def group_cli() -> None:
     """Consumer groups on every broker: list them with their consumers, pause, resume, filter and transform them."""
 
 
-def _set(subject: str, group: str, meta_server: str, action: str) -> dict[str, object]:
-    body = {"subject": subject, "group": group}
+def _set(subject: str, group: str, meta_server: str, action: str, **extra: object) -> dict[str, object]:
+    body = {"subject": subject, "group": group, **extra}
     answer: dict[str, object] = meta_request("POST", f"{meta_base_url(meta_server)}/meta/controls/{action}", body)
     return answer
 
@@ -65,10 +65,7 @@ def group_resume(subject: str, group: str, meta_server: str) -> None:
 def group_filter(subject: str, group: str, expr: str | None, clear: bool, meta_server: str) -> None:
     """Deliver to GROUP only the messages of SUBJECT the expression matches; the others count as
     consumed for GROUP on the brokers and never reach its consumers."""
-    if clear == (expr is not None):
-        raise CommandError("give either --expr 'EXPRESSION' or --clear")
-    body = {"subject": subject, "group": group, "expr": expr}
-    answer = meta_request("POST", f"{meta_base_url(meta_server)}/meta/controls/filter", body)
+    answer = _set_expr("filter", subject, group, expr, clear, meta_server)
     if clear:
         was = "" if answer.get("was") else " (it had none)"
         click.echo(f"filter cleared: {subject} for group {group}{was}; brokers deliver every message within a second")
@@ -85,10 +82,7 @@ def group_filter(subject: str, group: str, expr: str | None, clear: bool, meta_s
 def group_transform(subject: str, group: str, expr: str | None, clear: bool, meta_server: str) -> None:
     """Give GROUP's HTTP consumers (gateway pulls, push) the expression's result as the body of
     each message of SUBJECT; a message it cannot be evaluated over goes to GROUP's dead letters."""
-    if clear == (expr is not None):
-        raise CommandError("give either --expr 'EXPRESSION' or --clear")
-    body = {"subject": subject, "group": group, "expr": expr}
-    answer = meta_request("POST", f"{meta_base_url(meta_server)}/meta/controls/transform", body)
+    answer = _set_expr("transform", subject, group, expr, clear, meta_server)
     if clear:
         was = "" if answer.get("was") else " (it had none)"
         click.echo(
@@ -203,3 +197,12 @@ async def _group_doc(meta_server: str, subject: str, group: str, paused: bool) -
             for c in consumers
         ],
     }
+
+
+def _set_expr(
+    kind: str, subject: str, group: str, expr: str | None, clear: bool, meta_server: str
+) -> dict[str, object]:
+    """Set (or with ``clear`` remove) GROUP's ``kind`` expression ("filter" or "transform")."""
+    if clear == (expr is not None):
+        raise CommandError("give either --expr 'EXPRESSION' or --clear")
+    return _set(subject, group, meta_server, kind, expr=expr)
