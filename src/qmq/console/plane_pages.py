@@ -36,12 +36,20 @@ def _int(form: Any, name: str, default: int) -> int:
         raise ActionRefused(f"{name.replace('_', ' ')} {text!r} is not a whole number; give one") from None
 
 
-async def push_page(console: Console, request: web.Request) -> web.StreamResponse:
-    doc = await _meta(console, "GET", "/meta/push")
-    context = {"subscriptions": doc["subscriptions"], "time_ms": doc.get("time_ms", 0)}
+async def _listing_page(
+    console: Console, request: web.Request, name: str, key: str, title: str
+) -> web.StreamResponse:
+    """The page of the meta server's ``/meta/NAME`` list (``key`` in its answer), or with
+    ``?part=list`` only its list, as the page's refresh asks for it."""
+    doc = await _meta(console, "GET", f"/meta/{name}")
+    context = {key: doc[key], "time_ms": doc.get("time_ms", 0)}
     if request.query.get("part") == "list":
-        return console.render("push_list.html", **context)
-    return console.render("push.html", title="Push subscriptions", active="push", **context)
+        return console.render(f"{name}_list.html", **context)
+    return console.render(f"{name}.html", title=title, active=name, **context)
+
+
+async def push_page(console: Console, request: web.Request) -> web.StreamResponse:
+    return await _listing_page(console, request, "push", "subscriptions", "Push subscriptions")
 
 
 async def _push_add(console: Console, request: web.Request) -> web.StreamResponse:
@@ -86,11 +94,7 @@ async def _push_remove(console: Console, request: web.Request) -> web.StreamResp
 
 
 async def alarms_page(console: Console, request: web.Request) -> web.StreamResponse:
-    doc = await _meta(console, "GET", "/meta/alarms")
-    context = {"alarms": doc["alarms"], "time_ms": doc.get("time_ms", 0)}
-    if request.query.get("part") == "list":
-        return console.render("alarms_list.html", **context)
-    return console.render("alarms.html", title="Alarms", active="alarms", **context)
+    return await _listing_page(console, request, "alarms", "alarms", "Alarms")
 
 
 async def _alarm_add(console: Console, request: web.Request) -> web.StreamResponse:
