@@ -25,6 +25,18 @@ def run_of(entry: dict[str, Any], workload: str) -> dict[str, Any] | None:
     return runs if isinstance(runs, dict) else None
 
 
+def figures_of(entry: dict[str, Any], workload: str, key: str) -> dict[str, Any] | None:
+    """The workload's run when it has figures (``key`` in it); None when it was skipped or failed
+    before any."""
+    run = run_of(entry, workload)
+    return run if run is not None and key in run else None
+
+
+def not_run_row(entry: dict[str, Any], workload: str, blanks: int) -> list[str]:
+    """A table row of a system with no figures for ``workload``: why, then ``blanks`` empty cells."""
+    return [label(entry), state(entry, workload) or "not run"] + [""] * blanks
+
+
 def best_peer(doc: dict[str, Any], workload: str, get: Getter) -> tuple[float, str] | None:
     """The highest figure of any peer (the fan-out goal compares with every peer)."""
     found = []
@@ -45,9 +57,9 @@ def fanout_lines(doc: dict[str, Any]) -> list[str]:
     peer = best_peer(doc, "W9", drained_rate)
     rows = []
     for entry in doc["systems"].values():
-        run = run_of(entry, "W9")
-        if run is None or "drained" not in run:  # no figures at all: skipped, or failed before any
-            rows.append([label(entry), state(entry, "W9") or "not run"] + [""] * 11)
+        run = figures_of(entry, "W9", "drained")
+        if run is None:
+            rows.append(not_run_row(entry, "W9", 11))
             continue
         d, live = run.get("drained") or {}, run.get("live") or {}
         mine = d.get("deliveries_per_s") if d.get("ok") else None
@@ -84,9 +96,9 @@ def many_subjects_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
     rows = []
     for entry in doc["systems"].values():
-        run = run_of(entry, "W10")
-        if run is None or "reached" not in run:  # no figures at all: skipped, or failed before any
-            rows.append([label(entry), state(entry, "W10") or "not run"] + [""] * 8)
+        run = figures_of(entry, "W10", "reached")
+        if run is None:
+            rows.append(not_run_row(entry, "W10", 8))
             continue
         per = run.get("rss_bytes_per_subject") or {}
         roles = " / ".join(f"{role} {fmt(v)}" for role, v in per.items() if role in ("broker", "meta", "server"))
@@ -123,9 +135,9 @@ def large_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
     rows = []
     for entry in doc["systems"].values():
-        run = run_of(entry, "W11")
-        if run is None or "sizes" not in run:  # no figures at all: skipped, or failed before any
-            rows.append([label(entry), state(entry, "W11") or "not run"] + [""] * 7)
+        run = figures_of(entry, "W11", "sizes")
+        if run is None:
+            rows.append(not_run_row(entry, "W11", 7))
             continue
         for size, r in (run.get("sizes") or {}).items():
             pub, drain, disk = r.get("publish") or {}, r.get("drain") or {}, r.get("disk") or {}
