@@ -164,8 +164,8 @@ def test_a_server_back_from_an_older_epoch_is_cut_where_the_epoch_after_its_own_
 @pytest.mark.parametrize(
     ("slave", "why"),
     [
-        ({"replicated_ms": 0}, "last replicated never"),
-        ({"replicated_ms": -1}, "last replicated 30.0 s before the master was last heard from"),
+        ({"replicated_ms": 0}, "last held every write its master had answered never"),
+        ({"replicated_ms": -1}, "answered 30.0 s before the master was last heard from"),
         ({"epoch": 0}, "reports epoch 0, the group is in epoch 1"),
         ({"epoch": None}, "reports no epoch"),
         ({"role_in_group": "master", "epoch": 0}, "reports itself master, not slave"),

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from qmq.protocol.codes import RequestCode
-from qmq.serving.replication import ReplicationSource
+from qmq.serving.replication import ReplicationSource, caught_up
 from recording import RecordingResponder
 
 pytestmark = pytest.mark.timeout(30)
@@ -46,3 +47,72 @@ def test_a_write_waiting_for_a_slave_that_went_away_is_answered_once_the_group_d
         assert answers == [None]  # degraded: answered as later writes are, stored on the master alone
     else:
         assert answer in str(answers[0])
+
+
+class _Logs:
+    """The master's log ends, as a test moves them."""
+
+    def __init__(self, log_end: int, action_end: int) -> None:
+        self.ends = (log_end, action_end)
+
+    def __call__(self) -> tuple[int, int]:
+        return self.ends
+
+
+def _replicate(source: ReplicationSource, slave: str, log_from: int, action_from: int) -> dict[str, Any]:
+    conn = RecordingResponder()
+    asked = {"from": log_from, "action_from": action_from, "timeout_ms": 0}
+    source.request(conn, RequestCode.REPLICATE, 1, asked, slave)
+    header = conn.answers[-1][2]
+    assert header is not None
+    return header
+
+
+def test_a_slave_is_caught_up_only_once_its_copy_holds_what_the_master_held_and_answered_alone() -> None:
+    logs = _Logs(100, 40)
+    source = ReplicationSource(lambda _h: ({}, [], True), Settings(), logs)
+    source.name_slaves([])
+    answers: list[str | None] = []
+    logs.ends = (150, 40)
+    source.after_log_replicated(150, answers.append)  # no slave yet: answered alone
+    logs.ends = (150, 55)
+    source.after_actions_replicated(55, answers.append)
+    assert answers == [None, None]
+    # a slave joins and copies from the start: its first answers leave it catching up
+    answer = _replicate(source, "slave-1", 0, 0)
+    assert answer["caught_up_at"] == [150, 55]
+    assert not caught_up(answer, {"from": 120, "action_from": 55})
+    assert not caught_up(answer, {"from": 150, "action_from": 50})
+    assert caught_up(answer, {"from": 150, "action_from": 55})
+    # once named and fresh, writes wait for it and do not move the mark
+    source.name_slaves(["slave-1"])
+    _replicate(source, "slave-1", 150, 55)
+    logs.ends = (170, 55)
+    source.after_log_replicated(170, answers.append)
+    assert answers == [None, None]
+    assert _replicate(source, "slave-1", 170, 55)["caught_up_at"] == [150, 55]
+    assert answers == [None, None, None]
+
+
+def test_a_master_that_begins_an_epoch_asks_its_slaves_for_its_whole_logs_then() -> None:
+    source = ReplicationSource(lambda _h: ({}, [], True), Settings(), _Logs(500, 30))
+    source.reset(480, 30)  # promoted with its logs at these ends
+    assert _replicate(source, "slave-2", 0, 0)["caught_up_at"] == [480, 30]
+
+
+def test_a_degraded_group_marks_the_writes_it_answered_without_its_slave() -> None:
+    logs = _Logs(100, 0)
+    source = _source(Settings(degrade_unreplicated=True))
+    source.ends = logs
+    answers: list[str | None] = []
+    source.after_log_replicated(130, answers.append)
+    assert answers == []
+    time.sleep(0.1)
+    source.check()
+    assert answers == [None]
+    assert source.must_reach()[0] == 130
+
+
+def test_an_answer_of_a_master_that_does_not_say_counts_as_caught_up() -> None:
+    assert caught_up({"offset": 0}, {"from": 0, "action_from": 0})
+    assert not caught_up({"caught_up_at": [1, 0]}, {"from": 0, "action_from": 0})

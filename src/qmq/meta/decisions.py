@@ -150,7 +150,7 @@ def candidates(
         elif s.replicated_ms <= 0 or s.replicated_ms < heard_ms - timeout_ms:
             last = "never" if s.replicated_ms <= 0 else f"{(heard_ms - s.replicated_ms) / 1000:.1f} s"
             reasons.append(
-                f"{who} last replicated {last} before the master was last heard from "
+                f"{who} last held every write its master had answered {last} before the master was last heard from "
                 f"(the limit is heartbeat_timeout_ms = {timeout_ms} ms)"
             )
         else:

@@ -15,7 +15,7 @@ behind ``db_url`` may be shared with other applications):
         epoch             the epoch it works in (0: never knew one; NULL: it does not report epochs)
         log_end           end offset of its message log
         action_end        end offset of its action log
-        replicated_ms     slaves: when it last heard from its master (its own clock)
+        replicated_ms     slaves: when it last held every write its master had answered (its own clock)
         write_state       masters: "ok" | "read-only" | "degraded" | "disk-full" | "failed" (NULL: not reported)
 
     qmq_meta_groups   key (role, group_name): what the meta server decided, one row per group

@@ -119,6 +119,14 @@ class ReplicationSource:
         # whose fsync completes after that is answered with this text, never left waiting for
         # a slave that no longer copies from here, nor answered as done by an ex-master
         self._refusing: str | None = None
+        # where each log (message or write-ahead log, action log) must at least reach in a slave's
+        # copy before it holds every write this master answered: its logs as they were when it
+        # began as master (or first looked: what it held may have been answered by no slave), then
+        # the ends of writes answered without a slave's copy (alone, degraded). A slave short of
+        # either is catching up, not caught up: REPLICATE answers say so (``caught_up_at``) and the
+        # slave reports no fresh replicated_ms meanwhile, so the meta server never promotes it over
+        # writes that would then be lost (found by bench.delay_failover under load).
+        self._must_reach: list[int] | None = None
 
     # -- the group's write state ---------------------------------------------------------
 
@@ -160,6 +168,17 @@ class ReplicationSource:
         self.replicated = log_end
         self.actions_replicated = action_end
         self._refusing = None
+        self._must_reach = [log_end, action_end]
+
+    def must_reach(self) -> list[int]:
+        """Where a slave's copy of each log must reach to hold every write answered here."""
+        if self._must_reach is None:
+            self._must_reach = list(self.ends())
+        return self._must_reach
+
+    def _answered_alone(self, kind: int, end: int) -> None:
+        reach = self.must_reach()
+        reach[kind] = max(reach[kind], end)
 
     def lowest_kept(self, within_s: float) -> int | None:
         """The lowest first-log offset written by a slave seen in the last ``within_s`` seconds
@@ -169,21 +188,26 @@ class ReplicationSource:
 
     def after_log_replicated(self, end: int, reply: Reply) -> None:
         """Call ``reply`` once a slave has written the first log up to ``end`` (or at once, alone)."""
-        self._after(self._log_waiters, self.replicated, end, reply, "writes")
+        self._after(0, end, reply, "writes")
 
     def after_actions_replicated(self, end: int, reply: Reply) -> None:
         """Call ``reply(None)`` once a slave has the action log up to ``end`` (or at once, alone or
         degraded), or ``reply(text)`` when it will not get there soon: an ack is then recorded on
         the master but not answered as done, so the client sends it again (acks repeat safely)
         and an answered ack always survives a failover."""
-        self._after(self._action_waiters, self.actions_replicated, end, reply, "acks")
+        self._after(1, end, reply, "acks")
 
-    def _after(self, waiters: deque[tuple[int, Reply]], replicated: int, end: int, reply: Reply, what: str) -> None:
+    def _after(self, kind: int, end: int, reply: Reply, what: str) -> None:
+        waiters = self._action_waiters if kind else self._log_waiters
+        replicated = self.actions_replicated if kind else self.replicated
         if self._refusing is not None:
             call_reply(reply, self._refusing)
             return
         state = self.write_state()
-        if state in ("alone", "degraded") or replicated >= end:
+        if replicated >= end:
+            call_reply(reply, None)
+        elif state in ("alone", "degraded"):
+            self._answered_alone(kind, end)
             call_reply(reply, None)
         elif state == "read-only":
             call_reply(reply, self.read_only_text())
@@ -209,10 +233,11 @@ class ReplicationSource:
         if state == "read-only":
             self._fail_waiters(self.read_only_text())
         elif state == "degraded":
-            while self._log_waiters:
-                call_reply(self._log_waiters.popleft()[1], None)
-            while self._action_waiters:
-                call_reply(self._action_waiters.popleft()[1], None)
+            for kind, waiters in enumerate((self._log_waiters, self._action_waiters)):
+                while waiters:
+                    end, reply = waiters.popleft()
+                    self._answered_alone(kind, end)
+                    call_reply(reply, None)
 
     def _fail_waiters(self, text: str) -> None:
         while self._log_waiters:
@@ -298,6 +323,7 @@ class ReplicationSource:
             return False
         if wait and not has_data:
             return True
+        fields["caught_up_at"] = list(self.must_reach())
         conn.respond(code, request_id, fields, parts)
         return False
 
@@ -361,6 +387,22 @@ def take_request(
     source.request(conn, frame.code, frame.request_id, fields, get_str(header, "slave"))
 
 
+def caught_up(answer: dict[str, Any], copy: dict[str, Any]) -> bool:
+    """Whether a slave whose copy ends where ``copy`` says (its next request's from / action_from)
+    holds every write its master had answered when it sent ``answer`` (its ``caught_up_at``; a
+    master that does not say: yes, as before)."""
+    reach = answer.get("caught_up_at")
+    if not isinstance(reach, list) or len(reach) != 2:
+        return True
+    log_reach, action_reach = reach
+    return (
+        isinstance(log_reach, int)
+        and isinstance(action_reach, int)
+        and copy.get("from", 0) >= log_reach
+        and copy.get("action_from", 0) >= action_reach
+    )
+
+
 class Replicator:
     """The slave's loop: copy the master's logs, then ask again (the request's ``from`` is the ack).
 
@@ -407,7 +449,8 @@ class Replicator:
                 pending = self._take(frame)
                 if pending is not None:
                     await pending
-                self.last_ms = time.time_ns() // 1_000_000
+                if caught_up(frame.header, self._ask()):
+                    self.last_ms = time.time_ns() // 1_000_000
                 retry_s = _RETRY_S_MIN
             except asyncio.CancelledError:
                 raise
