@@ -112,6 +112,10 @@ def subject_file_name(subject: str) -> str:
 def subject_of_file_name(name: str) -> str | None:
     """The subject whose ``subject_file_name`` is ``name``, or None when ``name`` is not one, or
     is a cut name with a hash (those name their subject in a file beside them)."""
+    if not name or name[0] == "." or len(name) > _FILE_NAME_CHARS_MAX:
+        return None
+    if _SAFE.issuperset(name):  # nothing escaped (most names): recovery reads 40,000 of them
+        return name
     if "~~" in name:
         return None
     raw = bytearray()
