@@ -15,6 +15,7 @@ from qmq.common.naming import (
     parse_internal_subject,
     retry_subject,
     subject_file_name,
+    subject_of_file_name,
 )
 
 
@@ -202,3 +203,15 @@ def test_file_names_are_safe_and_distinct(names: list[str]) -> None:
     for f in files:
         assert_file_system_safe(f)
     assert len(set(files)) == len(names)
+
+
+@given(st.text(min_size=1, max_size=120))
+@settings(max_examples=300)
+def test_a_file_name_gives_back_its_subject_unless_it_was_cut_and_hashed(subject: str) -> None:
+    name = subject_file_name(subject)
+    assert subject_of_file_name(name) == (None if "~~" in name else subject)
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "~zz", "~41", "a~2", "~FF", "x" * 151, "a~~0123456789abcdef"])
+def test_a_name_no_subject_is_escaped_to_gives_none(name: str) -> None:
+    assert subject_of_file_name(name) is None

@@ -3,11 +3,13 @@ stands for a group, and how subjects are routed, balanced, persisted and widened
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from qmq.common.clock import ManualClock
 from qmq.meta import registry as registry_module
@@ -174,6 +176,49 @@ def test_a_subject_short_of_groups_gains_more_as_they_appear_and_never_loses_one
     reg.register(_broker("b0", 20901))
     assert reg.routes(["s"]) == {"s": ["b1", "b2"]}  # silent groups keep their routes
     assert store.routes() == {"s": ["b1", "b2"]}
+
+
+class CountingStore(MetaStore):
+    """A real store that counts its transactions by what they do."""
+
+    def __init__(self, url: str) -> None:
+        self.transactions: Counter[str] = Counter()
+        super().__init__(url)
+
+    @contextlib.contextmanager
+    def transaction(self, what: str) -> Iterator[sa.Connection]:
+        self.transactions[what] += 1
+        with super().transaction(what) as conn:
+            yield conn
+
+
+def test_a_request_of_many_new_subjects_is_one_read_and_one_write_and_full_routes_are_not_read_again(
+    store_url: str, clock: ManualClock
+) -> None:
+    counting = CountingStore(store_url)
+    try:
+        reg = _registry(counting, clock, route_groups=2)
+        reg.register(_broker("b1", 20881))
+        counting.transactions.clear()
+        subjects = [f"s{i}" for i in range(256)]
+        assert reg.routes(subjects) == {s: ["b1"] for s in subjects}
+        assert counting.transactions == {"read routes": 1, "save routes": 1}
+        assert len(counting.routes()) == 256
+
+        # Every route holds every available group: no other meta server can have widened one,
+        # so the refreshes of clients (every subject, every 2 s) read nothing.
+        counting.transactions.clear()
+        clock.advance(5)
+        assert reg.routes(subjects) == {s: ["b1"] for s in subjects}
+        assert not {what for what in counting.transactions if "route" in what}
+
+        # A second group appears: the routes are read again (once), then widened in one write.
+        reg.register(_broker("b2", 20891))
+        counting.transactions.clear()
+        assert reg.routes(subjects) == {s: ["b1", "b2"] for s in subjects}
+        assert {w: n for w, n in counting.transactions.items() if "route" in w} == {"read routes": 1, "save routes": 1}
+    finally:
+        counting.close()
 
 
 def test_delay_groups_are_listed_but_never_routed_to(store: MetaStore, clock: ManualClock) -> None:

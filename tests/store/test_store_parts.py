@@ -5,6 +5,7 @@ consume-log format, the indexer and pulls."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,33 @@ def test_a_subjects_consume_log_is_found_again_by_its_directory(tmp_path: Path) 
     again = subjects_in(tmp_path)
     assert again.open_all() == [tmp_path / "consume" / "stray"]
     assert list(again.by_name) == ["a/b"]
+
+
+def test_a_new_subject_is_one_directory_and_one_segment_file_and_is_found_again_by_its_name(tmp_path: Path) -> None:
+    subjects = subjects_in(tmp_path)
+    subjects.state("a/b")
+    subjects.state("x" * 200)  # a name cut and hashed on disk: it says its subject in a file
+    subjects.close()
+    consume = tmp_path / "consume"
+    assert sorted(os.listdir(consume / "a~2Fb")) == ["00000000000000000000.cl"]
+    [hashed] = [d for d in os.listdir(consume) if "~~" in d]
+    assert sorted(os.listdir(consume / hashed)) == ["00000000000000000000.cl", "subject"]
+    (consume / "empty").mkdir()  # a directory without a segment is no consume log
+    again = subjects_in(tmp_path)
+    assert again.open_all() == [consume / "empty"]
+    assert sorted(again.by_name) == ["a/b", "x" * 200]
+
+
+def test_a_consume_log_written_with_a_subject_file_is_named_by_it(tmp_path: Path) -> None:
+    subjects = subjects_in(tmp_path)
+    subjects.state("s")
+    subjects.close()
+    # an older directory name (another escaping) with its subject file, as qmq wrote them before
+    (tmp_path / "consume" / "s").rename(tmp_path / "consume" / "old-name")
+    (tmp_path / "consume" / "old-name" / "subject").write_text("s")
+    again = subjects_in(tmp_path)
+    assert again.open_all() == []
+    assert again.by_name["s"].clog.directory == tmp_path / "consume" / "old-name"
 
 
 def test_under_the_sync_policy_messages_become_visible_when_their_batch_is_flushed(tmp_path: Path) -> None:

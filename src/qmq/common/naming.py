@@ -107,3 +107,29 @@ def subject_file_name(subject: str) -> str:
         digest = hashlib.sha256(subject.encode("utf-8")).hexdigest()[:16]
         name = f"{name[:100]}~~{digest}"
     return name
+
+
+def subject_of_file_name(name: str) -> str | None:
+    """The subject whose ``subject_file_name`` is ``name``, or None when ``name`` is not one, or
+    is a cut name with a hash (those name their subject in a file beside them)."""
+    if not name or name[0] == "." or len(name) > _FILE_NAME_CHARS_MAX:
+        return None
+    if _SAFE.issuperset(name):  # nothing escaped (most names): recovery reads 40,000 of them
+        return name
+    if "~~" in name:
+        return None
+    raw = bytearray()
+    i = 0
+    try:
+        while i < len(name):
+            ch = name[i]
+            if ch == "~":
+                raw.append(int(name[i + 1 : i + 3], 16))
+                i += 3
+            else:
+                raw.extend(ch.encode("ascii"))
+                i += 1
+        subject = raw.decode("utf-8")
+    except (ValueError, UnicodeError):
+        return None
+    return subject if subject and subject_file_name(subject) == name else None

@@ -42,6 +42,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from qmq.common.naming import subject_of_file_name
 from qmq.store import fileio
 from qmq.store.file_header import FileKind
 from qmq.store.open_files import OpenFiles
@@ -98,20 +99,37 @@ class ConsumeLog:
     """One subject's entries. With ``files`` (the broker's), its segment files are opened when
     used and closed within that bound (see open_files.py)."""
 
-    def __init__(self, directory: Path, subject: str, entries_per_segment: int, files: OpenFiles | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        subject: str,
+        entries_per_segment: int,
+        files: OpenFiles | None = None,
+        names: list[str] | None = None,
+    ) -> None:
+        """``names``: what ``directory`` holds, when the caller listed it already (recovery's
+        ``Subjects.open_all``); otherwise the directory is made if it is not there."""
         self.directory = directory
         self.subject = subject
-        # a new subject costs a few file-system calls, each tens of microseconds: no more than needed
-        try:
-            fileio.mkdir(directory)
-            new = True
-        except FileExistsError:
-            new = False
-        except FileNotFoundError:
-            fileio.make_dirs(directory)
-            new = True
-        name_file = f"{directory}/{SUBJECT_FILE}"
-        if new or not os.path.exists(name_file):
+        # A new subject costs a few file-system calls, each tens of microseconds on a quiet disk
+        # and near a millisecond under a load of fsyncs: no more than needed. Its directory's name
+        # says its subject (subject_of_file_name), so the subject file is written only for a name
+        # that does not (cut and hashed); a segment file is made now, so the directory is found
+        # again by recovery (subject_in).
+        new = False
+        if names is None:
+            try:
+                fileio.mkdir(directory)
+                new = True
+                names = []
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                fileio.make_dirs(directory)
+                new = True
+                names = []
+        if subject_of_file_name(directory.name) != subject and (new or not os.path.exists(directory / SUBJECT_FILE)):
+            name_file = f"{directory}/{SUBJECT_FILE}"
             tmp = name_file + ".tmp"
             fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
@@ -120,7 +138,7 @@ class ConsumeLog:
                 fileio.close(fd)
             fileio.replace(tmp, name_file)
         self.segments = SegmentedLog(
-            directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, empty=new
+            directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, names=names
         )
         partial = self.segments.end % ENTRY_BYTES
         if partial:  # a torn last entry: appends must start on an entry boundary
@@ -130,11 +148,23 @@ class ConsumeLog:
         self._last_record_end: int | None = 0 if last is None else last[0] + last[1]
 
     @staticmethod
-    def subject_in(directory: Path) -> str | None:
-        try:
-            return fileio.read_text(directory / SUBJECT_FILE)
-        except FileNotFoundError:
-            return None
+    def subject_in(directory: Path, names: list[str] | None = None) -> str | None:
+        """The subject whose consume log ``directory`` holds (``names``: what it holds, when
+        listed already): the one its subject file names, else the one its own name says when it
+        holds a segment file; None for a directory that is no consume log."""
+        if names is None:
+            try:
+                names = fileio.listdir(directory)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        if SUBJECT_FILE in names:
+            try:
+                return fileio.read_text(directory / SUBJECT_FILE)
+            except FileNotFoundError:
+                return None
+        if any(n.endswith(SEGMENT_SUFFIX) for n in names):
+            return subject_of_file_name(directory.name)
+        return None
 
     @property
     def next_seq(self) -> int:

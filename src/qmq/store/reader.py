@@ -39,7 +39,7 @@ from qmq.store import action_log as act
 from qmq.store import consume_log, fileio, message_log
 from qmq.store import dead_letters as dl
 from qmq.store.checkpoint import newest_checkpoint
-from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE, SUBJECT_FILE, first_seq_reaching
+from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE, ConsumeLog, first_seq_reaching
 from qmq.store.file_header import HEAD_BYTES, FileFormatError, FileKind, head_bytes
 from qmq.store.message_log import RECORD_HEADER_DTYPE
 from qmq.store.progress import Progress
@@ -158,21 +158,16 @@ class StoreReader:
         out: dict[str, Path] = {}
         consume = self.dir / "consume"
         for sub in sorted(consume / name for name in fileio.listdir(consume)):
-            try:
-                name = fileio.read_text(sub / SUBJECT_FILE)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            out[name] = sub
+            name = ConsumeLog.subject_in(sub)
+            if name is not None:
+                out[name] = sub
         return out
 
     def consume_dir(self, subject: str) -> Path | None:
         """The consume-log directory of ``subject``, or None if it has none."""
         guess = self.dir / "consume" / subject_file_name(subject)
-        try:
-            if fileio.read_text(guess / SUBJECT_FILE) == subject:
-                return guess
-        except (FileNotFoundError, NotADirectoryError):
-            pass
+        if ConsumeLog.subject_in(guess) == subject:
+            return guess
         return self.subjects().get(subject)  # named by another version's escaping: look at them all
 
     def bounds(self, subject: str) -> tuple[int, int]:

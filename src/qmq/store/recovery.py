@@ -168,7 +168,7 @@ def recover(
         index_from, action_from, known_seqs = mlog.start, 0, {}
 
     for unnamed in subjects.open_all():
-        log.warning("consume log directory %s has no subject file; ignoring it", unnamed)
+        log.warning("consume log directory %s holds no subject file and no segment file; ignoring it", unnamed)
 
     # A consume log shorter than the checkpoint says was damaged: its entries are rebuilt from
     # the start of the message log (they are derived from it), not given up.

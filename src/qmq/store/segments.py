@@ -77,20 +77,22 @@ class SegmentedLog:
         segment_bytes: int,
         kind: FileKind,
         files: OpenFiles | None = None,
-        empty: bool = False,
+        names: list[str] | None = None,
     ) -> None:
-        """``empty``: the caller just created ``directory``, so there is nothing in it to look for."""
+        """``names``: what ``directory`` holds, when the caller knows (it just made it: nothing;
+        or it listed it); otherwise it is listed here (and made if it is not there)."""
         self.directory = directory
         self.suffix = suffix
         self.kind = kind
         self.segment_bytes = segment_bytes
         self.files = files
-        names: list[str] = []
-        if not empty:
+        if names is None:
             try:
-                names = sorted(fileio.listdir(directory))
+                names = fileio.listdir(directory)
             except FileNotFoundError:
+                names = []
                 fileio.make_dirs(directory)
+        names = sorted(names)
         self.segments: list[Segment] = []
         # the directory, held open so that a flush can always fsync it
         self._dir_fd = -1 if files is not None else fileio.open(directory, os.O_RDONLY)

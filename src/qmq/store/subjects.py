@@ -58,11 +58,14 @@ class Subjects:
     def get(self, name: str) -> SubjectState | None:
         return self.by_name.get(name)
 
-    def state(self, name: str) -> SubjectState:
-        """The subject named ``name``, its consume log opened (and created) if it was not yet."""
+    def state(self, name: str, directory: Path | None = None, names: list[str] | None = None) -> SubjectState:
+        """The subject named ``name``, its consume log opened (and created) if it was not yet
+        (in ``directory``, holding ``names``, when recovery found it there)."""
         st = self.by_name.get(name)
         if st is None:
-            clog = ConsumeLog(self.consume_dir / subject_file_name(name), name, self._entries_per_segment, self.files)
+            if directory is None:
+                directory = self.consume_dir / subject_file_name(name)
+            clog = ConsumeLog(directory, name, self._entries_per_segment, self.files, names)
             st = SubjectState(name, clog, clog.next_seq, clog.next_seq)
             self.by_name[name] = st
             self._by_raw[name.encode("utf-8")] = st
@@ -93,11 +96,16 @@ class Subjects:
         unnamed = []
         for entry in sorted(fileio.listdir(self.consume_dir)):  # names, not Paths: 40,000 sort fast
             directory = self.consume_dir / entry
-            name = ConsumeLog.subject_in(directory)
+            try:
+                names = fileio.listdir(directory)  # listed once: for its subject and its segments
+            except NotADirectoryError:
+                unnamed.append(directory)
+                continue
+            name = ConsumeLog.subject_in(directory, names)
             if name is None:
                 unnamed.append(directory)
             else:
-                self.state(name)
+                self.state(name, directory, names)
         return unnamed
 
     # -- visibility --------------------------------------------------------------------
