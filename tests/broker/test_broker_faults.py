@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from rawclient import RawClient, message, split_records
 
+from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.message import decode_message
 from qmq.serving.runner import EXIT_STOP_FAILED
@@ -90,22 +91,36 @@ def test_a_failed_fsync_stops_writes_until_a_restart_and_loses_nothing_acknowled
 
 
 def test_on_a_slow_disk_every_copy_of_a_held_message_becomes_visible(tmp_path: Path) -> None:
-    """Two messages held by one send (as a delay server hands them over), every fsync of the
-    message log taking 400 ms: A falls due while the send's fsync runs, so its copy waits for
-    the next one, which begins once the send's returns; B falls due during that one, its held
-    record durable but its copy behind A's. Found by bench/delay_failover.py: B's copy then
-    waited for a flush nobody asked for, and with no later send it was never pulled."""
-    env = _plan(tmp_path / "plan.json", {"op": "fsync", "path": "log/*.log", "delay_ms": 400})
+    """Messages held by one send (as a delay server hands them over), every fsync of the message
+    log taking 600 ms: A falls due while the send's fsync runs, so its copy waits for the next
+    one, which begins once the send's returns; the Bs fall due during that one (or the first
+    of them during the send's, when that ends late), their held records durable but their
+    copies behind A's. Found by bench/delay_failover.py: those copies then waited for a flush
+    nobody asked for, and with no later send they never became durable.
+
+    Read with READ, which goes by what is durable and asks for no flush: a pull takes written
+    messages and its answer asks for a flush covering them, so a pull first would hide the
+    defect (pulling first, this test passed without the fix)."""
+    env = _plan(tmp_path / "plan.json", {"op": "fsync", "path": "log/*.log", "delay_ms": 600})
     with _broker(tmp_path / "data", env) as (_proc, client):
         now = int(time.time() * 1000)
-        sent = client.send(message("held", "a", deliver_at_ms=now + 150), message("held", "b", deliver_at_ms=now + 550))
+        # A at 200 ms; Bs every 50 ms from 650 to 950, within the 1 s a broker holds a message
+        # (HOLD_MS_MAX; later ones it refuses): the send's fsync may end up to 350 ms late and
+        # some Bs still fall due during the next
+        due = {"a": 200, **{f"b{ms}": ms for ms in range(650, 1000, 50)}}
+        sent = client.send(*(message("held", mid, deliver_at_ms=now + ms) for mid, ms in due.items()))
         assert sent.status == Status.OK, sent.header
-        got: list[str] = []
+        assert answer_of(sent)["errors"] == [], answer_of(sent)
+        durable = 0
         deadline = time.monotonic() + 10
-        while len(got) < 2 and time.monotonic() < deadline:
-            got += _ids(client, "held")
-            time.sleep(0.05)  # polling pulls, bounded by the deadline
-        assert got == ["a", "b"], f"pulled {got} within 10 s of both falling due"
+        while durable < len(due) and time.monotonic() < deadline:
+            read = client.call(RequestCode.READ, {"subject": "held", "from": 0, "max": 100})
+            assert read.status == Status.OK, read.header
+            durable = int(read.header["end"])
+            time.sleep(0.05)  # polling reads, bounded by the deadline
+        assert durable == len(due), f"{durable} of the {len(due)} copies durable within 10 s of the last falling due"
+        assert [decode_message(m).message_id for _seq, m in split_records(read.body)] == list(due)
+        assert _ids(client, "held") == list(due)
 
 
 def test_a_failed_write_is_undone_and_refused_busy_so_the_send_goes_again(tmp_path: Path) -> None:
