@@ -41,7 +41,6 @@ from qmq.serving.requests import (
 from qmq.serving.tracing import ServerTracing, end_spans
 from qmq.store import fileio
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
-from qmq.store.group_filter import dead_letter_unevaluable
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES
 from qmq.store.tags import RecordFilter, TagFilter
@@ -307,7 +306,7 @@ class Handlers(RoleHandlers):
             gp.ordered = True  # from now on every consumer of the group is served by slot (ordered_take)
         group_filter = None if gp.ordered else self.broker.parked.filters.get((gp.subject, gp.group))
         if group_filter is not None:  # the group's server-side filter (qmq.broker.controls)
-            tag_filter = group_filter = group_filter.with_tags(tag_filter)
+            tag_filter = group_filter.with_tags(tag_filter)
         if ack_ranges:
             self._ack(gp, cp, ack_ranges)
         code, request_id = frame.code, frame.request_id
@@ -373,8 +372,6 @@ class Handlers(RoleHandlers):
             result = None  # a paused group's consumers get nothing (qmq.broker.controls)
         else:
             result = self.store.pull(gp, cp, session, max_n, tag_filter)
-            if group_filter is not None and group_filter.waiting:
-                dead_letter_unevaluable(self.store, gp.subject, gp.group, group_filter)
         if self.store.dispatched:
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
         elif self.store.settling_ms:

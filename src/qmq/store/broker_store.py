@@ -52,6 +52,7 @@ from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY
 from qmq.store.datadir import DataDirLock, StoreError, StoreFailedError, clears_by_itself, store_error
 from qmq.store.dead_letters import DeadLetters
+from qmq.store.group_filter import GroupFilter, dead_letter_unevaluable
 from qmq.store.held import HELD_SEQUENCE, Held
 from qmq.store.indexer import RecordIndexer
 from qmq.store.intake import AppendResult, check_send
@@ -427,7 +428,17 @@ class BrokerStore:
         """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
         st = self._subjects.get(gp.subject)
         now_ms = self.clock.now_ms()
-        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
+        if not isinstance(tag_filter, GroupFilter):
+            return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
+        try:
+            result = self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
+        except BaseException:
+            del tag_filter.waiting[:]  # nothing was passed over: the next pull meets them again
+            raise
+        # in the same call as the pull that passed them over (a long poll's too): none waits in
+        # memory for a later pull, so a broker that stops after this pull loses none
+        dead_letter_unevaluable(self, gp.subject, gp.group, tag_filter)
+        return result
 
     @property
     def dispatched(self) -> bool:

@@ -377,6 +377,9 @@ class Pulls:
                 if tag_filter.matches_record(record):
                     matched.append((seq + i, record))
                     nbytes += size
+                elif tag_filter.full():  # the rest waits for the next pull, so none is passed over unlettered
+                    seq += i + 1
+                    break
             else:
                 seq += n
                 continue
