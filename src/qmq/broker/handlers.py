@@ -304,11 +304,17 @@ class Handlers(RoleHandlers):
         gp.max_retries = max_retries
         if ordered:
             gp.ordered = True  # from now on every consumer of the group is served by slot (ordered_take)
-        group_filter = None if gp.ordered else self.broker.parked.filters.get((gp.subject, gp.group))
-        if group_filter is not None:  # the group's server-side filter (qmq.broker.controls)
-            tag_filter = group_filter.with_tags(tag_filter)
+        group_filter = self.broker.parked.filters.get((gp.subject, gp.group))
         if ack_ranges:
             self._ack(gp, cp, ack_ranges)
+        if group_filter is not None:  # the group's server-side filter (qmq.broker.controls)
+            if gp.ordered:  # refused after its acks: they take all the same
+                raise BadRequest(
+                    f"consumer group {gp.group!r} of {gp.subject!r} has a server-side filter ({group_filter.expr!r}) "
+                    "and an ordered group takes whole slots, never filtered: clear the filter (qmq group filter "
+                    f"{gp.subject} --group {gp.group} --clear) or consume this group unordered"
+                )
+            tag_filter = group_filter.with_tags(tag_filter)
         code, request_id = frame.code, frame.request_id
         metrics = self.metrics
         out = metrics.messages_out.labels(gp.subject, gp.group)
