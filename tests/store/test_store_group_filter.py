@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from conftest import append, batch, flush
 from qmq.common.naming import dead_subject
 from qmq.protocol.message import decode_message, decode_properties
+from qmq.store import group_filter
 from qmq.store.broker_store import BrokerStore
 from qmq.store.dead_letters import ERROR_PROPERTY
 from qmq.store.group_filter import UNEVALUABLE_KEPT_MAX, GroupFilter
@@ -60,3 +63,31 @@ def test_a_scan_stops_once_it_holds_as_many_unevaluable_messages_as_it_may(
     assert got.messages == 1  # the matching one, after the last 50 were lettered
     assert gp.pull_offset == n + 1
     assert _letter_ids(store) == ids  # every one, once, in order
+
+
+def test_a_scan_stops_once_the_filter_spent_its_time(
+    open_store: Callable[..., BrokerStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(group_filter, "SCAN_EVAL_NS_MAX", 0)  # any evaluation spends it
+    store = open_store()
+    append(store, batch("s", [f"m{i}" for i in range(3)], body=b'{"amount": 500}'))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    gf = GroupFilter("body.amount > `100`")
+    for n in (1, 2, 3):  # one message a pull, every one handed out in turn
+        got = store.pull(gp, gp.consumer("c"), "x", 10, gf)
+        assert got is not None
+        assert got.messages == 1
+        assert gp.pull_offset == n
+
+
+def test_a_filter_that_grows_without_end_dead_letters_the_message(open_store: Callable[..., BrokerStore]) -> None:
+    store = open_store()
+    append(store, batch("s", ["m0"], body=b'["x"]'))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    assert store.pull(gp, gp.consumer("c"), "x", 10, GroupFilter("body" + "[].[@,@][]" * 40)) is None
+    assert _letter_ids(store) == ["m0"]
+    letter = store.dead.letters(DEAD)[0]
+    error = str(decode_properties(decode_message(letter.message).properties_raw)[ERROR_PROPERTY])
+    assert "takes more than" in error or "takes longer than" in error, error

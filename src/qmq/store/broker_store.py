@@ -430,6 +430,7 @@ class BrokerStore:
         now_ms = self.clock.now_ms()
         if not isinstance(tag_filter, GroupFilter):
             return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
+        tag_filter.begin_scan()
         try:
             result = self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
         except BaseException:

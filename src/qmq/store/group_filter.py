@@ -15,6 +15,7 @@ rest waits for the next pull, so none is passed over without its letter.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Final
 
 from qmq.common.filter_expr import BODY_BYTES_MAX, UnevaluableError, compile_filter, evaluate, needs_body, truthy
@@ -39,12 +40,15 @@ log = logging.getLogger(__name__)
 __all__ = ["BODY_BYTES_MAX", "GroupFilter", "dead_letter_unevaluable"]
 
 UNEVALUABLE_KEPT_MAX: Final = 100  # messages waiting for the dead letters, per group
+# a pull's scan evaluates the filter for at most this long, then stops (the rest is for the next
+# pull), so even a filter at its bounds (qmq.common.filter_expr) holds the broker's loop briefly
+SCAN_EVAL_NS_MAX: Final = 50_000_000
 
 
 class GroupFilter:
     """``expr`` compiled once; ``also`` a tag filter the message must pass as well."""
 
-    __slots__ = ("_compiled", "_needs_body", "also", "expr", "unevaluable", "waiting")
+    __slots__ = ("_compiled", "_needs_body", "_scan_ns", "also", "expr", "unevaluable", "waiting")
 
     def __init__(self, expr: str, also: RecordFilter | None = None) -> None:
         self.expr = expr
@@ -53,30 +57,36 @@ class GroupFilter:
         self.also = also
         self.unevaluable = 0
         self.waiting: list[tuple[bytes, str]] = []  # (message, reason), shared with with_tags' copies
+        self._scan_ns = 0  # time spent evaluating in the scan being made (begin_scan)
 
     def with_tags(self, tags: RecordFilter | None) -> GroupFilter:
         if tags is None:
             return self
         out = GroupFilter.__new__(GroupFilter)
-        out.expr, out._compiled, out._needs_body, out.also, out.unevaluable, out.waiting = (
+        out.expr, out._compiled, out._needs_body, out.also, out.unevaluable, out.waiting, out._scan_ns = (
             self.expr,
             self._compiled,
             self._needs_body,
             tags,
             0,
             self.waiting,
+            0,
         )
         return out
+
+    def begin_scan(self) -> None:
+        self._scan_ns = 0
 
     def maybe(self, bloom: int) -> bool:
         return self.also is None or self.also.maybe(bloom)
 
     def full(self) -> bool:
-        return len(self.waiting) >= UNEVALUABLE_KEPT_MAX
+        return len(self.waiting) >= UNEVALUABLE_KEPT_MAX or self._scan_ns > SCAN_EVAL_NS_MAX
 
     def matches_record(self, record: bytes | memoryview, pos: int = 0) -> bool:
         if self.also is not None and not self.also.matches_record(record, pos):
             return False
+        began = time.monotonic_ns()
         try:
             m = decode_message(bytes(record), pos + RECORD_HEADER_BYTES)
             body = m.body if self._needs_body else None
@@ -93,6 +103,8 @@ class GroupFilter:
                     exc,
                 )
             return False
+        finally:
+            self._scan_ns += time.monotonic_ns() - began
 
 
 def dead_letter_unevaluable(store: Appending, subject: str, group: str, gf: GroupFilter) -> int:

@@ -25,8 +25,9 @@ class RecordFilter(Protocol):
     def matches_record(self, record: bytes | memoryview, pos: int = 0) -> bool: ...
 
     def full(self) -> bool:
-        """True when the scan must stop after the record just tested: the filter holds as many
-        messages it could not evaluate as it may until they are dead-lettered (after the pull)."""
+        """True when the scan must stop after the record just tested: a group's filter holds as
+        many messages it could not evaluate as it may until they are dead-lettered (after the
+        pull), or spent its time of this scan (qmq.store.group_filter)."""
         ...
 
 

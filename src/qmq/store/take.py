@@ -377,7 +377,7 @@ class Pulls:
                 if tag_filter.matches_record(record):
                     matched.append((seq + i, record))
                     nbytes += size
-                elif tag_filter.full():  # the rest waits for the next pull, so none is passed over unlettered
+                if tag_filter.full():  # the rest waits for the next pull (a group filter's bounds)
                     seq += i + 1
                     break
             else:
