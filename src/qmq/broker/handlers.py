@@ -382,8 +382,8 @@ class Handlers(RoleHandlers):
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
         elif self.store.settling_ms:
             self.broker.parked.notify_later(gp.subject, self.store.settling_ms)  # the group places slots then
-        if result is not None or timeout_ms == 0 or self.broker.stopping:
-            answer(result)
+        if result is not None or timeout_ms == 0 or self.broker.stopping or self.store.scan_cut:
+            answer(result)  # a scan cut short is answered at once: the consumer's next pull goes on
             return
         parked = ParkedPull(
             conn,
