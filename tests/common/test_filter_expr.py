@@ -5,11 +5,14 @@ result bounded; and a version 1 receipt (without the message's sequence) still r
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from qmq.common.filter_expr import (
     BODY_BYTES_MAX,
+    EVAL_MS_MAX,
+    EVAL_VALUE_ITEMS_MAX,
     RESULT_BYTES_MAX,
     FilterExprError,
     UnevaluableError,
@@ -44,6 +47,24 @@ def test_evaluation_reads_the_document_and_names_what_it_cannot() -> None:
         evaluate(compiled, {}, [], b" " * (BODY_BYTES_MAX + 1))
     with pytest.raises(UnevaluableError):
         evaluate(compile_filter("abs(body)"), {}, [], b'"text"')  # a type error of a function
+
+
+@pytest.mark.parametrize(
+    ("expr", "body", "why"),
+    [
+        # each "[].[@,@][]" doubles the list: 40 of them would make 2**40 items in 400 characters
+        ("body" + "[].[@,@][]" * 40, b'["x"]', "takes (more than|longer than)"),
+        # each join doubles the string: 60 of them, 2**60 characters
+        ("body" + " | join('', [@, @])" * 60, b'"abc"', f"the limit is {EVAL_VALUE_ITEMS_MAX:,}"),
+    ],
+)
+def test_an_evaluation_that_grows_without_end_is_stopped_within_its_bounds(expr: str, body: bytes, why: str) -> None:
+    compiled = compile_filter(expr)
+    began = time.monotonic()
+    with pytest.raises(UnevaluableError, match=why):
+        evaluate(compiled, {}, [], body)
+    # the deadline, plus one step at most (a value within the bound), on a loaded machine
+    assert time.monotonic() - began < EVAL_MS_MAX / 1000 + 2.0
 
 
 def test_a_transform_result_is_json_text_within_its_bound() -> None:

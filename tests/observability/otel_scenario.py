@@ -5,6 +5,10 @@ MODE ``trace``: an application span sends one message due in 0.5 s; the listener
 (each retry due 0.3 s later, so the delay server holds it each time) and handles it the third
 time, inside a span of its own. Prints the finished spans as one JSON list.
 
+MODE ``dead``: an application span sends one message; the listener fails it until it is a dead
+letter (two attempts), the scenario resends it (``qmq resend-dead``) and the listener handles the
+resent copy. Prints the finished spans.
+
 MODE ``blocking``: the same through the blocking SDK (``send``, ``send_async``, a plain handler
 run in the listener thread pool); prints the spans.
 
@@ -31,7 +35,7 @@ if MODE == "absent":
 
 exporter: Any = None
 reader: Any = None
-if MODE in ("trace", "blocking"):
+if MODE in ("trace", "blocking", "dead"):
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -201,6 +205,48 @@ async def late_run() -> None:
     print(json.dumps({"untraced_first": first.get_property("traceparent") is None, "sends_until_traced": sends}))
 
 
+async def dead_run() -> None:
+    import subprocess
+
+    from opentelemetry import trace
+
+    app = trace.get_tracer("app")
+    resent = False
+    done = asyncio.Event()
+
+    def qmq_cli(*args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "qmq", *args, "--meta-server", META_SERVER],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return out.stdout
+
+    async with Consumer(app_code="otel", meta_server=META_SERVER) as consumer:
+
+        @consumer.listener(SUBJECT, "g", start_from="earliest", retry_backoff=[0], max_retries=1)
+        async def handle(m: ReceivedMessage) -> None:
+            if not resent:
+                raise RuntimeError("fails until it is a dead letter")
+            done.set()
+
+        async with Producer(app_code="otel", meta_server=META_SERVER) as producer:
+            with app.start_as_current_span("app request"):
+                m = producer.generate_message(SUBJECT)
+                await producer.send(m)
+        for _ in range(300):  # the listener's second failure makes the dead letter
+            listed = await asyncio.to_thread(qmq_cli, "dead-letters", SUBJECT, "--group", "g", "--json")
+            if m.message_id in listed:
+                break
+            await asyncio.sleep(0.1)  # polling the broker's own record
+        resent = True
+        await asyncio.to_thread(qmq_cli, "resend-dead", SUBJECT, "--group", "g", "--message-id", m.message_id)
+        await asyncio.wait_for(done.wait(), 30)
+    print(json.dumps(_finished_spans()))
+
+
 async def plain_run() -> None:
     got: list[dict[str, Any]] = []
     done = asyncio.Event()
@@ -221,5 +267,12 @@ async def plain_run() -> None:
 if MODE == "blocking":
     blocking_run()
 else:
-    runs = {"trace": trace_run, "metrics": metrics_run, "plain": plain_run, "absent": plain_run, "late": late_run}
+    runs = {
+        "trace": trace_run,
+        "dead": dead_run,
+        "metrics": metrics_run,
+        "plain": plain_run,
+        "absent": plain_run,
+        "late": late_run,
+    }
     asyncio.run(runs[MODE]())

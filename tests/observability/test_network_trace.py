@@ -1,6 +1,6 @@
 """`qmq trace MESSAGE_ID --meta-server URL`: each broker group tells what its files hold of a
 message (TRACE), with no data directory and no Spark — stored, pulled by which consumer,
-acknowledged, retried with the handler's error, dead-lettered."""
+acknowledged, retried with the handler's error, dead-lettered, resent."""
 
 from __future__ import annotations
 
@@ -18,14 +18,12 @@ from qmq.testing import ReadyProcess
 pytestmark = pytest.mark.integration
 
 
+def run_qmq(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qmq", *args], capture_output=True, text=True, timeout=60, check=False)
+
+
 def trace(meta_server: str, message_id: str, *more: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "qmq", "trace", message_id, "--meta-server", meta_server, *more],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_qmq("trace", message_id, "--meta-server", meta_server, *more)
 
 
 @pytest.mark.timeout(120)
@@ -78,6 +76,26 @@ async def test_a_failed_message_is_traced_from_its_store_through_its_retry_to_th
     assert {e["consumer_id"] for e in pulled} == {"c-trace"}
     assert all(e["at"].endswith("Z") for e in pulled), "the action log tells when"
     assert {e["subject"] for e in pulled} == {subject, f"%RETRY%{subject}%billing"}, "both copies were pulled"
+    # a resent dead letter: "resent" (when, which group) after the dead letter, which is removed
+    resend = await asyncio.to_thread(
+        run_qmq, "resend-dead", subject, "--group", "billing", "--message-id", failing.message_id, "--meta-server", meta
+    )
+    assert resend.returncode == 0, resend.stderr
+    assert "resent 1 dead letter" in resend.stdout
+    done = trace(meta, failing.message_id, "--json")
+    assert done.returncode == 0, done.stderr
+    events = json.loads(done.stdout)["events"]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("resent") == 1, kinds
+    assert kinds.count("retried") == 1, kinds  # the resent copy is not one more failed attempt
+    [resent] = [e for e in events if e["event"] == "resent"]
+    [dead] = [e for e in events if e["event"] == "dead_lettered"]
+    assert resent["group"] == "billing"
+    assert resent["at"] >= dead["at"], (dead, resent)
+    assert kinds.index("resent") > kinds.index("dead_lettered"), kinds
+    assert dead["removed"]
+    text = trace(meta, failing.message_id)
+    assert any(line.strip().startswith("resent") and "group billing" in line for line in text.stdout.splitlines())
     # the message that was handled: pulled and acknowledged; as text too
     done = trace(meta, fine.message_id)
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,7 @@
 """OpenTelemetry traces of the SDK, read with the SDK's in-memory exporter in a child process (so
 its global providers stay out of the rest of the suite): one trace from an application's span
-through a send, a delay, two failed attempts and their retries, to the handler's own span; the
+through a send, a delay, two failed attempts and their retries, to the handler's own span; through
+a dead letter and its resend; the
 gateway keeps a request's traceparent; without OpenTelemetry nothing is imported."""
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def test_one_trace_from_the_send_through_a_delay_and_two_retries_to_the_handler(
     assert processes[1]["start_ns"] - processes[0]["end_ns"] >= 250_000_000
     [work] = by_name["app work"]
     assert work["parent_id"] == processes[2]["span_id"], "the handler runs inside its process span"
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_letter_resent_is_handled_in_the_trace_of_its_send(meta_server: str, subject: str) -> None:
+    spans = scenario("dead", meta_server, subject)
+    [send] = [s for s in spans if s["name"] == f"send {subject}"]
+    processes = sorted((s for s in spans if s["name"] == f"process {subject}"), key=lambda s: s["start_ns"])
+    assert [p["status"] for p in processes] == ["ERROR", "ERROR", "UNSET"], "two failures, then the resent copy"
+    for p in processes:
+        assert p["trace_id"] == send["trace_id"], "the context came through the dead letter and the resend"
+        assert p["parent_id"] == send["span_id"]
+        assert p["attributes"]["messaging.message.id"] == send["attributes"]["messaging.message.id"]
 
 
 @pytest.mark.timeout(120)

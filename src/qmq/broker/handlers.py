@@ -41,7 +41,6 @@ from qmq.serving.requests import (
 from qmq.serving.tracing import ServerTracing, end_spans
 from qmq.store import fileio
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
-from qmq.store.group_filter import dead_letter_unevaluable
 from qmq.store.progress import ConsumerProgress, GroupProgress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES
 from qmq.store.tags import RecordFilter, TagFilter
@@ -305,11 +304,17 @@ class Handlers(RoleHandlers):
         gp.max_retries = max_retries
         if ordered:
             gp.ordered = True  # from now on every consumer of the group is served by slot (ordered_take)
-        group_filter = None if gp.ordered else self.broker.parked.filters.get((gp.subject, gp.group))
-        if group_filter is not None:  # the group's server-side filter (qmq.broker.controls)
-            tag_filter = group_filter = group_filter.with_tags(tag_filter)
+        group_filter = self.broker.parked.filters.get((gp.subject, gp.group))
         if ack_ranges:
             self._ack(gp, cp, ack_ranges)
+        if group_filter is not None:  # the group's server-side filter (qmq.broker.controls)
+            if gp.ordered:  # refused after its acks: they take all the same
+                raise BadRequest(
+                    f"consumer group {gp.group!r} of {gp.subject!r} has a server-side filter ({group_filter.expr!r}) "
+                    "and an ordered group takes whole slots, never filtered: clear the filter (qmq group filter "
+                    f"{gp.subject} --group {gp.group} --clear) or consume this group unordered"
+                )
+            tag_filter = group_filter.with_tags(tag_filter)
         code, request_id = frame.code, frame.request_id
         metrics = self.metrics
         out = metrics.messages_out.labels(gp.subject, gp.group)
@@ -373,14 +378,12 @@ class Handlers(RoleHandlers):
             result = None  # a paused group's consumers get nothing (qmq.broker.controls)
         else:
             result = self.store.pull(gp, cp, session, max_n, tag_filter)
-            if group_filter is not None and group_filter.waiting:
-                dead_letter_unevaluable(self.store, gp.subject, gp.group, group_filter)
         if self.store.dispatched:
             self.broker.parked.notify_soon(gp.subject)  # others' long polls may have messages now
         elif self.store.settling_ms:
             self.broker.parked.notify_later(gp.subject, self.store.settling_ms)  # the group places slots then
-        if result is not None or timeout_ms == 0 or self.broker.stopping:
-            answer(result)
+        if result is not None or timeout_ms == 0 or self.broker.stopping or self.store.scan_cut:
+            answer(result)  # a scan cut short is answered at once: the consumer's next pull goes on
             return
         parked = ParkedPull(
             conn,

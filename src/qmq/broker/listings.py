@@ -111,6 +111,7 @@ def lag_page(store: BrokerStore, header: dict[str, Any], now_ms: int, consumer_o
         "backlog": max(0, messages - gp.pull_offset),
         "unacked": sum(cp.unacked for cp in gp.consumers.values()),
         "consumers_total": len(gp.consumers),
+        "ordered": gp.ordered,
         "consumers_offline": sum(now_ms - cp.last_seen_ms >= consumer_offline_ms for cp in gp.consumers.values()),
         "consumer_offline_ms": consumer_offline_ms,
         "time_ms": now_ms,

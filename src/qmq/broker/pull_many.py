@@ -36,7 +36,6 @@ from qmq.serving.dispatch import answer_failure
 from qmq.serving.requests import BadRequest, get_bool, get_int, get_ranges, get_str, get_tags
 from qmq.store import fileio
 from qmq.store.broker_store import PullResult
-from qmq.store.group_filter import dead_letter_unevaluable
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES
 from qmq.store.tags import RecordFilter
 
@@ -188,12 +187,10 @@ def _one(
     parked = handlers.broker.parked
     group_filter = parked.filters.get((gp.subject, gp.group))
     if group_filter is not None:
-        tag_filter = group_filter = group_filter.with_tags(tag_filter)
+        tag_filter = group_filter.with_tags(tag_filter)
     if ack_ranges:
         handlers.apply_acks(gp, cp, ack_ranges)
     if max_n == 0 or left <= 0 or budget <= 0 or (gp.subject, gp.group) in parked.paused:
         return None, bool(ack_ranges)
     result = handlers.store.pull(gp, cp, session, min(max_n, left), tag_filter, budget)
-    if group_filter is not None and group_filter.waiting:
-        dead_letter_unevaluable(handlers.store, gp.subject, gp.group, group_filter)
     return result, bool(ack_ranges)

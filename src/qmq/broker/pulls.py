@@ -210,7 +210,7 @@ class ParkedPulls:
                 continue
             dispatched = dispatched or self.store.dispatched
             settling_ms = max(settling_ms, self.store.settling_ms)
-            if result is not None:
+            if result is not None or self.store.scan_cut:  # cut short: the consumer pulls again at once
                 self._remove(parked)
                 parked.answer(result)
         if settling_ms:

@@ -4,13 +4,16 @@
 The document (``--json``)::
 
     {"message_id", "subject", "stored": {"broker_group", "subject", "sequence", "at"} | null,
-     "events": [{"event": "pulled" | "acked" | "retried" | "dead_lettered", "group", "consumer_id",
+     "events": [{"event": "pulled" | "acked" | "retried" | "dead_lettered" | "resent", "group", "consumer_id",
                  "at" (RFC 3339, or null where the broker keeps no time), "broker_group", ...}],
      "errors": {broker group: why it did not answer}, "truncated": bool}
 
 ``retried`` is a copy stored in ``%RETRY%<subject>%<group>`` (its ``attempt`` and the handler's
-``error``); ``pulled``/``acked`` say which consumer received which copy (``subject``) and whether
-it acknowledged it; ``dead_lettered`` carries ``removed`` once resent or purged.
+``error``): a delivery whose handler failed (the SDK, or the gateway for an HTTP nack, stores that
+copy; the broker sees no nack of its own); ``pulled``/``acked`` say which consumer received which
+copy (``subject``) and whether it acknowledged it; ``dead_lettered`` carries ``removed`` once
+resent or purged; ``resent`` is a dead letter put back on the retry subject (``qmq resend-dead``):
+a copy there with attempt 1, where a failed delivery's copy has 2 or more.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from qmq.cli.output import echo_json
 from qmq.common.errors import InvalidSubjectError, QmqError
 from qmq.common.naming import parse_internal_subject
 from qmq.protocol.codes import RequestCode
+
+_AFTER_DEAD = 1 << 30  # where events without a time are placed after every attempt (see network_trace)
 
 
 def print_network_trace(meta_server: str, message_id: str, as_json: bool) -> None:
@@ -60,7 +65,8 @@ async def network_trace(meta_server: str, message_id: str) -> dict[str, Any]:
         doc["truncated"] = doc["truncated"] or bool(answer.get("truncated"))
         for copy in answer.get("stored", []):
             subject = str(copy["subject"])
-            attempt_of[(name, subject, int(copy["sequence"]))] = int(copy.get("attempt") or 1)
+            attempt = int(copy.get("attempt") or 1)
+            attempt_of[(name, subject, int(copy["sequence"]))] = attempt
             if not subject.startswith("%"):
                 if doc["stored"] is None:
                     doc["stored"] = {
@@ -76,15 +82,18 @@ async def network_trace(meta_server: str, message_id: str) -> dict[str, Any]:
             except InvalidSubjectError:
                 continue
             doc["subject"] = doc["subject"] or origin
+            resent = kind == "retry" and attempt == 1  # resend_dead resets the attempts (store/redelivery.py)
+            if resent:  # it, and its pulls and acks, come after the dead letter it was
+                attempt_of[(name, subject, int(copy["sequence"]))] = _AFTER_DEAD
             if kind == "retry":
                 events.append(
                     {
-                        "event": "retried",
+                        "event": "resent" if resent else "retried",
                         "group": group,
                         "consumer_id": None,
                         "at": copy["at"],
                         "attempt": copy.get("attempt"),
-                        "error": copy.get("error"),
+                        "error": None if resent else copy.get("error"),
                         "subject": subject,
                         "broker_group": name,
                     }
@@ -92,11 +101,11 @@ async def network_trace(meta_server: str, message_id: str) -> dict[str, Any]:
         events.extend({**e, "broker_group": name} for e in answer.get("events", []))
     # by time; where some event has none (logged by an older qmq, or known from a checkpoint only),
     # attempt by attempt: the copy's storing (retried), who pulled it, its ack; dead letters last
-    order = {"retried": 0, "pulled": 1, "acked": 2, "dead_lettered": 3}
+    order = {"retried": 0, "pulled": 1, "acked": 2, "dead_lettered": 3, "resent": 4}
 
     def place(e: dict[str, Any]) -> tuple[int, int, str]:
-        if e["event"] == "dead_lettered":
-            attempt = 1 << 30
+        if e["event"] in ("dead_lettered", "resent"):
+            attempt = _AFTER_DEAD - 1 if e["event"] == "dead_lettered" else _AFTER_DEAD
         elif e["event"] == "retried":
             attempt = int(e.get("attempt") or 1)
         else:
@@ -128,6 +137,8 @@ def trace_lines(doc: dict[str, Any]) -> list[str]:
         elif e["event"] == "dead_lettered":
             more = f" after {e.get('attempts')} attempts" + (f": {e['error']}" if e.get("error") else "")
             more += " (since resent or purged)" if e.get("removed") else ""
+        elif e["event"] == "resent":
+            more = " (the dead letter back on the retry subject)"
         elif e.get("subject", "").startswith("%"):
             more = " (a retry copy)"
         lines.append(f"  {e['event']:<14} {at}  group {e['group']}{who}{more} ({e['broker_group']})")

@@ -13,12 +13,18 @@ but ``false``, ``null`` and an empty string, list or object. A transform's resul
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 EXPR_CHARS_MAX: Final = 4096
 BODY_BYTES_MAX: Final = 256 * 1024  # a body an expression parses as JSON: bounds its cost
 RESULT_BYTES_MAX: Final = 1024 * 1024  # a transform's result, as JSON text
+# One evaluation's bounds: JMESPath has no loops, but short expressions can still double a list
+# or a string at each step ("[@,@][]" repeated, join): steps, the size of any value made, and time
+EVAL_STEPS_MAX: Final = 100_000  # nodes of the expression visited, over every value
+EVAL_VALUE_ITEMS_MAX: Final = BODY_BYTES_MAX  # items of a list or object, characters of a string
+EVAL_MS_MAX: Final = 100  # wall-clock time: a thousand times what a filter of a few terms takes
 
 
 class FilterExprError(ValueError):
@@ -66,11 +72,49 @@ def evaluate(compiled: Any, properties: Mapping[str, Any], tags: Sequence[str], 
             if len(body) > BODY_BYTES_MAX:
                 raise UnevaluableError(f"its body has {len(body)} bytes; an expression parses at most {BODY_BYTES_MAX}")
             doc = json.loads(body)
-        return compiled.search({"properties": dict(properties), "tags": list(tags), "body": doc})
+        return _bounded_interpreter()(time.monotonic_ns() + EVAL_MS_MAX * 1_000_000).visit(
+            compiled.parsed, {"properties": dict(properties), "tags": list(tags), "body": doc}
+        )
     except UnevaluableError:
         raise
     except (ValueError, JMESPathError, RecursionError, TypeError) as exc:
         raise UnevaluableError(str(exc) or type(exc).__name__) from None
+
+
+_SIZED: Final = frozenset({str, list, dict})
+_BOUNDED: list[Any] = []  # the interpreter class, made at the first evaluation (jmespath is imported late)
+
+
+def _bounded_interpreter() -> Any:
+    """JMESPath's interpreter held to EVAL_STEPS_MAX, EVAL_VALUE_ITEMS_MAX and a deadline."""
+    if _BOUNDED:
+        return _BOUNDED[0]
+    from jmespath.visitor import TreeInterpreter
+
+    class Bounded(TreeInterpreter):  # type: ignore[misc]  # jmespath has no types
+        def __init__(self, deadline_ns: int) -> None:
+            super().__init__()
+            self._steps = 0
+            self._deadline_ns = deadline_ns
+
+        def visit(self, node: Any, *args: Any, **kwargs: Any) -> Any:
+            self._steps += 1
+            if not self._steps & 63:  # the clock every 64 steps: a step is cheap, a read of it is not
+                if self._steps > EVAL_STEPS_MAX:
+                    raise UnevaluableError(f"it takes more than {EVAL_STEPS_MAX:,} steps of the expression")
+                if time.monotonic_ns() > self._deadline_ns:
+                    raise UnevaluableError(f"it takes longer than {EVAL_MS_MAX} ms")
+            kind = node["type"]
+            method = self._method_cache.get(kind)
+            if method is None:
+                method = self._method_cache[kind] = getattr(self, f"visit_{kind}")
+            out = method(node, *args, **kwargs)
+            if type(out) in _SIZED and len(out) > EVAL_VALUE_ITEMS_MAX:
+                raise UnevaluableError(f"it makes a value of {len(out):,} items; the limit is {EVAL_VALUE_ITEMS_MAX:,}")
+            return out
+
+    _BOUNDED.append(Bounded)
+    return Bounded
 
 
 def result_json(result: object) -> bytes:

@@ -156,6 +156,13 @@ class BrokerReads:
             "unreachable": unreachable,
         }
 
+    async def ordered(self, subject: str, group: str, credentials: ClientCredentials | None) -> bool:
+        """Whether a broker group knows ``group`` of ``subject`` as ordered (it pulled ``ordered``);
+        a broker group that cannot be asked, or never saw the group, says nothing."""
+        async with self._connections("broker", credentials) as conns:
+            answers, _consumers, _unreachable = await self._lag(conns, subject, group, 0)
+        return any(bool(a.get("ordered")) for a in answers.values())
+
     async def left_of(self, subject: str, credentials: ClientCredentials | None) -> list[dict[str, Any]]:
         """What remains of ``subject``: per consumer group what it has not pulled and not
         acknowledged, the messages no group has taken, the delay messages pending, and the

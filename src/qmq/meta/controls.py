@@ -29,7 +29,7 @@ from typing import Any, Final
 import sqlalchemy as sa
 from aiohttp import web
 
-from qmq.common.errors import InvalidSubjectError
+from qmq.common.errors import InvalidSubjectError, QmqError
 from qmq.common.filter_expr import compile_filter
 from qmq.common.naming import check_name
 from qmq.meta.schema import GROUP_CHARS, SUBJECT_CHARS, metadata, name_type
@@ -153,6 +153,13 @@ class ControlError(ValueError):
     """A field of a control request is wrong; the text names it."""
 
 
+def _ordered_refusal(subject: str, group: str) -> str:
+    return (
+        f"consumer group {group!r} of {subject!r} consumes in order: an ordered group takes whole slots, never "
+        "filtered, so it can have no filter; filter in its handler, or use another (unordered) group"
+    )
+
+
 def parse_group(doc: object, extra: frozenset[str] = frozenset()) -> tuple[str, str]:
     """(subject, group) of a pause/resume body; ControlError naming the field at fault."""
     if not isinstance(doc, dict):
@@ -174,10 +181,17 @@ def parse_group(doc: object, extra: frozenset[str] = frozenset()) -> tuple[str, 
 class ControlsApi:
     """The control routes of one meta server: ``call`` runs a function on its store thread."""
 
-    def __init__(self, call: Call, store: Callable[[], ControlsStore], now_ms: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        call: Call,
+        store: Callable[[], ControlsStore],
+        now_ms: Callable[[], int],
+        ordered: Callable[[str, str, web.Request], Awaitable[bool]] | None = None,
+    ) -> None:
         self._call = call
         self._store = store
         self._now_ms = now_ms
+        self._ordered = ordered  # asks the brokers whether a group consumes in order (qmq.meta.broker_reads)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(CONTROLS_PATH, self._list)
@@ -230,6 +244,13 @@ class ControlsApi:
                 compile_filter(expr, kind)  # refused here, with the position, rather than skipped where it runs
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             return web.json_response({"error": f"{exc}"}, status=400)
+        if kind == "filter" and expr is not None and self._ordered is not None:
+            try:
+                ordered = await self._ordered(subject, group, request)
+            except (QmqError, OSError, TimeoutError):
+                ordered = False  # not known: a broker that knows it refuses the group's ordered pulls instead
+            if ordered:
+                return web.json_response({"error": _ordered_refusal(subject, group)}, status=409)
         try:
             before = await self._call(lambda: self._store().set_expr(kind, subject, group, expr, self._now_ms()))
         except ControlsFullError as exc:

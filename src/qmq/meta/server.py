@@ -44,7 +44,7 @@ from qmq.common.errors import ConfigError, QmqError
 from qmq.console import CONSOLE_PATH, ConsoleApi
 from qmq.meta.alarms import AlarmStore, Notice
 from qmq.meta.alarms_http import AlarmApi
-from qmq.meta.broker_reads import BrokerReads, GroupsApi
+from qmq.meta.broker_reads import BrokerReads, GroupsApi, credentials_of
 from qmq.meta.cluster_http import (
     ADDRESS_PATH,
     PROMOTE_PATH,
@@ -218,8 +218,13 @@ class MetaServer:
         PushApi(self._call, self._push_now, self.clock).add_routes(app)
         self._alarm_api.add_routes(app)
         LimitsApi(self._call, self._limits_now, self.clock.now_ms).add_routes(app)
-        ControlsApi(self._call, self._controls_now, self.clock.now_ms).add_routes(app)
         reads = BrokerReads(self._masters, outgoing_context(self.config))
+        ControlsApi(
+            self._call,
+            self._controls_now,
+            self.clock.now_ms,
+            lambda subject, group, request: reads.ordered(subject, group, credentials_of(request)),
+        ).add_routes(app)
         SubjectsApi(self._call, self._subjects_now, self.clock.now_ms, reads).add_routes(app)
         GroupsApi(reads, self._is_paused).add_routes(app)
         ConsoleApi(lambda: self.meta_server_url, auth=self.http_auth is not None).add_routes(app)

@@ -52,6 +52,7 @@ from qmq.store.checkpoint import read_checkpoint, write_checkpoint
 from qmq.store.consume_log import ENTRY
 from qmq.store.datadir import DataDirLock, StoreError, StoreFailedError, clears_by_itself, store_error
 from qmq.store.dead_letters import DeadLetters
+from qmq.store.group_filter import GroupFilter, dead_letter_unevaluable
 from qmq.store.held import HELD_SEQUENCE, Held
 from qmq.store.indexer import RecordIndexer
 from qmq.store.intake import AppendResult, check_send
@@ -89,6 +90,7 @@ class BrokerStore:
         self.on_grow: Callable[[], None] | None = None
         # why the store stopped taking writes (see the module docstring); None while it takes them
         self.failed: str | None = None
+        self.scan_cut = False  # the last pull's group filter stopped its scan at its bounds (take.py)
         self.redelivery_problems = RedeliveryProblems()  # see redelivery.py
         self._open_files()
         self._install(empty_parts(self.dir, config, limits, self.alog, self.dead))
@@ -427,7 +429,21 @@ class BrokerStore:
         """Hand ``cp`` up to ``max_n`` messages (see take.Pulls.pull); a pull is logged, so a write."""
         st = self._subjects.get(gp.subject)
         now_ms = self.clock.now_ms()
-        return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
+        self.scan_cut = False
+        if not isinstance(tag_filter, GroupFilter):
+            return self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
+        tag_filter.begin_scan()
+        try:
+            result = self._write("a pull", self._pulls.pull, st, gp, cp, session, max_n, tag_filter, now_ms, bytes_max)
+        except BaseException:
+            del tag_filter.waiting[:]  # nothing was passed over: the next pull meets them again
+            raise
+        # a scan the filter's bounds stopped: the rest is for a pull right after, not a long wait
+        self.scan_cut = tag_filter.full()
+        # in the same call as the pull that passed them over (a long poll's too): none waits in
+        # memory for a later pull, so a broker that stops after this pull loses none
+        dead_letter_unevaluable(self, gp.subject, gp.group, tag_filter)
+        return result
 
     @property
     def dispatched(self) -> bool:

@@ -4,17 +4,18 @@ over, the group's pull offset moves past it, it counts as consumed for that grou
 crosses the wire.
 
 A message the expression cannot be evaluated over (a body that is not JSON or larger than
-``BODY_BYTES_MAX``, an evaluation error) does not match either, and is kept (at most
-``UNEVALUABLE_KEPT_MAX`` waiting) for ``dead_letter_unevaluable``, which the broker's pull
-handler calls after the pull: it goes to the group's dead letters with the reason in the
-property ``qmq.error``. Beyond that bound it is only counted and logged. (A broker that stops
-between the pull and the dead-lettering loses those letters; the messages still count as
-consumed for the group.)
+``BODY_BYTES_MAX``, an evaluation error) does not match either, and is kept for
+``dead_letter_unevaluable``, which the store's pull (BrokerStore.pull) calls in the same call as
+the scan, for every pull, a long poll's included: it goes to the group's dead letters with the
+reason in the property ``qmq.error``, written before the pull returns, so no letter waits in
+memory for a later pull. A scan stops once ``UNEVALUABLE_KEPT_MAX`` are kept (``full``): the
+rest waits for the next pull, so none is passed over without its letter.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Final
 
 from qmq.common.filter_expr import BODY_BYTES_MAX, UnevaluableError, compile_filter, evaluate, needs_body, truthy
@@ -39,12 +40,15 @@ log = logging.getLogger(__name__)
 __all__ = ["BODY_BYTES_MAX", "GroupFilter", "dead_letter_unevaluable"]
 
 UNEVALUABLE_KEPT_MAX: Final = 100  # messages waiting for the dead letters, per group
+# a pull's scan evaluates the filter for at most this long, then stops (the rest is for the next
+# pull), so even a filter at its bounds (qmq.common.filter_expr) holds the broker's loop briefly
+SCAN_EVAL_NS_MAX: Final = 50_000_000
 
 
 class GroupFilter:
     """``expr`` compiled once; ``also`` a tag filter the message must pass as well."""
 
-    __slots__ = ("_compiled", "_needs_body", "also", "expr", "unevaluable", "waiting")
+    __slots__ = ("_compiled", "_needs_body", "_scan_ns", "also", "expr", "unevaluable", "waiting")
 
     def __init__(self, expr: str, also: RecordFilter | None = None) -> None:
         self.expr = expr
@@ -53,41 +57,54 @@ class GroupFilter:
         self.also = also
         self.unevaluable = 0
         self.waiting: list[tuple[bytes, str]] = []  # (message, reason), shared with with_tags' copies
+        self._scan_ns = 0  # time spent evaluating in the scan being made (begin_scan)
 
     def with_tags(self, tags: RecordFilter | None) -> GroupFilter:
         if tags is None:
             return self
         out = GroupFilter.__new__(GroupFilter)
-        out.expr, out._compiled, out._needs_body, out.also, out.unevaluable, out.waiting = (
+        out.expr, out._compiled, out._needs_body, out.also, out.unevaluable, out.waiting, out._scan_ns = (
             self.expr,
             self._compiled,
             self._needs_body,
             tags,
             0,
             self.waiting,
+            0,
         )
         return out
+
+    def begin_scan(self) -> None:
+        self._scan_ns = 0
 
     def maybe(self, bloom: int) -> bool:
         return self.also is None or self.also.maybe(bloom)
 
+    def full(self) -> bool:
+        return len(self.waiting) >= UNEVALUABLE_KEPT_MAX or self._scan_ns > SCAN_EVAL_NS_MAX
+
     def matches_record(self, record: bytes | memoryview, pos: int = 0) -> bool:
         if self.also is not None and not self.also.matches_record(record, pos):
             return False
+        began = time.monotonic_ns()
         try:
             m = decode_message(bytes(record), pos + RECORD_HEADER_BYTES)
             body = m.body if self._needs_body else None
             return truthy(evaluate(self._compiled, decode_properties(m.properties_raw), m.tags, body))
         except (RemoteProtocolError, UnevaluableError, ValueError) as exc:
             self.unevaluable += 1
-            if len(self.waiting) < UNEVALUABLE_KEPT_MAX:
-                message = bytes(record[pos + RECORD_HEADER_BYTES :])
-                self.waiting.append((message, f"the group's filter {self.expr!r} cannot evaluate it: {exc}"))
+            message = bytes(record[pos + RECORD_HEADER_BYTES :])
+            self.waiting.append((message, f"the group's filter {self.expr!r} cannot evaluate it: {exc}"))
             if self.unevaluable == 1 or self.unevaluable % 1000 == 0:
                 log.warning(
-                    "filter %r cannot evaluate a message (%d so far), passed over: %s", self.expr, self.unevaluable, exc
+                    "filter %r cannot evaluate a message (%d so far), sent to the group's dead letters: %s",
+                    self.expr,
+                    self.unevaluable,
+                    exc,
                 )
             return False
+        finally:
+            self._scan_ns += time.monotonic_ns() - began
 
 
 def dead_letter_unevaluable(store: Appending, subject: str, group: str, gf: GroupFilter) -> int:
@@ -95,10 +112,12 @@ def dead_letter_unevaluable(store: Appending, subject: str, group: str, gf: Grou
     with its reason; one that cannot be made a letter is logged and skipped. How many went."""
     if not gf.waiting:
         return 0
-    waiting, gf.waiting[:] = list(gf.waiting), []
+    # a scan repeated within one pull (after a consume-log repair: store/take.py) met them twice
+    waiting = dict(gf.waiting)
+    gf.waiting[:] = []
     dead_raw = dead_subject(subject, group).encode()
     letters: list[bytes] = []
-    for message, reason in waiting:
+    for message, reason in waiting.items():
         try:
             fields = HEADER.unpack_from(message, 0)
             props = decode_properties(decode_message(message).properties_raw)

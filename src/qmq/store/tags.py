@@ -24,6 +24,12 @@ class RecordFilter(Protocol):
 
     def matches_record(self, record: bytes | memoryview, pos: int = 0) -> bool: ...
 
+    def full(self) -> bool:
+        """True when the scan must stop after the record just tested: a group's filter holds as
+        many messages it could not evaluate as it may until they are dead-lettered (after the
+        pull), or spent its time of this scan (qmq.store.group_filter)."""
+        ...
+
 
 class TagFilter:
     __slots__ = ("all_bits", "bits", "mode", "tags")
@@ -45,6 +51,9 @@ class TagFilter:
         for b in self.bits:
             if bloom & b == b:
                 return True
+        return False
+
+    def full(self) -> bool:
         return False
 
     def matches_record(self, record: bytes | memoryview, pos: int = 0) -> bool:

@@ -377,6 +377,9 @@ class Pulls:
                 if tag_filter.matches_record(record):
                     matched.append((seq + i, record))
                     nbytes += size
+                if tag_filter.full():  # the rest waits for the next pull (a group filter's bounds)
+                    seq += i + 1
+                    break
             else:
                 seq += n
                 continue
