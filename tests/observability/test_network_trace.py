@@ -72,6 +72,15 @@ async def test_a_failed_message_is_traced_from_its_store_through_its_retry_to_th
     [dead] = [e for e in events if e["event"] == "dead_lettered"]
     assert dead["group"] == "billing"
     assert "card declined #2" in dead["error"]
+    # each failed delivery is a nack: by which consumer, which attempt, the handler's error
+    nacked = [e for e in events if e["event"] == "nacked"]
+    assert [(e["attempt"], e["group"], e["consumer_id"]) for e in nacked] == [
+        (1, "billing", "c-trace"),
+        (2, "billing", "c-trace"),
+    ]
+    assert "card declined #1" in nacked[0]["error"]
+    assert "card declined #2" in nacked[1]["error"]
+    assert kinds.index("nacked") < kinds.index("retried") < kinds.index("dead_lettered"), kinds
     pulled = [e for e in events if e["event"] == "pulled"]
     assert {e["consumer_id"] for e in pulled} == {"c-trace"}
     assert all(e["at"].endswith("Z") for e in pulled), "the action log tells when"

@@ -4,7 +4,8 @@
 The document (``--json``)::
 
     {"message_id", "subject", "stored": {"broker_group", "subject", "sequence", "at"} | null,
-     "events": [{"event": "pulled" | "acked" | "retried" | "dead_lettered" | "resent", "group", "consumer_id",
+     "events": [{"event": "pulled" | "acked" | "nacked" | "retried" | "dead_lettered" | "resent", "group",
+                 "consumer_id",
                  "at" (RFC 3339, or null where the broker keeps no time), "broker_group", ...}],
      "errors": {broker group: why it did not answer}, "truncated": bool}
 
@@ -13,7 +14,12 @@ The document (``--json``)::
 copy; the broker sees no nack of its own); ``pulled``/``acked`` say which consumer received which
 copy (``subject``) and whether it acknowledged it; ``dead_lettered`` carries ``removed`` once
 resent or purged; ``resent`` is a dead letter put back on the retry subject (``qmq resend-dead``):
-a copy there with attempt 1, where a failed delivery's copy has 2 or more.
+a copy there with attempt 1, where a failed delivery's copy has 2 or more. ``nacked`` is a
+delivery whose handler failed, told from what its failure left: the next attempt's copy on the
+retry subject, or the dead letter after the last attempt (``at`` then, ``attempt`` the one that
+failed, its ``error``, and ``consumer_id`` the consumer that pulled that attempt's copy, when the
+broker's action log still tells). Such a copy is also ``acked``: its consumer settled it once the
+retry copy or dead letter was stored.
 """
 
 from __future__ import annotations
@@ -99,25 +105,63 @@ async def network_trace(meta_server: str, message_id: str) -> dict[str, Any]:
                     }
                 )
         events.extend({**e, "broker_group": name} for e in answer.get("events", []))
+    events.extend(_nacks(events, attempt_of))
     # by time; where some event has none (logged by an older qmq, or known from a checkpoint only),
     # attempt by attempt: the copy's storing (retried), who pulled it, its ack; dead letters last
-    order = {"retried": 0, "pulled": 1, "acked": 2, "dead_lettered": 3, "resent": 4}
+    order = {"retried": 0, "pulled": 1, "acked": 2, "nacked": 3, "dead_lettered": 4, "resent": 5}
 
     def place(e: dict[str, Any]) -> tuple[int, int, str]:
         if e["event"] in ("dead_lettered", "resent"):
             attempt = _AFTER_DEAD - 1 if e["event"] == "dead_lettered" else _AFTER_DEAD
-        elif e["event"] == "retried":
+        elif e["event"] in ("retried", "nacked"):
             attempt = int(e.get("attempt") or 1)
         else:
             attempt = attempt_of.get((e["broker_group"], e.get("subject", ""), int(e.get("sequence", -1))), 1)
         return attempt, order.get(e["event"], 9), e["at"] or ""
 
     if all(e["at"] for e in events):
-        events.sort(key=lambda e: (e["at"], order.get(e["event"], 9)))  # RFC 3339 in UTC sorts as time
+        # RFC 3339 in UTC sorts as time; a nack is stored with its retry copy: it goes first
+        events.sort(key=lambda e: (e["at"], -1 if e["event"] == "nacked" else order.get(e["event"], 9)))
     else:
         events.sort(key=place)
     doc["events"] = events
     return doc
+
+
+def _nacks(events: list[dict[str, Any]], attempt_of: dict[tuple[str, str, int], int]) -> list[dict[str, Any]]:
+    """A "nacked" event for each failed delivery: one per retry copy of a failed attempt (its
+    attempt less one failed) and one per dead letter (its last attempt failed), naming the consumer
+    that pulled the failed attempt's copy in that group when a "pulled" event tells."""
+    pullers: dict[tuple[str, str | None, int], str] = {}  # (broker group, group, attempt) -> consumer
+    for e in events:
+        if e["event"] == "pulled" and e.get("consumer_id"):
+            key = (e["broker_group"], e.get("subject", ""), int(e.get("sequence", -1)))
+            attempt = attempt_of.get(key)
+            if attempt is not None and attempt != _AFTER_DEAD:
+                pullers.setdefault((e["broker_group"], e["group"], attempt), e["consumer_id"])
+    nacks = []
+    for e in events:
+        if e["event"] == "retried":
+            failed = int(e.get("attempt") or 2) - 1
+        elif e["event"] == "dead_lettered":
+            failed = int(e.get("attempts") or 1)
+        else:
+            continue
+        consumer = next(
+            (c for (_bg, group, attempt), c in pullers.items() if group == e["group"] and attempt == failed), None
+        )
+        nacks.append(
+            {
+                "event": "nacked",
+                "group": e["group"],
+                "consumer_id": consumer,
+                "at": e["at"],
+                "attempt": failed,
+                "error": e.get("error"),
+                "broker_group": e["broker_group"],
+            }
+        )
+    return nacks
 
 
 def trace_lines(doc: dict[str, Any]) -> list[str]:
@@ -132,7 +176,7 @@ def trace_lines(doc: dict[str, Any]) -> list[str]:
         at = e["at"] or "–" * 24
         who = f" consumer {e['consumer_id']}" if e.get("consumer_id") else ""
         more = ""
-        if e["event"] == "retried":
+        if e["event"] in ("retried", "nacked"):
             more = f" attempt {e.get('attempt')}" + (f": {e['error']}" if e.get("error") else "")
         elif e["event"] == "dead_lettered":
             more = f" after {e.get('attempts')} attempts" + (f": {e['error']}" if e.get("error") else "")
