@@ -1,5 +1,6 @@
-"""Fixtures shared by the whole suite: real qmq servers on port 0, unique subject names; and the
-reports of a test made fit for the worker processes of pytest-xdist (test.sh runs two)."""
+"""Fixtures shared by the whole suite: real qmq servers on port 0, unique subject names; the
+reports of a test made fit for the worker processes of pytest-xdist (test.sh runs two); and
+which tests share a worker there."""
 
 from __future__ import annotations
 
@@ -8,8 +9,47 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from xdist.remote import Producer
+from xdist.scheduler import LoadFileScheduling
 
 from qmq.testing import ReadyProcess, running_standalone
+
+# Tests that run on one worker together under pytest-xdist (test.sh runs two workers): those of
+# tests/spark share one Spark session (a JVM of its own, a minute to start on a loaded machine),
+# which a second worker would start again. Every other module is a unit of its own, as with
+# `--dist loadfile`: its tests run on one worker, in order, and its module fixtures start once.
+_ONE_WORKER_DIRS = ("tests/spark/",)
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its directory in _ONE_WORKER_DIRS, else its module."""
+    return next((d for d in _ONE_WORKER_DIRS if nodeid.startswith(d)), nodeid.split("::", 1)[0])
+
+
+class TogetherScheduling(LoadFileScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+        return _unit(nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> TogetherScheduling:
+    return TogetherScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a worker, its collection is the order units are handed out in (with test.sh's
+    --no-loadscope-reorder; else pytest-xdist orders them by their number of tests): the
+    longest first, so that no long unit starts last and leaves the other worker idle at the
+    end. The Spark tests, then every module with a slow test, then the rest; collection order
+    within each."""
+    if not hasattr(config, "workerinput"):
+        return
+    slow = {_unit(item.nodeid) for item in items if item.get_closest_marker("slow") is not None}
+
+    def rank(item: pytest.Item) -> int:
+        unit = _unit(item.nodeid)
+        return 0 if unit in _ONE_WORKER_DIRS else 1 if unit in slow else 2
+
+    items.sort(key=rank)
 
 
 def _utf8(text: str) -> str:

@@ -13,8 +13,8 @@ have printed their ready lines, the supervisor prints its own::
 ``broker_http`` and ``delay_http`` serve each role's Prometheus ``/metrics``.
 
 Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they stop when the supervisor dies, even by
-``kill -9``. A child that dies on its own is restarted (at most ``_RESTARTS_MAX`` times in
-``_RESTART_WINDOW_S``); past that the supervisor stops the rest and exits 1.
+``kill -9``. A child that dies on its own is restarted (at most ``restarts_max`` times in
+``restart_window_ms``, by default 3 in a minute); past that the supervisor stops the rest and exits 1.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _STOP_TIMEOUT_S = 30.0
-_RESTARTS_MAX = 3
-_RESTART_WINDOW_S = 60.0
 _SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
 
 
@@ -237,13 +235,14 @@ class Supervisor:
 
     def _restart(self, child: Child) -> bool:
         now = time.monotonic()
-        child.restarts = [t for t in child.restarts if now - t < _RESTART_WINDOW_S] + [now]
-        if len(child.restarts) > _RESTARTS_MAX:
+        window_s = self.config.restart_window_ms / 1000
+        child.restarts = [t for t in child.restarts if now - t < window_s] + [now]
+        if len(child.restarts) > self.config.restarts_max:
             log.error(
-                "standalone: the %s failed %d times within %.0f s; giving up",
+                "standalone: the %s exited %d times within %.0f s; giving up",
                 child.role,
-                _RESTARTS_MAX,
-                _RESTART_WINDOW_S,
+                len(child.restarts),
+                window_s,
             )
             return False
         try:

@@ -421,6 +421,13 @@ class StandaloneConfig:
         60_000,
         _range(100, 600_000),
     )
+    restarts_max: int = _opt(
+        "how many times a role that exits on its own is restarted within restart_window_ms; one more"
+        " exit in that window makes the supervisor stop the other roles and exit 1",
+        3,
+        _range(0, 100),
+    )
+    restart_window_ms: int = _opt("the window restarts_max counts restarts in", 60_000, _range(1_000, 86_400_000))
 
 
 def field_docs(cls: type) -> dict[str, str]:
