@@ -45,6 +45,7 @@ import numpy as np
 from qmq.common.naming import subject_of_file_name
 from qmq.store import fileio
 from qmq.store.file_header import FileKind
+from qmq.store.fileio import StrPath
 from qmq.store.open_files import OpenFiles
 from qmq.store.segments import SegmentedLog
 
@@ -99,9 +100,12 @@ class ConsumeLog:
     """One subject's entries. With ``files`` (the broker's), its segment files are opened when
     used and closed within that bound (see open_files.py)."""
 
+    # one per subject: slots and a str directory keep an idle one small
+    __slots__ = ("_dir", "_last_record_end", "segments", "subject")
+
     def __init__(
         self,
-        directory: Path,
+        directory: StrPath,
         subject: str,
         entries_per_segment: int,
         files: OpenFiles | None = None,
@@ -109,7 +113,7 @@ class ConsumeLog:
     ) -> None:
         """``names``: what ``directory`` holds, when the caller listed it already (recovery's
         ``Subjects.open_all``); otherwise the directory is made if it is not there."""
-        self.directory = directory
+        self._dir = dir_name = str(directory)
         self.subject = subject
         # A new subject costs a few file-system calls, each tens of microseconds on a quiet disk
         # and near a millisecond under a load of fsyncs: no more than needed. Its directory's name
@@ -119,17 +123,17 @@ class ConsumeLog:
         new = False
         if names is None:
             try:
-                fileio.mkdir(directory)
+                fileio.mkdir(dir_name)
                 new = True
                 names = []
             except FileExistsError:
                 pass
             except FileNotFoundError:
-                fileio.make_dirs(directory)
+                fileio.make_dirs(dir_name)
                 new = True
                 names = []
-        if subject_of_file_name(directory.name) != subject and (new or not os.path.exists(directory / SUBJECT_FILE)):
-            name_file = f"{directory}/{SUBJECT_FILE}"
+        name_file = f"{dir_name}/{SUBJECT_FILE}"
+        if subject_of_file_name(os.path.basename(dir_name)) != subject and (new or not os.path.exists(name_file)):
             tmp = name_file + ".tmp"
             fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
@@ -138,7 +142,7 @@ class ConsumeLog:
                 fileio.close(fd)
             fileio.replace(tmp, name_file)
         self.segments = SegmentedLog(
-            directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, names=names
+            dir_name, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, names=names
         )
         partial = self.segments.end % ENTRY_BYTES
         if partial:  # a torn last entry: appends must start on an entry boundary
@@ -147,8 +151,12 @@ class ConsumeLog:
         last = self.last_entry()
         self._last_record_end: int | None = 0 if last is None else last[0] + last[1]
 
+    @property
+    def directory(self) -> Path:
+        return Path(self._dir)
+
     @staticmethod
-    def subject_in(directory: Path, names: list[str] | None = None) -> str | None:
+    def subject_in(directory: StrPath, names: list[str] | None = None) -> str | None:
         """The subject whose consume log ``directory`` holds (``names``: what it holds, when
         listed already): the one its subject file names, else the one its own name says when it
         holds a segment file; None for a directory that is no consume log."""
@@ -159,11 +167,11 @@ class ConsumeLog:
                 return None
         if SUBJECT_FILE in names:
             try:
-                return fileio.read_text(directory / SUBJECT_FILE)
+                return fileio.read_text(f"{directory}/{SUBJECT_FILE}")
             except FileNotFoundError:
                 return None
         if any(n.endswith(SEGMENT_SUFFIX) for n in names):
-            return subject_of_file_name(directory.name)
+            return subject_of_file_name(os.path.basename(directory))
         return None
 
     @property
