@@ -169,3 +169,41 @@ def test_dead_letters_are_indexed_once_and_removals_replayed(open_store: Callabl
     letters = again.dead.letters("%DEAD_RETRY%s%g")
     assert [letter.number for letter in letters] == [second.number]
     assert again.dead.live("%DEAD_RETRY%s%g") == 1
+
+
+def test_a_restart_sets_up_idle_consume_logs_on_first_use_and_still_repairs_each_at_once(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    store = open_store()
+    append(store, b"".join(batch(f"s{i}", [f"m{i}"]) for i in range(20)))
+    flush(store)
+    checkpoint(store)
+    append(store, batch("s0", ["after"]))  # its record is torn below: its entry points past the log
+    flush(store)
+    store.close()
+    consume = tmp_path / "broker" / "consume"
+    (torn_entry,) = (consume / "s3").glob("*.cl")
+    with open(torn_entry, "ab") as fh:
+        fh.write(b"\x01" * 5)  # a torn last entry
+    (seg,) = (tmp_path / "broker" / "log").glob("*.log")
+    with open(seg, "r+b") as fh:
+        fh.truncate(seg.stat().st_size - 10)
+
+    again = open_store()
+    # what needed a repair was set up and repaired now; the 18 idle logs hold no file open
+    assert len(again.consume_files) == 2
+    assert torn_entry.stat().st_size == HEAD_BYTES + 32
+    assert again.subjects["s0"].next_seq == 1
+    assert (consume / "s0" / "00000000000000000000.cl").stat().st_size == HEAD_BYTES + 32
+    assert {name: st.next_seq for name, st in again.subjects.items()} == {f"s{i}": 1 for i in range(20)}
+    gp = again.group("s7", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "x", 10)
+    assert got is not None
+    assert records(got) == [(0, "m7")]
+    assert len(again.consume_files) == 3
+    append(again, batch("s9", ["next"]))
+    flush(again)
+    gp = again.group("s9", "g", "earliest")
+    got = again.pull(gp, gp.consumer("c"), "y", 10)
+    assert got is not None
+    assert records(got) == [(0, "m9"), (1, "next")]

@@ -44,7 +44,8 @@ import numpy as np
 
 from qmq.common.naming import subject_of_file_name
 from qmq.store import fileio
-from qmq.store.file_header import FileKind
+from qmq.store.file_header import FileKind, read_head
+from qmq.store.fileio import StrPath
 from qmq.store.open_files import OpenFiles
 from qmq.store.segments import SegmentedLog
 
@@ -97,11 +98,22 @@ def first_seq_reaching(read: Callable[[int, int], bytes], lo: int, hi: int, fiel
 
 class ConsumeLog:
     """One subject's entries. With ``files`` (the broker's), its segment files are opened when
-    used and closed within that bound (see open_files.py)."""
+    used and closed within that bound (see open_files.py).
+
+    A consume log found by recovery (``names`` given) in one whole segment file is checked at
+    once (its header, its size, where its last entry's record ends: a descriptor opened, read
+    and closed) but its segments are set up on first use (``segments``): with 40,000 subjects,
+    most are idle after a restart, and setting up each one's segments cost most of recovery.
+    A log that needs a repair (a torn last entry, a file cut inside its header) or holds more
+    than one segment is set up at once, as a new one is.
+    """
+
+    # one per subject: slots and a str directory keep an idle one small
+    __slots__ = ("_dir", "_end", "_files", "_last_record_end", "_segment_bytes", "_segments", "_start", "subject")
 
     def __init__(
         self,
-        directory: Path,
+        directory: StrPath,
         subject: str,
         entries_per_segment: int,
         files: OpenFiles | None = None,
@@ -109,7 +121,7 @@ class ConsumeLog:
     ) -> None:
         """``names``: what ``directory`` holds, when the caller listed it already (recovery's
         ``Subjects.open_all``); otherwise the directory is made if it is not there."""
-        self.directory = directory
+        self._dir = dir_name = str(directory)
         self.subject = subject
         # A new subject costs a few file-system calls, each tens of microseconds on a quiet disk
         # and near a millisecond under a load of fsyncs: no more than needed. Its directory's name
@@ -119,17 +131,17 @@ class ConsumeLog:
         new = False
         if names is None:
             try:
-                fileio.mkdir(directory)
+                fileio.mkdir(dir_name)
                 new = True
                 names = []
             except FileExistsError:
                 pass
             except FileNotFoundError:
-                fileio.make_dirs(directory)
+                fileio.make_dirs(dir_name)
                 new = True
                 names = []
-        if subject_of_file_name(directory.name) != subject and (new or not os.path.exists(directory / SUBJECT_FILE)):
-            name_file = f"{directory}/{SUBJECT_FILE}"
+        name_file = f"{dir_name}/{SUBJECT_FILE}"
+        if subject_of_file_name(os.path.basename(dir_name)) != subject and (new or not os.path.exists(name_file)):
             tmp = name_file + ".tmp"
             fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
@@ -137,18 +149,70 @@ class ConsumeLog:
             finally:
                 fileio.close(fd)
             fileio.replace(tmp, name_file)
-        self.segments = SegmentedLog(
-            directory, SEGMENT_SUFFIX, entries_per_segment * ENTRY_BYTES, FILE_KIND, files, names=names
-        )
-        partial = self.segments.end % ENTRY_BYTES
-        if partial:  # a torn last entry: appends must start on an entry boundary
-            self.segments.truncate(self.segments.end - partial)
+        self._segment_bytes = entries_per_segment * ENTRY_BYTES
+        self._files = files
+        self._segments: SegmentedLog | None = None
         # where the last entry's record ends, read now while the file is open (see cut_past)
+        self._last_record_end: int | None = None
+        if names is not None and self._checked_whole(names):
+            return
+        segments = self._segments = SegmentedLog(
+            dir_name, SEGMENT_SUFFIX, self._segment_bytes, FILE_KIND, files, names=names
+        )
+        partial = segments.end % ENTRY_BYTES
+        if partial:  # a torn last entry: appends must start on an entry boundary
+            segments.truncate(segments.end - partial)
         last = self.last_entry()
-        self._last_record_end: int | None = 0 if last is None else last[0] + last[1]
+        self._last_record_end = 0 if last is None else last[0] + last[1]
+
+    def _checked_whole(self, names: list[str]) -> bool:
+        """Whether the log in ``names`` is one segment file that needs no repair; if so, its
+        bounds (``_start``, ``_end``) and ``_last_record_end``, read without setting it up."""
+        found = [n for n in names if n.endswith(SEGMENT_SUFFIX)]
+        if len(found) != 1:
+            return False
+        stem = found[0][: -len(SEGMENT_SUFFIX)]
+        if len(stem) != 20 or not stem.isdigit():
+            return False
+        path = f"{self._dir}/{found[0]}"
+        fd = fileio.open(path, os.O_RDONLY)
+        try:
+            head = read_head(fd, path, FILE_KIND)  # a file of another kind or version is refused now
+            if head is None:
+                return False
+            size = fileio.size(fd) - head
+            if size % ENTRY_BYTES:
+                return False
+            last = fileio.pread(fd, ENTRY_BYTES, head + size - ENTRY_BYTES) if size else b""
+        finally:
+            fileio.close(fd)
+        if size and len(last) != ENTRY_BYTES:
+            return False
+        self._start = base = int(stem)
+        self._end = base + size
+        if last:
+            offset, nbytes, _ms, _bloom, _slot = ENTRY.unpack(last)
+            self._last_record_end = offset + nbytes
+        else:
+            self._last_record_end = 0
+        return True
+
+    @property
+    def segments(self) -> SegmentedLog:
+        """The log's segment files, set up now if they were not yet (see the class docstring)."""
+        segments = self._segments
+        if segments is None:
+            segments = self._segments = SegmentedLog(
+                self._dir, SEGMENT_SUFFIX, self._segment_bytes, FILE_KIND, self._files
+            )
+        return segments
+
+    @property
+    def directory(self) -> Path:
+        return Path(self._dir)
 
     @staticmethod
-    def subject_in(directory: Path, names: list[str] | None = None) -> str | None:
+    def subject_in(directory: StrPath, names: list[str] | None = None) -> str | None:
         """The subject whose consume log ``directory`` holds (``names``: what it holds, when
         listed already): the one its subject file names, else the one its own name says when it
         holds a segment file; None for a directory that is no consume log."""
@@ -159,20 +223,22 @@ class ConsumeLog:
                 return None
         if SUBJECT_FILE in names:
             try:
-                return fileio.read_text(directory / SUBJECT_FILE)
+                return fileio.read_text(f"{directory}/{SUBJECT_FILE}")
             except FileNotFoundError:
                 return None
         if any(n.endswith(SEGMENT_SUFFIX) for n in names):
-            return subject_of_file_name(directory.name)
+            return subject_of_file_name(os.path.basename(directory))
         return None
 
     @property
     def next_seq(self) -> int:
-        return self.segments.end // ENTRY_BYTES
+        segments = self._segments
+        return (self._end if segments is None else segments.end) // ENTRY_BYTES
 
     @property
     def min_seq(self) -> int:
-        return self.segments.start // ENTRY_BYTES
+        segments = self._segments
+        return (self._start if segments is None else segments.start) // ENTRY_BYTES
 
     def append(self, entries: bytes | bytearray) -> None:
         self.segments.append(entries)
@@ -241,6 +307,8 @@ class ConsumeLog:
     def delete_before_offset(self, log_offset: int) -> None:
         """Delete whole segments (never the last) whose every entry points before ``log_offset``
         in the message log (retention deleted those records)."""
+        if self._segments is None:
+            return  # one segment, not set up yet: nothing to delete
         for seg in self.segments.segments[:-1]:
             last = self.read(seg.end // ENTRY_BYTES - 1, 1)
             if len(last) == ENTRY_BYTES and ENTRY.unpack(last)[FIELD_OFFSET] < log_offset:
@@ -249,4 +317,5 @@ class ConsumeLog:
                 break
 
     def close(self) -> None:
-        self.segments.close()
+        if self._segments is not None:
+            self._segments.close()

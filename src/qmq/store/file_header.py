@@ -25,11 +25,11 @@ Offsets in a log never count the header: a segment's data begins after it.
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 from typing import NamedTuple
 
 from qmq.store import fileio
 from qmq.store.datadir import StoreError
+from qmq.store.fileio import StrPath
 
 MAGIC = b"QMQFILE\xff"
 HEAD = struct.Struct("<8s4sI")
@@ -51,7 +51,7 @@ def header(kind: FileKind) -> bytes:
     return HEAD.pack(MAGIC, kind.tag, kind.version)
 
 
-def head_bytes(path: Path, first: bytes, kind: FileKind) -> int | None:
+def head_bytes(path: StrPath, first: bytes, kind: FileKind) -> int | None:
     """Bytes of the header at the start of ``path``, whose first bytes are ``first`` (at least
     ``HEAD_BYTES`` of them when the file has that many): ``HEAD_BYTES``, 0 for a file written
     before headers, or None for a file cut inside its header (or empty), which holds no data.
@@ -77,6 +77,6 @@ def head_bytes(path: Path, first: bytes, kind: FileKind) -> int | None:
     return HEAD_BYTES
 
 
-def read_head(fd: int, path: Path, kind: FileKind) -> int | None:
+def read_head(fd: int, path: StrPath, kind: FileKind) -> int | None:
     """``head_bytes`` of the open file ``fd``."""
     return head_bytes(path, fileio.pread(fd, HEAD_BYTES, 0), kind)

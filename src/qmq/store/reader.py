@@ -41,6 +41,7 @@ from qmq.store import dead_letters as dl
 from qmq.store.checkpoint import newest_checkpoint
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, ENTRY_DTYPE, ConsumeLog, first_seq_reaching
 from qmq.store.file_header import HEAD_BYTES, FileFormatError, FileKind, head_bytes
+from qmq.store.fileio import StrPath
 from qmq.store.message_log import RECORD_HEADER_DTYPE
 from qmq.store.progress import Progress
 
@@ -74,7 +75,7 @@ def _reader_of(data: bytes) -> Callable[[int, int], bytes]:
     return lambda pos, size: data[pos : pos + size]
 
 
-def _pread(path: Path, size: int, offset: int) -> bytes:
+def _pread(path: StrPath, size: int, offset: int) -> bytes:
     fd = fileio.open(path, os.O_RDONLY)
     try:
         return fileio.pread(fd, size, offset)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from qmq.store import fileio
 from qmq.store.file_header import FileKind, header, read_head
-from qmq.store.fileio import fsync_dir, syncfs
+from qmq.store.fileio import StrPath, fsync_dir, syncfs
 from qmq.store.open_files import OpenFiles
 
 __all__ = ["FlushTicket", "Segment", "SegmentedLog", "cut_back", "fsync_dir", "syncfs"]
@@ -35,7 +35,7 @@ _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 @dataclass(slots=True, eq=False)
 class Segment:
     base: int
-    path: Path
+    path: str  # a str, not a Path: one segment or more per subject, and a Path costs ~300 bytes more
     fd: int  # -1 while its OpenFiles has it closed
     size: int  # bytes of data, the header not counted
     head: int  # bytes of the file's header: 16, or 0 in a file written before headers
@@ -70,9 +70,14 @@ class SegmentedLog:
     """Append-only bytes over a directory of segment files with suffix ``suffix``; see the
     module docstring for ``files``."""
 
+    # one per subject (its consume log): slots and a str directory keep an idle one small
+    __slots__ = (
+        "_dir", "_dir_fd", "_dir_unsynced", "files", "kind", "retired_fds", "segment_bytes", "segments", "suffix"
+    )
+
     def __init__(
         self,
-        directory: Path,
+        directory: StrPath,
         suffix: str,
         segment_bytes: int,
         kind: FileKind,
@@ -81,7 +86,7 @@ class SegmentedLog:
     ) -> None:
         """``names``: what ``directory`` holds, when the caller knows (it just made it: nothing;
         or it listed it); otherwise it is listed here (and made if it is not there)."""
-        self.directory = directory
+        self._dir = str(directory)
         self.suffix = suffix
         self.kind = kind
         self.segment_bytes = segment_bytes
@@ -105,12 +110,16 @@ class SegmentedLog:
                 stem = name[: -len(suffix)]
                 if not name.endswith(suffix) or len(stem) != 20 or not stem.isdigit():
                     continue
-                self.segments.append(self._open_segment(int(stem), directory / name))
+                self.segments.append(self._open_segment(int(stem), f"{self._dir}/{name}"))
             if not self.segments:
                 self._new_segment(0)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def directory(self) -> Path:
+        return Path(self._dir)
 
     @property
     def start(self) -> int:
@@ -128,7 +137,7 @@ class SegmentedLog:
         """``seg``'s descriptor, for one call: with ``files``, any later ``_fd`` may close it."""
         return seg.fd if self.files is None else self.files.fd(seg)
 
-    def _open_segment(self, base: int, path: Path) -> Segment:
+    def _open_segment(self, base: int, path: str) -> Segment:
         seg = Segment(base, path, -1, 0, 0)
         if self.files is None:
             seg.fd = fileio.open(path, os.O_RDWR | os.O_APPEND)
@@ -148,7 +157,7 @@ class SegmentedLog:
             raise
 
     def _new_segment(self, base: int) -> Segment:
-        path = self.directory / f"{base:020d}{self.suffix}"
+        path = f"{self._dir}/{base:020d}{self.suffix}"
         seg = Segment(base, path, -1, 0, len(header(self.kind)))
 
         def create() -> int:
@@ -234,7 +243,7 @@ class SegmentedLog:
         """The file holding the byte before ``offset`` and the position just past that byte in
         it: where the log's first ``offset`` bytes end on disk (for the I/O trace, fileio.py)."""
         seg = self.segment_for(offset - 1)
-        return None if seg is None else (str(seg.path), offset - seg.base + seg.head)
+        return None if seg is None else (seg.path, offset - seg.base + seg.head)
 
     def segment_for(self, offset: int) -> Segment | None:
         segs = self.segments

@@ -58,13 +58,13 @@ class Subjects:
     def get(self, name: str) -> SubjectState | None:
         return self.by_name.get(name)
 
-    def state(self, name: str, directory: Path | None = None, names: list[str] | None = None) -> SubjectState:
+    def state(self, name: str, directory: str | None = None, names: list[str] | None = None) -> SubjectState:
         """The subject named ``name``, its consume log opened (and created) if it was not yet
         (in ``directory``, holding ``names``, when recovery found it there)."""
         st = self.by_name.get(name)
         if st is None:
             if directory is None:
-                directory = self.consume_dir / subject_file_name(name)
+                directory = f"{self.consume_dir}/{subject_file_name(name)}"
             clog = ConsumeLog(directory, name, self._entries_per_segment, self.files, names)
             st = SubjectState(name, clog, clog.next_seq, clog.next_seq)
             self.by_name[name] = st
@@ -95,15 +95,15 @@ class Subjects:
         that name no subject (ignored)."""
         unnamed = []
         for entry in sorted(fileio.listdir(self.consume_dir)):  # names, not Paths: 40,000 sort fast
-            directory = self.consume_dir / entry
+            directory = f"{self.consume_dir}/{entry}"
             try:
                 names = fileio.listdir(directory)  # listed once: for its subject and its segments
             except NotADirectoryError:
-                unnamed.append(directory)
+                unnamed.append(Path(directory))
                 continue
             name = ConsumeLog.subject_in(directory, names)
             if name is None:
-                unnamed.append(directory)
+                unnamed.append(Path(directory))
             else:
                 self.state(name, directory, names)
         return unnamed
