@@ -1,0 +1,156 @@
+"""The dispatch log of a time bucket: the entry numbers of its messages done with (acknowledged
+by a broker, or cancelled), each with a check of its own.
+
+``dispatch`` sits beside ``messages``, ``index`` and ``ids`` in the bucket's directory
+(bucket.py). Format version 2 begins with the store's file header (``qmq.store.file_header``,
+kind ``DDSP``); then one 8-byte entry per message done with, in the order they were written,
+entry ``k`` at ``16 + k × 8`` (little-endian)::
+
+    0         4         8
+    +---------+---------+
+    | entry   | crc     |
+    +---------+---------+
+
+    entry   u32  the message's entry number in the bucket's ``index``
+    crc     u32  CRC32C of the 4 bytes of ``entry``
+
+Why the check: an entry read as done is never handed over again, so a damaged entry that
+still reads as a number below the bucket's count would mark a message that was never handed
+over as done, and it would be lost. An entry whose CRC fails is dropped instead: its message
+is handed over again after a restart, and the broker's duplicate window absorbs the repeat
+(at least once). CRC32C detects every error of up to 32 consecutive bits and all but 1 in 2^32
+of the rest, so flipped bytes make a wrong but valid-looking entry only by that chance.
+
+Format version 1 (written before this one, no file header) is the bare u32 entry numbers,
+4 bytes each with no check; such a file is read as it is, and written anew in version 2 before
+anything is appended to it (``open_append``). No version-1 file begins with the header's
+magic: its first two entries would be 0x464D5151 and at least 0xFF000000.
+
+Only whole entries count: a tail shorter than an entry (a write cut by a crash) is ignored by
+readers and cut by recovery, which writes the log anew without damaged entries (``rewrite``).
+On the wire to a slave (replica.py) and in memory, entries are bare u32 numbers
+(``ENTRY_DTYPE``); the check exists only in the file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from qmq.store import fileio
+from qmq.store.file_header import HEAD, HEAD_BYTES, LEGACY_VERSION, FileKind, head_bytes, header
+
+FORMAT_VERSION = 2
+DISPATCH_KIND = FileKind(b"DDSP", FORMAT_VERSION, "dispatch log")
+ENTRY_BYTES = 4  # an entry number, in memory and on the wire
+ENTRY_DTYPE = np.dtype("<u4")
+FILE_DTYPE = np.dtype([("entry", "<u4"), ("crc", "<u4")])
+FILE_ENTRY_BYTES = FILE_DTYPE.itemsize  # 8
+LEGACY_ENTRY_BYTES = 4
+
+assert FILE_ENTRY_BYTES == 8
+
+
+def _crc32c_table() -> npt.NDArray[np.uint32]:
+    """The byte table of CRC32C (Castagnoli, reflected polynomial 0x82F63B78)."""
+    table = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ np.uint32(0x82F63B78), table >> 1).astype(np.uint32)
+    return table
+
+
+_TABLE = _crc32c_table()
+
+
+def entry_crcs(entries: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    """CRC32C of each entry's 4 little-endian bytes (``crc32c.crc32c(struct.pack("<I", e))``),
+    computed for the whole array at once: a bucket's log may hold millions of entries, one
+    ``crc32c`` call each would take a second."""
+    values = entries.astype(np.uint32, copy=False)
+    crc = np.full(len(values), 0xFFFF_FFFF, dtype=np.uint32)
+    for shift in (0, 8, 16, 24):
+        crc = _TABLE[(crc ^ (values >> np.uint32(shift))) & np.uint32(0xFF)] ^ (crc >> np.uint32(8))
+    return crc ^ np.uint32(0xFFFF_FFFF)
+
+
+def encode(entries: bytes | npt.NDArray[np.uint32]) -> bytes:
+    """The file bytes of entry numbers (``entries``: an array, or bare u32 numbers)."""
+    numbers = np.frombuffer(entries, dtype=ENTRY_DTYPE) if isinstance(entries, bytes) else entries
+    out = np.empty(len(numbers), dtype=FILE_DTYPE)
+    out["entry"] = numbers
+    out["crc"] = entry_crcs(out["entry"])
+    return out.tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchRead:
+    """What one read of a dispatch log found."""
+
+    entries: npt.NDArray[np.uint32]  # the entry numbers whose check holds, in file order
+    damaged: int = 0  # entries dropped: their CRC failed
+    torn_bytes: int = 0  # bytes after the last whole entry (or of a header cut short)
+    version: int = FORMAT_VERSION  # the file's format version (2 when there is no file)
+
+    @property
+    def clean(self) -> bool:
+        """Whether the file is as this version writes it: appending to it is safe as it is."""
+        return not self.damaged and not self.torn_bytes and self.version == FORMAT_VERSION
+
+
+_NONE = np.empty(0, dtype=ENTRY_DTYPE)
+
+
+def read(path: Path) -> DispatchRead:
+    """Every entry of the dispatch log at ``path`` whose check holds (none when there is none)."""
+    try:
+        raw = fileio.read_file(path)
+    except FileNotFoundError:
+        return DispatchRead(_NONE)
+    head = head_bytes(path, raw[:HEAD_BYTES], DISPATCH_KIND)
+    if head is None:  # empty, or cut inside its header: it holds nothing yet
+        return DispatchRead(_NONE, torn_bytes=len(raw))
+    version = LEGACY_VERSION if head == 0 else int(HEAD.unpack_from(raw)[2])
+    body = memoryview(raw)[head:]
+    if version == LEGACY_VERSION:
+        whole = len(body) - len(body) % LEGACY_ENTRY_BYTES
+        entries = np.frombuffer(body[:whole], dtype=ENTRY_DTYPE).copy()
+        return DispatchRead(entries, torn_bytes=len(body) - whole, version=version)
+    whole = len(body) - len(body) % FILE_ENTRY_BYTES
+    stored = np.frombuffer(body[:whole], dtype=FILE_DTYPE)
+    good = entry_crcs(stored["entry"]) == stored["crc"]
+    entries = stored["entry"][good].astype(ENTRY_DTYPE)
+    return DispatchRead(entries, int(len(stored) - np.count_nonzero(good)), len(body) - whole, version)
+
+
+def rewrite(path: Path, entries: npt.NDArray[np.uint32]) -> None:
+    """Make the log hold exactly ``entries``, in this version's format (atomically, fsynced)."""
+    fileio.replace_file(path, header(DISPATCH_KIND) + encode(entries.astype(ENTRY_DTYPE, copy=False)))
+
+
+def open_append(path: Path) -> int | None:
+    """The log opened for appending in this version's format, its header written first when it
+    is new (or empty); None when it must be written anew first (``rewrite``): it is of format
+    version 1, or ends inside an entry or its header."""
+    fd = fileio.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        size = fileio.size(fd)
+        if size == 0:
+            fileio.write_all(fd, header(DISPATCH_KIND))
+            return fd
+        first = fileio.pread(fd, HEAD_BYTES, 0)
+        if (
+            size < HEAD_BYTES
+            or head_bytes(path, first, DISPATCH_KIND) != HEAD_BYTES
+            or HEAD.unpack_from(first)[2] != FORMAT_VERSION
+            or (size - HEAD_BYTES) % FILE_ENTRY_BYTES
+        ):
+            fileio.close(fd)
+            return None
+    except OSError:
+        fileio.close(fd)
+        raise
+    return fd
