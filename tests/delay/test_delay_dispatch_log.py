@@ -46,6 +46,24 @@ def test_a_written_log_reads_back_and_a_damaged_entry_is_dropped(tmp_path: Path)
     assert (found.damaged, found.torn_bytes, found.clean) == (1, 3, False)
 
 
+@pytest.mark.parametrize("entries", [[], [3, 0]])
+@pytest.mark.parametrize("at", range(0, HEAD_BYTES - 3))
+def test_a_damaged_header_never_turns_the_log_into_other_entries(tmp_path: Path, at: int, entries: list[int]) -> None:
+    """Read as the old format, a version-2 file's CRCs and its header's version (2) would be
+    entry numbers; read by head_bytes, a garbled version would stop the server."""
+    path = tmp_path / DISPATCH
+    dispatch_log.rewrite(path, np.array(entries, dtype=np.uint32))
+    raw = bytearray(path.read_bytes())
+    raw[at : at + 8] = bytes(x ^ 0xA5 for x in raw[at : at + 8])
+    path.write_bytes(bytes(raw))
+    found = dispatch_log.read(path)
+    assert set(found.entries.tolist()) <= set(entries)
+    assert found.header_damaged
+    assert not found.clean
+    if at + 8 <= HEAD_BYTES:
+        assert found.entries.tolist() == entries
+
+
 def test_a_dispatch_log_of_the_old_format_still_reads(tmp_path: Path) -> None:
     path = tmp_path / DISPATCH
     path.write_bytes(struct.pack("<3I", 2, 0, 5) + b"\x01")  # bare u32s, as qmq wrote before, torn

@@ -315,14 +315,15 @@ class Bucket:
         """The dispatch log read whole; damaged entries (dropped) are logged and counted once per
         file (may run on a worker thread: it reads the file and sets two fields)."""
         found = dispatch_log.read(self.directory / DISPATCH)
-        if found.damaged and not self._dispatch_damage_seen:
+        if (found.damaged or found.header_damaged) and not self._dispatch_damage_seen:
             self._dispatch_damage_seen = True
             self.dispatch_damaged += found.damaged
             log.warning(
-                "dispatch log %s: dropped %d entries that failed their CRC check; their messages "
+                "dispatch log %s: dropped %d entries that failed their CRC check%s; their messages "
                 "will be handed over again (the broker's duplicate window drops a repeat)",
                 self.directory / DISPATCH,
                 found.damaged,
+                " (and its damaged file header was read as format version 2's)" if found.header_damaged else "",
             )
         return found
 

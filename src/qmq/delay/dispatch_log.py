@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from qmq.store import fileio
-from qmq.store.file_header import HEAD, HEAD_BYTES, LEGACY_VERSION, FileKind, head_bytes, header
+from qmq.store.file_header import HEAD, HEAD_BYTES, LEGACY_VERSION, MAGIC, FileKind, head_bytes, header
 
 FORMAT_VERSION = 2
 DISPATCH_KIND = FileKind(b"DDSP", FORMAT_VERSION, "dispatch log")
@@ -94,11 +94,12 @@ class DispatchRead:
     damaged: int = 0  # entries dropped: their CRC failed
     torn_bytes: int = 0  # bytes after the last whole entry (or of a header cut short)
     version: int = FORMAT_VERSION  # the file's format version (2 when there is no file)
+    header_damaged: bool = False  # its header was damaged (read as version 2: see _layout)
 
     @property
     def clean(self) -> bool:
         """Whether the file is as this version writes it: appending to it is safe as it is."""
-        return not self.damaged and not self.torn_bytes and self.version == FORMAT_VERSION
+        return not (self.damaged or self.torn_bytes or self.header_damaged) and self.version == FORMAT_VERSION
 
 
 _NONE = np.empty(0, dtype=ENTRY_DTYPE)
@@ -110,10 +111,10 @@ def read(path: Path) -> DispatchRead:
         raw = fileio.read_file(path)
     except FileNotFoundError:
         return DispatchRead(_NONE)
-    head = head_bytes(path, raw[:HEAD_BYTES], DISPATCH_KIND)
-    if head is None:  # empty, or cut inside its header: it holds nothing yet
+    layout = _layout(path, raw)
+    if layout is None:  # empty, or cut inside its header: it holds nothing yet
         return DispatchRead(_NONE, torn_bytes=len(raw))
-    version = LEGACY_VERSION if head == 0 else int(HEAD.unpack_from(raw)[2])
+    head, version, header_damaged = layout
     body = memoryview(raw)[head:]
     if version == LEGACY_VERSION:
         whole = len(body) - len(body) % LEGACY_ENTRY_BYTES
@@ -123,7 +124,41 @@ def read(path: Path) -> DispatchRead:
     stored = np.frombuffer(body[:whole], dtype=FILE_DTYPE)
     good = entry_crcs(stored["entry"]) == stored["crc"]
     entries = stored["entry"][good].astype(ENTRY_DTYPE)
-    return DispatchRead(entries, int(len(stored) - np.count_nonzero(good)), len(body) - whole, version)
+    damaged = int(len(stored) - np.count_nonzero(good))
+    return DispatchRead(entries, damaged, len(body) - whole, version, header_damaged)
+
+
+# a format version above this in an intact magic's header is damage, not a newer qmq's file
+_VERSION_PLAUSIBLE_MAX = 0xFFFF
+# bytes of a 16-byte header still as written when at most 8 of them were damaged
+_HEADER_BYTES_KEPT_MIN = 8
+
+
+def _layout(path: Path, raw: bytes) -> tuple[int, int, bool] | None:
+    """Where the entries begin, the format version, and whether the header was damaged; None
+    for a file that holds nothing yet.
+
+    A damaged header must not make a version-2 file read as version 1 (its CRCs, and its
+    header's version 2, would read as entry numbers, marking messages done that were never
+    handed over), nor stop the server. So a file whose first 16 bytes keep at least 8 of the
+    header's (any 8 flipped bytes leave that many; entry numbers of a version-1 file would have
+    to spell most of ``QMQFILE\xffDDSP``), or whose header has the magic and a version no qmq
+    writes, is read as version 2 with its header damaged. A header of an intact magic with
+    another kind, or a plausible newer version, is refused as ``head_bytes`` says.
+    """
+    first = raw[:HEAD_BYTES]
+    if len(first) == HEAD_BYTES:
+        kept = sum(a == b for a, b in zip(first, header(DISPATCH_KIND), strict=True))
+        _magic, _tag, version = HEAD.unpack(first)
+        if first.startswith(MAGIC):
+            if version > _VERSION_PLAUSIBLE_MAX and kept >= _HEADER_BYTES_KEPT_MIN:
+                return HEAD_BYTES, FORMAT_VERSION, True
+        elif kept >= _HEADER_BYTES_KEPT_MIN:
+            return HEAD_BYTES, FORMAT_VERSION, True
+    head = head_bytes(path, first, DISPATCH_KIND)
+    if head is None:
+        return None
+    return (0, LEGACY_VERSION, False) if head == 0 else (head, int(HEAD.unpack_from(raw)[2]), False)
 
 
 def rewrite(path: Path, entries: npt.NDArray[np.uint32]) -> None:
