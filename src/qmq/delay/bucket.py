@@ -107,8 +107,8 @@ class Bucket:
 
     ``count`` and ``nbytes`` include what is still buffered; ``dispatched`` counts the
     dispatch log's entries; ``dispatch_damaged`` the entries its dispatch logs held that failed
-    their check (each file counted, and logged, once). Files are opened when used and closed by ``close`` (a bucket that
-    is not loaded keeps none open).
+    their check (each file counted, and logged, once). Files are opened when used and closed
+    by ``close`` (a bucket that is not loaded keeps none open).
     """
 
     __slots__ = (
