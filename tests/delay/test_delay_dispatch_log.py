@@ -26,8 +26,11 @@ PRELOAD = 5_000
 def test_each_entry_crc_is_the_crc32c_of_its_four_bytes() -> None:
     rng = random.Random(17)
     values = [0, 1, 0xFF, 0x100, 0xFFFF_FFFF, *(rng.getrandbits(32) for _ in range(500))]
-    got = dispatch_log.entry_crcs(np.array(values, dtype=np.uint32)).tolist()
-    assert got == [crc32c.crc32c(struct.pack("<I", v)) for v in values]
+    expected = [crc32c.crc32c(struct.pack("<I", v)) for v in values]
+    assert dispatch_log.entry_crcs(np.array(values, dtype=np.uint32)).tolist() == expected
+    for n in (1, 2, 15, 16, 17, len(values)):  # a Python loop for a few entries, numpy for more
+        encoded = dispatch_log.encode(struct.pack(f"<{n}I", *values[:n]))
+        assert encoded == b"".join(struct.pack("<2I", v, c) for v, c in zip(values[:n], expected, strict=False))
 
 
 def test_a_written_log_reads_back_and_a_damaged_entry_is_dropped(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ On the wire to a slave (replica.py) and in memory, entries are bare u32 numbers
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,32 +56,57 @@ LEGACY_ENTRY_BYTES = 4
 assert FILE_ENTRY_BYTES == 8
 
 
-def _crc32c_table() -> npt.NDArray[np.uint32]:
-    """The byte table of CRC32C (Castagnoli, reflected polynomial 0x82F63B78)."""
-    table = np.arange(256, dtype=np.uint32)
+def _crc32c_tables() -> tuple[int, npt.NDArray[np.uint32]]:
+    """CRC32C (Castagnoli, reflected polynomial 0x82F63B78) of 4 bytes, by slicing: it is
+    ``C0 ^ T[0][b0] ^ T[1][b1] ^ T[2][b2] ^ T[3][b3]``, where C0 is the CRC of 4 zero bytes and
+    row ``k`` holds what byte ``k`` adds (a CRC is linear in its message bits)."""
+    byte = np.arange(256, dtype=np.uint32)
     for _ in range(8):
-        table = np.where(table & 1, (table >> 1) ^ np.uint32(0x82F63B78), table >> 1).astype(np.uint32)
-    return table
+        byte = np.where(byte & 1, (byte >> 1) ^ np.uint32(0x82F63B78), byte >> 1).astype(np.uint32)
+    table = byte.tolist()
+
+    def raw(data: bytes) -> int:  # the register after ``data``, from 0, no final xor
+        crc = 0
+        for b in data:
+            crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+        return crc
+
+    zero = raw(b"\xff\xff\xff\xff") ^ 0xFFFF_FFFF  # the all-ones start shifted through 4 zero bytes
+    rows = [[raw(bytes(b if i == k else 0 for i in range(4))) for b in range(256)] for k in range(4)]
+    return zero, np.array(rows, dtype=np.uint32)
 
 
-_TABLE = _crc32c_table()
+_CRC_OF_ZERO, _SLICES = _crc32c_tables()
+_SLICE_LISTS = _SLICES.tolist()
+# entries: below this a Python loop is cheaper than numpy's per-call costs (about 16 to 32
+# measured under load: 5 us for 1 entry by the loop, 30 us for any few by numpy)
+_NUMPY_FROM = 16
 
 
 def entry_crcs(entries: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
     """CRC32C of each entry's 4 little-endian bytes (``crc32c.crc32c(struct.pack("<I", e))``),
     computed for the whole array at once: a bucket's log may hold millions of entries, one
     ``crc32c`` call each would take a second."""
-    values = entries.astype(np.uint32, copy=False)
-    crc = np.full(len(values), 0xFFFF_FFFF, dtype=np.uint32)
-    for shift in (0, 8, 16, 24):
-        crc = _TABLE[(crc ^ (values >> np.uint32(shift))) & np.uint32(0xFF)] ^ (crc >> np.uint32(8))
-    return crc ^ np.uint32(0xFFFF_FFFF)
+    b = np.ascontiguousarray(entries, dtype="<u4").view(np.uint8).reshape(-1, 4)
+    s = _SLICES
+    crcs: npt.NDArray[np.uint32] = s[0][b[:, 0]] ^ s[1][b[:, 1]] ^ s[2][b[:, 2]] ^ s[3][b[:, 3]]
+    return crcs ^ np.uint32(_CRC_OF_ZERO)
+
+
+def _entry_crc(e: int) -> int:
+    s0, s1, s2, s3 = _SLICE_LISTS
+    return int(_CRC_OF_ZERO ^ s0[e & 0xFF] ^ s1[e >> 8 & 0xFF] ^ s2[e >> 16 & 0xFF] ^ s3[e >> 24])
 
 
 def encode(entries: bytes | npt.NDArray[np.uint32]) -> bytes:
     """The file bytes of entry numbers (``entries``: an array, or bare u32 numbers)."""
     numbers = np.frombuffer(entries, dtype=ENTRY_DTYPE) if isinstance(entries, bytes) else entries
-    out = np.empty(len(numbers), dtype=FILE_DTYPE)
+    n = len(numbers)
+    if n < _NUMPY_FROM:  # the dispatcher's appends: one broker answer's entries
+        values = numbers.tolist()
+        pairs = [x for e in values for x in (e, _entry_crc(e))]
+        return struct.pack(f"<{2 * n}I", *pairs)
+    out = np.empty(n, dtype=FILE_DTYPE)
     out["entry"] = numbers
     out["crc"] = entry_crcs(out["entry"])
     return out.tobytes()
