@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import random
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import crc32c
@@ -75,10 +76,29 @@ def test_a_dispatch_log_of_the_old_format_still_reads(tmp_path: Path) -> None:
     assert (found.version, found.damaged, found.torn_bytes) == (1, 0, 1)
 
 
-def test_appending_to_an_old_format_log_writes_it_anew_first(tmp_path: Path) -> None:
+def _old_format(path: Path) -> None:
+    path.write_bytes(struct.pack("<2I", 2, 0))
+
+
+def _header_flipped(path: Path) -> None:
+    dispatch_log.rewrite(path, np.array([2, 0], dtype=np.uint32))
+    raw = bytearray(path.read_bytes())
+    raw[8:16] = bytes(x ^ 0xA5 for x in raw[8:16])  # its kind and version
+    path.write_bytes(bytes(raw))
+
+
+def _torn(path: Path) -> None:
+    dispatch_log.rewrite(path, np.array([2, 0], dtype=np.uint32))
+    path.write_bytes(path.read_bytes() + b"\x05\x00")
+
+
+@pytest.mark.parametrize("make", [_old_format, _header_flipped, _torn])
+def test_appending_to_a_log_not_as_this_version_writes_it_writes_it_anew_first(
+    tmp_path: Path, make: Callable[[Path], None]
+) -> None:
     b = Bucket(tmp_path, T0_MS)
     b.create()
-    (b.directory / DISPATCH).write_bytes(struct.pack("<2I", 2, 0))
+    make(b.directory / DISPATCH)
     b.append_dispatch(struct.pack("<I", 5))
     b.append_dispatch(struct.pack("<2I", 7, 1))
     b.close()

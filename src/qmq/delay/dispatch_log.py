@@ -195,23 +195,18 @@ def rewrite(path: Path, entries: npt.NDArray[np.uint32]) -> None:
 def open_append(path: Path) -> int | None:
     """The log opened for appending in this version's format, its header written first when it
     is new (or empty); None when it must be written anew first (``rewrite``): it is of format
-    version 1, or ends inside an entry or its header."""
+    version 1, its header is damaged, or it ends inside an entry or its header."""
     fd = fileio.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = fileio.size(fd)
         if size == 0:
             fileio.write_all(fd, header(DISPATCH_KIND))
             return fd
-        first = fileio.pread(fd, HEAD_BYTES, 0)
-        if (
-            size < HEAD_BYTES
-            or head_bytes(path, first, DISPATCH_KIND) != HEAD_BYTES
-            or HEAD.unpack_from(first)[2] != FORMAT_VERSION
-            or (size - HEAD_BYTES) % FILE_ENTRY_BYTES
-        ):
-            fileio.close(fd)
-            return None
-    except OSError:
+        layout = _layout(path, fileio.pread(fd, HEAD_BYTES, 0))
+    except Exception:
         fileio.close(fd)
         raise
+    if layout is None or layout != (HEAD_BYTES, FORMAT_VERSION, False) or (size - HEAD_BYTES) % FILE_ENTRY_BYTES:
+        fileio.close(fd)
+        return None
     return fd
