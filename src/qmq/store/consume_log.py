@@ -47,7 +47,7 @@ from qmq.store import fileio
 from qmq.store.file_header import FileKind, read_head
 from qmq.store.fileio import StrPath
 from qmq.store.open_files import OpenFiles
-from qmq.store.segments import SegmentedLog
+from qmq.store.segments import SegmentedLog, segment_base
 
 FORMAT_VERSION = 1
 FILE_KIND = FileKind(b"CLOG", FORMAT_VERSION, "consume-log segment")
@@ -169,10 +169,8 @@ class ConsumeLog:
         """Whether the log in ``names`` is one segment file that needs no repair; if so, its
         bounds (``_start``, ``_end``) and ``_last_record_end``, read without setting it up."""
         found = [n for n in names if n.endswith(SEGMENT_SUFFIX)]
-        if len(found) != 1:
-            return False
-        stem = found[0][: -len(SEGMENT_SUFFIX)]
-        if len(stem) != 20 or not stem.isdigit():
+        base = segment_base(found[0], SEGMENT_SUFFIX) if len(found) == 1 else None
+        if base is None:
             return False
         path = f"{self._dir}/{found[0]}"
         fd = fileio.open(path, os.O_RDONLY)
@@ -188,7 +186,7 @@ class ConsumeLog:
             fileio.close(fd)
         if size and len(last) != ENTRY_BYTES:
             return False
-        self._start = base = int(stem)
+        self._start = base
         self._end = base + size
         if last:
             offset, nbytes, _ms, _bloom, _slot = ENTRY.unpack(last)

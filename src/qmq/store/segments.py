@@ -27,9 +27,18 @@ from qmq.store.file_header import FileKind, header, read_head
 from qmq.store.fileio import StrPath, fsync_dir, syncfs
 from qmq.store.open_files import OpenFiles
 
-__all__ = ["FlushTicket", "Segment", "SegmentedLog", "cut_back", "fsync_dir", "syncfs"]
+__all__ = ["FlushTicket", "Segment", "SegmentedLog", "cut_back", "fsync_dir", "segment_base", "syncfs"]
 
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def segment_base(name: str, suffix: str) -> int | None:
+    """The base offset a segment file's ``name`` (20 digits, then ``suffix``) says; None for
+    any other name."""
+    stem = name[: -len(suffix)]
+    if not name.endswith(suffix) or len(stem) != 20 or not stem.isdigit():
+        return None
+    return int(stem)
 
 
 @dataclass(slots=True, eq=False)
@@ -107,10 +116,9 @@ class SegmentedLog:
         self._dir_unsynced = False
         try:
             for name in names:
-                stem = name[: -len(suffix)]
-                if not name.endswith(suffix) or len(stem) != 20 or not stem.isdigit():
-                    continue
-                self.segments.append(self._open_segment(int(stem), f"{self._dir}/{name}"))
+                base = segment_base(name, suffix)
+                if base is not None:
+                    self.segments.append(self._open_segment(base, f"{self._dir}/{name}"))
             if not self.segments:
                 self._new_segment(0)
         except BaseException:
