@@ -132,13 +132,12 @@ def _nacks(events: list[dict[str, Any]], attempt_of: dict[tuple[str, str, int], 
     """A "nacked" event for each failed delivery: one per retry copy of a failed attempt (its
     attempt less one failed) and one per dead letter (its last attempt failed), naming the consumer
     that pulled the failed attempt's copy in that group when a "pulled" event tells."""
-    pullers: dict[tuple[str, str | None, int], str] = {}  # (broker group, group, attempt) -> consumer
+    pullers: dict[tuple[str, int], str] = {}  # (group, attempt) -> the consumer that pulled it
     for e in events:
         if e["event"] == "pulled" and e.get("consumer_id"):
-            key = (e["broker_group"], e.get("subject", ""), int(e.get("sequence", -1)))
-            attempt = attempt_of.get(key)
+            attempt = attempt_of.get((e["broker_group"], e.get("subject", ""), int(e.get("sequence", -1))))
             if attempt is not None and attempt != _AFTER_DEAD:
-                pullers.setdefault((e["broker_group"], e["group"], attempt), e["consumer_id"])
+                pullers.setdefault((e["group"], attempt), e["consumer_id"])
     nacks = []
     for e in events:
         if e["event"] == "retried":
@@ -147,14 +146,11 @@ def _nacks(events: list[dict[str, Any]], attempt_of: dict[tuple[str, str, int], 
             failed = int(e.get("attempts") or 1)
         else:
             continue
-        consumer = next(
-            (c for (_bg, group, attempt), c in pullers.items() if group == e["group"] and attempt == failed), None
-        )
         nacks.append(
             {
                 "event": "nacked",
                 "group": e["group"],
-                "consumer_id": consumer,
+                "consumer_id": pullers.get((e["group"], failed)),
                 "at": e["at"],
                 "attempt": failed,
                 "error": e.get("error"),
