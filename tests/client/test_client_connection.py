@@ -1,16 +1,19 @@
 """The SDK's connection to a broker against a real `qmq standalone`: requests are written in
-the order they were made, also when some had to wait."""
+the order they were made, also when some had to wait; a broker that shuts down says which
+requests it never read, so the SDK knows those were not carried out."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
+from qmq import ConnectionLostError
 from qmq.client.connection import Connection
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
-from qmq.testing import ReadyProcess
+from qmq.testing import ReadyProcess, running_standalone
 
 pytestmark = pytest.mark.integration
 
@@ -57,3 +60,23 @@ async def test_requests_made_while_connecting_are_written_in_the_order_made(shar
         assert await _written_order(answers) == [0, 1, 2, 3]
     finally:
         await conn.close()
+
+
+async def test_a_request_written_after_the_broker_shut_down_is_known_not_carried_out(tmp_path: Path) -> None:
+    with running_standalone(tmp_path / "qmq-data") as standalone:
+        conn = Connection(standalone.ready["broker"], connect_timeout_ms=5000)
+        try:
+            await conn.request(RequestCode.PING, {})
+            # The broker stops while this client's loop does not run: its goodbye and the end of
+            # the connection wait unread, and the connection still looks writable.
+            standalone.stop()
+            assert conn.writable()
+            late = conn.write_request(RequestCode.SEND_MESSAGES, {}, [])
+            with pytest.raises(ConnectionLostError) as info:
+                await late
+            # Without the goodbye's count it could have been read before the close (outcome
+            # unknown: a producer would then send it to this broker group only, until it returns).
+            assert not info.value.outcome_unknown, str(info.value)
+            assert "SHUTTING_DOWN" in str(info.value) and "before it read this request" in str(info.value)
+        finally:
+            await conn.close()

@@ -62,6 +62,11 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.pending: dict[int, asyncio.Future[Frame]] = {}
         self.lost: BaseException | None = None
         self.server_said = ""  # why the broker closed the connection, when it said (request id 0)
+        # requests written on this connection, and each pending one's place among them; a server
+        # shutting down says how many it read (``peer_read``): the ones after were not carried out
+        self.written = 0
+        self.place: dict[int, int] = {}
+        self.peer_read: int | None = None
         self.closed = asyncio.get_running_loop().create_future()
         self._decoder = FrameDecoder(limits)
         self._read_buffer = memoryview(bytearray(_READ_BUFFER_BYTES))
@@ -98,10 +103,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             log.warning("broker %s sent a request (code %d); clients serve none", self.address, frame.code)
             return
         fut = self.pending.pop(frame.request_id, None)
+        self.place.pop(frame.request_id, None)
         if fut is None or fut.done():
             if frame.request_id == 0 and frame.status != Status.OK:
-                # no request has id 0: the broker's word on the connection, before it closes it
-                self.server_said = f"{status_name(frame.status)}: {frame.header.get('error', '')}"
+                self._said(frame)
             return  # otherwise the requester gave up (timeout or cancellation)
         if frame.status == Status.OK:
             fut.set_result(frame)
@@ -114,6 +119,17 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             if isinstance(error, BrokerError) and isinstance(retry_after_ms, int) and retry_after_ms > 0:
                 error.retry_after_ms = retry_after_ms
             fut.set_exception(error)
+
+    def _said(self, frame: Frame) -> None:
+        """The broker's word on the connection (no request has id 0), before it closes it. At its
+        shutdown that word counts the requests it read: none is written here after it."""
+        header = frame.header
+        self.server_said = f"{status_name(frame.status)}: {header.get('error', '')}"
+        read = header.get("requests_read")
+        if frame.status == Status.SHUTTING_DOWN and isinstance(read, int) and self.transport is not None:
+            self.peer_read = read
+            self.lost = ConnectionResetError("the broker is shutting down")  # write no more here
+            self.transport.close()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -134,8 +150,13 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             raise self._lost_error()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = exc or ConnectionResetError("closed")
-        self._fail_all(self._lost_error())
+        self.lost = exc or self.lost or ConnectionResetError("closed")
+        pending, self.pending = self.pending, {}
+        place, self.place = self.place, {}
+        read = self.peer_read
+        for rid, fut in pending.items():
+            if not fut.done():
+                fut.set_exception(self._lost_error(unread=read is not None and place.get(rid, 0) > read))
         for w in self._drain_waiters:
             if not w.done():
                 w.set_exception(self._lost_error())
@@ -143,12 +164,18 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if not self.closed.done():
             self.closed.set_result(None)
 
-    def _lost_error(self) -> ConnectionLostError:
+    def _lost_error(self, *, unread: bool = False) -> ConnectionLostError:
         why = f"by the broker: {self.server_said}" if self.server_said else f"({self.lost})"
+        if unread:
+            return ConnectionLostError(
+                f"connection to broker {self.address} closed {why}, before it read this request (not carried out)",
+                outcome_unknown=False,
+            )
         return ConnectionLostError(f"connection to broker {self.address} closed {why}; reconnecting on next use")
 
     def _fail_all(self, error: QmqError) -> None:
         pending, self.pending = self.pending, {}
+        self.place = {}
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(error)
@@ -341,6 +368,8 @@ class Connection:
         head = encode_frame_parts(code, rid, header, body_len, limits=self._limits)
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         pending[rid] = fut
+        p.written += 1
+        p.place[rid] = p.written
         if body:
             if self._ssl is not None:
                 # over TLS each buffer written becomes a record of its own: one record for the
@@ -350,7 +379,7 @@ class Connection:
                 p.transport.writelines([head, *body])
         else:
             p.transport.write(head)
-        fut.add_done_callback(lambda f: pending.pop(rid, None) if f.cancelled() else None)
+        fut.add_done_callback(lambda f: (pending.pop(rid, None), p.place.pop(rid, None)) if f.cancelled() else None)
         return fut
 
     async def request(

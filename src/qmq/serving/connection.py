@@ -110,6 +110,9 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._tls = False  # the connection speaks TLS (set when it is made)
         # the common name of the client's certificate, verified against --tls-ca (None without one)
         self.cert_subject: str | None = None
+        # requests taken from the decoder and handled: what the goodbye at shutdown tells the
+        # client, so it knows the ones it wrote after were never read (not carried out)
+        self.requests_read = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCPTransport does not subclass asyncio.Transport but has its methods
@@ -177,6 +180,7 @@ class FrameConnection(asyncio.BufferedProtocol):
                 if frame.response:
                     raise RemoteProtocolError("a client sent a response frame; only requests are accepted")
                 dispatch(self, frame)
+                self.requests_read += 1
                 handled += 1
                 if (frame.code in yield_after or handled >= _FRAMES_PER_TURN) and decoder.buffered_bytes:
                     self._next_turn()
@@ -281,6 +285,13 @@ class FrameConnection(asyncio.BufferedProtocol):
             transport.write_eof()
         self._timer = loop.call_later(_REFUSAL_LINGER_S, transport.close)
 
+    def say_goodbye(self, text: str) -> None:
+        """Close at shutdown, first telling the client ``text`` and how many of its requests
+        this server read (``requests_read``, in an error frame of request id 0): those it wrote
+        after were not carried out, so it may send them elsewhere without risking a duplicate."""
+        self.respond(0, 0, {"error": text, "requests_read": self.requests_read}, status=Status.SHUTTING_DOWN)
+        self.close()
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
@@ -378,9 +389,10 @@ class Connections:
                 self._per_host.pop(conn.peer_host, None)
             self.on_count(len(self._open))
 
-    def close_all(self) -> None:
+    def close_all(self, goodbye: str) -> None:
+        """Close every connection, each told ``goodbye`` and how many of its requests were read."""
         for conn in list(self._open):
-            conn.close()
+            conn.say_goodbye(goodbye)
 
 
 def connection_counters(prefix: str, registry: CollectorRegistry) -> tuple[Counter, Counter]:

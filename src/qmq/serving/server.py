@@ -354,8 +354,9 @@ class FrameServer(ABC):
             )
 
     async def close_connections(self) -> None:
-        """Close every connection, then the frame port and the HTTP port."""
-        self.connections.close_all()
+        """Close every connection (each told how many of its requests were read), then the
+        frame port and the HTTP port."""
+        self.connections.close_all(f"{self.kind} {self.address} is shutting down; retry")
         if self._server is not None:
             await self._server.wait_closed()
         if self._http is not None:
