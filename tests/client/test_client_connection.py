@@ -77,6 +77,7 @@ async def test_a_request_written_after_the_broker_shut_down_is_known_not_carried
             # Without the goodbye's count it could have been read before the close (outcome
             # unknown: a producer would then send it to this broker group only, until it returns).
             assert not info.value.outcome_unknown, str(info.value)
-            assert "SHUTTING_DOWN" in str(info.value) and "before it read this request" in str(info.value)
+            assert "SHUTTING_DOWN" in str(info.value)
+            assert "before it read this request" in str(info.value)
         finally:
             await conn.close()
