@@ -27,10 +27,19 @@ def lazy(tmp_path: Path) -> Iterator[tuple[Path, Path, subprocess.Popen[bytes]]]
         cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 20
-    while not os.path.ismount(mount):
-        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "lazyfs exited"
-        assert time.monotonic() < deadline, "lazyfs did not mount"
-        time.sleep(0.05)  # a mount gives no event; polled with a deadline
+    try:
+        while not os.path.ismount(mount):
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "lazyfs exited"
+            assert time.monotonic() < deadline, "lazyfs did not mount"
+            time.sleep(0.05)  # a mount gives no event; polled with a deadline
+    except BaseException:
+        # not mounted: its pipe is closed here, not left to the garbage collector (a
+        # ResourceWarning then fails whichever later test of this worker it lands in)
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        raise
     try:
         yield backing, mount, proc
     finally:
