@@ -14,6 +14,7 @@ from qmq.delay.bucket import DISPATCH, INDEX, INDEX_ENTRY, MESSAGES
 from qmq.delay.store import DAY_MS
 from qmq.protocol.codes import Status
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+from qmq.store.datadir import StoreError
 
 MINUTE = 60_000
 
@@ -101,6 +102,30 @@ def test_checkpoint_deletes_replayed_wal_segments(tmp_path: Path) -> None:
     deleted = store.after_checkpoint(job)
     assert deleted == segments_before - 1  # all but the active one
     assert len(list((tmp_path / "wal").glob("*.log"))) == 1
+    store.close()
+
+
+def test_a_rewind_it_must_refuse_cuts_nothing(tmp_path: Path) -> None:
+    """A demoted master whose checkpoint covers records past the cut and whose log no longer
+    begins at 0 cannot rebuild its schedule: refused with its log whole, so the follow order,
+    coming again, is refused again rather than copying on top of a schedule holding cut records."""
+    clock = manual_clock()
+    store = open_store(tmp_path, clock, wal_segment_bytes=64 * 1024)
+    for i in range(40):
+        append(store, [("s", f"m{i}-{k}", T0_MS + 3 * MINUTE) for k in range(10)], body=b"x" * 300)
+    cut_at = store.wal.end
+    append(store, [("s", f"late-{k}", T0_MS + 3 * MINUTE) for k in range(10)], body=b"x" * 300)
+    assert store.wal.segments.active.base <= cut_at  # the cut is in the segment the checkpoint keeps
+    job = store.checkpoint_job()
+    job.run()
+    assert store.after_checkpoint(job) > 0
+    assert store.wal.start > 0
+    end, pending = store.wal.end, store.pending_total
+    with pytest.raises(StoreError, match="its log no longer begins at 0"):
+        store.rewind(cut_at)
+    assert (store.wal.end, store.pending_total) == (end, pending)
+    with pytest.raises(StoreError, match="its log no longer begins at 0"):
+        store.rewind(cut_at)  # the next follow order
     store.close()
 
 

@@ -358,14 +358,18 @@ class DelayStore:
         write-ahead log's start (their dispatch logs then come again from the master); if that
         start is gone, StoreError says what to do."""
         checkpoint = read_delay_checkpoint(self.dir)
+        covered = 0 if checkpoint is None else checkpoint.wal_offset
+        rebuild = covered > wal_offset
+        # refused before anything is cut: else the schedule logs would keep the cut records, and
+        # the follow order, coming again, would find the log cut already and copy on top of them
+        if rebuild and self.wal.start > 0:
+            raise StoreError(
+                f"cannot cut this delay server's copy back to write-ahead log offset {wal_offset}: its checkpoint "
+                f"covers records up to {covered} and its log no longer begins at 0; stop it, move "
+                f"{self.dir} away and start it again as a slave (--role slave) to copy its master anew"
+            )
         cut = self.wal.truncate(min(wal_offset, self.wal.end))
-        if checkpoint is not None and checkpoint.wal_offset > wal_offset:
-            if self.wal.start > 0:
-                raise StoreError(
-                    f"cannot cut this delay server's copy back to write-ahead log offset {wal_offset}: its checkpoint "
-                    f"covers records up to {checkpoint.wal_offset} and its log no longer begins at 0; stop it, move "
-                    f"{self.dir} away and start it again as a slave (--role slave) to copy its master anew"
-                )
+        if rebuild:
             for b in list(self.schedule.iter_buckets()):
                 self.schedule.remove_bucket(b)
             fileio.unlink(self.dir / CHECKPOINT_FILE, missing_ok=True)
