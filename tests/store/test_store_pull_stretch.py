@@ -1,6 +1,7 @@
 """Pull-log positions are never handed out twice: after a restart (a power loss under flush =
 "periodic" may have undone pulls that were answered) or a promotion, pull logs go on in a new
-stretch, so an ack of a pull that was undone acknowledges nothing instead of other messages."""
+stretch, so an ack of a pull that was undone acknowledges nothing instead of other messages, and
+the broker can tell the consumer so (``Progress.unheld``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_store_send_pull import records
 from conftest import append, batch, flush
 from qmq.store.action_log import PULL, apply_action
 from qmq.store.broker_store import BrokerStore
-from qmq.store.progress import STRETCH_BITS, Progress
+from qmq.store.progress import SKIPPED_KEPT_MAX, STRETCH_BITS, Progress
 
 
 def _action_log_bytes(tmp_path: Path) -> tuple[Path, int]:
@@ -46,8 +47,11 @@ def test_an_ack_of_a_pull_a_power_loss_undid_acknowledges_nothing_the_next_pulls
     a_got = store.pull(gp, cp, "a-2", 5)  # a reconnects: m5..m9, not at the positions it was handed m0..m4
     assert a_got is not None
     assert [m for _s, m in records(a_got)] == [f"m{i}" for i in range(5, 10)]
+    assert Progress.unheld(cp, [[0, 5]]) == 5  # the broker tells a its ack took nothing
     store.ack(gp, cp, [[0, 5]])  # a's ack of m0..m4, sent before the power went
     assert cp.unacked == 5  # m5..m9 are still a's to handle
+    first = a_got.runs[0][0]
+    assert Progress.unheld(cp, [[first, first + 5]]) == 0
     assert a_got.runs[0][0] >= 1 << STRETCH_BITS
 
     # a dies before handling m5..m9: they are handed out again, not lost to the group
@@ -98,8 +102,11 @@ def test_a_promoted_slave_goes_on_above_what_its_old_master_may_have_handed_out(
     assert got is not None
     assert got.runs[0] == [master_stretch, 2]
     assert got.runs[1][0] > master_stretch + 4
-    store.ack(gp, cp, [[master_stretch + 2, master_stretch + 4]])  # the consumer's ack of what it lost
+    lost = [[master_stretch + 2, master_stretch + 4]]
+    assert Progress.unheld(cp, lost) == 2
+    store.ack(gp, cp, lost)  # the consumer's ack of what it lost
     assert cp.unacked == 4  # m0, m1 (never acked) and the two just handed out
+    assert Progress.unheld(cp, [[master_stretch, master_stretch + 2]]) == 0  # replicated: held
 
 
 def test_skipping_to_a_stretch_counts_the_positions_between_as_acknowledged() -> None:
@@ -113,3 +120,23 @@ def test_skipping_to_a_stretch_counts_the_positions_between_as_acknowledged() ->
     Progress.apply_ack(cp, [[0, 1], [2, 3]])
     assert (cp.ack_offset, cp.acked, list(cp.runs)) == (100, [], [[100, 3, 2]])
     assert Progress.record_pull(gp, cp, [[5, 1]], 6, start=50) == 102  # a start behind the end: none skipped
+
+
+def test_unheld_counts_positions_past_the_pull_log_and_in_the_stretches_skipped() -> None:
+    progress = Progress()
+    gp = progress.create_group("s", "g", 0)
+    cp = gp.consumer("c")
+    Progress.record_pull(gp, cp, [[0, 3]], 3)  # positions 0..2
+    assert Progress.unheld(cp, [[0, 3]]) == 0
+    assert Progress.unheld(cp, [[2, 6]]) == 3  # 3..5: a pull this broker never had (past the end)
+    Progress.record_pull(gp, cp, [[3, 2]], 5, start=100)  # 3..99 skipped, 100..101 handed out
+    assert Progress.unheld(cp, [[1, 4], [99, 102]]) == 2  # 3 and 99; 1, 2, 100, 101 are held
+    Progress.apply_ack(cp, [[0, 102]])
+    assert Progress.unheld(cp, [[0, 3]]) == 0  # acknowledged again: held, a repeat is harmless
+    assert Progress.unheld(cp, [[50, 60]]) == 10  # still skipped, though counted as acknowledged
+    for n in range(SKIPPED_KEPT_MAX):  # only the last SKIPPED_KEPT_MAX stretches are kept
+        Progress.record_pull(gp, cp, [[5 + n, 1]], 6 + n, start=1000 * (n + 1))
+    assert cp.skipped is not None
+    assert len(cp.skipped) == SKIPPED_KEPT_MAX
+    assert Progress.unheld(cp, [[50, 60]]) == 0
+    assert Progress.unheld(cp, [[500, 510]]) == 10

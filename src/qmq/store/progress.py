@@ -18,7 +18,9 @@ messages the consumer's next pulls receive there (which it may not have handled 
 broker that starts again over what it held, and a slave promoted, opens a new *stretch*
 (``next_stretch``): the first pull of each consumer after it begins at the stretch's start,
 above every position handed out before (the positions skipped count as acknowledged: nothing
-is there), and a stale ack is a no-op; the messages it meant come again (at least once).
+is there), and a stale ack is a no-op; the messages it meant come again (at least once). The
+broker counts the positions such an ack names (``unheld``: past the pull log's end, or in a
+skipped stretch) and tells the consumer, whose SDK does not count that ack as done.
 
 Nothing here does I/O: the store logs each change to the action log and replays the log
 through the same methods after a restart.
@@ -40,6 +42,8 @@ REDELIVERY_RUNS_MAX = 2_000
 # below 2**53, exact as JavaScript numbers, until the 2080s.
 STRETCH_BITS = 22
 STRETCH_EPOCH_S = 1_577_836_800  # 2020-01-01
+# The skipped stretches a consumer's progress keeps (one per restart or promotion it pulled across)
+SKIPPED_KEPT_MAX = 8
 
 
 @dataclass(slots=True)
@@ -57,6 +61,9 @@ class ConsumerProgress:
     last_seen_ms: int = 0
     since_ms: int = 0  # when this broker first saw it (a pull or an ack) since the broker started; 0: not yet
     parked: int = 0  # long polls of this consumer waiting now (a live consumer of an ordered group)
+    # not persisted: the last SKIPPED_KEPT_MAX stretches of positions skipped ([start, end)), so an
+    # ack naming them is told apart from one of acknowledged positions (``unheld``); None: none
+    skipped: list[list[int]] | None = None
 
     @property
     def unacked(self) -> int:
@@ -112,6 +119,10 @@ def _skip_to(cp: ConsumerProgress, start: int) -> None:
     count as acknowledged, so an ack naming them changes nothing."""
     end = cp.pull_log_end
     _merge_range(cp.acked, end, start)
+    if cp.skipped is None:
+        cp.skipped = []
+    cp.skipped.append([end, start])
+    del cp.skipped[:-SKIPPED_KEPT_MAX]
     cp.pull_log_end = start
     if cp.cursor == end:
         cp.cursor = start
@@ -261,6 +272,24 @@ class Progress:
         return max(cut, 0)
 
     # -- acks --------------------------------------------------------------------------
+
+    @staticmethod
+    def unheld(cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+        """How many positions of ``ranges`` this broker never handed out to ``cp``: past the end
+        of its pull log, or in a stretch skipped (kept for the last SKIPPED_KEPT_MAX). An ack of
+        them acknowledges nothing; they were handed out by a master since replaced, or by this
+        broker before a power loss undid the pull, and their messages come again."""
+        n = 0
+        end = cp.pull_log_end
+        skipped = cp.skipped or ()
+        for start, stop in ranges:
+            if stop > end:
+                n += stop - max(start, end)
+            for lo, hi in skipped:
+                lo, hi = max(start, lo), min(stop, hi)
+                if lo < hi:
+                    n += hi - lo
+        return n
 
     @staticmethod
     def apply_ack(cp: ConsumerProgress, ranges: list[list[int]]) -> int:
