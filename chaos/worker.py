@@ -129,6 +129,7 @@ async def consume(meta_server: str, history: HistoryFile, group: str, consumer_i
                         m.ack()
                         waiting.append(f"{m.message_id}\t{m.times}")
             if waiting:
+                unheld = consumer.acks_unheld
                 try:
                     await consumer.flush_acks()
                 except QmqError as exc:
@@ -141,6 +142,12 @@ async def consume(meta_server: str, history: HistoryFile, group: str, consumer_i
                     # a broker went away mid-request (killed, cut off), or its group was not
                     # available to send to: flush_acks kept the acks for the next flush without
                     # an answer and without an error, so none may be recorded as answered yet
+                    continue
+                if consumer.acks_unheld > unheld:
+                    # the broker said some of these acks named positions it never handed out (a
+                    # pull from a master since replaced): they did nothing and their messages come
+                    # again, so none of this flush is recorded as answered (the SDK counts, not names, them)
+                    waiting = []
                     continue
                 ms = now_ms()
                 history.write(f"K\t{group}\t{w}\t{ms}\n" for w in waiting)

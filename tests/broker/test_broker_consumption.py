@@ -172,3 +172,25 @@ def test_ack_many_acknowledges_several_subjects_at_once_and_refuses_by_entry(cli
     empty = client.call(RequestCode.ACK_MANY, {"consumer_id": "c1", "acks": []})
     assert empty.status == Status.BAD_REQUEST
     assert "non-empty list" in empty.header["error"]
+
+
+def test_acks_of_positions_the_broker_never_handed_out_are_answered_as_unheld(client: RawClient, subject: str) -> None:
+    # positions past a consumer's pull log: what a master since replaced handed out, or a pull
+    # a power loss undid (the store's stretches); every way an ack travels says how many
+    client.send(message(subject, "m1"), message(subject, "m2"))
+    assert pull(client, subject, "g", consumer_id="c") == ["m1", "m2"]  # positions 0 and 1
+    named = {"subject": subject, "group": "g"}
+    ack = client.call(RequestCode.ACK, {**named, "consumer_id": "c", "ranges": [[0, 5]]})
+    assert ack.header == {"ack_offset": 2, "unheld": 3}
+    again = client.call(RequestCode.ACK, {**named, "consumer_id": "c", "ranges": [[0, 2]]})
+    assert again.header == {"ack_offset": 2}  # a repeat of held positions: nothing to tell
+    many = client.call(RequestCode.ACK_MANY, {"consumer_id": "c", "acks": [{**named, "ranges": [[1, 4]]}]})
+    assert answer_of(many)["results"] == [{"ack_offset": 2, "unheld": 2}]
+    pulled = client.call(RequestCode.PULL, {**named, "consumer_id": "c", "session": "s", "max": 1, "ack": [[7, 9]]})
+    assert pulled.header["acks_unheld"] == 2
+    pulled_many = client.call(
+        RequestCode.PULL_MANY,
+        {"consumer_id": "c", "session": "s", "max": 1, "pulls": [{**named, "max": 1, "ack": [[10, 11]]}]},
+    )
+    assert pulled_many.status == Status.OK, pulled_many.header
+    assert pulled_many.header["results"][0]["acks_unheld"] == 1

@@ -44,3 +44,31 @@ async def test_acks_with_pulls_must_be_a_bool(meta_server: str) -> None:
 
     with pytest.raises(ConfigError, match="acks_with_pulls"):
         Consumer(app_code="test", meta_server=meta_server, acks_with_pulls="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("with_pulls", [True, False])
+async def test_acks_the_broker_never_handed_out_are_counted_and_logged(
+    meta_server: str, subject: str, with_pulls: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # what a consumer's acks of a pull from a master since replaced look like to the new master:
+    # positions past its pull log (forged here), which acknowledge nothing
+    await _send(meta_server, subject, 2)
+    async with Consumer(
+        app_code="test", meta_server=meta_server, acks_with_pulls=with_pulls, ack_flush_ms=60_000
+    ) as consumer:
+        pc = consumer.pull_consumer(subject, "g", "earliest")
+        got = []
+        for _ in range(50):
+            got += await pc.pull(10, 200)
+            if len(got) == 2:
+                break
+        assert len(got) == 2
+        got[0].ack()
+        got[1]._tracker.ack(got[1]._offset + 100)  # a position this broker never handed out
+        got[1]._tracker.ack(got[1]._offset + 101)
+        if with_pulls:
+            await pc.pull(10, 0)  # the acks ride on it
+        await consumer.flush_acks()
+        assert consumer.acks_unheld == 2
+        assert "did not hold 2 of the acknowledged messages" in caplog.text
+        assert not consumer.acks_pending

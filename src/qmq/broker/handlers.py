@@ -41,7 +41,7 @@ from qmq.serving.requests import (
 from qmq.serving.tracing import ServerTracing, end_spans
 from qmq.store import fileio
 from qmq.store.broker_store import AppendResult, BrokerStore, PullResult
-from qmq.store.progress import ConsumerProgress, GroupProgress
+from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
 from qmq.store.redelivery import DEFAULT_MAX_RETRIES
 from qmq.store.tags import RecordFilter, TagFilter
 
@@ -305,8 +305,7 @@ class Handlers(RoleHandlers):
         if ordered:
             gp.ordered = True  # from now on every consumer of the group is served by slot (ordered_take)
         group_filter = self.broker.parked.filters.get((gp.subject, gp.group))
-        if ack_ranges:
-            self._ack(gp, cp, ack_ranges)
+        unheld = self._ack(gp, cp, ack_ranges)[1] if ack_ranges else 0
         if group_filter is not None:  # the group's server-side filter (qmq.broker.controls)
             if gp.ordered:  # refused after its acks: they take all the same
                 raise BadRequest(
@@ -365,6 +364,8 @@ class Handlers(RoleHandlers):
                 header["lease_ms"] = self.broker.config.ordered_lease_ms
             if acks_error is not None:
                 header["acks_error"] = acks_error  # the client keeps those acks and sends them again
+            elif unheld:
+                header["acks_unheld"] = unheld  # acked positions this broker never handed out
             if result is None:
                 metrics.pulls.labels("empty").inc()
                 conn.respond(code, request_id, header)
@@ -406,7 +407,8 @@ class Handlers(RoleHandlers):
         return self._group_and_consumer_of(header, create)
 
     def apply_acks(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
-        return self._ack(gp, cp, ranges)
+        """Apply acks; how many positions they named that this broker never handed out (``_ack``)."""
+        return self._ack(gp, cp, ranges)[1]
 
     def after_actions(self, conn: Responder, code: int, request_id: int, answer: Callable[[str | None], None]) -> None:
         """``answer(None)`` once the action log written so far is durable and on the slave; see ``_after_acks``."""
@@ -423,25 +425,41 @@ class Handlers(RoleHandlers):
             tf = self._tag_filters[key] = TagFilter(list(tags), mode)
         return tf
 
-    def _ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+    def _ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> tuple[int, int]:
+        """Apply acks: the ack offset after, and how many positions they named that this broker
+        never handed out to the consumer (a pull a failover or a power loss undid: store/progress.py),
+        which the answer tells (``unheld``) so the SDK does not count those acks as done."""
+        unheld = Progress.unheld(cp, ranges)
         before = cp.ack_offset + sum(e - s for s, e in cp.acked)
         ack_offset = self.store.ack(gp, cp, ranges)
         after = cp.ack_offset + sum(e - s for s, e in cp.acked)
         if after > before:
             self.metrics.acks.labels(gp.subject, gp.group).inc(after - before)
-        return ack_offset
+        if unheld:
+            log.info(
+                "%d acked positions of consumer %r (%r, group %r) were never handed out by this broker "
+                "(pulled from a master since replaced, or undone by a power loss): their messages come again",
+                unheld,
+                cp.consumer_id,
+                gp.subject,
+                gp.group,
+            )
+        return ack_offset, unheld
 
     def ack(self, conn: Responder, frame: Frame) -> None:
         ranges = get_ranges(frame.header, "ranges")
         gp, cp = self._group_and_consumer(frame, create=False)
-        ack_offset = self._ack(gp, cp, ranges)
+        ack_offset, unheld = self._ack(gp, cp, ranges)
         code, request_id = frame.code, frame.request_id
+        answer: dict[str, object] = {"ack_offset": ack_offset}
+        if unheld:
+            answer["unheld"] = unheld
 
         # answered OK once the acks are durable and reached the slave: an answered ack survives
         # a power loss and a failover
         def replicated(error: str | None) -> None:
             if error is None:
-                conn.respond(code, request_id, {"ack_offset": ack_offset})
+                conn.respond(code, request_id, answer)
             else:
                 conn.respond(code, request_id, {"error": error}, status=Status.BUSY)
 
@@ -468,7 +486,14 @@ class Handlers(RoleHandlers):
             try:
                 gp, cp = self._group_and_consumer_of({**entry, "consumer_id": consumer_id}, create=False)
                 ranges = get_ranges(entry, "ranges")
-                results.append({"ack_offset": self._ack(gp, cp, ranges) if ranges else cp.ack_offset})
+                if ranges:
+                    ack_offset, unheld = self._ack(gp, cp, ranges)
+                    result: dict[str, object] = {"ack_offset": ack_offset}
+                    if unheld:
+                        result["unheld"] = unheld
+                    results.append(result)
+                else:
+                    results.append({"ack_offset": cp.ack_offset})
                 if get_bool(entry, "leave") and gp.ordered:
                     leaving.append((gp, cp))
             except BadRequest as exc:

@@ -14,7 +14,8 @@ The answer's header is ``{"results": [...]}``, one per entry in order: ``{"runs"
 entry's PULL runs and how many bytes of the body are its records, which follow the previous
 entry's) or ``{"error", "status"}`` (that entry refused: a group that pulls ordered, a bad
 subject), so one bad entry does not fail the others; ``acks_error`` as PULL's when the acks the
-entries carried could not be made durable or replicated. With ``timeout_ms`` a request whose
+entries carried could not be made durable or replicated; an entry whose acks named positions this
+broker never handed out has ``acks_unheld`` (their count, as PULL's). With ``timeout_ms`` a request whose
 entries all found nothing waits (``ParkedMany`` in broker/pulls.py) until one of its subjects
 gets messages, when its entries are pulled again, or until the timeout, when it is answered
 empty; without, it is answered at once. Like a PULL that handed out messages, it is answered
@@ -62,26 +63,26 @@ def pull_many(handlers: Handlers, conn: Responder, frame: Frame) -> None:
     made.run(entries)
     code, request_id = frame.code, frame.request_id
     if made.handed or timeout_ms == 0 or handlers.broker.stopping or not made.subjects:
-        _answer(handlers, conn, code, request_id, made, made.acked)
+        _answer(handlers, conn, code, request_id, made, made.acked, made.unheld)
         return
     # nothing yet: wait on every subject at once; the acks the entries carried were applied, so
     # the pulls made again carry none, and the answer still waits for them to be durable
     again = [{k: v for k, v in entry.items() if k != "ack"} if isinstance(entry, dict) else entry for entry in entries]
-    acked = made.acked
+    acked, unheld = made.acked, made.unheld
 
     def retry() -> bool:
         more = _Pulls(handlers, consumer_id, session, total, again=True)
         more.run(again)
         if not more.handed:
             return False
-        _answer(handlers, conn, code, request_id, more, acked)
+        _answer(handlers, conn, code, request_id, more, acked, unheld)
         return True
 
     parked = ParkedMany(
         conn,
         frozenset(made.subjects),
         retry,
-        lambda: _answer(handlers, conn, code, request_id, made, acked),
+        lambda: _answer(handlers, conn, code, request_id, made, acked, unheld),
         lambda exc: answer_failure(conn, Frame(code, request_id), exc),
     )
     handlers.broker.parked.park_many(parked, timeout_ms)
@@ -100,6 +101,7 @@ class _Pulls:
         self.results: list[dict[str, object]] = []
         self.chunks: list[bytes] = []
         self.acked = False
+        self.unheld: dict[int, int] = {}  # entry index -> acked positions never handed out here
         self.handed = False
         self.subjects: set[str] = set()
 
@@ -108,13 +110,13 @@ class _Pulls:
         budget = handlers.limits.pull_bytes_max
         metrics = handlers.metrics
         results = self.results
-        for entry in entries:
+        for i, entry in enumerate(entries):
             if not isinstance(entry, dict):
                 results.append({"error": f"a 'pulls' entry must be a map, got {type(entry).__name__}", "status": 1})
                 continue
             try:
                 named = {**entry, "consumer_id": self.consumer_id}
-                result, had_acks = _one(handlers, named, self.session, self.left, budget)
+                result, had_acks, unheld = _one(handlers, named, self.session, self.left, budget)
             except BadRequest as exc:
                 results.append({"error": str(exc), "status": int(Status.BAD_REQUEST)})
                 continue
@@ -122,6 +124,8 @@ class _Pulls:
             if isinstance(subject, str):
                 self.subjects.add(subject)
             self.acked = self.acked or had_acks
+            if unheld:
+                self.unheld[i] = unheld
             if result is None:
                 results.append({"runs": [], "bytes": 0})
                 if not self.again:
@@ -137,8 +141,13 @@ class _Pulls:
             metrics.bytes_out.labels(subject, group).inc(result.nbytes)
 
 
-def _answer(handlers: Handlers, conn: Responder, code: int, request_id: int, made: _Pulls, acked: bool) -> None:
-    answer: dict[str, Any] = {"results": made.results}
+def _answer(
+    handlers: Handlers, conn: Responder, code: int, request_id: int, made: _Pulls, acked: bool, unheld: dict[int, int]
+) -> None:
+    results = made.results
+    for i, n in unheld.items():
+        results[i]["acks_unheld"] = n
+    answer: dict[str, Any] = {"results": results}
     handed = made.handed
     if not acked and not handed:
         conn.respond(code, request_id, answer)
@@ -168,11 +177,12 @@ def _answer(handlers: Handlers, conn: Responder, code: int, request_id: int, mad
 
 def _one(
     handlers: Handlers, entry: dict[str, object], session: str, left: int, budget: int
-) -> tuple[PullResult | None, bool]:
+) -> tuple[PullResult | None, bool, int]:
     """One entry: its acks applied, then its pull made (None when it got nothing, or when the
-    answer is full); and whether it carried acks."""
+    answer is full); whether it carried acks, and how many positions they named that this
+    broker never handed out."""
     if (left <= 0 or budget <= 0) and "ack" not in entry:
-        return None, False  # the answer is full: nothing to do for this entry
+        return None, False, 0  # the answer is full: nothing to do for this entry
     limits = handlers.limits
     max_n = get_int(entry, "max", 0, limits.pull_messages_max)  # 0: its acks only (a consume quota)
     ack_ranges = get_ranges(entry, "ack", required=False)
@@ -188,9 +198,8 @@ def _one(
     group_filter = parked.filters.get((gp.subject, gp.group))
     if group_filter is not None:
         tag_filter = group_filter.with_tags(tag_filter)
-    if ack_ranges:
-        handlers.apply_acks(gp, cp, ack_ranges)
+    unheld = handlers.apply_acks(gp, cp, ack_ranges) if ack_ranges else 0
     if max_n == 0 or left <= 0 or budget <= 0 or (gp.subject, gp.group) in parked.paused:
-        return None, bool(ack_ranges)
+        return None, bool(ack_ranges), unheld
     result = handlers.store.pull(gp, cp, session, min(max_n, left), tag_filter, budget)
-    return result, bool(ack_ranges)
+    return result, bool(ack_ranges), unheld

@@ -158,6 +158,7 @@ class BrokerServer(FrameServer, GroupMember):
             await self.replicator.stop()
             self.replicator = None
         self._set_epoch(epoch, "master")
+        self.store.new_stretch()
         self.source.reset(self.store.mlog.end, self.store.alog.end)
         self.flusher.flushed_offset = self.store.mlog.end
         # A slave never hears from consumers: their silence is counted from the promotion, as from a

@@ -12,11 +12,14 @@ everything else runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from qmq.common.errors import QmqError
+
+log = logging.getLogger(__name__)
 
 # An ACK header of this many ranges stays far below frame_header_bytes_max (~12 bytes a range).
 ACK_RANGES_PER_REQUEST_MAX = 2_000
@@ -69,6 +72,7 @@ class AckTracker:
         "origin_subject",
         "subject",
         "subscription",
+        "unheld",
     )
 
     def __init__(
@@ -95,6 +99,9 @@ class AckTracker:
         self._offsets: list[int] = []
         self._ranges: list[Range] = []
         self.closed = False  # the consumer closed: an ack could never reach the broker
+        # acked positions the broker said it never handed out (a pull a failover or a power loss
+        # undid): those acks did nothing, and their messages come again
+        self.unheld = 0
 
     def ack(self, offset: int) -> None:
         if self.closed:
@@ -140,6 +147,20 @@ class AckTracker:
             self.requeue(out[ranges_max:])
             out = out[:ranges_max]
         return out
+
+    def count_unheld(self, n: object) -> None:
+        """An answer's count of acked positions the broker never handed out (``unheld``)."""
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            self.unheld += n
+            log.warning(
+                "broker group %s did not hold %d of the acknowledged messages of %r (group %r): they were "
+                "pulled from a master since replaced (or a power loss undid the pull), so the acks did "
+                "nothing and the messages come again",
+                self.broker_group,
+                n,
+                self.subject,
+                self.group,
+            )
 
     def requeue(self, ranges: list[Range]) -> None:
         """Put back ranges a request failed to deliver; the next request carries them."""

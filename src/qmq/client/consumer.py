@@ -457,6 +457,14 @@ class Consumer:
         it started reached its broker."""
         return any(t.requeued for p in self._ctx.pullers for t in p.trackers.values())
 
+    @property
+    def acks_unheld(self) -> int:
+        """How many acknowledged messages their broker said it never handed out to this consumer:
+        they were pulled from a master since replaced by its slave (or a power loss on the broker
+        undid the pull), so those acks did nothing and the messages are delivered again. A count
+        since the consumer started; each time is also logged as a warning."""
+        return sum(t.unheld for p in self._ctx.pullers for t in p.trackers.values())
+
     async def _flush_acks(self) -> None:
         try:
             async with self._ack_flushing:

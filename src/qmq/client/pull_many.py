@@ -187,7 +187,8 @@ def _parts(
     if not isinstance(results, list) or len(results) != len(taken):
         abort()
         raise RemoteProtocolError(f"a PULL_MANY answer of broker group {broker_group} has no result for each subject")
-    if frame.header.get("acks_error") is not None:
+    acks_error = frame.header.get("acks_error") is not None
+    if acks_error:
         for _i, _p, tracker, ranges in taken:
             tracker.requeue(ranges)  # recorded on the master but not replicated: sent again later
     body = frame.body if isinstance(frame.body, bytes) else bytes(frame.body)
@@ -205,6 +206,8 @@ def _parts(
             raise RemoteProtocolError(
                 f"a PULL_MANY answer of broker group {broker_group} gives {size!r} bytes to {p.subject!r}"
             )
+        if ranges and not acks_error:
+            tracker.count_unheld(result.get("acks_unheld"))
         batches.append((i, p.parse_part(body[at : at + size], result.get("runs", []), tracker)))
         at += size
     return batches

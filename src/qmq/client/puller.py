@@ -278,6 +278,8 @@ class SubjectPuller(Generic[M]):
             # recorded on the master but not replicated: sent again with a later request
             log.debug("acks to broker group %s are sent again: %s", bg.name, acks_error)
             tracker.requeue(ranges)
+        elif ranges:
+            tracker.count_unheld(frame.header.get("acks_unheld"))
         lease_ms = frame.header.get("lease_ms")
         if isinstance(lease_ms, int) and not isinstance(lease_ms, bool):
             before = self.fresh_until.get(bg.name)
@@ -383,6 +385,7 @@ class SubjectPuller(Generic[M]):
         offset = frame.header.get("ack_offset")
         if isinstance(offset, int):
             tracker.ack_offset = offset
+        tracker.count_unheld(frame.header.get("unheld"))
 
 
 # One ACK_MANY request holds at most this many entries (the broker takes up to 10,000) and
@@ -488,6 +491,7 @@ async def _ack_many(ctx: ConsumerContext, pool: ConnectionPool, bg: BrokerGroup,
         offset = result.get("ack_offset") if isinstance(result, dict) else None
         if isinstance(offset, int):
             tracker.ack_offset = offset
+            tracker.count_unheld(result.get("unheld"))
             lease_s = p.lease_s.get(bg.name)
             if lease_s is not None:  # an answered ack keeps an ordered consumer live, as a pull does
                 p.fresh_until[bg.name] = max(p.fresh_until.get(bg.name, 0.0), sent_at + lease_s)

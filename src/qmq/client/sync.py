@@ -534,6 +534,12 @@ class Consumer:
         """Why listeners stopped on their own (each also logged as critical); empty while all run."""
         return self._async.errors
 
+    @property
+    def acks_unheld(self) -> int:
+        """How many acknowledged messages their broker said it never handed out to this consumer
+        (pulled from a master since replaced): those acks did nothing and the messages come again."""
+        return self._async.acks_unheld
+
     def flush_acks(self) -> None:
         """Send every pending acknowledgement now and wait until the brokers answered."""
         self._io.call(self._async.flush_acks(), 2 * self._async.options.request_timeout_ms / 1000 + _MARGIN_S)

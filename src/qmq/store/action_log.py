@@ -20,6 +20,8 @@ Payloads (a later version may only add items at the end):
 
     [CREATE_GROUP, subject, group, start_seq]
     [PULL, subject, group, consumer_id, pull_offset, [[seq, count], ...], new_group_pull_offset
+     (pull_offset: of its first entry; the pull log's end, or past it where a new stretch
+      begins: progress.py)
      (, ordered: 1 for an ordered group, else 0 (older versions wrote it for ordered groups only)
       (, at_ms: when, epoch ms; older versions wrote none))]
     [ACK, subject, group, consumer_id, [[start, end], ...] (, at_ms: when; older versions wrote none)]
@@ -153,11 +155,12 @@ def apply_action(
         return
     if kind == PULL:
         cp = gp.consumer(str(action[3]))
-        if warn and cp.pull_log_end != action[4]:
+        start = int(action[4])
+        if warn and start < cp.pull_log_end:
             log.warning(
-                "pull log of %r in group %r is out of step (%d vs %d)", action[3], gp.group, cp.pull_log_end, action[4]
+                "pull log of %r in group %r is out of step (%d vs %d)", action[3], gp.group, cp.pull_log_end, start
             )
-        Progress.record_pull(gp, cp, action[5], int(action[6]))
+        Progress.record_pull(gp, cp, action[5], int(action[6]), start)
         if len(action) > items and action[items] == 1:
             gp.ordered = True  # slots are served to their owners, also after a restart or promotion
     elif kind == ACK:
@@ -239,6 +242,13 @@ class ProgressLog:
         self.progress = progress
         self._remove_dead = remove_dead
         self._now_ms = now_ms  # the time a pull or an ack is logged with (qmq trace tells it)
+        # where pull logs go on since the last restart or promotion (progress.py: stretches);
+        # 0 on a first start, where no position was ever handed out
+        self.stretch = 0
+
+    def new_stretch(self) -> None:
+        """Pull logs go on above every position handed out before (a restart, a promotion)."""
+        self.stretch = self.progress.next_stretch(self._now_ms())
 
     def create_group(self, subject: str, group: str, start_seq: int) -> GroupProgress:
         gp = self.progress.get(subject, group)
@@ -250,9 +260,9 @@ class ProgressLog:
     def record_pull(self, gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_offset: int) -> int:
         """Log and apply a pull of consume-log ``runs``; returns the pull-log offset of its first entry."""
         ordered = 1 if gp.ordered else 0
-        start = cp.pull_log_end
+        start = max(cp.pull_log_end, self.stretch)
         self.alog.append([PULL, gp.subject, gp.group, cp.consumer_id, start, runs, new_offset, ordered, self._now_ms()])
-        return Progress.record_pull(gp, cp, runs, new_offset)
+        return Progress.record_pull(gp, cp, runs, new_offset, start)
 
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
         self.alog.append([ACK, gp.subject, gp.group, cp.consumer_id, ranges, self._now_ms()])

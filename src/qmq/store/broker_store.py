@@ -391,6 +391,11 @@ class BrokerStore:
             gp = self._write("an action-log append", self._progress.create_group, subject, group, start_seq)
         return gp
 
+    def new_stretch(self) -> None:
+        """A slave promoted: pull logs go on above every position its old master may have handed
+        out, those it never replicated too (progress.py)."""
+        self._progress.new_stretch()
+
     def ack(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
         return self._write("an action-log append", self._progress.ack, gp, cp, ranges)
 

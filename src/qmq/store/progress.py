@@ -10,6 +10,18 @@ acknowledged prefix, so a message finished late is never skipped.
 Members share the group's pull offset, so consumers join and leave at any time and a backlog
 drains faster as members are added — there are no partitions.
 
+Pull-log positions are never handed out twice, also when a power loss (under flush =
+"periodic") or a failover to a slave that lacked a pull's record (a read-only group answers
+pulls all the same) undid pulls that were answered: a consumer's acks of what those pulls
+handed it name positions the broker no longer holds, and they must not acknowledge other
+messages the consumer's next pulls receive there (which it may not have handled yet). So a
+broker that starts again over what it held, and a slave promoted, opens a new *stretch*
+(``next_stretch``): the first pull of each consumer after it begins at the stretch's start,
+above every position handed out before (the positions skipped count as acknowledged: nothing
+is there), and a stale ack is a no-op; the messages it meant come again (at least once). The
+broker counts the positions such an ack names (``unheld``: past the pull log's end, or in a
+skipped stretch) and tells the consumer, whose SDK does not count that ack as done.
+
 Nothing here does I/O: the store logs each change to the action log and replays the log
 through the same methods after a restart.
 """
@@ -23,6 +35,15 @@ from typing import Any
 # Runs of pulled-but-unacked entries one PULL answer hands again: its header lists each as
 # [pull_offset, count] (~15 bytes at most), so 2,000 stay far inside frame_header_bytes_max.
 REDELIVERY_RUNS_MAX = 2_000
+
+# A stretch starts at (seconds since STRETCH_EPOCH_S) << STRETCH_BITS, and above every position
+# this broker has seen: it lies above the positions of every earlier stretch, also those lost,
+# unless one consumer pulled 4,194,304 entries a second (or the clock went back). Positions stay
+# below 2**53, exact as JavaScript numbers, until the 2080s.
+STRETCH_BITS = 22
+STRETCH_EPOCH_S = 1_577_836_800  # 2020-01-01
+# The skipped stretches a consumer's progress keeps (one per restart or promotion it pulled across)
+SKIPPED_KEPT_MAX = 8
 
 
 @dataclass(slots=True)
@@ -40,6 +61,9 @@ class ConsumerProgress:
     last_seen_ms: int = 0
     since_ms: int = 0  # when this broker first saw it (a pull or an ack) since the broker started; 0: not yet
     parked: int = 0  # long polls of this consumer waiting now (a live consumer of an ordered group)
+    # not persisted: the last SKIPPED_KEPT_MAX stretches of positions skipped ([start, end)), so an
+    # ack naming them is told apart from one of acknowledged positions (``unheld``); None: none
+    skipped: list[list[int]] | None = None
 
     @property
     def unacked(self) -> int:
@@ -77,6 +101,32 @@ def _merge_range(acked: list[list[int]], start: int, end: int) -> None:
         end = max(end, acked[j][1])
         j += 1
     acked[i:j] = [[start, end]]
+
+
+def _advance(cp: ConsumerProgress) -> int:
+    """Move the ack offset over the contiguous acknowledged prefix; drop the runs below it."""
+    acked = cp.acked
+    while acked and acked[0][0] <= cp.ack_offset:
+        cp.ack_offset = max(cp.ack_offset, acked.pop(0)[1])
+    runs = cp.runs
+    while runs and runs[0][0] + runs[0][2] <= cp.ack_offset:
+        runs.popleft()
+    return cp.ack_offset
+
+
+def _skip_to(cp: ConsumerProgress, start: int) -> None:
+    """Move the end of ``cp``'s pull log to ``start``: the positions skipped hold nothing and
+    count as acknowledged, so an ack naming them changes nothing."""
+    end = cp.pull_log_end
+    _merge_range(cp.acked, end, start)
+    if cp.skipped is None:
+        cp.skipped = []
+    cp.skipped.append([end, start])
+    del cp.skipped[:-SKIPPED_KEPT_MAX]
+    cp.pull_log_end = start
+    if cp.cursor == end:
+        cp.cursor = start
+    _advance(cp)
 
 
 class Progress:
@@ -157,13 +207,25 @@ class Progress:
         cp.cursor = cursor if left <= 0 or len(out) >= runs_max else cp.pull_log_end
         return out
 
+    def next_stretch(self, now_ms: int) -> int:
+        """Where pull logs go on after a restart or a promotion (the module docstring): above
+        every position handed out before, by the clock, and above every position seen here."""
+        by_clock = max(0, now_ms // 1000 - STRETCH_EPOCH_S) << STRETCH_BITS
+        seen = max((cp.pull_log_end for gp in self.groups.values() for cp in gp.consumers.values()), default=0)
+        return max(by_clock, ((seen >> STRETCH_BITS) + 1) << STRETCH_BITS)
+
     @staticmethod
-    def record_pull(gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_pull_offset: int) -> int:
-        """Append the consume-log runs ``[[seq, count], ...]`` to the consumer's pull log.
+    def record_pull(
+        gp: GroupProgress, cp: ConsumerProgress, runs: list[list[int]], new_pull_offset: int, start: int = 0
+    ) -> int:
+        """Append the consume-log runs ``[[seq, count], ...]`` to the consumer's pull log, from
+        ``start`` when that lies past its end (a new stretch: the positions between are skipped).
 
         Returns the pull-log offset of the first entry. The group's pull offset moves to
         ``new_pull_offset`` (past entries a filter skipped, too).
         """
+        if start > cp.pull_log_end:
+            _skip_to(cp, start)
         start = cp.pull_log_end
         p = start
         for seq, count in runs:
@@ -212,19 +274,31 @@ class Progress:
     # -- acks --------------------------------------------------------------------------
 
     @staticmethod
+    def unheld(cp: ConsumerProgress, ranges: list[list[int]]) -> int:
+        """How many positions of ``ranges`` this broker never handed out to ``cp``: past the end
+        of its pull log, or in a stretch skipped (kept for the last SKIPPED_KEPT_MAX). An ack of
+        them acknowledges nothing; they were handed out by a master since replaced, or by this
+        broker before a power loss undid the pull, and their messages come again."""
+        n = 0
+        end = cp.pull_log_end
+        skipped = cp.skipped or ()
+        for start, stop in ranges:
+            if stop > end:
+                n += stop - max(start, end)
+            for lo, hi in skipped:
+                lo, hi = max(start, lo), min(stop, hi)
+                if lo < hi:
+                    n += hi - lo
+        return n
+
+    @staticmethod
     def apply_ack(cp: ConsumerProgress, ranges: list[list[int]]) -> int:
         """Mark pull-log ranges done; advance the ack offset over the contiguous prefix."""
         for r in ranges:
             start, end = max(r[0], cp.ack_offset), min(r[1], cp.pull_log_end)
             if start < end:
                 _merge_range(cp.acked, start, end)
-        acked = cp.acked
-        while acked and acked[0][0] <= cp.ack_offset:
-            cp.ack_offset = max(cp.ack_offset, acked.pop(0)[1])
-        runs = cp.runs
-        while runs and runs[0][0] + runs[0][2] <= cp.ack_offset:
-            runs.popleft()
-        return cp.ack_offset
+        return _advance(cp)
 
     # -- checkpoints -------------------------------------------------------------------
 

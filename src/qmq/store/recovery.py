@@ -254,6 +254,10 @@ def recover(
             cp.session = None
             cp.last_seen_ms = now_ms  # silence is counted from the restart, not from the epoch
     dedup.begin_marks(now_ms, mlog.start)
+    if state is not None or scanned or replayed:
+        # pulls answered before the stop may be lost (a power loss under periodic): pull logs go on
+        # past whatever positions they had (progress.py)
+        parts.progress.new_stretch()
 
     report = RecoveryReport(
         state is not None,
