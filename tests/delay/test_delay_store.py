@@ -11,7 +11,7 @@ import pytest
 from delayhelpers import T0_MS, append, encoded, manual_clock, open_store
 
 from qmq.delay.bucket import DISPATCH, INDEX, INDEX_ENTRY, MESSAGES
-from qmq.delay.store import DAY_MS
+from qmq.delay.store import DAY_MS, HORIZON_SLACK_MS
 from qmq.protocol.codes import Status
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
 from qmq.store.datadir import StoreError
@@ -61,6 +61,22 @@ def test_refusals_name_the_message_by_index_and_say_what_to_do(tmp_path: Path) -
     assert "is 731.0 days ahead" in text
     assert "the horizon is 730 days (horizon_days)" in text
     assert "2025-11-14" in text  # the due time, readable
+    store.close()
+
+
+def test_a_delay_of_exactly_the_horizon_is_taken_though_the_senders_clock_ran_ahead(tmp_path: Path) -> None:
+    # the gateway's document allows delay_ms up to the horizon; the SDK rounds deliver_at up to
+    # the next millisecond and this server's clock may be behind the sender's: taken, with slack
+    clock = manual_clock()
+    store = open_store(tmp_path, clock, horizon_days=730)
+    edge = T0_MS + 730 * DAY_MS + 1
+    past = T0_MS + 730 * DAY_MS + HORIZON_SLACK_MS + 1
+    frame = encoded("ok", "edge", edge) + encoded("ok", "past", past)
+    from qmq.protocol.message import scan_batch
+
+    result = store.append(frame, scan_batch(frame))
+    assert result.stored == 1
+    assert [e[0] for e in result.errors] == [1]
     store.close()
 
 

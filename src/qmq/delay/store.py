@@ -68,6 +68,9 @@ WAL_DIR = "wal"
 INSTALLING = "resync.installing"
 # Subjects checked once and remembered by their bytes; cleared when full so memory stays bounded.
 _SUBJECTS_CACHED_MAX = 10_000
+# Taken past the horizon by this much: a sender's clock (which set deliver_at) may run ahead of
+# this server's, if only by the millisecond a delay of exactly horizon_days rounds up to
+HORIZON_SLACK_MS = 60_000
 
 
 class AppendResult(NamedTuple):
@@ -166,7 +169,7 @@ class DelayStore:
         limits = self.limits
         size_max = limits.message_bytes_max
         id_max = limits.message_id_chars_max
-        horizon_end = now + self.horizon_ms
+        horizon_end = now + self.horizon_ms + HORIZON_SLACK_MS
         known = self._subjects
         errors: list[list[Any]] = []
         accepted: list[ScannedMessage] = []
