@@ -3,6 +3,7 @@ write waiting for its slave is answered when that slave goes away."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -116,3 +117,33 @@ def test_a_degraded_group_marks_the_writes_it_answered_without_its_slave() -> No
 def test_an_answer_of_a_master_that_does_not_say_counts_as_caught_up() -> None:
     assert caught_up({"offset": 0}, {"from": 0, "action_from": 0})
     assert not caught_up({"caught_up_at": [1, 0]}, {"from": 0, "action_from": 0})
+
+
+async def test_a_slave_that_learns_its_master_answered_writes_it_lacks_stops_reporting_itself_caught_up() -> None:
+    from qmq.protocol.frame import Frame
+    from qmq.serving.replication import Replicator
+
+    copy = {"from": 100, "action_from": 10}
+    answers = [
+        {"caught_up_at": [100, 10]},  # holds everything its master answered
+        {"caught_up_at": [180, 10]},  # the master then answered writes alone: this copy lacks them
+    ]
+    done = asyncio.Event()
+
+    class Conn:
+        async def request(self, code: int, header: dict[str, Any]) -> Frame:
+            if not answers:
+                done.set()
+                await asyncio.Event().wait()  # no more answers: the test looks, then stops it
+            return Frame(code, 1, answers.pop(0), response=True)
+
+        async def close(self) -> None:
+            return None
+
+    seen: list[int] = []
+    replicator = Replicator("master", 1, "me", Conn(), lambda: dict(copy), lambda _f: seen.append(replicator.last_ms))
+    replicator.start()
+    await asyncio.wait_for(done.wait(), 5)
+    await replicator.stop()
+    assert seen[1] > 0  # after the first answer was taken: caught up, so fresh
+    assert replicator.last_ms == 0  # the second said otherwise: no longer to be promoted over those writes

@@ -451,6 +451,10 @@ class Replicator:
                     await pending
                 if caught_up(frame.header, self._ask()):
                     self.last_ms = time.time_ns() // 1_000_000
+                else:
+                    # the master answered writes alone (or degraded) that this copy lacks: it is
+                    # not to be promoted over them, however recently it was caught up before
+                    self.last_ms = 0
                 retry_s = _RETRY_S_MIN
             except asyncio.CancelledError:
                 raise
