@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from qmq.aio import Consumer, Message, Producer
+from qmq.aio import Consumer, Message, Producer, PullConsumer, ReceivedMessage
 
 pytestmark = [pytest.mark.integration]
 
@@ -16,6 +16,16 @@ async def _send(meta_server: str, subject: str, n: int) -> None:
             await producer.send(Message(subject, body=f"m{i}".encode()))
 
 
+async def _pull(pc: PullConsumer, n: int) -> list[ReceivedMessage]:
+    """Pull until ``n`` messages came (or 50 pulls of 200 ms went by)."""
+    got: list[ReceivedMessage] = []
+    for _ in range(50):
+        got += await pc.pull(10, 200)
+        if len(got) >= n:
+            break
+    return got
+
+
 @pytest.mark.parametrize("with_pulls", [True, False])
 async def test_acks_go_with_pulls_only_when_asked(meta_server: str, subject: str, with_pulls: bool) -> None:
     await _send(meta_server, subject, 3)
@@ -23,12 +33,7 @@ async def test_acks_go_with_pulls_only_when_asked(meta_server: str, subject: str
         app_code="test", meta_server=meta_server, acks_with_pulls=with_pulls, ack_flush_ms=60_000
     ) as consumer:
         pc = consumer.pull_consumer(subject, "g", "earliest")
-        got = []
-        for _ in range(50):
-            batch = await pc.pull(10, 200)
-            got += batch
-            if len(got) == 3:
-                break
+        got = await _pull(pc, 3)
         for m in got:
             m.ack()
         assert consumer.acks_pending
@@ -57,11 +62,7 @@ async def test_acks_the_broker_never_handed_out_are_counted_and_logged(
         app_code="test", meta_server=meta_server, acks_with_pulls=with_pulls, ack_flush_ms=60_000
     ) as consumer:
         pc = consumer.pull_consumer(subject, "g", "earliest")
-        got = []
-        for _ in range(50):
-            got += await pc.pull(10, 200)
-            if len(got) == 2:
-                break
+        got = await _pull(pc, 2)
         assert len(got) == 2
         got[0].ack()
         got[1]._tracker.ack(got[1]._offset + 100)  # a position this broker never handed out

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_delay_slaves import meta_args
 
 from qmq.aio import Producer
 from qmq.cli.admin import ask_every_broker
@@ -55,10 +56,7 @@ def _slave_replicating(meta_server: str, slave: ReadyProcess, timeout_s: float =
 def cluster(tmp_path: Path) -> Iterator[tuple[str, ReadyProcess]]:
     """A meta server, broker groups b1 and b2, delay group d1 of a master and a slave."""
     with ExitStack() as stack:
-        meta = stack.enter_context(
-            running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0",
-                          "--heartbeat-timeout-ms", "2000"])
-        )  # fmt: skip
+        meta = stack.enter_context(running_role(meta_args(tmp_path)))
         url = meta.meta_server
         for group in ("b1", "b2"):
             stack.enter_context(

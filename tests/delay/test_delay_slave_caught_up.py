@@ -25,6 +25,7 @@ from test_delay_slaves import (
     delay_args,
     delay_group_row,
     delay_server,
+    meta_args,
     pending,
     wait_view,
 )
@@ -93,10 +94,7 @@ async def test_a_slave_is_promotable_only_once_it_holds_what_its_master_answered
     # first segment, 00000000000000000000.log, has no digit but 0)
     hold = {"op": "write", "path": f"{slave_dir.resolve()}/wal/*[1-9]*.log", "errno": "EIO"}
     with ExitStack() as stack:
-        meta = stack.enter_context(
-            running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0",
-                          "--heartbeat-timeout-ms", "2000"])
-        )  # fmt: skip
+        meta = stack.enter_context(running_role(meta_args(tmp_path)))
         url = meta.meta_server
         stack.enter_context(
             running_role(["broker", "--data-dir", str(tmp_path / "b1"), "--meta-server", url, "--group", "b1",

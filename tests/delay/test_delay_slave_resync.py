@@ -20,6 +20,7 @@ from test_delay_slaves import (
     delay_args,
     delay_group_row,
     delay_server,
+    meta_args,
     pending,
     replicating,
     wait_view,
@@ -54,10 +55,7 @@ async def _send(producer: Producer, n: int, due_at_ms: float | None, prefix: str
 
 async def test_a_slave_behind_its_masters_log_copies_anew_and_its_promotion_loses_nothing(tmp_path: Path) -> None:
     with ExitStack() as stack:
-        meta = stack.enter_context(
-            running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0",
-                          "--heartbeat-timeout-ms", "2000"])
-        )  # fmt: skip
+        meta = stack.enter_context(running_role(meta_args(tmp_path)))
         url = meta.meta_server
         stack.enter_context(
             running_role(["broker", "--data-dir", str(tmp_path / "b1"), "--meta-server", url, "--group", "b1",

@@ -38,6 +38,11 @@ _REPEATS_MAX = 600
 FAST = ["--heartbeat-interval-ms", "300", "--slave-timeout-ms", "3000", "--checkpoint-interval-ms", "500"]
 
 
+def meta_args(tmp_path: Path) -> list[str]:
+    """A meta server under ``tmp_path`` that calls a server dead after 2 s of silence."""
+    return ["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0", "--heartbeat-timeout-ms", "2000"]
+
+
 def delay_args(data_dir: Path, meta_server: str, role: str) -> list[str]:
     return ["delay", "--data-dir", str(data_dir), "--meta-server", meta_server, "--group", GROUP, "--role", role, *FAST]
 
@@ -95,10 +100,7 @@ def health(ready: ReadyProcess) -> dict[str, Any]:
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[tuple[str, Path, ReadyProcess, ReadyProcess, ExitStack]]:
     with ExitStack() as stack:
-        meta = stack.enter_context(
-            running_role(["meta", "--data-dir", str(tmp_path / "meta"), "--port", "0",
-                          "--heartbeat-timeout-ms", "2000"])
-        )  # fmt: skip
+        meta = stack.enter_context(running_role(meta_args(tmp_path)))
         url = meta.meta_server
         for group in ("b1", "b2"):  # each subject routed to both: a repeat must reach the group that stored it
             stack.enter_context(
