@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from qmq.common.clock import ManualClock
 from qmq.common.config import DelayConfig
+from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import AppendResult, DelayStore
 from qmq.protocol.message import decode_message, encode_message, scan_batch
 
@@ -46,3 +50,15 @@ def ids_of(encoded_messages: Sequence[bytes]) -> list[str]:
 
 def manual_clock() -> ManualClock:
     return ManualClock(T0_MS)
+
+
+def fire(sched: Scheduler, clock: ManualClock) -> list[str]:
+    """Everything due now, as the dispatcher hands it over (cancelled rows dropped), acknowledged."""
+    now = clock.now_ms()
+    sched.load_due(now)
+    rows = sched.drop_cancelled(sched.take(now, 100_000, 1 << 40))
+    handover = sched.read(rows)
+    for start in np.unique(handover.rows["bucket"]).tolist():
+        mine = handover.rows[handover.rows["bucket"] == start]
+        sched.dispatched(int(start), array("I", mine["entry"].tolist()).tobytes())
+    return ids_of(handover.encoded)

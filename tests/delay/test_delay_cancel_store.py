@@ -4,31 +4,16 @@ from the write-ahead log (before a checkpoint) or keeps it in the dispatch log (
 
 from __future__ import annotations
 
-from array import array
 from pathlib import Path
 
-import numpy as np
-from delayhelpers import T0_MS, append, ids_of, manual_clock, open_store
+from delayhelpers import T0_MS, append, fire, manual_clock, open_store
 
-from qmq.common.clock import ManualClock
 from qmq.delay.bucket import DISPATCH, IDS
 from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 
 MINUTE = 60_000
 PRELOAD = 5_000
-
-
-def fire(sched: Scheduler, clock: ManualClock) -> list[str]:
-    """Everything due now, as the dispatcher hands it over (cancelled rows dropped), acknowledged."""
-    now = clock.now_ms()
-    sched.load_due(now)
-    rows = sched.drop_cancelled(sched.take(now, 100_000, 1 << 40))
-    handover = sched.read(rows)
-    for start in np.unique(handover.rows["bucket"]).tolist():
-        mine = handover.rows[handover.rows["bucket"] == start]
-        sched.dispatched(int(start), array("I", mine["entry"].tolist()).tobytes())
-    return ids_of(handover.encoded)
 
 
 def checkpoint(store: DelayStore) -> None:

@@ -6,20 +6,25 @@ dispatch logs say was handed over reaches the slave's, once, however often it is
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from delayhelpers import T0_MS, append, manual_clock, open_store
+from delayhelpers import T0_MS, append, fire, manual_clock, open_store
 
-from qmq.delay.bucket import DISPATCH_DTYPE
+from qmq.common.clock import ManualClock
+from qmq.delay.bucket import DISPATCH, DISPATCH_DTYPE
+from qmq.delay.ids import record_message_id
 from qmq.delay.replica import SlaveCopy, read_for_slave
-from qmq.delay.resync import Resync
+from qmq.delay.resync import Resync, remove_tree
+from qmq.delay.scheduler import Scheduler
 from qmq.delay.store import DelayStore
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.frame import Frame
+from qmq.store.datadir import StoreError
 from qmq.store.replica import ReplicaError
 
 TOKEN = 7
@@ -212,3 +217,129 @@ def test_a_swap_cut_short_leaves_a_store_that_starts_empty(tmp_path: Path) -> No
     assert not (tmp_path / "resync.installing").exists()
     assert not (tmp_path / "resync").exists()
     slave.close()
+
+
+class _Node:
+    """One delay server of a group in the failover test: its store, the scheduler firing from it
+    while it is master, and its copy while it is slave."""
+
+    def __init__(self, directory: Path, clock: ManualClock) -> None:
+        self.dir = directory
+        self.clock = clock
+        self.store = open_store(directory, clock, wal_segment_bytes=64 * 1024)
+        self.sched = Scheduler(self.store, 5_000)
+        self.copy: SlaveCopy | None = None
+
+    def follow(self) -> None:
+        self.sched = Scheduler(self.store, 5_000)
+        self.copy = SlaveCopy(self.store, install_into(self.store))
+
+    def restart(self, torn: int = 0) -> None:
+        """Stop (a crash cutting ``torn`` bytes off the end of one dispatch log) and recover."""
+        logs = [b.directory / DISPATCH for b in self.store.iter_buckets() if (b.directory / DISPATCH).exists()]
+        self.store.close()
+        if torn and logs:
+            path = logs[torn % len(logs)]
+            data = path.read_bytes()
+            path.write_bytes(data[: max(0, len(data) - torn)])
+        self.store = open_store(self.dir, self.clock, wal_segment_bytes=64 * 1024)
+        if self.copy is None:
+            self.sched = Scheduler(self.store, 5_000)
+        else:
+            self.follow()
+
+
+def _marked_ids(store: DelayStore) -> set[str]:
+    """The message ids the store's dispatch logs mark done."""
+    store.flush_buffers()
+    out = set()
+    for b in store.iter_buckets():
+        done = np.unique(b.read_dispatched())
+        assert (done < b.count).all(), f"bucket {b.start_ms}: a dispatch entry names no message"
+        index = b.load_index(b.count)
+        for e in done.tolist():
+            out.add(record_message_id(b.read(int(index["offset"][e]), int(index["size"][e]))).decode())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_dispatch_logs_copied_across_failovers_mark_only_what_was_handed_over(tmp_path: Path, seed: int) -> None:
+    """Sends, hand-overs, cancels, checkpoints, restarts (some cutting a dispatch log inside an
+    entry), answers of every size (a dispatch-log tail split over answers), a master's new token,
+    and promotions of the slave, caught up or not, the old master cut back and following: no
+    dispatch-log entry on either server ever names a message nobody handed over nor cancelled
+    (it would never be handed over after a promotion: lost), and once copied the slave's dispatch
+    logs are its master's."""
+    rnd = random.Random(seed)
+    clock = manual_clock()
+    master, slave = _Node(tmp_path / "a", clock), _Node(tmp_path / "b", clock)
+    slave.follow()
+    token = TOKEN
+    handed: set[str] = set()
+    n = 0
+
+    def answer(max_bytes: int) -> bool:
+        assert slave.copy is not None
+        fields, parts, has_data = read_for_slave(master.store, token, {**slave.copy.ask(), "max_bytes": max_bytes})
+        if has_data:
+            pending = slave.copy.take(Frame(RequestCode.REPLICATE, 1, fields, b"".join(parts)))
+            if pending is not None:
+                asyncio.run(_awaited(pending))
+        return has_data
+
+    for step in range(300):
+        r = rnd.random()
+        if r < 0.3:
+            # due soon, a third of them: handed over before the slave copies them, often
+            at = clock.now_ms() + (0 if rnd.random() < 0.3 else rnd.randrange(4) * 60_000)
+            sends = [("s.a", f"m-{n + i}", at + rnd.randrange(59_000)) for i in range(rnd.randint(1, 8))]
+            n += len(sends)
+            append(master.store, sends, body=b"x" * rnd.choice([10, 300]))
+        elif r < 0.35 and n:
+            mid = f"m-{rnd.randrange(n)}"
+            if master.store.cancel(mid, master.sched):
+                handed.add(mid)
+        elif r < 0.42:
+            clock.advance(rnd.randint(1, 30))
+            handed.update(fire(master.sched, clock))
+        elif r < 0.45:
+            for node in (master, slave):
+                job = node.store.checkpoint_job()
+                job.run()
+                keep = slave.store.wal.end if node is master and rnd.random() < 0.8 else None
+                node.store.after_checkpoint(job, keep)  # without keep: the slave may be behind
+                node.sched.remove_finished(clock.now_ms())
+        elif r < 0.48:
+            node = rnd.choice([master, slave])
+            node.restart(torn=rnd.choice([0, 0, 1, 3, 5, 7, 8, 12]))
+            token += node is master
+        elif r < 0.51 and slave.copy is not None and not slave.copy.resyncing:
+            # the slave promoted; the old master cut back to where its copy ended, then following
+            new, old = slave, master
+            new.copy = None
+            new.store.flush_buffers()
+            new.sched = Scheduler(new.store, 5_000)
+            old.sched.unload_all()
+            if old.store.wal.end > new.store.wal.end:
+                try:
+                    old.store.rewind(new.store.wal.end)
+                except StoreError:  # its checkpoint past the cut and its log's start gone: begun anew
+                    old.store.close()
+                    remove_tree(old.dir)
+                    old.store = open_store(old.dir, clock, wal_segment_bytes=64 * 1024)
+            old.follow()
+            master, slave = new, old
+            token += 1
+        else:
+            answer(rnd.choice([64, 100, 256, 1024, 4 << 20]))
+        for node in (master, slave):
+            wrong = _marked_ids(node.store) - handed
+            assert not wrong, f"step {step}: {node.dir.name} marks messages never handed over: {sorted(wrong)[:5]}"
+    for _ in range(1000):  # bounded: each answer moves the copy on
+        if not answer(4 << 20):
+            break
+    on_slave = dispatched(slave.store)  # more where a crash cut the master's (handed over again)
+    for start, done in dispatched(master.store).items():
+        assert start not in on_slave or set(done) <= set(on_slave[start]), f"bucket {start}: not copied"
+    for node in (master, slave):
+        node.store.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from delayhelpers import encoded
-from delaywire import collect, now_ms, request
+from delaywire import collect, now_ms, request, wait_until
 
 from qmq.aio import Consumer, Producer
 from qmq.client.connection import Connection
@@ -316,3 +316,88 @@ async def test_a_send_waiting_for_the_slave_when_its_master_stops_is_answered_no
     finally:
         os.kill(slave.pid, signal.SIGCONT)
         await conn.close()
+
+
+@pytest.mark.timeout(300)
+async def test_a_master_cut_off_while_handing_over_comes_back_as_slave_and_loses_nothing_when_promoted_again(
+    group: tuple[str, Path, ReadyProcess, ReadyProcess, ExitStack],
+) -> None:
+    """The network scenario's path, with SIGSTOP for the cut: the master hands over while a send
+    it wrote never reaches its stopped slave; it is stopped in turn and the slave promoted (epoch
+    2), which hands over on; the old master, back, cuts the send and follows, copying the new
+    master's dispatch logs; then the new master is killed and the old one promoted again (epoch
+    3). Every message acknowledged comes, none twice to the group: no dispatch-log entry either
+    copy took names a message nobody handed over."""
+    url, _tmp, master, slave, _stack = group
+    n = 1_500
+    async with (
+        Producer(app_code="t", meta_server=url) as producer,
+        Consumer(app_code="t", meta_server=url, consumer_id="c1") as consumer,
+    ):
+        pull = consumer.pull_consumer("slaves.due", "billing", start_from="earliest")
+        due = await _send_due(producer, n, spread_ms=30_000, lead_ms=2_000)
+        got = await collect(pull, n // 8, timeout_s=30)  # some handed over by the first master
+        before = delay_server(cluster_view(url), master.ready["address"])
+        assert before is not None
+        os.kill(slave.pid, signal.SIGSTOP)
+        conn = Connection(master.ready["address"], connect_timeout_ms=3000)
+        try:
+            await _cut_off_after_a_send_never_replicated(url, conn, master, slave, before["log_end"])
+            await asyncio.to_thread(wait_view, url, "the slave promoted", _master_is(slave.ready["address"], 2))
+            got.update(await collect(pull, n // 4 - len(got), timeout_s=30))  # handed over by the new master
+        finally:
+            os.kill(slave.pid, signal.SIGCONT)
+            os.kill(master.pid, signal.SIGCONT)
+            await conn.close()
+
+        def following(v: dict[str, Any]) -> bool:
+            s = delay_server(v, master.ready["address"])
+            return s is not None and s["role_in_group"] == "slave" and s["epoch"] == 2 and s["replicated_ms"] > 0
+
+        await asyncio.to_thread(wait_view, url, "the old master following the new one", following)
+        got.update(await collect(pull, n // 3 - len(got), timeout_s=30))
+        left = await pending(slave.ready["address"])
+        assert left > 0, "every message came due before the second promotion: nothing left to test"
+        await wait_until(
+            "the old master's copy of what the new one handed over",
+            lambda: _pending_at_most(master.ready["address"], slave.ready["address"]),
+            timeout_s=30,
+        )
+        os.kill(slave.pid, signal.SIGKILL)
+        slave.proc.wait()
+        await asyncio.to_thread(wait_view, url, "the old master promoted again", _master_is(master.ready["address"], 3))
+        got.update(await collect(pull, len(due) - len(got), timeout_s=90))
+        got.update(await collect(pull, 1, timeout_s=3))
+        assert "never-replicated" not in got
+        assert got.keys() == due.keys(), f"{len(due.keys() - got.keys())} of {len(due)} messages were lost"
+
+
+def _master_is(address: str, epoch: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda v: (delay_group_row(v)["master"], delay_group_row(v)["epoch"]) == (address, epoch)
+
+
+async def _cut_off_after_a_send_never_replicated(
+    url: str, conn: Connection, master: ReadyProcess, slave: ReadyProcess, log_end: int
+) -> None:
+    """With the slave stopped, a send the master writes and its slave never copies (never
+    answered as stored); then the master is stopped in turn and the slave goes on."""
+    body = encoded("slaves.due", "never-replicated", int(now_ms()) + 3_600_000)
+    sent = asyncio.ensure_future(conn.request(RequestCode.SEND_MESSAGES, {}, [body]))
+
+    def written(v: dict[str, Any]) -> bool:
+        s = delay_server(v, master.ready["address"])
+        return s is not None and s["log_end"] > log_end
+
+    await asyncio.to_thread(wait_view, url, "the master writing the send", written, 5)
+    os.kill(master.pid, signal.SIGSTOP)  # cut off in turn, handing over meanwhile
+    os.kill(slave.pid, signal.SIGCONT)
+    await conn.close()
+    with pytest.raises(QmqError):
+        await sent  # never answered as stored
+
+
+async def _pending_at_most(address: str, than: str) -> bool:
+    """Whether the delay server at ``address`` holds no more pending messages than ``than`` did
+    just before (a slave's copy of its master's dispatch logs caught up, or nearly)."""
+    bar = await pending(than)
+    return await pending(address) <= bar + 50

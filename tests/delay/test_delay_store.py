@@ -8,13 +8,16 @@ import struct
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 from delayhelpers import T0_MS, append, encoded, manual_clock, open_store
 
 from qmq.delay.bucket import DISPATCH, INDEX, INDEX_ENTRY, MESSAGES
+from qmq.delay.dispatch_log import DISPATCH_KIND
 from qmq.delay.store import DAY_MS, HORIZON_SLACK_MS
 from qmq.protocol.codes import Status
 from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
 from qmq.store.datadir import StoreError
+from qmq.store.file_header import header
 
 MINUTE = 60_000
 
@@ -101,7 +104,8 @@ def test_files_hold_records_index_entries_and_dispatch_entries_byte_by_byte(tmp_
     assert stored_ms == T0_MS
     assert messages[off1 + RECORD_HEADER_BYTES : off1 + size1] == encoded("s", "b", T0_MS + 1000, b"hello")
     b.append_dispatch(struct.pack("<I", 1))
-    assert (b.directory / DISPATCH).read_bytes() == b"\x01\x00\x00\x00"
+    entry = b"\x01\x00\x00\x00"  # entry 1, then its CRC32C (dispatch_log.py), after the file header
+    assert (b.directory / DISPATCH).read_bytes() == header(DISPATCH_KIND) + entry + struct.pack("<I", crc32c(entry))
     assert b.dispatched == 1
     store.close()
 

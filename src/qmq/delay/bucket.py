@@ -1,11 +1,11 @@
 """The schedule log of one time bucket: the delay messages due in ``[start, start + length)``,
 in three append-only files under ``schedule/<start_ms as 16 digits>/``.
 
-This module is the one home of the three files' layouts (format version 1; the version is
-not written in the files, which hold entries only: a new layout needs a new version here and
-a migration). A fourth file, ``ids``, holds a hash of each entry's message id for cancels; it
-begins with the store's versioned file header and has its own module (ids.py). What a
-checkpoint keeps of a bucket is in checkpoint.py.
+This module is the one home of the layouts of ``messages`` and ``index`` (format version 1;
+the version is not written in the files, which hold entries only: a new layout needs a new
+version here and a migration). Two more files begin with the store's versioned file header and
+have modules of their own: ``dispatch`` (dispatch_log.py) and ``ids``, a hash of each entry's
+message id for cancels (ids.py). What a checkpoint keeps of a bucket is in checkpoint.py.
 
 ``messages``: records exactly as in the write-ahead log (``qmq.protocol.record``: a 28-byte
 header with CRC32C, then the message as the producer encoded it, ``deliver_at_ms`` included).
@@ -22,13 +22,10 @@ sits at ``n × 20`` (little-endian)::
     offset   u64  where its record starts in ``messages``
     size     u32  bytes of the record (header and message)
 
-``dispatch``: one 4-byte entry per message done with: acknowledged by a broker, or cancelled
-(a cancelled message is never loaded again, so its bytes never reach memory), in that order::
-
-    0         4
-    +---------+
-    | entry   |   u32  the message's entry number in ``index``
-    +---------+
+``dispatch``: the entry number in ``index`` of each message done with: acknowledged by a
+broker, or cancelled (a cancelled message is never loaded again, so its bytes never reach
+memory), in that order, each with a CRC32C of its own (dispatch_log.py: a damaged entry is
+dropped, so its message is handed over again rather than lost).
 
 Replay (schedule.py) appends to ``messages`` and ``index`` through an in-memory buffer (``add``,
 ``flush``; ``messages`` is always written before ``index``, so an entry never points past
@@ -44,6 +41,7 @@ message handed over again, which the broker's duplicate window drops.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 from pathlib import Path
@@ -52,6 +50,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from qmq.delay import dispatch_log
+from qmq.delay.dispatch_log import ENTRY_BYTES, ENTRY_DTYPE, DispatchRead
 from qmq.delay.ids import (
     ID_ENTRY,
     ID_ENTRY_BYTES,
@@ -72,8 +72,8 @@ FORMAT_VERSION = 1
 INDEX_ENTRY = struct.Struct("<qQI")
 INDEX_ENTRY_BYTES = INDEX_ENTRY.size  # 20
 INDEX_DTYPE = np.dtype([("due", "<i8"), ("offset", "<u8"), ("size", "<u4")])
-DISPATCH_ENTRY_BYTES = 4
-DISPATCH_DTYPE = np.dtype("<u4")
+DISPATCH_ENTRY_BYTES = ENTRY_BYTES  # an entry number in memory and on the wire (the file adds its CRC)
+DISPATCH_DTYPE = ENTRY_DTYPE
 DISPATCH_TYPECODE = "I"  # array.array's 4-byte unsigned int: the entry's bytes on little-endian Linux
 ENTRIES_MAX = 0xFFFF_FFFF  # entry numbers are u32 in the dispatch log
 _RECORD_BYTES_MIN = RECORD_HEADER_BYTES + HEADER_BYTES
@@ -87,6 +87,8 @@ INDEX = "index"
 DISPATCH = "dispatch"
 IDS = "ids"
 _NAME_DIGITS = 16
+
+log = logging.getLogger(__name__)
 
 assert INDEX_DTYPE.itemsize == INDEX_ENTRY_BYTES
 
@@ -104,11 +106,13 @@ class Bucket:
     """One time bucket's schedule log and the summary of it kept in memory (a few ints).
 
     ``count`` and ``nbytes`` include what is still buffered; ``dispatched`` counts the
-    dispatch log's entries. Files are opened when used and closed by ``close`` (a bucket that
-    is not loaded keeps none open).
+    dispatch log's entries; ``dispatch_damaged`` the entries its dispatch logs held that failed
+    their check (each file counted, and logged, once). Files are opened when used and closed
+    by ``close`` (a bucket that is not loaded keeps none open).
     """
 
     __slots__ = (
+        "_dispatch_damage_seen",
         "_dispatch_fd",
         "_ids_wfd",
         "_index_wfd",
@@ -117,6 +121,7 @@ class Bucket:
         "count",
         "directory",
         "dirty",
+        "dispatch_damaged",
         "dispatched",
         "flushed_bytes",
         "flushed_count",
@@ -139,6 +144,8 @@ class Bucket:
         self.flushed_count = 0
         self.flushed_bytes = 0
         self.dispatched = 0
+        self.dispatch_damaged = 0
+        self._dispatch_damage_seen = False  # the damage of the current dispatch log is counted
         self.min_due_ms = 0
         self.wal_end = 0  # end offset of the last write-ahead log record replayed into it
         self.loaded = False  # its undispatched messages are in the timer
@@ -274,9 +281,23 @@ class Bucket:
         return data
 
     def append_dispatch(self, entries: bytes) -> None:
+        """Append entry numbers (bare u32s) to the dispatch log, each with its CRC."""
         if self._dispatch_fd < 0:
-            self._dispatch_fd = _open_append(self.directory / DISPATCH)
-        fileio.write_all(self._dispatch_fd, entries)
+            path = self.directory / DISPATCH
+            fd = dispatch_log.open_append(path)
+            if fd is None:  # of the old format, or ending inside an entry: written anew first
+                self.rewrite_dispatch(self.read_dispatched())
+                fd = dispatch_log.open_append(path)
+                if fd is None:
+                    raise OSError(f"dispatch log {path} was written anew and still cannot be appended to")
+            self._dispatch_fd = fd
+        fd = self._dispatch_fd
+        size = fileio.size(fd)
+        try:
+            fileio.write_all(fd, dispatch_log.encode(entries))
+        except OSError as exc:
+            cut_back(fd, size, exc)  # a partial entry would misalign every later one
+            raise
         self.dispatched += len(entries) // DISPATCH_ENTRY_BYTES
         self.dirty = True
 
@@ -287,20 +308,31 @@ class Bucket:
         return read_index(self.directory, entries)
 
     def read_dispatched(self) -> npt.NDArray[np.uint32]:
-        """The entry numbers the dispatch log holds (whole entries only)."""
-        return read_dispatched(self.directory / DISPATCH)
+        """The entry numbers the dispatch log holds (whole entries whose check holds)."""
+        return self.read_dispatch_log().entries
+
+    def read_dispatch_log(self) -> DispatchRead:
+        """The dispatch log read whole; damaged entries (dropped) are logged and counted once per
+        file (may run on a worker thread: it reads the file and sets two fields)."""
+        found = dispatch_log.read(self.directory / DISPATCH)
+        if (found.damaged or found.header_damaged) and not self._dispatch_damage_seen:
+            self._dispatch_damage_seen = True
+            self.dispatch_damaged += found.damaged
+            log.warning(
+                "dispatch log %s: dropped %d entries that failed their CRC check%s; their messages "
+                "will be handed over again (the broker's duplicate window drops a repeat)",
+                self.directory / DISPATCH,
+                found.damaged,
+                " (and its damaged file header was read as format version 2's)" if found.header_damaged else "",
+            )
+        return found
 
     def rewrite_dispatch(self, entries: npt.NDArray[np.uint32]) -> None:
-        """Replace the dispatch log (recovery: drop entries of messages that are no longer there)."""
+        """Replace the dispatch log, in the current format (recovery: drop damaged entries and
+        those of messages that are no longer there)."""
         self.close()
-        tmp = self.directory / (DISPATCH + ".tmp")
-        fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            fileio.write_all(fd, entries.astype(DISPATCH_DTYPE).tobytes())
-            fileio.fsync(fd)
-        finally:
-            fileio.close(fd)
-        fileio.replace(tmp, self.directory / DISPATCH)
+        dispatch_log.rewrite(self.directory / DISPATCH, entries)
+        self._dispatch_damage_seen = False
         self.dispatched = len(entries)
 
     def truncate(self, nbytes: int, entries: int) -> None:
@@ -388,17 +420,6 @@ class Bucket:
             fileio.unlink(path, missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             fileio.rmdir(self.directory)
-
-
-def read_dispatched(path: Path) -> npt.NDArray[np.uint32]:
-    """The entry numbers a dispatch log holds (whole entries only; none when there is none yet)."""
-    try:
-        size = path.stat().st_size
-        entries = np.empty(size // DISPATCH_ENTRY_BYTES, dtype=DISPATCH_DTYPE)
-        got = fileio.read_into(path, entries.view(np.uint8).data)
-    except FileNotFoundError:
-        return np.empty(0, dtype=DISPATCH_DTYPE)
-    return entries[: got // DISPATCH_ENTRY_BYTES]
 
 
 def find_written(directory: Path, entries: int, message_id: bytes, from_entry: int = 0) -> list[int]:

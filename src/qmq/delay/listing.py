@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from qmq.delay.bucket import DISPATCH, MESSAGES, Bucket, read_dispatched, read_index
+from qmq.delay import dispatch_log
+from qmq.delay.bucket import DISPATCH, MESSAGES, Bucket, read_index
 from qmq.protocol.answers import Page
 from qmq.protocol.message import HEADER, HEADER_BYTES, decode_tags
 from qmq.protocol.record import RECORD_HEADER_BYTES
@@ -73,7 +74,7 @@ def list_pending(
             continue
         try:
             index = read_index(b.directory, b.entries)
-            done = read_dispatched(b.directory / DISPATCH)
+            done = dispatch_log.read(b.directory / DISPATCH).entries  # damage: logged when loaded
             fd = fileio.open(b.directory / MESSAGES, os.O_RDONLY) if b.entries else -1
         except FileNotFoundError:
             continue  # deleted meanwhile: it held nothing pending

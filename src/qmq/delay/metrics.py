@@ -44,6 +44,11 @@ class _StateCollector(Collector):
             "bytes replayed and not yet written to schedule logs",
             store.buffered_bytes,
         )
+        yield CounterMetricFamily(
+            "qmq_delay_dispatch_entries_damaged",
+            "dispatch-log entries that failed their CRC check (dropped: their messages are handed over again)",
+            store.dispatch_entries_damaged,
+        )
         d = self.dispatcher_of()
         if d is None:
             return

@@ -16,8 +16,9 @@
    bucket whose index entries cannot be right (bytes flipped: an entry that does not begin
    where the one before it ends, or is due after the bucket ends) has its index rebuilt from
    its own records (bucket.rebuild_index).
-4. Drop dispatch-log entries naming messages that are no longer there (a torn tail's), and
-   delete buckets left empty.
+4. Drop dispatch-log entries that fail their CRC (dispatch_log.py: their messages are handed
+   over again) or name messages that are no longer there (a torn tail's), write a dispatch log
+   of the old format (no CRC) anew in the current one, and delete buckets left empty.
 
 Without a checkpoint the write-ahead log is replayed from its start. If its first segments
 are gone (the checkpoint was damaged), the schedule logs are kept as they are and the log is
@@ -149,8 +150,11 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         log.warning("write-ahead log: cut a torn tail of %d bytes at offset %d", torn, good_end)
 
     removed = 0
+    damaged = 0
     for b in list(schedule.iter_buckets()):
-        dispatched = b.read_dispatched()
+        found = b.read_dispatch_log()  # entries that fail their CRC are dropped (and logged) there
+        damaged += found.damaged
+        dispatched = found.entries
         valid = np.unique(dispatched[dispatched < b.count])
         if len(valid) != len(dispatched):
             log.warning(
@@ -158,7 +162,8 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
                 b.start_ms,
                 len(dispatched) - len(valid),
             )
-            b.rewrite_dispatch(valid)
+        if len(valid) != len(dispatched) or not found.clean:
+            b.rewrite_dispatch(valid)  # also cuts a torn tail, and writes an old format's log anew
         b.dispatched = len(valid)
         if b.count == 0:
             schedule.remove_bucket(b)
@@ -170,6 +175,7 @@ def recover(config: DelayConfig, clock: Clock, wal: MessageLog) -> tuple[DelayPa
         "records_replayed": replayed,
         "entries_cancelled": cancels,
         "torn_bytes": torn,
+        "dispatch_entries_damaged": damaged,
         "buckets": len(schedule.buckets),
         "buckets_rebuilt": len(rebuilt),
         "empty_buckets_removed": removed,

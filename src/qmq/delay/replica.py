@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from qmq.delay.bucket import DISPATCH, DISPATCH_DTYPE, DISPATCH_ENTRY_BYTES, read_dispatched
+from qmq.delay.bucket import DISPATCH_DTYPE, DISPATCH_ENTRY_BYTES
 from qmq.delay.recovery import replay_wal
 from qmq.delay.resync import Resync, behind_answer, read_part
 from qmq.delay.store import DelayStore
@@ -85,7 +85,7 @@ def read_for_slave(store: DelayStore, token: int, header: dict[str, Any]) -> tup
                 copied = 0  # not this master's view of the bucket: send it whole
             if have <= copied:
                 continue
-            data = read_dispatched(b.directory / DISPATCH)[copied // DISPATCH_ENTRY_BYTES :].tobytes()
+            data = b.read_dispatched()[copied // DISPATCH_ENTRY_BYTES :].tobytes()
             data = data[: max(DISPATCH_ENTRY_BYTES, left - left % DISPATCH_ENTRY_BYTES)]
             if not data:
                 continue

@@ -69,6 +69,7 @@ class Schedule:
         self.starts: list[int] = []  # bucket starts, sorted
         self.buffered_bytes = 0
         self.pending_total = 0  # messages not yet acknowledged by a broker, over every bucket
+        self._dispatch_damaged_removed = 0  # dispatch_damaged of buckets deleted since the start
         # the write-ahead log offset the last durable checkpoint covers
         self.checkpointed_offset = 0
         self.created_bucket = False  # set when a bucket is created; the server clears it
@@ -126,6 +127,12 @@ class Schedule:
             self.starts.pop(i)
         self.buffered_bytes -= b.buffered_bytes
         self.pending_total -= b.pending
+        self._dispatch_damaged_removed += b.dispatch_damaged
+
+    @property
+    def dispatch_entries_damaged(self) -> int:
+        """Dispatch-log entries dropped since the start because their CRC failed (each file once)."""
+        return self._dispatch_damaged_removed + sum(b.dispatch_damaged for b in self.buckets.values())
 
     def finished_buckets(self, now_ms: int) -> list[Bucket]:
         """Buckets that can be deleted: past, every message acknowledged, and covered by a checkpoint

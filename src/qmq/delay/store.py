@@ -442,6 +442,10 @@ class DelayStore:
         return self.schedule.buffered_bytes
 
     @property
+    def dispatch_entries_damaged(self) -> int:
+        return self.schedule.dispatch_entries_damaged
+
+    @property
     def deferred_from_ms(self) -> int | None:
         return self.schedule.deferred_from_ms
 
