@@ -53,9 +53,8 @@ def _summary(us: list[float]) -> dict[str, float]:
     }
 
 
-def _store_path(root: Path, n: int, spares: int | None) -> tuple[list[float], float, int]:
-    kw = {} if spares is None else {"spares": spares}  # None: the store's default (or a store without spares)
-    subjects = Subjects(root / "consume", 1_000_000, Limits(), 1000, **kw)
+def _store_path(root: Path, n: int) -> tuple[list[float], float]:
+    subjects = Subjects(root / "consume", 1_000_000, Limits(), 1000)
     entry = ENTRY.pack(0, 40, 0, 0, 0)
     took = []
     t_all = time.perf_counter()
@@ -67,7 +66,7 @@ def _store_path(root: Path, n: int, spares: int | None) -> tuple[list[float], fl
             st.clog.append(entry)
             took.append((time.perf_counter() - t0) * 1e6)
         seconds = time.perf_counter() - t_all
-        return took, seconds, getattr(getattr(subjects, "spares", None), "taken", 0)
+        return took, seconds
     finally:
         subjects.close()
 
@@ -98,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subjects", type=int, default=5_000)
     parser.add_argument("--load", action="store_true", help="an fdatasync loop beside it")
     parser.add_argument("--dir", help="make the files under DIR (default: a temporary directory)")
-    parser.add_argument("--spares", type=int, help="spare directories kept ready (default: the store's)")
     parser.add_argument("--no-calls", action="store_true", help="leave out the file-system calls one by one")
     args = parser.parse_args(argv)
     out: dict[str, object] = {"subjects": args.subjects, "load": args.load, "loadavg": os.getloadavg()[0]}
@@ -112,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.callback(t.join)
             stack.callback(stop.set)
             time.sleep(0.2)
-        took, seconds, taken = _store_path(root, args.subjects, args.spares)
+        took, seconds = _store_path(root, args.subjects)
         out["store_us"] = _summary(took)
-        out["spares_taken"] = taken
         out["new_subjects_per_s"] = round(args.subjects / seconds, 1)
         if not args.no_calls:
             out["calls_us"] = _calls(root, args.subjects)
