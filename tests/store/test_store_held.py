@@ -246,3 +246,33 @@ def test_a_release_whose_read_fails_keeps_the_messages_held_for_the_next_try(
     assert released[0].stored == 2
     assert len(store.held) == 0
     assert pulled_ids(store) == ["a", "b"]
+
+
+def test_a_release_whose_append_fails_on_a_full_disk_keeps_the_messages_held(
+    open_store: Callable[..., BrokerStore], clock: ManualClock
+) -> None:
+    # Found by the fault campaign (chaos/, failing disk, 20261128T222154Z): the copies' append
+    # failing on a full disk dropped the due messages from the held set (the read's failure was
+    # handled, the write's was not): never released, and a restart whose checkpoint no longer
+    # named them did not hold them again, so an acknowledged message was never delivered.
+    from qmq.common.errors import QmqError
+    from qmq.store import fileio
+
+    store = open_store(flush="periodic")
+    append(store, due_batch(clock, ("a", 40), ("b", 40)))
+    clock.advance(0.05)
+    try:
+        with (
+            fileio.faults({"op": "write", "path": "log/*.log", "times": 1, "errno": "ENOSPC"}),
+            pytest.raises(QmqError),
+        ):
+            release_due(store, clock.now_ms())
+        assert len(store.held) == 2
+        assert len(store.held.snapshot()) == 2  # in the next checkpoint too
+        released = release_due(store, clock.now_ms())
+    finally:
+        fileio.install(None)
+    assert released is not None
+    assert released[0].stored == 2
+    assert len(store.held) == 0
+    assert pulled_ids(store) == ["a", "b"]

@@ -156,7 +156,16 @@ def release_due(store: Releasing, now_ms: int, max_n: int = RELEASE_BATCH_MAX) -
         return None
     durable = not store.sync_policy or max(h.offset + h.size for h in due) <= store.flushed_offset
     body = b"".join(messages)
-    result = store.append(body, scan_batch(body, store.limits), dedup_check=False, now_ms=now_ms, visible_now=durable)
+    try:
+        result = store.append(
+            body, scan_batch(body, store.limits), dedup_check=False, now_ms=now_ms, visible_now=durable
+        )
+    except BaseException:
+        # a full or failing disk refused the copies: they stay held (and in the next checkpoint),
+        # tried again later; forgotten here, nothing would release them, nor after a restart
+        for h in due:
+            store.held.add(h)
+        raise
     if result.errors:
         # copies of what this broker stored itself: refused only if the limits changed since
         log.error("held messages could not be released: %s", result.errors[:3])
