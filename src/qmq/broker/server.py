@@ -25,7 +25,7 @@ from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.common.naming import RETRY_PREFIX
 from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
-from qmq.serving.replication import GroupMember
+from qmq.serving.group_role import GroupMember
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
 from qmq.serving.tracing import server_tracing

@@ -36,7 +36,8 @@ from qmq.delay.store import DelayStore
 from qmq.delay.timer import Rows
 from qmq.serving.connection import FrameConnection
 from qmq.serving.group_commit import GroupCommit
-from qmq.serving.replication import GroupMember, ReplicationSource, Replicator
+from qmq.serving.group_role import GroupMember
+from qmq.serving.replication import ReplicationSource, Replicator
 from qmq.serving.replies import Reply
 from qmq.serving.runner import StartupError, run_server
 from qmq.serving.server import FrameServer
