@@ -10,6 +10,7 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from qmq.broker.ack_many import ack_many, acked_answer
 from qmq.broker.admin_handlers import AdminHandlers
 from qmq.broker.metrics import BrokerMetrics
 from qmq.broker.pull_many import pull_many
@@ -54,7 +55,6 @@ _ID_CHARS_MAX = 200
 # ScannedMessage is a NamedTuple: reading the field by index halves the cost of the scan per frame
 _DELIVER_AT_MS = operator.itemgetter(ScannedMessage._fields.index("deliver_at_ms"))
 _TAG_FILTERS_CACHED_MAX = 4096
-_ACK_MANY_ENTRIES_MAX = 10_000
 # the answer of most sends, packed once
 _ALL_STORED = encode_answer({"errors": [], "duplicates": 0})
 # what only a master does; a slave answers NOT_MASTER naming its master
@@ -120,7 +120,7 @@ class Handlers(RoleHandlers):
             RequestCode.PULL: self.pull,
             RequestCode.PULL_MANY: lambda conn, frame: pull_many(self, conn, frame),
             RequestCode.ACK: self.ack,
-            RequestCode.ACK_MANY: self.ack_many,
+            RequestCode.ACK_MANY: lambda conn, frame: ack_many(self, conn, frame),
             RequestCode.SETTLE: self.settle,
             RequestCode.SUBJECTS: admin.subjects,
             RequestCode.LAG: admin.lag,
@@ -406,9 +406,13 @@ class Handlers(RoleHandlers):
     def group_and_consumer(self, header: dict[str, object], create: bool) -> tuple[GroupProgress, ConsumerProgress]:
         return self._group_and_consumer_of(header, create)
 
-    def apply_acks(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> int:
-        """Apply acks; how many positions they named that this broker never handed out (``_ack``)."""
-        return self._ack(gp, cp, ranges)[1]
+    def apply_acks(self, gp: GroupProgress, cp: ConsumerProgress, ranges: list[list[int]]) -> tuple[int, int]:
+        """Apply acks: the ack offset after, and how many positions were never handed out here (``_ack``)."""
+        return self._ack(gp, cp, ranges)
+
+    def after_acks(self, conn: Responder, code: int, request_id: int, answer: Callable[[str | None], None]) -> None:
+        """``answer(None)`` once the acks applied so far are durable and on the slave (``_after_acks``)."""
+        self._after_acks(conn, code, request_id, answer)
 
     def after_actions(self, conn: Responder, code: int, request_id: int, answer: Callable[[str | None], None]) -> None:
         """``answer(None)`` once the action log written so far is durable and on the slave; see ``_after_acks``."""
@@ -449,66 +453,14 @@ class Handlers(RoleHandlers):
     def ack(self, conn: Responder, frame: Frame) -> None:
         ranges = get_ranges(frame.header, "ranges")
         gp, cp = self._group_and_consumer(frame, create=False)
-        ack_offset, unheld = self._ack(gp, cp, ranges)
+        answer = acked_answer(*self._ack(gp, cp, ranges))
         code, request_id = frame.code, frame.request_id
-        answer: dict[str, object] = {"ack_offset": ack_offset}
-        if unheld:
-            answer["unheld"] = unheld
 
         # answered OK once the acks are durable and reached the slave: an answered ack survives
         # a power loss and a failover
         def replicated(error: str | None) -> None:
             if error is None:
                 conn.respond(code, request_id, answer)
-            else:
-                conn.respond(code, request_id, {"error": error}, status=Status.BUSY)
-
-        self._after_acks(conn, code, request_id, replicated)
-
-    def ack_many(self, conn: Responder, frame: Frame) -> None:
-        """ACK for many (subject, group) pairs of one consumer: ``acks`` is a list of
-        ``{subject, group, ranges[, broadcast][, leave]}``; each gets ``{ack_offset}`` or ``{error}``
-        in the answer's ``results``, in order, so one refused pair does not fail the others.
-        ``leave`` (a consumer closing an ordered listener) hands its slots to the group's others now."""
-        header = frame.header
-        consumer_id = get_str(header, "consumer_id", max_chars=_ID_CHARS_MAX)
-        entries = header.get("acks")
-        if not isinstance(entries, list) or not entries:
-            raise BadRequest("'acks' must be a non-empty list of {subject, group, ranges} maps")
-        if len(entries) > _ACK_MANY_ENTRIES_MAX:
-            raise BadRequest(f"'acks' has {len(entries)} entries; at most {_ACK_MANY_ENTRIES_MAX} a request")
-        results: list[dict[str, object]] = []
-        leaving: list[tuple[GroupProgress, ConsumerProgress]] = []
-        for entry in entries:
-            if not isinstance(entry, dict):
-                results.append({"error": f"an 'acks' entry must be a map, got {type(entry).__name__}"})
-                continue
-            try:
-                gp, cp = self._group_and_consumer_of({**entry, "consumer_id": consumer_id}, create=False)
-                ranges = get_ranges(entry, "ranges")
-                if ranges:
-                    ack_offset, unheld = self._ack(gp, cp, ranges)
-                    result: dict[str, object] = {"ack_offset": ack_offset}
-                    if unheld:
-                        result["unheld"] = unheld
-                    results.append(result)
-                else:
-                    results.append({"ack_offset": cp.ack_offset})
-                if get_bool(entry, "leave") and gp.ordered:
-                    leaving.append((gp, cp))
-            except BadRequest as exc:
-                results.append({"error": str(exc)})
-        for gp, cp in leaving:
-            # a consumer closing its ordered listener: its slots go to the others now (docs/ordered.md)
-            self.store.leave_ordered(gp, cp)
-            self.broker.parked.answer_empty(cp)
-            self.broker.parked.notify_soon(gp.subject)
-        code, request_id = frame.code, frame.request_id
-        answer = encode_answer({"results": results})
-
-        def replicated(error: str | None) -> None:
-            if error is None:
-                conn.respond(code, request_id, None, (answer,))
             else:
                 conn.respond(code, request_id, {"error": error}, status=Status.BUSY)
 

@@ -198,7 +198,7 @@ def _one(
     group_filter = parked.filters.get((gp.subject, gp.group))
     if group_filter is not None:
         tag_filter = group_filter.with_tags(tag_filter)
-    unheld = handlers.apply_acks(gp, cp, ack_ranges) if ack_ranges else 0
+    unheld = handlers.apply_acks(gp, cp, ack_ranges)[1] if ack_ranges else 0
     if max_n == 0 or left <= 0 or budget <= 0 or (gp.subject, gp.group) in parked.paused:
         return None, bool(ack_ranges), unheld
     result = handlers.store.pull(gp, cp, session, min(max_n, left), tag_filter, budget)
