@@ -13,11 +13,13 @@ from test_store_replica import catch_up, open_pair
 from conftest import append, flush
 from qmq.common.clock import ManualClock
 from qmq.common.config import BrokerConfig
+from qmq.common.errors import QmqError
 from qmq.common.limits import HOLD_MS_MAX
 from qmq.protocol.codes import Status
 from qmq.protocol.message import decode_message, encode_message
 from qmq.protocol.record import RECORD_HEADER_BYTES, read_record_header
 from qmq.store.broker_store import BrokerStore
+from qmq.store.datadir import StoreError
 from qmq.store.held import HELD_SEQUENCE, release_due
 
 SUBJECT = "order.due"
@@ -222,40 +224,27 @@ def test_a_held_record_whose_segment_is_gone_is_dropped_and_the_rest_released(
     assert "is no longer in the message log; it is dropped" in caplog.text
 
 
-def test_a_release_whose_read_fails_keeps_the_messages_held_for_the_next_try(
-    open_store: Callable[..., BrokerStore], clock: ManualClock
+@pytest.mark.parametrize(
+    ("op", "errno", "error", "match"),
+    [
+        # a read error while releasing dropped the due messages from the held set, so they were
+        # never released, nor after a restart
+        ("read", "EIO", StoreError, "they stay held and are tried again"),
+        # the copies' append failing on a full disk did the same (20261128T222154Z: the read's
+        # failure was handled, the write's was not; a restart whose checkpoint no longer named
+        # them did not hold them again, so an acknowledged message was never delivered)
+        ("write", "ENOSPC", QmqError, "full"),
+    ],
+)
+def test_a_release_that_fails_keeps_the_messages_held_for_the_next_try(
+    open_store: Callable[..., BrokerStore],
+    clock: ManualClock,
+    op: str,
+    errno: str,
+    error: type[Exception],
+    match: str,
 ) -> None:
-    # Found by the fault campaign (chaos/, failing disk): a read error while releasing dropped
-    # the due messages from the held set, so they were never released, nor after a restart.
-    from qmq.store import fileio
-    from qmq.store.datadir import StoreError
-
-    store = open_store(flush="periodic")
-    append(store, due_batch(clock, ("a", 40), ("b", 40)))
-    clock.advance(0.05)
-    try:
-        with fileio.faults({"op": "read", "path": "log/*.log", "times": 1, "errno": "EIO"}):
-            with pytest.raises(StoreError, match="they stay held and are tried again"):
-                release_due(store, clock.now_ms())
-            assert len(store.held) == 2
-            assert len(store.held.snapshot()) == 2  # in the next checkpoint too
-            released = release_due(store, clock.now_ms())
-    finally:
-        fileio.install(None)
-    assert released is not None
-    assert released[0].stored == 2
-    assert len(store.held) == 0
-    assert pulled_ids(store) == ["a", "b"]
-
-
-def test_a_release_whose_append_fails_on_a_full_disk_keeps_the_messages_held(
-    open_store: Callable[..., BrokerStore], clock: ManualClock
-) -> None:
-    # Found by the fault campaign (chaos/, failing disk, 20261128T222154Z): the copies' append
-    # failing on a full disk dropped the due messages from the held set (the read's failure was
-    # handled, the write's was not): never released, and a restart whose checkpoint no longer
-    # named them did not hold them again, so an acknowledged message was never delivered.
-    from qmq.common.errors import QmqError
+    # Found by the fault campaign (chaos/, failing disk).
     from qmq.store import fileio
 
     store = open_store(flush="periodic")
@@ -263,8 +252,8 @@ def test_a_release_whose_append_fails_on_a_full_disk_keeps_the_messages_held(
     clock.advance(0.05)
     try:
         with (
-            fileio.faults({"op": "write", "path": "log/*.log", "times": 1, "errno": "ENOSPC"}),
-            pytest.raises(QmqError),
+            fileio.faults({"op": op, "path": "log/*.log", "times": 1, "errno": errno}),
+            pytest.raises(error, match=match),
         ):
             release_due(store, clock.now_ms())
         assert len(store.held) == 2
