@@ -288,6 +288,10 @@ def main() -> None:
         result["rabbitmq"] = summary(runs, only, "rabbitmq plain", "rabbitmq tls")
     if notes:
         result["notes"] = notes
+    failed = [f"{variant} run {i} {workload}: {cell.get('error')}" for variant, variant_runs in runs.items()
+              for i, run in enumerate(variant_runs, 1) for workload, cell in run.items() if not cell.get("ok")]
+    if failed:
+        result["errors"] = failed
     print(json.dumps(result))
 
 
