@@ -7,8 +7,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from bench.report import dig, fmt, label, state, table
-from bench.report_cells import figures_of, not_run_row, run_of
+from bench.report import dig, fmt, label, state
+from bench.report_cells import cell_section, run_of
 
 # Goals (reported, never asserted).
 ORDERED_SPEEDUP_MIN = 7.0
@@ -25,12 +25,9 @@ def _median(values: Any) -> float | None:
 def ordered_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
     counts = [str(c) for c in s.get("ordered_consumer_counts") or ()]
-    rows = []
-    for entry in doc["systems"].values():
-        run = figures_of(entry, "W12", "handler_bound")
-        if run is None:
-            rows.append(not_run_row(entry, "W12", len(counts) + 4))
-            continue
+
+    def rows_of(entry: dict[str, Any], run: dict[str, Any]) -> list[list[str]]:
+        rows = []
         drained = run.get("cpu_bound") or {}
         for listener, cells in run["handler_bound"].items():
 
@@ -46,12 +43,15 @@ def ordered_lines(doc: dict[str, Any]) -> list[str]:
                 fmt(drain.get("msgs_per_s")), fmt(drain.get("server_cpu_s_per_100k"), 2),
                 fmt(dig(run, "server", "server_rss_peak_mib")),
             ])
+        return rows
+
     header = ["system", "listener", *(f"×{c} msg/s" for c in counts), "server CPU s/100k handled (×" +
               " / ×".join(counts) + ")", "CPU-bound drain msg/s", "server CPU s/100k drained", "server RSS peak MiB"]
     keys, per_key = s.get("ordered_keys", 0), s.get("ordered_per_key", 0)
     drain = s.get("ordered_drain_keys", 0) * s.get("ordered_drain_per_key", 0)
-    return [f"## W12 ordered — {keys:,} order keys × {per_key} messages drained by {', '.join(counts)} consumer "
-            f"processes, {s.get('ordered_handler_ms', 0):g} ms a message; CPU-bound drain of {drain:,}", "",
+    return cell_section(doc, "W12", "handler_bound", [
+            f"## W12 ordered — {keys:,} order keys × {per_key} messages drained by {', '.join(counts)} consumer "
+            f"processes, {s.get('ordered_handler_ms', 0):g} ms a message; CPU-bound drain of {drain:,}",
             "Handler-bound: one subject of ordered messages (100 B), a new group per cell, each consumer process "
             "handling one message at a time with an `asyncio.sleep` of the handler's time; the clock runs from "
             "the release of every connected consumer to the last message handled (speed-up against ×"
@@ -61,17 +61,13 @@ def ordered_lines(doc: dict[str, Any]) -> list[str]:
             "queues, a key's messages to queue crc32(key) mod their count, each consumer subscribed first to its "
             "own share (given by hand: RabbitMQ leaves a queue with its first subscriber) and to the rest as a "
             "standby (`bench/ordered_rabbitmq.py`); it has no CPU-bound drain. Server CPU per cell (consumer "
-            "start-up included); RSS: the peak over the whole cell.", "", *table(header, rows), ""]
+            "start-up included); RSS: the peak over the whole cell."], header, rows_of)
 
 
 def tls_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
-    rows = []
-    for entry in doc["systems"].values():
-        run = figures_of(entry, "W13", "W1_msgs_per_s")
-        if run is None:
-            rows.append(not_run_row(entry, "W13", 9))
-            continue
+
+    def rows_of(entry: dict[str, Any], run: dict[str, Any]) -> list[list[str]]:
         latency, server_cpu = run.get("W3_latency_ms") or {}, dig(run, "W1_cpu_us_per_msg") or {}
         per = {variant: {
             "rate": _median(dig(run, "W1_msgs_per_s", variant)),
@@ -80,70 +76,70 @@ def tls_lines(doc: dict[str, Any]) -> list[str]:
             "p99": _median(dig(latency, variant, "p99")), "p999": _median(dig(latency, variant, "p999")),
         } for variant in ("plain", "secure")}  # server CPU: µs/msg → s/100k
 
-        def pair(key: str, digits: int = 0, per: dict[str, dict[str, Any]] = per) -> str:
+        def pair(key: str, digits: int = 0) -> str:
             return " / ".join(fmt(per[variant][key], digits) for variant in ("plain", "secure"))
 
-        rows.append([
+        return [[
             label(entry), SECURED.get(run.get("parts") or "", run.get("parts") or "–"), pair("rate"),
             fmt(run.get("W1_ratio_secure_to_plain"), 2), pair("server", 2), pair("client", 1),
             fmt(run.get("W1_cpu_ratio_secure_to_plain"), 2), pair("rss"), pair("p99", 2), pair("p999", 2),
-        ])
+        ]]
+
     header = ["system", "secured with", "W1 msg/s plain / secured", "secured ÷ plain",
               "server CPU s/100k plain / secured", "client CPU µs/msg plain / secured", "CPU (client + server) "
               "secured ÷ plain", "server RSS peak MiB plain / secured", "W3 p99 ms plain / secured",
               "W3 p99.9 ms plain / secured"]
     repeats = s.get("tls_repeats", 1)
-    return [f"## W13 TLS — TLS + auth against plain: W1 publish ({s['w1_messages']:,} messages) and W3 latency "
-            f"({s['w3_rate_per_s']:,.0f} msg/s for {s['w3_duration_s']:.0f} s)", "",
+    return cell_section(doc, "W13", "W1_msgs_per_s", [
+            f"## W13 TLS — TLS + auth against plain: W1 publish ({s['w1_messages']:,} messages) and W3 latency "
+            f"({s['w3_rate_per_s']:,.0f} msg/s for {s['w3_duration_s']:.0f} s)",
             "The W1 and W3 cells themselves (`bench/secure_throughput.py`), each variant on a server of its own "
             f"started for it, {repeats} run(s) each, which variant goes first alternating; medians. qmq (under the "
             "row's flush policy): TLS on every port (a throw-away CA) and an auth file, the clients authenticating "
             "once per connection and every send and pull checked against their app's patterns. RabbitMQ: a "
             "private node (its own name, ports and epmd, apart from the run's) with a plain and a TLS listener; "
             "its clients log in (guest) either way, so its ratio is the cost of TLS alone. CPU per message from "
-            "W1 (the producer process; the server's processes).", "", *table(header, rows), ""]
+            "W1 (the producer process; the server's processes)."], header, rows_of)
 
 
 def filter_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
-    rows = []
-    for entry in doc["systems"].values():
-        run = figures_of(entry, "W14", "filtered")
-        if run is None:
-            rows.append(not_run_row(entry, "W14", 8))
-            continue
+
+    def rows_of(entry: dict[str, Any], run: dict[str, Any]) -> list[list[str]]:
         stored = (run.get("messages") or 0) * (run.get("rounds") or 0)
         server = run.get("server") or {}
         whole = [fmt(server["server_cpu_s"] * 100_000 / stored if stored and "server_cpu_s" in server else None, 2),
                  fmt(server.get("server_rss_peak_mib"))]
-        groups = {"filtered (`body.match` on the broker)": run["filtered"], "unfiltered": run.get("unfiltered") or {}}
-        for i, (name, g) in enumerate(groups.items()):
+        f, u = run["filtered"], run.get("unfiltered") or {}
+        rows = []
+        for i, (name, g) in enumerate((("filtered (`body.match` on the broker)", f), ("unfiltered", u))):
             broker = g.get("broker_cpu_us_per_stored")
             rows.append([
                 label(entry), name, fmt(g.get("received")), fmt(g.get("consumer_cpu_us_per_matched"), 1),
                 fmt(g.get("consumer_cpu_us_per_received"), 1), fmt(g.get("bytes_per_matched")),
                 fmt(broker / 10 if broker is not None else None, 2), *(whole if i == 0 else ["", ""]),
             ])
-        f, u = run["filtered"], run.get("unfiltered") or {}
 
-        def per_wanted(key: str, f: dict[str, Any] = f, u: dict[str, Any] = u) -> str:
+        def per_wanted(key: str) -> str:
             return f"{f[key] / u[key]:.2f}" if f.get(key) and u.get(key) else "–"
 
-        rows.append([label(entry), "filtered ÷ unfiltered, per wanted", "",
-                     per_wanted("consumer_cpu_us_per_matched"), "", per_wanted("bytes_per_matched"), "", "", ""])
+        return [*rows, [label(entry), "filtered ÷ unfiltered, per wanted", "",
+                        per_wanted("consumer_cpu_us_per_matched"), "", per_wanted("bytes_per_matched"), "", "", ""]]
+
     header = ["system", "group", "received", "consumer CPU µs / wanted", "consumer CPU µs / received",
               "bytes read / wanted", "broker CPU s/100k stored (its drain)", "server CPU s/100k stored (whole cell)",
               "server RSS peak MiB"]
     every = s.get("filter_match_every", 10)
-    return [f"## W14 filtered — {s.get('filter_messages', 0):,} JSON messages of ~1 KiB on one subject, 1 in {every} "
-            "wanted, drained by a group with a server-side filter and one without", "",
+    return cell_section(doc, "W14", "filtered", [
+            f"## W14 filtered — {s.get('filter_messages', 0):,} JSON messages of ~1 KiB on one subject, 1 in {every} "
+            "wanted, drained by a group with a server-side filter and one without",
             f"`bench/filter_cost.py`, {s.get('filter_rounds', 0)} rounds (each on a subject of its own, which group "
             "drains first alternating; medians), one pull consumer per group (pulls of 500, `ack_all`). *Wanted*: "
             "the messages the filter `body.match` passes; the unfiltered group receives every message and would "
             "drop the others itself. Consumer CPU: its process's user + system time around its drain; bytes: what "
             "it read from its socket. Broker CPU: the broker process around each drain; the whole cell's server "
             "CPU (sends and both drains, every process) and RSS peak beside it. No peer filters on a message body "
-            "expression on the server.", "", *table(header, rows), ""]
+            "expression on the server."], header, rows_of)
 
 
 def feature_goals(doc: dict[str, Any]) -> list[tuple[str, Callable[[str], str]]]:
