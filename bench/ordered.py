@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -164,6 +165,10 @@ async def drain(meta_server: str, subject: str, total: int, ordered: bool) -> fl
         return time.perf_counter() - t0
 
 
+def drain_s(meta_server: str, subject: str, total: int, ordered: bool) -> float:
+    return asyncio.run(drain(meta_server, subject, total, ordered))
+
+
 def server_cpu_s(pids: list[int]) -> float:
     return sum(cpu_seconds(pid) or 0.0 for pid in pids)
 
@@ -207,9 +212,8 @@ def measure(meta_server: str, args: argparse.Namespace, tmp: Path, pids: list[in
     bound: dict[str, dict[str, Any]] = {"ordered": {}, "unordered": {}}
     for n in counts:
         for ordered, cells in ((True, bound["ordered"]), (False, bound["unordered"])):
-            runs = timed_runs(
-                pids, args.repeats, lambda n=n, o=ordered: run_cell(meta_server, subject, n, total, args, tmp, o)
-            )
+            cell = functools.partial(run_cell, meta_server, subject, n, total, args, tmp, ordered)
+            runs = timed_runs(pids, args.repeats, cell)
             scaled(cells, n, figures(runs, total, pids))
             print(f"{n} {'ordered' if ordered else 'unordered'}: {cells[str(n)]}", file=sys.stderr, flush=True)
     result["handler_bound"] = bound
@@ -217,9 +221,8 @@ def measure(meta_server: str, args: argparse.Namespace, tmp: Path, pids: list[in
     asyncio.run(fill(meta_server, drain_subject, args.drain_keys, args.drain_per_key))
     cpu_bound: dict[str, Any] = {"keys": args.drain_keys, "per_key": args.drain_per_key, "messages": drain_total}
     for ordered in (False, True):
-        runs = timed_runs(
-            pids, args.repeats, lambda o=ordered: asyncio.run(drain(meta_server, drain_subject, drain_total, o))
-        )
+        one = functools.partial(drain_s, meta_server, drain_subject, drain_total, ordered)
+        runs = timed_runs(pids, args.repeats, one)
         cpu_bound["ordered" if ordered else "unordered"] = figures(runs, drain_total, pids)
     ratio = cpu_bound["ordered"]["msgs_per_s"] / cpu_bound["unordered"]["msgs_per_s"]
     cpu_bound["ordered_to_unordered"] = round(ratio, 3)
