@@ -112,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     current: SystemRun | None = None
     try:
+        once_on = next((system for system in systems if system.startswith("qmq-")), None)
         for system in systems:
-            current = SystemRun(system, settings, set(args.only), data_root, log_dir, _log)
+            current = SystemRun(system, settings, set(args.only), data_root, log_dir, _log, once_on)
             doc["systems"][system] = current.entry
             current.run()
             current = None

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +16,7 @@ from typing import Any
 from bench.monitor import ServerMonitor
 from bench.servers import ServerProcess
 from bench.settings import Settings
-from bench.workers import WorkerProcess
+from bench.workers import REPO_ROOT, WorkerProcess
 
 READY_LIMIT_S = 60.0
 SETUP_LIMIT_S = 120.0
@@ -79,6 +83,33 @@ class Cell:
         worker.go()
         result = require_ok(worker.result(limit_s + 10.0), spec["role"])
         return result, monitor.stop(count)
+
+    def run_bench(self, module: str, args: list[str], limit_s: float, what: str,
+                  count: int | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """A bench of its own (``python -m module args``, this tree first on PYTHONPATH) run as a
+        cell: the JSON document of its last line of output and, ``count`` given, the servers
+        watched around it (CPU per ``count`` messages, peak RSS)."""
+        argv = [sys.executable, "-m", module, *args]
+        path = (REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")).rstrip(os.pathsep)
+        monitor = self.monitor() if count is not None else None
+        if monitor is not None:
+            monitor.start()
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=limit_s, env={**os.environ, "PYTHONPATH": path},
+                                  check=False, cwd=REPO_ROOT)
+        except subprocess.TimeoutExpired:
+            raise CellError(f"{what} did not finish within {limit_s:.0f} s") from None
+        finally:
+            server = monitor.stop(count or 0) if monitor is not None else None
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
+            raise CellError(f"{what} exited {done.returncode}: {' | '.join(tail)}")
+        lines = done.stdout.decode(errors="replace").strip().splitlines()
+        try:
+            result: dict[str, Any] = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise CellError(f"{what} printed no JSON line: {lines[-1:] or 'nothing'}") from None
+        return result, server
 
     def worker_limit_s(self, expected_s: float) -> float:
         return expected_s + self.settings.worker_slack_s

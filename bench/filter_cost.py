@@ -16,6 +16,9 @@ consumer receives and per matched message (the ones it wants). `--rounds` rounds
 subjects of its own, which group drains first alternating; the medians are reported.
 
     .venv/bin/python -m bench.filter_cost [--messages 100000] [--match-every 10] [--rounds 3] [--json]
+
+`python -m bench run` runs it as its W14 cell ("filtered") against the qmq server of the run
+(``--meta-server``, ``--broker-pid``, ``--subject-prefix``, ``--json``: it reads the last line).
 """
 
 from __future__ import annotations
@@ -107,26 +110,33 @@ async def _drain(meta: str, subject: str, group: str, want: int, broker_pid: int
     }
 
 
-async def run(messages: int, match_every: int, rounds: int) -> dict[str, Any]:
+async def measure(meta: str, broker_pid: int, messages: int, match_every: int, rounds: int,
+                  prefix: str = "bench.filter") -> dict[str, Any]:
+    """The rounds against a running server (its meta server, its broker's pid), on subjects
+    named ``prefix`` + the round."""
     runs: list[dict[str, dict[str, float]]] = []
-    with tempfile.TemporaryDirectory() as tmp, running_standalone(Path(tmp) / "qmq-data") as proc:
-        meta, broker_pid = proc.meta_server, int(proc.ready["broker_pid"])
-        for r in range(rounds):
-            subject = f"bench.filter{r}"
-            _set_filter(meta, subject, "filtered", "body.match")
-            await asyncio.sleep(1.0)  # a filter holds on the brokers within a second
-            matched = await _send(meta, subject, messages, match_every)
-            row: dict[str, dict[str, float]] = {}
-            order = [("filtered", matched), ("unfiltered", messages)]
-            for group, want in order if r % 2 == 0 else order[::-1]:
-                row[group] = await _drain(meta, subject, group, want, broker_pid)
-                row[group]["broker_cpu_us_per_stored"] = row[group]["broker_cpu_s"] * 1e6 / messages
-            runs.append(row)
+    for r in range(rounds):
+        subject = f"{prefix}{r}"
+        _set_filter(meta, subject, "filtered", "body.match")
+        await asyncio.sleep(1.0)  # a filter holds on the brokers within a second
+        matched = await _send(meta, subject, messages, match_every)
+        row: dict[str, dict[str, float]] = {}
+        order = [("filtered", matched), ("unfiltered", messages)]
+        for group, want in order if r % 2 == 0 else order[::-1]:
+            row[group] = await _drain(meta, subject, group, want, broker_pid)
+            row[group]["broker_cpu_us_per_stored"] = row[group]["broker_cpu_s"] * 1e6 / messages
+        runs.append(row)
     out: dict[str, Any] = {"messages": messages, "match_every": match_every, "rounds": rounds, "pull": PULL}
     for group in ("filtered", "unfiltered"):
         out[group] = {key: statistics.median(run[group][key] for run in runs) for key in runs[0][group]}
     out["runs"] = runs
     return out
+
+
+async def run(messages: int, match_every: int, rounds: int) -> dict[str, Any]:
+    """The cell against a fresh `qmq standalone` of its own (flush = "sync")."""
+    with tempfile.TemporaryDirectory() as tmp, running_standalone(Path(tmp) / "qmq-data") as proc:
+        return await measure(proc.meta_server, int(proc.ready["broker_pid"]), messages, match_every, rounds)
 
 
 def table(r: dict[str, Any]) -> str:
@@ -158,8 +168,17 @@ def main() -> None:
     parser.add_argument("--match-every", type=int, default=10, help="one message in this many matches the filter")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document too")
+    parser.add_argument("--meta-server", help="measure this running server (with --broker-pid)")
+    parser.add_argument("--broker-pid", type=int, help="the running server's broker process")
+    parser.add_argument("--subject-prefix", default="bench.filter")
     args = parser.parse_args()
-    result = uvloop.run(run(args.messages, args.match_every, args.rounds))
+    if args.meta_server:
+        if not args.broker_pid:
+            parser.error("--meta-server needs --broker-pid N")
+        result = uvloop.run(measure(args.meta_server, args.broker_pid, args.messages, args.match_every, args.rounds,
+                                    args.subject_prefix))
+    else:
+        result = uvloop.run(run(args.messages, args.match_every, args.rounds))
     print(table(result))
     if args.json:
         print(json.dumps(result))

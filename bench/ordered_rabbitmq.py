@@ -18,15 +18,20 @@ Same load as qmq's cell: ``keys`` × ``per_key`` 100-byte persistent messages on
 queues (fsynced, like qmq's flush = sync), one handler at a time in each consumer process
 (``time.sleep`` of ``handler_ms``), a prefetch of 512 per consumer, each message acked once
 handled. The clock starts when every consumer process is connected and told to go, and stops
-when every message was handled.
+when every message was handled. With ``--server-pids`` (the node's processes) each cell also
+reports the node's CPU per 100k messages handled (the fill's left out).
 
-    .venv/bin/python -m bench.ordered_rabbitmq [--url amqp://guest:guest@127.0.0.1:5672/%2F]
+    .venv/bin/python -m bench.ordered_rabbitmq [--url amqp://guest:guest@127.0.0.1:5672/%2F] [--json]
+
+`python -m bench run` runs it as the RabbitMQ row of its W12 cell ("ordered"), on the run's own
+private node (``--url`` with its port, ``--server-pids``, ``--json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -36,13 +41,14 @@ import time
 import uuid
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pika  # type: ignore[import-untyped]
 
+from bench.ordered import figures, scaled, server_cpu_s, wait_handled
 from qmq.testing.processes import start_ready
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
-_CELL_LIMIT_S = 600.0
 _FILL_LIMIT_S = 300.0
 
 
@@ -147,14 +153,7 @@ def run_cell(
     ]
     try:
         go.touch()
-        t0 = time.perf_counter()
-        while True:
-            done = sum(int(o.read_text() or 0) for o in outs if o.exists())
-            if done >= total:
-                return time.perf_counter() - t0
-            if time.perf_counter() - t0 > _CELL_LIMIT_S:
-                raise RuntimeError(f"{consumers} consumers handled {done} of {total} in {_CELL_LIMIT_S} s")
-            time.sleep(0.02)  # polling the workers' counts
+        return wait_handled(outs, total, consumers)
     finally:
         for p in procs:
             p.stop()
@@ -170,33 +169,57 @@ def delete(url: str, names: list[str]) -> None:
         conn.close()
 
 
-def run(
-    url: str, keys: int, per_key: int, handler_ms: float, consumer_counts: list[int], queues: int, repeats: int = 1
-) -> None:
-    """Print the handler-bound table of RabbitMQ single-active-consumer queues (a fresh set of
-    queues filled for each run of a cell; the median of ``repeats`` runs)."""
-    total = keys * per_key
-    print(f"\nRabbitMQ {url.rsplit('@', 1)[-1]}: {queues} single-active-consumer quorum queues, each consumer")
-    print(f"subscribed to its share first and to the rest as a standby; {handler_ms} ms a message, 1 at a time")
-    print("| consumers | RabbitMQ SAC s | msgs/s | speed-up | fill msgs/s |\n|---|---|---|---|---|")
-    base = None
+def measure(
+    url: str,
+    keys: int,
+    per_key: int,
+    handler_ms: float,
+    consumer_counts: list[int],
+    queues: int,
+    repeats: int = 1,
+    pids: list[int] | None = None,
+) -> dict[str, Any]:
+    """The handler-bound cells on RabbitMQ single-active-consumer queues (a fresh set of queues
+    filled for each run of a cell; medians of ``repeats`` runs); the server's CPU per 100k
+    messages handled when ``pids`` names its processes."""
+    total, pids = keys * per_key, pids or []
+    cells: dict[str, Any] = {}
+    fills: list[float] = []
     with tempfile.TemporaryDirectory() as d:
         for n in consumer_counts:
-            runs: list[tuple[float, float]] = []
+            runs: list[tuple[float, float]] = []  # (seconds, the server's CPU seconds) of each run
             for _ in range(repeats):
                 prefix = f"bench.ordered.{uuid.uuid4().hex[:6]}"
                 names = queue_names(prefix, queues)
                 try:
-                    rate = fill(url, names, keys, per_key)
-                    runs.append((run_cell(url, names, prefix, n, total, handler_ms, Path(d)), rate))
+                    fills.append(fill(url, names, keys, per_key))
+                    cpu0 = server_cpu_s(pids)
+                    seconds = run_cell(url, names, prefix, n, total, handler_ms, Path(d))
+                    runs.append((seconds, server_cpu_s(pids) - cpu0))
                 finally:
                     delete(url, names)
-            if repeats > 1:
-                print(f"({n} RabbitMQ: {', '.join(f'{r:.2f}' for r, _ in runs)} s)")
-            seconds = statistics.median(r for r, _ in runs)
-            rate = statistics.median(f for _, f in runs)
-            base = base or seconds
-            print(f"| {n} | {seconds:.2f} | {total / seconds:,.0f} | {base / seconds:.2f}x | {rate:,.0f} |", flush=True)
+            scaled(cells, n, figures(runs, total, pids))
+            print(f"{n} RabbitMQ SAC: {cells[str(n)]}", file=sys.stderr, flush=True)
+    return {
+        "url_host": url.rsplit("@", 1)[-1], "queues": queues, "keys": keys, "per_key": per_key, "messages": total,
+        "handler_ms": handler_ms, "consumers": consumer_counts, "repeats": repeats,
+        "fill_msgs_per_s": round(statistics.median(fills), 1), "handler_bound": cells,
+    }  # fmt: skip
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [
+        f"RabbitMQ {r['url_host']}: {r['queues']} single-active-consumer quorum queues, each consumer",
+        f"subscribed to its share first and to the rest as a standby; {r['handler_ms']} ms a message, 1 at a time",
+        f"(fill: {r['fill_msgs_per_s']:,.0f} msgs/s, no confirms, until the queue depths held every message)",
+        "| consumers | RabbitMQ SAC s | msgs/s | speed-up |",
+        "|---|---|---|---|",
+    ]
+    for n in r["consumers"]:
+        cell = r["handler_bound"][str(n)]
+        speedup = cell["speedup_vs_1"]
+        lines.append(f"| {n} | {cell['seconds']:.2f} | {cell['msgs_per_s']:,.0f} | {speedup:.2f}x |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -212,9 +235,15 @@ def main() -> None:
     ap.add_argument("--consumers", default="1,2,4,8")
     ap.add_argument("--queues", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--server-pids", default="", help="the node's processes (N,N,…), for its CPU per cell")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON document too (last line)")
     args = ap.parse_args()
     counts = [int(x) for x in args.consumers.split(",")]
-    run(args.url, args.keys, args.per_key, args.handler_ms, counts, args.queues, args.repeats)
+    pids = [int(p) for p in args.server_pids.split(",") if p]
+    result = measure(args.url, args.keys, args.per_key, args.handler_ms, counts, args.queues, args.repeats, pids)
+    print(table(result))
+    if args.json:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -416,9 +416,10 @@ def goals_lines(doc: dict[str, Any]) -> list[str]:
         ("W8 HTTP gateway publish ≥ 0.5× the SDK's", w8),
     ]
     from bench.report_cells import cell_goals  # it builds on this module's helpers
+    from bench.report_features import feature_goals
 
     workloads = set(doc.get("workloads", []))
-    goals += cell_goals(doc)
+    goals += cell_goals(doc) + feature_goals(doc)
     # a goal of a workload the run left out (`--only`) has no row
     goals = [(text, fn) for text, fn in goals if text.split()[0] in workloads]
     rows = [[text, *(fn(name) for name in qmq)] for text, fn in goals]
@@ -438,7 +439,7 @@ def failure_lines(doc: dict[str, Any]) -> list[str]:
             for i, r in enumerate(value if isinstance(value, list) else [value], 1):
                 if not r.get("ok") and "skipped" not in r:
                     found.append(f"- {name} {workload} run {i}: {r.get('error') or 'failed (see json)'}")
-                for group in ("handler_bound", "cpu_bound"):
+                for group in ("handler_bound", "cpu_bound") if workload == "W6" else ():
                     for count, sub in (r.get(group) or {}).items():
                         if not sub.get("ok"):
                             found.append(f"- {name} {workload} {group} ×{count}: {sub.get('error')}")
@@ -468,6 +469,11 @@ def markdown(doc: dict[str, Any]) -> str:
         parts += many_subjects_lines(doc)
     if "W11" in workloads:
         parts += large_lines(doc)
+    from bench.report_features import filter_lines, ordered_lines, tls_lines
+
+    for workload, lines in (("W12", ordered_lines), ("W13", tls_lines), ("W14", filter_lines)):
+        if workload in workloads:
+            parts += lines(doc)
     parts += goals_lines(doc)
     parts += failure_lines(doc)
     return "\n".join(parts).rstrip() + "\n"

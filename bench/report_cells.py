@@ -37,6 +37,21 @@ def not_run_row(entry: dict[str, Any], workload: str, blanks: int) -> list[str]:
     return [label(entry), state(entry, workload) or "not run"] + [""] * blanks
 
 
+RowsOf = Callable[[dict[str, Any], dict[str, Any]], list[list[str]]]
+
+
+def cell_section(doc: dict[str, Any], workload: str, key: str, heading: list[str], header: list[str],
+                 rows_of: RowsOf) -> list[str]:
+    """A named cell's section: ``heading`` (its title and notes, each a paragraph), then a table of
+    each system's rows: ``rows_of(entry, run)`` where its run has figures (``key`` in it), else
+    one row saying why not."""
+    rows = []
+    for entry in doc["systems"].values():
+        run = figures_of(entry, workload, key)
+        rows += [not_run_row(entry, workload, len(header) - 2)] if run is None else rows_of(entry, run)
+    return [line for paragraph in heading for line in (paragraph, "")] + [*table(header, rows), ""]
+
+
 def best_peer(doc: dict[str, Any], workload: str, get: Getter) -> tuple[float, str] | None:
     """The highest figure of any peer (the fan-out goal compares with every peer)."""
     found = []
@@ -55,16 +70,12 @@ def fanout_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
     drained_rate: Getter = lambda r: dig(r, "drained", "deliveries_per_s")  # noqa: E731
     peer = best_peer(doc, "W9", drained_rate)
-    rows = []
-    for entry in doc["systems"].values():
-        run = figures_of(entry, "W9", "drained")
-        if run is None:
-            rows.append(not_run_row(entry, "W9", 11))
-            continue
+
+    def rows_of(entry: dict[str, Any], run: dict[str, Any]) -> list[list[str]]:
         d, live = run.get("drained") or {}, run.get("live") or {}
         mine = d.get("deliveries_per_s") if d.get("ok") else None
         vs = f"{mine / peer[0]:.2f}× {peer[1]}" if mine and peer and entry.get("kind") == "qmq" else ""
-        rows.append([
+        return [[
             label(entry), fmt(d.get("publish_msgs_per_s")),
             fmt(mine) if d.get("ok") else "FAIL: " + str(d.get("error"))[:80], vs,
             fmt(dig(d, "fanout", "slowest_group_behind_when_first_done")),
@@ -75,38 +86,36 @@ def fanout_lines(doc: dict[str, Any]) -> list[str]:
             fmt(dig(live, "fanout", "slowest_group_latency_p99_ms"), 1),
             fmt(dig(live, "latency_from_schedule_ms", "p99"), 1),
             fmt(dig(live, "server", "server_cpu_s_per_100k"), 2),
-        ])
+        ]]
+
     header = ["system", "publish msg/s", "drained deliveries/s", "÷ best peer", "slowest group behind (msgs)",
               "last group done after first (s)", "server CPU s/100k deliveries", "server RSS peak MiB",
               "live msg/s in", "live p50 / p99 / p99.9 ms", "slowest group's p99 ms", "p99 from schedule ms",
               "live server CPU s/100k deliveries"]
     groups = s.get("fanout_groups", 0)
-    return [f"## W9 fan-out to {groups} groups — {s.get('fanout_messages', 0):,} × 1 KiB drained by each group; "
+    return cell_section(doc, "W9", "drained", [
+            f"## W9 fan-out to {groups} groups — {s.get('fanout_messages', 0):,} × 1 KiB drained by each group; "
             f"live {s.get('fanout_live_rate_per_s', 0):,.0f} msg/s for {s.get('fanout_live_duration_s', 0):.0f} s",
-            "", f"One subject, {groups} consumer groups each reading every message, one consumer process reading "
+            f"One subject, {groups} consumer groups each reading every message, one consumer process reading "
             "them all. RabbitMQ: a fanout exchange to a quorum queue per group; NATS: a durable push consumer per "
             f"group on one stream (AckAll); Redis: {groups} groups on one stream (an XREADGROUP per group, one "
             f"pipeline); qmq: {groups} groups of one subject (one PULL_MANY). Prefetch "
             f"{s.get('fanout_prefetch_per_group', 0)} per group. *Slowest group behind*: messages the slowest "
             "group still had to read when the first group had read them all. Live latency: send stamp to receipt, "
-            "every delivery of every group.", "", *table(header, rows), ""]
+            "every delivery of every group."], header, rows_of)
 
 
 def many_subjects_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
-    rows = []
-    for entry in doc["systems"].values():
-        run = figures_of(entry, "W10", "reached")
-        if run is None:
-            rows.append(not_run_row(entry, "W10", 8))
-            continue
+
+    def rows_of(entry: dict[str, Any], run: dict[str, Any]) -> list[list[str]]:
         per = run.get("rss_bytes_per_subject") or {}
         roles = " / ".join(f"{role} {fmt(v)}" for role, v in per.items() if role in ("broker", "meta", "server"))
         grow_cpu = dig(run, "grow", "server", "server_cpu_s")
         reached = run.get("reached") or 0
         restart = run.get("restart") or {}
         listing = run.get("listing")
-        rows.append([
+        return [[
             label(entry), f"{fmt(reached)} of {fmt(run.get('asked'))}", run.get("stopped") or "–",
             fmt(run.get("new_subjects_per_s")),
             fmt(grow_cpu * 1000 / reached, 2) if grow_cpu is not None and reached else "–", roles or "–",
@@ -116,10 +125,12 @@ def many_subjects_lines(doc: dict[str, Any]) -> list[str]:
             else "FAIL: " + str(restart.get("error"))[:80],
             "–" if listing is None else (f"{fmt(listing.get('seconds'), 1)} ({fmt(listing.get('subjects_listed'))} "
                                         "listed)" if listing.get("ok") else "FAIL: " + str(listing.get("error"))[:80]),
-        ])
+        ]]
+
     header = ["system", "subjects", "stopped", "new subjects/s", "server CPU ms per new subject",
               "RSS B per idle subject", "drain msg/s", "restart s", "`qmq subjects` s"]
-    return [f"## W10 {s.get('many_subjects', 0):,} subjects — one message each", "",
+    return cell_section(doc, "W10", "reached", [
+            f"## W10 {s.get('many_subjects', 0):,} subjects — one message each",
             f"Made {s.get('many_subjects_chunk', 0):,} at a time and sent their first message (batches of 1), by one "
             f"process, until all, {s.get('many_subjects_limit_s', 0):.0f} s, the first error or "
             f"{s.get('many_subjects_server_rss_max_mib', 0):,} MiB of server RSS; *new subjects/s* counts making "
@@ -128,17 +139,14 @@ def many_subjects_lines(doc: dict[str, Any]) -> list[str]:
             "Then one consumer drains them all; then the server is stopped and started on its data (restart: "
             "until it serves: qmq's `qmq ready` line, a peer's port), and `qmq subjects` lists them. RabbitMQ: "
             "a quorum queue per subject; NATS: one stream, a subject per subject, one wildcard consumer; Redis: "
-            "a stream per subject.", "", *table(header, rows), ""]
+            "a stream per subject."], header, rows_of)
 
 
 def large_lines(doc: dict[str, Any]) -> list[str]:
     s = doc["settings"]
-    rows = []
-    for entry in doc["systems"].values():
-        run = figures_of(entry, "W11", "sizes")
-        if run is None:
-            rows.append(not_run_row(entry, "W11", 7))
-            continue
+
+    def rows_of(entry: dict[str, Any], run: dict[str, Any]) -> list[list[str]]:
+        rows = []
         for size, r in (run.get("sizes") or {}).items():
             pub, drain, disk = r.get("publish") or {}, r.get("drain") or {}, r.get("disk") or {}
             gb = (r.get("messages") or 0) * (r.get("body_bytes") or 0) / 1e9
@@ -153,15 +161,18 @@ def large_lines(doc: dict[str, Any]) -> list[str]:
                 fmt(cpu / gb, 2) if cpu is not None and gb else "–",
                 fmt(dig(pub, "server", "server_rss_peak_mib")),
             ])
+        return rows
+
     header = ["system", "size × messages", "disk MB/s (fdatasync/s)", "W1 publish MB/s", "÷ disk",
               "W2 drain MB/s", "server CPU s/GB published", "server RSS peak MiB"]
-    return ["## W11 64 KiB and 1 MiB messages — W1 publish / W2 drain in MB/s beside the disk", "",
+    return cell_section(doc, "W11", "sizes", [
+            "## W11 64 KiB and 1 MiB messages — W1 publish / W2 drain in MB/s beside the disk",
             f"The W1 and W2 cells with large bodies, about {s.get('large_bytes_per_size', 0) / 2**20:,.0f} MiB a size, "
             f"batches of about {s.get('large_batch_bytes', 0) / 2**20:,.0f} MiB and "
             f"{s.get('large_window_bytes', 0) / 2**20:,.0f} MiB unacknowledged (prefetch half that). "
             "*Disk*: the same batch bytes appended and fdatasynced in a loop "
-            "(2 s) in the server's directory, just before: the rate a log that fsyncs every batch could reach.",
-            "", *table(header, rows), ""]
+            "(2 s) in the server's directory, just before: the rate a log that fsyncs every batch could reach."],
+        header, rows_of)
 
 
 def cell_goals(doc: dict[str, Any]) -> list[tuple[str, Callable[[str], str]]]:

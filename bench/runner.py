@@ -1,9 +1,12 @@
 """The driver: for each system, start its server, run the selected workloads in a fixed
 order with one cell each, stop the server; one failing system never stops the others.
 
-Order per system: W1+W2 (× repeats), W3, W6, W7, W8 (qmq only), W9 (fan-out to 70 groups), W11
-(64 KiB and 1 MiB messages), W10 (40,000 subjects: it restarts the server on its data), then W4 and
-W5 on a freshly started server (full runs), so the delay figures see no earlier backlog in memory."""
+Order per system: W1+W2 (× repeats), W3, W13 (TLS: on servers of its own, while the run's holds
+little), W6, W12 (ordered), W7, W8 (qmq only), W14 (filtered, qmq only), W9 (fan-out to 70 groups),
+W11 (64 KiB and 1 MiB messages), W10 (40,000 subjects: it restarts the server on its data), then W4
+and W5 on a freshly started server (full runs), so the delay figures see no earlier backlog in memory.
+W12 and W14 run once, on the first qmq system of the run: their backlogs are sent before any clock
+starts, so the flush policy is not what they measure."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from bench.workers import kill_all_workers
 from bench.workloads_basic import w1_publish, w2_drain, w3_latency
 from bench.workloads_delay import w4_delay, w5_thundering_second
 from bench.workloads_fanout import w9_fanout
+from bench.workloads_features import w12_ordered, w13_tls, w14_filtered
 from bench.workloads_gateway import w8_gateway
 from bench.workloads_large import w11_large
 from bench.workloads_many import w10_many_subjects
@@ -27,6 +31,20 @@ from bench.workloads_scale import w6_elasticity, w7_many_subjects
 Log = Callable[[str], None]
 GUARANTEE = {"rabbitmq": "sync", "nats": "periodic", "redis": "periodic"}
 CLIENTS = {"rabbitmq": "pika AsyncioConnection", "nats": "nats-py", "redis": "redis-py+hiredis", "qmq": "qmq.aio"}
+# Why a peer has no row of its own in a feature cell (W12 ordered, W13 TLS, W14 filtered); the
+# report cuts a reason at 90 characters.
+FEATURE_PEERS = {"W12": ("rabbitmq",), "W13": ("rabbitmq",), "W14": ()}
+PEER_SKIPS = {
+    ("W12", "nats"): "no ordered consumer group in nats-server 2.9 (partitions assigned by hand: not built)",
+    ("W12", "redis"): "Redis Streams groups keep no per-key order (partitions assigned by hand: not built)",
+    ("W13", "nats"): "not measured: W13's peer is RabbitMQ with TLS (no NATS TLS set-up in the bench)",
+    ("W13", "redis"): "not measured: W13's peer is RabbitMQ with TLS (no Redis TLS set-up in the bench)",
+    ("W14", "rabbitmq"): "no server-side filter on message bodies (RabbitMQ routes on routing keys, headers)",
+    ("W14", "nats"): "no server-side filter on message bodies (NATS consumers filter on subjects)",
+    ("W14", "redis"): "no server-side filter at all (a Redis Streams group reads every entry)",
+}
+ONCE_WHY = {"W12": "its backlogs are sent before any clock starts",
+            "W14": "the subject is sent before the drains are timed"}
 
 
 def guarantee_of(system: str) -> str:
@@ -37,8 +55,10 @@ class SystemRun:
     """One system's server and its workloads, within the system's time limit."""
 
     def __init__(self, system: str, settings: Settings, only: set[str], data_root: str, log_dir: str,
-                 log: Log) -> None:
+                 log: Log, once_on: str | None = None) -> None:
         self.system = system
+        # the system that runs the cells run once per run (W12, W14): the run's first qmq system
+        self.once_on = once_on or system
         self.settings = settings
         self.only = only
         self.log = log
@@ -135,8 +155,10 @@ class SystemRun:
         if "W3" in want:
             for _ in range(self.settings.repeats):
                 self._cell("W3", w3_latency, cell, repeat=True)
+        self._feature("W13", w13_tls, cell)
         if "W6" in want:
             self._cell("W6", w6_elasticity, cell)
+        self._feature("W12", w12_ordered, cell)
         if "W7" in want:
             self._cell("W7", w7_many_subjects, cell)
         if "W8" in want:
@@ -144,6 +166,7 @@ class SystemRun:
                 self._cell("W8", w8_gateway, cell)
             else:
                 self._record("W8", {"skipped": "no HTTP gateway: W8 measures qmq's"})
+        self._feature("W14", w14_filtered, cell)
         for workload, fn in (("W9", w9_fanout), ("W11", w11_large), ("W10", w10_many_subjects)):
             if workload in want:
                 self._cell(workload, fn, cell)
@@ -162,6 +185,20 @@ class SystemRun:
                 cell = self._restart()
                 restarted = True
             self._cell(workload, fn, cell)
+
+    def _feature(self, workload: str, fn: Callable[[Cell, str], dict[str, Any]], cell: Cell) -> None:
+        """A feature cell: qmq (W12 and W14 once a run), its peer, or a skipped row saying why."""
+        if workload not in self.only:
+            return
+        if self.system.startswith("qmq-"):
+            if workload in ONCE_WHY and self.system != self.once_on:
+                self._record(workload, {"skipped": f"runs once, on {self.once_on} ({ONCE_WHY[workload]})"})
+            else:
+                self._cell(workload, fn, cell)
+        elif self.system in FEATURE_PEERS[workload]:
+            self._cell(workload, fn, cell)
+        else:
+            self._record(workload, {"skipped": PEER_SKIPS[(workload, self.system)]})
 
     def _delay_unsupported(self, cell: Cell) -> str | None:
         """Ask the server, then the client (qmq's SDK grows delay support), once per system."""
@@ -206,6 +243,17 @@ def _headline(workload: str, result: dict[str, Any]) -> str:
     if workload == "W11":
         return ", ".join(f"{label} publish {(r.get('publish') or {}).get('MB_per_s')} MB/s"
                          for label, r in (result.get("sizes") or {}).items())
+    if workload == "W12":
+        counts = [str(c) for c in result.get("consumers") or []]
+        return ", ".join(f"{listener} ×{counts[-1]}: {(cells.get(counts[-1]) or {}).get('speedup_vs_1')}× one"
+                         for listener, cells in (result.get("handler_bound") or {}).items()) if counts else ""
+    if workload == "W13":
+        return (f"W1 TLS ÷ plain {result.get('W1_ratio_secure_to_plain')}, "
+                f"CPU {result.get('W1_cpu_ratio_secure_to_plain')}× plain's")
+    if workload == "W14":
+        f, u = result.get("filtered") or {}, result.get("unfiltered") or {}
+        return (f"consumer CPU per wanted message: filtered {f.get('consumer_cpu_us_per_matched', 0):.1f} µs, "
+                f"unfiltered {u.get('consumer_cpu_us_per_matched', 0):.1f} µs")
     if workload == "W8":
         return (f"HTTP publish {result.get('http_publish_per_s', 0):.0f} msg/s "
                 f"({result.get('publish_ratio', 0):.2f} of the SDK's), "

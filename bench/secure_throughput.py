@@ -23,6 +23,10 @@ plain ÷ secure of the latency percentiles, so below 1 is a cost either way).
 
     .venv/bin/python -m bench.secure_throughput [--quick] [--repeats 2] [--flush sync|periodic]
         [--parts tls,auth|tls|auth] [--peers rabbitmq|""] [--only W1,W3] [--w1-messages N]
+
+`python -m bench run` runs it as its W13 cell ("TLS"): for each qmq flush policy of the run
+(``--flush``, ``--peers ""``) and, RabbitMQ among its peers, for RabbitMQ (``--no-qmq``), with the
+run's own knobs (``--settings``); it reads the JSON line this prints.
 """
 
 from __future__ import annotations
@@ -156,6 +160,7 @@ def summary(runs: dict[str, list[dict[str, Any]]], only: list[str], plain: str, 
             out["W1_ratio_secure_to_plain"] = round(ratio, 3)
         # CPU µs per message on each side (medians): what TLS and auth cost, less moved by the load
         cpu: dict[str, dict[str, float]] = {}
+        rss: dict[str, float] = {}
         for v in (plain, secure):
             ok = [r["W1"] for r in runs[v] if r["W1"].get("ok") and r["W1"].get("messages")]
             sides = {
@@ -164,7 +169,12 @@ def summary(runs: dict[str, list[dict[str, Any]]], only: list[str], plain: str, 
                            if (w.get("server") or {}).get("server_cpu_s") is not None],
             }
             cpu[v] = {side: round(statistics.median(xs), 2) for side, xs in sides.items() if xs}
+            peaks = [w["server"]["server_rss_peak_mib"] for w in ok
+                     if (w.get("server") or {}).get("server_rss_peak_mib") is not None]
+            if peaks:
+                rss[v] = statistics.median(peaks)
         out["W1_cpu_us_per_msg"] = cpu
+        out["W1_server_rss_peak_mib"] = rss
         if all(len(cpu[v]) == 2 for v in (plain, secure)):
             out["W1_cpu_ratio_secure_to_plain"] = round(sum(cpu[secure].values()) / sum(cpu[plain].values()), 3)
     if "W3" in only:
@@ -196,6 +206,7 @@ def main() -> None:
     parser.add_argument("--no-qmq", action="store_true", help="the peer only")
     parser.add_argument("--only", default="W1,W3", help="W1, W3 or both")
     parser.add_argument("--w1-messages", type=int, default=None, help="W1's count (default: the main bench's)")
+    parser.add_argument("--settings", help="the knobs of a `python -m bench run` as JSON (its W13 cell passes them)")
     opts = parser.parse_args()
     only = [w for w in opts.only.split(",") if w]
     unknown = [w for w in only if w not in WORKLOADS]
@@ -203,7 +214,10 @@ def main() -> None:
         parser.error(f"--only {opts.only!r}: choose from W1,W3")
     if opts.peers not in ("", "rabbitmq"):
         parser.error(f"--peers {opts.peers!r}: only rabbitmq (or \"\" for none)")
-    settings = Settings.for_quick() if opts.quick else Settings.full()
+    if opts.settings:
+        settings = Settings.from_json(opts.settings)
+    else:
+        settings = Settings.for_quick() if opts.quick else Settings.full()
     settings = settings.replace(repeats=opts.repeats)
     if opts.w1_messages:
         settings = settings.replace(w1_messages=opts.w1_messages)
@@ -274,6 +288,10 @@ def main() -> None:
         result["rabbitmq"] = summary(runs, only, "rabbitmq plain", "rabbitmq tls")
     if notes:
         result["notes"] = notes
+    failed = [f"{variant} run {i} {workload}: {cell.get('error')}" for variant, variant_runs in runs.items()
+              for i, run in enumerate(variant_runs, 1) for workload, cell in run.items() if not cell.get("ok")]
+    if failed:
+        result["errors"] = failed
     print(json.dumps(result))
 
 

@@ -22,9 +22,10 @@ REDIS_PORT = 36379
 HOST = "127.0.0.1"
 PAYLOAD_BYTES = 1024
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11", "W12", "W13", "W14")
 # What the newer cells measure: the report names each by it.
-CELL_NAMES = {"W9": "fan-out to 70 groups", "W10": "40,000 subjects", "W11": "64 KiB and 1 MiB messages"}
+CELL_NAMES = {"W9": "fan-out to 70 groups", "W10": "40,000 subjects", "W11": "64 KiB and 1 MiB messages",
+              "W12": "ordered", "W13": "TLS", "W14": "filtered"}
 PEERS = ("rabbitmq", "nats", "redis")
 QMQ_FLUSH_POLICIES = ("sync", "periodic")
 
@@ -84,6 +85,24 @@ class Settings:
     large_bytes_per_size: int = 256 * 1024 * 1024
     large_batch_bytes: int = 4 * 1024 * 1024
     large_window_bytes: int = 16 * 1024 * 1024
+    # W12 ordered (bench/ordered.py; RabbitMQ: bench/ordered_rabbitmq.py): keys × messages a key,
+    # drained by each consumer count (handler-bound, ordered and unordered), then one consumer's
+    # CPU-bound drain of drain keys × messages a key (qmq), ordered and unordered.
+    ordered_keys: int = 10_000
+    ordered_per_key: int = 2
+    ordered_handler_ms: float = 2.0
+    ordered_consumer_counts: tuple[int, ...] = (1, 2, 4, 8)
+    ordered_drain_keys: int = 10_000
+    ordered_drain_per_key: int = 5
+    ordered_rabbitmq_queues: int = 16
+    # W13 TLS (bench/secure_throughput.py): the W1 and W3 cells with TLS + auth and plain, each on a
+    # server of its own, tls_repeats times (which goes first alternating).
+    tls_repeats: int = 2
+    # W14 filtered (bench/filter_cost.py): filter_messages on a subject, one in filter_match_every
+    # matching, drained by a group with the server-side filter and one without, filter_rounds times.
+    filter_messages: int = 100_000
+    filter_match_every: int = 10
+    filter_rounds: int = 3
     # Client shape shared by every system.
     batch_messages: int = 100
     window_messages: int = 1_000
@@ -95,8 +114,8 @@ class Settings:
     qmq_flush_interval_ms: int = 1_000
     # Bounds: one worker process, one system, and the whole run.
     worker_slack_s: float = 60.0
-    system_limit_s: float = 2_400.0
-    run_limit_s: float = 7_200.0
+    system_limit_s: float = 3_000.0
+    run_limit_s: float = 9_000.0
 
     @classmethod
     def full(cls) -> Settings:
@@ -123,9 +142,14 @@ class Settings:
             many_subjects_restart=False,
             many_subjects_limit_s=60.0,
             large_bytes_per_size=16 * 1024 * 1024,
+            ordered_keys=2_000,
+            ordered_drain_keys=2_000,
+            tls_repeats=1,
+            filter_messages=20_000,
+            filter_rounds=2,
             worker_slack_s=30.0,
-            system_limit_s=360.0,
-            run_limit_s=900.0,
+            system_limit_s=600.0,
+            run_limit_s=1_500.0,
         )
 
     def replace(self, **changes: Any) -> Settings:
@@ -137,6 +161,6 @@ class Settings:
     @classmethod
     def from_json(cls, text: str) -> Settings:
         raw = json.loads(text)
-        for key in ("w6_consumer_counts", "w6_cpu_consumer_counts", "large_sizes"):
+        for key in ("w6_consumer_counts", "w6_cpu_consumer_counts", "large_sizes", "ordered_consumer_counts"):
             raw[key] = tuple(raw[key])
         return cls(**raw)

@@ -10,14 +10,9 @@ the SDK's rate. Peers have no gateway: their rows say so.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 from bench.cell import Cell, CellError
-from bench.workers import REPO_ROOT
 
 # Slowest HTTP rate we still wait for, to turn the message count into a time limit.
 _SLOWEST_MSGS_PER_S = 1_000
@@ -29,22 +24,11 @@ def w8_gateway(cell: Cell, family: str) -> dict[str, Any]:
     if not gateway or not gateway_pid:
         raise CellError("the qmq server of the run printed no gateway=URL gateway_pid=N")
     limit_s = cell.worker_limit_s(4 * s.w8_rounds * s.w8_messages / _SLOWEST_MSGS_PER_S)
-    argv = [
-        sys.executable, "-m", "bench.gateway_throughput",
+    args = [
         "--meta-server", cell.endpoint["meta_server"], "--gateway", gateway, "--gateway-pid", str(gateway_pid),
         "--messages", str(s.w8_messages), "--connections", str(s.w8_connections),
         "--in-flight", str(s.w8_connections), "--rounds", str(s.w8_rounds), "--subject-prefix", family,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT + (os.pathsep + os.environ.get("PYTHONPATH", "")).rstrip(os.pathsep)}
-    monitor = cell.monitor()
-    monitor.start()
-    try:
-        done = subprocess.run(argv, capture_output=True, timeout=limit_s, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        raise CellError(f"the gateway cell did not finish within {limit_s:.0f} s") from None
-    server = monitor.stop(4 * s.w8_rounds * s.w8_messages)
-    if done.returncode != 0:
-        tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
-        raise CellError(f"the gateway cell exited {done.returncode}: {' | '.join(tail)}")
-    result: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    result, server = cell.run_bench("bench.gateway_throughput", args, limit_s, "the gateway cell",
+                                    4 * s.w8_rounds * s.w8_messages)
     return {**result, "server": server}
