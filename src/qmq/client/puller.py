@@ -19,8 +19,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
-import msgpack
-
 from qmq.client.acks import AckTracker
 from qmq.client.connection import ConnectionPool
 from qmq.client.meta import BrokerGroup, MetaClient
@@ -32,6 +30,7 @@ from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
+from qmq.protocol.packing import packb
 
 log = logging.getLogger(__name__)
 
@@ -431,7 +430,7 @@ def ack_many_chunks(
         if taken is None:
             continue
         entry, ranges = taken
-        entry_bytes = len(msgpack.packb(entry))
+        entry_bytes = len(packb(entry))
         if chunk and (len(chunk) >= entries_max or size + entry_bytes > header_bytes):
             chunks.append(chunk)
             chunk, size = [], 0
