@@ -95,3 +95,27 @@ def test_ack_many_requests_stay_within_their_entry_and_byte_bounds() -> None:
         assert len(msgpack.packb({"consumer_id": "c", "acks": [e for _p, _t, e, _r in chunk]})) <= 16 * 1024 + 64
     assert len(chunks) > 3  # the byte bound cut them, not only the count
     assert not any(t.pending for _p, t in pairs)  # taken: requeued by the sender if a request fails
+
+
+def test_a_tracker_is_listed_while_it_has_acks_no_request_took() -> None:
+    listed: set[AckTracker] = set()
+    t = AckTracker("b1", "s", "g", "s", listed=listed)
+    idle = AckTracker("b1", "idle", "g", "idle", listed=listed)
+    assert not listed  # nothing acked yet: a flush does not look at either
+    t.ack(0)
+    t.ack(1)
+    assert listed == {t}
+    listed.pop()  # a flush took it out ...
+    t.relist()  # ... and its request could not go: back in
+    assert listed == {t}
+    listed.pop()
+    assert t.take() == [[0, 2]]
+    t.relist()  # nothing left pending: not listed
+    assert not listed
+    t.requeue([[0, 2]])  # the request carrying them failed
+    assert listed == {t}
+    listed.clear()
+    t.take()
+    t.ack_many([5, 6])
+    assert listed == {t}
+    assert not idle.pending

@@ -150,3 +150,29 @@ async def test_the_routes_of_many_new_subjects_are_asked_for_together(meta_serve
         assert [len(b) for b in batches] == [0] * len(subjects)
         assert all(meta.route(s) is not None for s in subjects)
         assert meta.refreshes - asked_before <= 4, meta.refreshes - asked_before
+
+
+async def test_a_flush_sends_the_acks_of_the_subjects_acked_and_looks_at_no_other(
+    meta_server: str, subject: str
+) -> None:
+    subjects = [f"{subject}.{k}" for k in range(20)]
+    await _send(meta_server, subjects, 1)
+    async with Consumer(app_code="test", meta_server=meta_server, ack_flush_ms=60_000) as consumer:
+        pcs = [consumer.pull_consumer(s, "g", "earliest") for s in subjects]
+        batches = await consumer.pull_many(pcs, max_messages=1_000, per_subject_max=1)
+        assert [len(b) for b in batches] == [1] * 20
+        for batch in batches[:3]:
+            batch.ack_all()
+        listed = consumer._ctx.with_acks
+        assert {t.subject for t in listed} == set(subjects[:3])  # what a flush looks at
+        await consumer.flush_acks()
+        assert not listed
+        assert not consumer.acks_pending
+        for batch in batches[3:]:
+            batch.ack_all()
+        assert len(listed) == 17
+        await consumer.flush_acks()
+        assert not listed
+        assert not consumer.acks_pending
+        # every ack took: each broker answered its subject's acknowledged prefix past the message
+        assert [t.ack_offset for pc in pcs for t in pc.puller.trackers.values()] == [1] * 20

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,12 @@ class Host:
         )
         self.handled: list[int] = []
         self.answer_bytes = 100 * 1024
+        self.cost_s = 0.0  # how long handling a frame holds the loop
 
     def dispatch(self, conn: FrameConnection, frame: Frame) -> None:
         self.handled.append(frame.request_id)
+        if self.cost_s:
+            time.sleep(self.cost_s)
         body = b"x" * self.answer_bytes if frame.code == RequestCode.READ else b""
         conn.respond(frame.code, frame.request_id, {}, [body] if body else ())
 
@@ -307,3 +311,16 @@ def test_a_delay_server_counts_the_connections_it_refuses_and_drops(tmp_path: Pa
         assert reg.get_sample_value("qmq_delay_connections_dropped_total", {"reason": "no_request"}) == 2
     finally:
         shell.checkpoint_executor.shutdown()
+
+
+async def test_frames_that_take_the_loop_long_wait_for_the_next_turn_however_few() -> None:
+    host = Host()
+    host.cost_s = 0.003  # each request takes 3 ms of the loop (as a READ of a thousand messages)
+    conn, transport = connect(host)
+    conn.data_received(requests(RequestCode.PING, 1, 5))  # small answers: the client reads them
+    # one frame past the turn's budget, and the others (a PING on another connection) run
+    assert host.handled == [1]
+    assert not transport.reading
+    await next_turns(10)
+    assert host.handled == [1, 2, 3, 4, 5]
+    assert transport.reading

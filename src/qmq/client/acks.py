@@ -7,6 +7,10 @@ reach the broker are put back for the next request.
 
 The lock makes ``ack`` callable from any thread (the blocking SDK's handler threads);
 everything else runs on the event loop.
+
+A tracker given a ``listed`` set (its consumer's) is in it from its first pending ack until a
+request takes them, so a flush of a consumer's acks looks at the trackers that have some, not
+at every subject it ever pulled (40,000 of them, every ``ack_flush_ms``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class AckTracker:
     """Pending acknowledgements for one (broker group, subject, consumer group)."""
 
     __slots__ = (
+        "_listed",
         "_lock",
         "_offsets",
         "_ranges",
@@ -67,9 +72,11 @@ class AckTracker:
         "broker_group",
         "closed",
         "group",
+        "listed",
         "loop",
         "on_nack",
         "origin_subject",
+        "owner",
         "subject",
         "subscription",
         "unheld",
@@ -83,7 +90,11 @@ class AckTracker:
         origin_subject: str,
         on_nack: Callable[[Any, BaseException | None], Coroutine[Any, Any, None]] | None = None,
         subscription: Any = None,
+        listed: set[AckTracker] | None = None,
+        owner: Any = None,
     ) -> None:
+        """``listed``: the set this tracker is in while it has pending acks (None: no set);
+        ``owner``: what pulled for it (the SubjectPuller whose acks these are), for the flush."""
         self.broker_group = broker_group
         self.subject = subject
         self.group = group
@@ -102,18 +113,36 @@ class AckTracker:
         # acked positions the broker said it never handed out (a pull a failover or a power loss
         # undid): those acks did nothing, and their messages come again
         self.unheld = 0
+        self.listed = listed
+        self.owner = owner
+        self._listed = False  # in ``listed``: set under the lock with the acks that put it there
+
+    def _list(self) -> None:
+        # under self._lock, after acks were added
+        if self.listed is not None and not self._listed:
+            self._listed = True
+            self.listed.add(self)
+
+    def relist(self) -> None:
+        """Back in ``listed`` if acks are still pending (a flush took it out and could not send them)."""
+        with self._lock:
+            if self.listed is not None and (self._offsets or self._ranges):
+                self._listed = True
+                self.listed.add(self)
 
     def ack(self, offset: int) -> None:
         if self.closed:
             raise self._closed_error()
         with self._lock:
             self._offsets.append(offset)
+            self._list()
 
     def ack_many(self, offsets: Iterable[int]) -> None:
         if self.closed:
             raise self._closed_error()
         with self._lock:
             self._offsets.extend(offsets)
+            self._list()
 
     def _closed_error(self) -> QmqError:
         return QmqError(
@@ -136,6 +165,7 @@ class AckTracker:
         with self._lock:
             offsets, self._offsets = self._offsets, []
             requeued, self._ranges = self._ranges, []
+            self._listed = False  # taken: listed again by the next ack or requeue
         if not offsets and not requeued:
             return []
         if requeued:
@@ -167,3 +197,4 @@ class AckTracker:
         if ranges:
             with self._lock:
                 self._ranges.extend(ranges)
+                self._list()

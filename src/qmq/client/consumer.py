@@ -442,7 +442,7 @@ class Consumer:
         loss (once it is fsynced). Acks whose request got no answer (a broker away, a timeout)
         are kept for the next flush without an error: ``acks_undelivered`` says so afterwards."""
         async with self._ack_flushing:  # after a flush in flight: what it could not deliver goes now
-            await flush_acks_together(self._ctx, self._ctx.pullers)
+            await flush_acks_together(self._ctx)
 
     @property
     def acks_pending(self) -> bool:
@@ -468,7 +468,7 @@ class Consumer:
     async def _flush_acks(self) -> None:
         try:
             async with self._ack_flushing:
-                await flush_acks_together(self._ctx, self._ctx.pullers)
+                await flush_acks_together(self._ctx)
         except QmqError as exc:  # the acks stay pending, or were logged as refused
             log.debug("flushing acks: %s", exc)
         except Exception:  # a bug must not stop the flushes

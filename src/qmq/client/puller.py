@@ -19,8 +19,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
-import msgpack
-
 from qmq.client.acks import AckTracker
 from qmq.client.connection import ConnectionPool
 from qmq.client.meta import BrokerGroup, MetaClient
@@ -32,6 +30,7 @@ from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
+from qmq.protocol.packing import packb
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,8 @@ class ConsumerContext:
     closed: bool = False
     # broker groups that answered PULL_MANY UNKNOWN_COMMAND (older brokers): pulled subject by subject
     no_pull_many: set[str] = field(default_factory=set)
+    # the trackers with acks no request has taken yet (acks.py): what a flush sends
+    with_acks: set[AckTracker] = field(default_factory=set)
 
     def started(self) -> tuple[MetaClient, ConnectionPool]:
         if self.meta is None or self.pool is None or self.closed:
@@ -117,7 +118,14 @@ class SubjectPuller(Generic[M]):
         t = self.trackers.get(broker_group)
         if t is None:
             t = AckTracker(
-                broker_group, self.subject, self.group, self.origin_subject, self.on_nack, self.subscription
+                broker_group,
+                self.subject,
+                self.group,
+                self.origin_subject,
+                self.on_nack,
+                self.subscription,
+                listed=self._ctx.with_acks,
+                owner=self,
             )
             t.loop = asyncio.get_running_loop()
             self.trackers[broker_group] = t
@@ -394,20 +402,29 @@ _ACK_MANY_ENTRIES_MAX = 1_000
 _ACK_MANY_HEADER_BYTES = 40 * 1024
 
 
-async def flush_acks_together(ctx: ConsumerContext, pullers: list[SubjectPuller[Any]]) -> None:
-    """Send the pending acks of ``pullers`` with one ACK_MANY request per broker group (more
-    when they would not fit one), rather than an ACK per subject; a broker that does not know
-    ACK_MANY gets them one subject at a time. Raises the first failure after sending the rest."""
+async def flush_acks_together(ctx: ConsumerContext) -> None:
+    """Send the consumer's pending acks with one ACK_MANY request per broker group (more when
+    they would not fit one), rather than an ACK per subject; a broker that does not know
+    ACK_MANY gets them one subject at a time. Raises the first failure after sending the rest.
+    Only the trackers in ``ctx.with_acks`` are looked at; what could not be sent (a broker
+    group unavailable, a request that failed) stays pending, listed for the next flush."""
     meta, pool = ctx.started()
+    listed = ctx.with_acks
+    trackers: list[AckTracker] = []
+    while listed:
+        trackers.append(listed.pop())  # one by one: an ack from another thread may add meanwhile
     by_group: dict[str, list[tuple[SubjectPuller[Any], AckTracker]]] = {}
-    for p in pullers:
-        for tracker in p.trackers.values():
-            if tracker.pending and tracker.broker_group in meta.groups:  # else kept for later
-                by_group.setdefault(tracker.broker_group, []).append((p, tracker))
-    results = await asyncio.gather(
-        *(_ack_group(ctx, pool, meta.groups[name], pairs) for name, pairs in by_group.items()),
-        return_exceptions=True,
-    )
+    for tracker in trackers:
+        if tracker.pending and tracker.broker_group in meta.groups:  # else kept for later
+            by_group.setdefault(tracker.broker_group, []).append((tracker.owner, tracker))
+    try:
+        results = await asyncio.gather(
+            *(_ack_group(ctx, pool, meta.groups[name], pairs) for name, pairs in by_group.items()),
+            return_exceptions=True,
+        )
+    finally:
+        for tracker in trackers:
+            tracker.relist()
     for result in results:
         if isinstance(result, BaseException):
             raise result
@@ -431,7 +448,7 @@ def ack_many_chunks(
         if taken is None:
             continue
         entry, ranges = taken
-        entry_bytes = len(msgpack.packb(entry))
+        entry_bytes = len(packb(entry))
         if chunk and (len(chunk) >= entries_max or size + entry_bytes > header_bytes):
             chunks.append(chunk)
             chunk, size = [], 0

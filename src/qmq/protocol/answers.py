@@ -25,6 +25,7 @@ from qmq.common.limits import KiB
 from qmq.protocol.codes import RequestCode
 from qmq.protocol.errors import LocalProtocolError, RemoteProtocolError
 from qmq.protocol.frame import Frame
+from qmq.protocol.packing import PACK_BUFFER_BYTES, packb
 
 # A page fits a frame (frame_bytes_max, 16 MiB) many times over and is packed in about a
 # millisecond, so one listing request never holds a server's loop for long.
@@ -47,7 +48,7 @@ ANSWERED_IN_BODY = frozenset(
 def pack(value: Any) -> bytes:
     """One value as msgpack (an item of a page, a field of a document)."""
     try:
-        packed: bytes = msgpack.packb(value)
+        packed = packb(value)
     except (TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"answer cannot be encoded as msgpack: {exc}") from None
     return packed
@@ -57,7 +58,7 @@ def encode_answer(fields: Mapping[str, Any], lists: Mapping[str, Sequence[bytes]
     """The answer document: a map of ``fields`` and, under each key of ``lists``, an array of
     items already packed one by one (a ``Page``'s), so no item is packed twice."""
     lists = lists or {}
-    packer = msgpack.Packer()
+    packer = msgpack.Packer(buf_size=PACK_BUFFER_BYTES)
     parts = [packer.pack_map_header(len(fields) + len(lists))]
     for key, value in fields.items():
         parts.append(pack(key))

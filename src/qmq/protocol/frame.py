@@ -32,6 +32,7 @@ import msgpack
 
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.protocol.errors import LocalProtocolError, RemoteProtocolError
+from qmq.protocol.packing import packb
 
 PREFIX = struct.Struct("<IHBBHHII")
 PREFIX_BYTES = PREFIX.size  # 20
@@ -54,7 +55,7 @@ class Frame:
     response: bool = False
 
 
-_EMPTY_HEADER = msgpack.packb({})
+_EMPTY_HEADER = packb({})
 
 
 def encode_frame_parts(
@@ -98,7 +99,7 @@ def _pack_header(header: dict[str, Any]) -> bytes:
         if not isinstance(key, str):
             raise LocalProtocolError(f"frame header key {key!r} is not a string")
     try:
-        packed: bytes = msgpack.packb(header)
+        packed = packb(header)
     except (TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"frame header cannot be encoded as msgpack: {exc}") from None
     return packed

@@ -53,6 +53,7 @@ import msgpack
 from qmq.common.errors import InvalidMessageError
 from qmq.common.limits import DEFAULT_LIMITS, Limits
 from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.packing import packb
 
 HEADER = struct.Struct("<BBHBBHqqHHII")
 HEADER_BYTES = HEADER.size  # 36
@@ -84,7 +85,7 @@ PropertyValue = str | int | float | bool | bytes
 
 
 def encode_properties(props: Mapping[str, PropertyValue]) -> bytes:
-    return msgpack.packb(props, use_bin_type=True) if props else b""
+    return packb(props) if props else b""
 
 
 def decode_properties(raw: bytes | memoryview) -> dict[str, PropertyValue]:

@@ -8,12 +8,15 @@ a fresh 256 KiB ``bytes``, which the C allocator maps, faults in and unmaps agai
 system calls and a few page faults per 16 KiB record); a buffered one has it decrypt in place.
 
 Requests are handled as they are decoded, on the loop, without a task per request. After a
-frame whose code is in the host's ``yield_after`` set (sends), or after ``_FRAMES_PER_TURN``
-frames of any kind, the rest of what arrived waits for the next loop turn (reading paused),
-so timers, heartbeats and other connections run between frames however many requests one
-client pipelines. A frame that cannot be decoded costs only its own connection: the peer gets
-an error frame, then the connection closes. Once the connection is closing (the peer went
-away: a write failed), the requests it left decoded are dropped, not handled.
+frame whose code is in the host's ``yield_after`` set (sends), after ``_FRAMES_PER_TURN``
+frames of any kind, or once the frames handled took ``_TURN_BUDGET_S`` of the loop, the rest of
+what arrived waits for the next loop turn (reading paused), so timers, heartbeats and other
+connections run between frames however many requests one client pipelines: a hundred clients
+pipelining READs of a thousand messages each hold a turn about a hundred budgets, not 1,600
+READs (a PING waited over a second behind them). A frame that cannot be decoded costs only its
+own connection: the peer gets an error frame, then the connection closes. Once the connection
+is closing (the peer went away: a write failed), the requests it left decoded are dropped, not
+handled.
 
 What one client can hold of the server is bounded:
 - replies it does not read: once the transport's write buffer passes its high-water mark
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -58,6 +62,9 @@ _READ_BUFFER_BYTES = 256 * KiB
 # Frames handled for one connection in one loop turn before the others get theirs: a client that
 # pipelines thousands of requests (each READ may read a thousand messages) waits its turn.
 _FRAMES_PER_TURN = 16
+# The loop time one connection's frames may take in one turn, however few: past it, the next frame
+# waits for the next turn (one frame is always handled, whatever it costs).
+_TURN_BUDGET_S = 0.001
 # A refused connection is closed once the client has closed its side, or after this long: a close
 # with the client's request unread would reset the connection, and the reset can overtake the
 # error frame that says why.
@@ -173,6 +180,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         dispatch = host.dispatch
         yield_after = host.yield_after
         handled = 0
+        began = time.perf_counter()
         try:
             # a handler's answer may fill the write buffer (pause_writing): the frames after it
             # wait in the decoder until resume_writing
@@ -182,7 +190,11 @@ class FrameConnection(asyncio.BufferedProtocol):
                 dispatch(self, frame)
                 self.requests_read += 1
                 handled += 1
-                if (frame.code in yield_after or handled >= _FRAMES_PER_TURN) and decoder.buffered_bytes:
+                if (
+                    frame.code in yield_after
+                    or handled >= _FRAMES_PER_TURN
+                    or time.perf_counter() - began >= _TURN_BUDGET_S
+                ) and decoder.buffered_bytes:
                     self._next_turn()
                     return
         except RemoteProtocolError as exc:

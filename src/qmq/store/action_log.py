@@ -50,6 +50,7 @@ from typing import Any
 import crc32c
 import msgpack
 
+from qmq.protocol.packing import packb
 from qmq.store.datadir import StoreError
 from qmq.store.file_header import FileKind
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
@@ -185,7 +186,7 @@ class ActionLog:
         return self.segments.end
 
     def append(self, action: list[Any]) -> None:
-        payload = msgpack.packb(action, use_bin_type=True)
+        payload = packb(action)
         self.segments.append(FRAME.pack(len(payload), crc32c.crc32c(payload)) + payload)
         if self.on_append is not None:
             self.on_append()

@@ -24,6 +24,7 @@ from typing import Any
 import crc32c
 import msgpack
 
+from qmq.protocol.packing import packb
 from qmq.store import fileio
 from qmq.store.datadir import StoreError
 
@@ -45,7 +46,7 @@ def write_checkpoint(
     """Replace the checkpoint with ``state``; with ``history_max``, also keep it as
     ``checkpoint.<key>`` (``history_key``: numbers that grow with time, e.g. log offsets),
     keeping the newest ``history_max`` of those."""
-    payload = msgpack.packb(state, use_bin_type=True)
+    payload = packb(state)
     data = _HEAD.pack(_MAGIC, crc32c.crc32c(payload)) + payload
     if history_key and history_max > 0:
         _write_replacing(directory, f"{NAME}." + ".".join(f"{k:020d}" for k in history_key), data)
