@@ -8,9 +8,10 @@ reach the broker are put back for the next request.
 The lock makes ``ack`` callable from any thread (the blocking SDK's handler threads);
 everything else runs on the event loop.
 
-A tracker given a ``listed`` set (its consumer's) is in it from its first pending ack until a
-request takes them, so a flush of a consumer's acks looks at the trackers that have some, not
-at every subject it ever pulled (40,000 of them, every ``ack_flush_ms``).
+A tracker given a ``listed`` set (its consumer's) is added to it by every ack and every put-back,
+so a flush of a consumer's acks looks at the trackers acked since the last flush (a pull that
+carried their acks meanwhile leaves them there with nothing pending), not at every subject it
+ever pulled (40,000 of them, every ``ack_flush_ms``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ class AckTracker:
     """Pending acknowledgements for one (broker group, subject, consumer group)."""
 
     __slots__ = (
-        "_listed",
         "_lock",
         "_offsets",
         "_ranges",
@@ -115,20 +115,17 @@ class AckTracker:
         self.unheld = 0
         self.listed = listed
         self.owner = owner
-        self._listed = False  # in ``listed``: set under the lock with the acks that put it there
 
     def _list(self) -> None:
-        # under self._lock, after acks were added
-        if self.listed is not None and not self._listed:
-            self._listed = True
+        # after acks were added (under self._lock); a set's add is atomic, and a no-op when it is in
+        if self.listed is not None:
             self.listed.add(self)
 
     def relist(self) -> None:
         """Back in ``listed`` if acks are still pending (a flush took it out and could not send them)."""
         with self._lock:
-            if self.listed is not None and (self._offsets or self._ranges):
-                self._listed = True
-                self.listed.add(self)
+            if self._offsets or self._ranges:
+                self._list()
 
     def ack(self, offset: int) -> None:
         if self.closed:
@@ -165,7 +162,6 @@ class AckTracker:
         with self._lock:
             offsets, self._offsets = self._offsets, []
             requeued, self._ranges = self._ranges, []
-            self._listed = False  # taken: listed again by the next ack or requeue
         if not offsets and not requeued:
             return []
         if requeued:
