@@ -60,6 +60,11 @@ def short(text: str, limit: int = 90) -> str:
 
 
 # -- cell states -------------------------------------------------------------------------
+def mark(met: bool | None) -> str:
+    """A goal's mark after its figure: ✓ met, ✗ not, nothing when it cannot be told."""
+    return "" if met is None else (" ✓" if met else " ✗")
+
+
 def state(entry: dict[str, Any], workload: str) -> str | None:
     """Why a system has no figure for a workload ('skipped: …', 'FAILED: …'), or None."""
     if entry.get("skipped"):
@@ -359,9 +364,6 @@ def goals_lines(doc: dict[str, Any]) -> list[str]:
     if not qmq:
         return []
     rate: Getter = lambda r: r.get("msgs_per_s")  # noqa: E731
-
-    def mark(met: bool | None) -> str:
-        return "" if met is None else (" ✓" if met else " ✗")
 
     def w1(name: str) -> str:
         entry = doc["systems"][name]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench.report import Getter, dig, fmt, label, ok_runs, state, table
+from bench.report import Getter, dig, fmt, label, mark, ok_runs, state, table
 
 PEERS = ("rabbitmq", "nats", "redis")
 # Goals (reported, never asserted).
@@ -177,9 +177,6 @@ def large_lines(doc: dict[str, Any]) -> list[str]:
 
 def cell_goals(doc: dict[str, Any]) -> list[tuple[str, Callable[[str], str]]]:
     """Goal rows of the named cells: (text, figure of a qmq system)."""
-
-    def mark(met: bool) -> str:
-        return " ✓" if met else " ✗"
 
     def fanout(name: str) -> str:
         entry = doc["systems"][name]

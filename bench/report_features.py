@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from bench.report import dig, fmt, label, state
+from bench.report import dig, fmt, label, mark, state
 from bench.report_cells import cell_section, run_of
 
 # Goals (reported, never asserted).
@@ -144,9 +144,6 @@ def filter_lines(doc: dict[str, Any]) -> list[str]:
 
 def feature_goals(doc: dict[str, Any]) -> list[tuple[str, Callable[[str], str]]]:
     """Goal rows of the feature cells: (text, figure of a qmq system)."""
-
-    def mark(met: bool) -> str:
-        return " ✓" if met else " ✗"
 
     def ordered(name: str) -> str:
         entry = doc["systems"][name]
