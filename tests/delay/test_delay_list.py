@@ -99,6 +99,7 @@ async def test_the_raw_listing_comes_in_pages_with_a_cursor(two_delay_groups: st
                 break
         assert seen == sorted(seen)
         assert len(seen) == len(set(seen))
+        assert 0 < len(seen) < len(due_of)  # each delay group took part of the backlog
         pages_of[group] = pages
         every += seen
     assert max(pages_of.values()) > 1
