@@ -242,6 +242,40 @@ def test_a_route_made_by_another_meta_server_sharing_the_store_is_used(
     assert reg.routes(["s"]) == {"s": ["b1", "b2"]}
 
 
+def test_the_routes_version_changes_when_a_route_answered_before_changes_not_when_one_is_made(
+    store_url: str, store: MetaStore, clock: ManualClock
+) -> None:
+    reg = _registry(store, clock)
+    reg.register(_broker("b1", 20881))
+    first = reg.routes_version()
+    reg.routes([f"s{i}" for i in range(10)])
+    assert reg.routes_version() == first  # new subjects: clients asked for them, nobody holds them
+    assert reg.routes([f"s{i}" for i in range(10)]) == {f"s{i}": ["b1"] for i in range(10)}
+    assert reg.routes_version() == first
+
+    reg.register(_broker("b2", 20891))
+    reg.routes(["s0"])  # widened to b2
+    widened = reg.routes_version()
+    assert widened != first
+
+    # Another meta server sharing the store widens s1: seen here when the routes are read again.
+    other_store = MetaStore(store_url)
+    try:
+        Registry(other_store, clock, heartbeat_timeout_ms=TIMEOUT_MS, route_groups=2).routes(["s1"])
+    finally:
+        other_store.close()
+    assert reg.routes_version() == widened
+    reg.reload_routes()
+    assert reg.routes(["s1"]) == {"s1": ["b1", "b2"]}
+    reloaded = reg.routes_version()
+    assert reloaded != widened
+    reg.reload_routes()
+    assert reg.routes_version() == reloaded  # nothing changed
+
+    # A registry of its own (a restarted meta server) has another version whatever it holds.
+    assert _registry(store, clock).routes_version() != reloaded
+
+
 def test_counts_report_groups_by_role_and_state_and_routes(store: MetaStore, clock: ManualClock) -> None:
     reg = _registry(store, clock)
     reg.register(_broker("b1", 20881))

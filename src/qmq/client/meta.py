@@ -6,6 +6,13 @@ its ``/meta/address``: ``qmq.client.options.check_url``), with one ``?subject=``
 per subject whose route is wanted. The answer is refreshed in the
 background every ``refresh_ms`` the meta server asks for; a failed refresh keeps the last
 answer, so a meta server outage never stops sends or pulls to known brokers.
+
+A refresh asks again for every subject's route only when it must: the meta server's
+``routes_version`` changed since the last full refresh (a route widened or removed, a group
+draining, a route retired), a broker group became available (routes may widen to it), or
+``_FULL_REFRESH_EVERY`` refreshes passed (a route widened through another meta server sharing
+the store). Between them a refresh asks for the groups and the subjects without a route only:
+a consumer of 40,000 subjects makes one request every ``refresh_ms``, not 157.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ _SUBJECT_CHARS_PER_REQUEST_MAX = 4_000
 # beyond it new subjects use every available broker group.
 _SUBJECTS_MAX = 100_000
 _ERROR_TEXT_CHARS_MAX = 300
+_FULL_REFRESH_EVERY = 30
 # Delay groups share the sender's name space with broker groups under this prefix; '%' is
 # never part of a group name, so the two cannot collide.
 DELAY_TARGET_PREFIX = "%delay%"
@@ -77,6 +85,8 @@ class MetaAnswer:
     writable: frozenset[str] = frozenset()
     # each subject's groups to send to, when the meta server says (else: its routes' writable groups)
     send_routes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # changes whenever a route already answered may have (None: a meta server that does not say)
+    routes_version: str | None = None
 
 
 def parse_answer(url: str, doc: object) -> MetaAnswer:
@@ -132,6 +142,9 @@ def parse_answer(url: str, doc: object) -> MetaAnswer:
     refresh_ms = doc.get("refresh_ms", _REFRESH_MS_DEFAULT)
     if isinstance(refresh_ms, bool) or not isinstance(refresh_ms, int):
         raise bad(f"'refresh_ms' = {refresh_ms!r}, not a whole number")
+    routes_version = doc.get("routes_version")
+    if routes_version is not None and not isinstance(routes_version, str):
+        raise bad(f"'routes_version' = {routes_version!r:.200}, not a string")
     return MetaAnswer(
         groups,
         routes,
@@ -139,6 +152,7 @@ def parse_answer(url: str, doc: object) -> MetaAnswer:
         delay_groups,
         frozenset(writable),
         send_routes,
+        routes_version,
     )
 
 
@@ -200,7 +214,12 @@ class MetaClient:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
+        # The meta server's routes_version at the last full refresh (None: the next is full) and
+        # the refreshes since, which asked for unrouted subjects only.
+        self._routes_version: str | None = None
+        self._partial_refreshes = 0
         self.refreshes = 0
+        self.full_refreshes = 0
 
     async def start(self) -> None:
         """Fetch the first answer; MetaServerError naming the URL if the meta server is unreachable."""
@@ -412,12 +431,30 @@ class MetaClient:
                 await asyncio.sleep(rest)
 
     async def refresh(self) -> None:
-        """Ask again for the groups and the routes of every subject asked for so far.
+        """Ask again for the groups and the routes: of every subject asked for so far when a
+        route may have changed (see the module's docstring), else of the unrouted ones only.
 
         What could be fetched is applied; MetaServerError if any request failed.
         """
+        if self._routes_version is not None and self._partial_refreshes < _FULL_REFRESH_EVERY:
+            groups_before = set(self.groups)
+            unrouted = sorted(s for s in self._subjects if s not in self._routes)
+            version = await self._refresh_routes(unrouted)
+            if version == self._routes_version and self.groups.keys() <= groups_before:
+                self._partial_refreshes += 1
+                return
+        self._routes_version = None  # a failed full refresh leaves the next one full
+        version = await self._refresh_routes(sorted(self._subjects))
+        self._routes_version = version
+        self._partial_refreshes = 0
+        self.full_refreshes += 1
+
+    async def _refresh_routes(self, subjects: list[str]) -> str | None:
+        """Fetch and apply the routes of ``subjects`` (and the groups, with every answer); the
+        answers' routes_version, None when they did not all give the same one."""
         failed: MetaServerError | None = None
-        for chunk in _chunks(sorted(self._subjects)):
+        versions: set[str | None] = set()
+        for chunk in _chunks(subjects):
             try:
                 answer = await self._fetch(chunk)
             except MetaRefusedError as exc:
@@ -426,8 +463,10 @@ class MetaClient:
             except MetaServerError:
                 raise  # unreachable: the other chunks would fail the same way
             self._apply(answer, chunk)
+            versions.add(answer.routes_version)
         if failed is not None:
             raise failed
+        return versions.pop() if len(versions) == 1 else None
 
     async def _fetch(self, subjects: list[str]) -> MetaAnswer:
         session = self._session

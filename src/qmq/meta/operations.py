@@ -86,14 +86,19 @@ class Operations:
         self._states: dict[tuple[str, str], GroupState] = {}
         self._retired: dict[str, set[str]] = {}
         self._history_seen = 0
+        self._changes = 0  # how often the group states or retired routes changed (in routes_version)
         self._cache = ReadCache(clock, cache_ms / 1000, self._reload, "the group states")
         self._reload()
 
     # -- what clients and servers see ------------------------------------------------------
 
     def _reload(self) -> None:
-        self._states = self._rows.group_states()
-        self._retired = self._rows.route_removals()
+        states = self._rows.group_states()
+        retired = self._rows.route_removals()
+        if states != self._states or retired != self._retired:
+            self._changes += 1
+        self._states = states
+        self._retired = retired
         last = self._rows.last_history_id()
         if last != self._history_seen:
             self._history_seen = last
@@ -131,11 +136,13 @@ class Operations:
         }
 
     def decorate_address(self, body: dict[str, Any]) -> None:
-        """Add ``writable`` to each broker group and ``send_routes`` to a ``GET /meta/address`` answer."""
+        """Add ``writable`` to each broker group, ``send_routes`` and ``routes_version`` (changed by
+        any change of a route or of what send routes leave out) to a ``GET /meta/address`` answer."""
         unwritable = self.unwritable()
         for g in body["broker_groups"]:
             g["writable"] = g["group"] not in unwritable
         body["send_routes"] = self.send_routes(body["routes"])
+        body["routes_version"] = f"{self._registry.routes_version()}.{self._changes}"
 
     def record_backlog(self, role: str, group: str, address: str, report: dict[str, Any]) -> None:
         """Keep a master's report of what it holds unconsumed (its heartbeat's ``unconsumed``)."""

@@ -23,6 +23,7 @@ were sent.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -186,6 +187,10 @@ class Registry:
         # When an incomplete route was last read from the store (another meta server may widen it).
         self._route_read_at: dict[str, float] = {}
         self._subjects_per_group: Counter[str] = Counter(g for gs in self._routes.values() for g in gs)
+        # What routes_version is made of: this registry's own token (another meta server, or this
+        # one restarted, has another) and how often a route a client may hold changed.
+        self._routes_epoch = secrets.token_hex(4)
+        self._route_changes = 0
         # Groups whose master is gone with no slave to promote, logged once until that changes.
         self._stuck: set[tuple[str, str]] = set()
 
@@ -485,6 +490,8 @@ class Registry:
                     f"the meta server already routes {SUBJECTS_MAX} subjects; cannot route {subject!r}"
                 )
             plans[subject] = extra
+            if current:  # widened: a client holding the narrower route must ask again
+                self._route_changes += 1
             self._subjects_per_group.update(extra)  # the next new subject of this request sees them
         if plans:
             for subject, routed in self._store.add_routes_many(plans, self._clock.now_ms()).items():
@@ -512,6 +519,9 @@ class Registry:
         mono = self._clock.monotonic()
         for subject in subjects:
             current = stored.get(subject)
+            held = self._routes.get(subject)
+            if held is not None and held != current:  # widened or removed through another meta server
+                self._route_changes += 1
             if current:
                 self._routes[subject] = current
             else:  # removed from the store (or never routed): routed anew
@@ -523,9 +533,19 @@ class Registry:
 
     def reload_routes(self) -> None:
         """Read every route from the store again (an operator added or removed one)."""
-        self._routes = self._store.routes()
+        routes = self._store.routes()
+        if routes != self._routes:
+            self._route_changes += 1
+        self._routes = routes
         self._route_read_at.clear()
         self._subjects_per_group = Counter(g for gs in self._routes.values() for g in gs)
+
+    def routes_version(self) -> str:
+        """A token that changes whenever a route already answered may have changed (widened,
+        removed, reloaded) in this registry; a route made for a new subject leaves it as it is.
+        A client whose token is still the one of its last full refresh asks only for the
+        subjects it has no route for (qmq.client.meta)."""
+        return f"{self._routes_epoch}.{self._route_changes}"
 
     def counts(self) -> RegistryCounts:
         groups = {(role, state): 0 for role in ROLES for state in STATES}
