@@ -465,8 +465,9 @@ def markdown(doc: dict[str, Any]) -> str:
         parts += gateway_lines(doc)
     from bench.report_cells import fanout_lines, large_lines, many_subjects_lines
 
-    if "W9" in workloads:
-        parts += fanout_lines(doc)
+    for workload in ("W9", "W15"):
+        if workload in workloads:
+            parts += fanout_lines(doc, workload)
     if "W10" in workloads:
         parts += many_subjects_lines(doc)
     if "W11" in workloads:

@@ -3,8 +3,9 @@ order with one cell each, stop the server; one failing system never stops the ot
 
 Order per system: W1+W2 (× repeats), W3, W13 (TLS: on servers of its own, while the run's holds
 little), W6, W12 (ordered), W7, W8 (qmq only), W14 (filtered, qmq only), W9 (fan-out to 70 groups),
-W11 (64 KiB and 1 MiB messages), W10 (40,000 subjects: it restarts the server on its data), then W4
-and W5 on a freshly started server (full runs), so the delay figures see no earlier backlog in memory.
+W15 (fan-out to 700 groups), W11 (64 KiB and 1 MiB messages), W10 (40,000 subjects: it restarts the
+server on its data), then W4 and W5 on a freshly started server (full runs), so the delay figures
+see no earlier backlog in memory.
 W12 and W14 run once, on the first qmq system of the run: their backlogs are sent before any clock
 starts, so the flush policy is not what they measure."""
 
@@ -21,7 +22,7 @@ from bench.settings import Settings
 from bench.workers import kill_all_workers
 from bench.workloads_basic import w1_publish, w2_drain, w3_latency
 from bench.workloads_delay import w4_delay, w5_thundering_second
-from bench.workloads_fanout import w9_fanout
+from bench.workloads_fanout import w9_fanout, w15_fanout_wide
 from bench.workloads_features import w12_ordered, w13_tls, w14_filtered
 from bench.workloads_gateway import w8_gateway
 from bench.workloads_large import w11_large
@@ -167,7 +168,8 @@ class SystemRun:
             else:
                 self._record("W8", {"skipped": "no HTTP gateway: W8 measures qmq's"})
         self._feature("W14", w14_filtered, cell)
-        for workload, fn in (("W9", w9_fanout), ("W11", w11_large), ("W10", w10_many_subjects)):
+        for workload, fn in (("W9", w9_fanout), ("W15", w15_fanout_wide), ("W11", w11_large),
+                             ("W10", w10_many_subjects)):
             if workload in want:
                 self._cell(workload, fn, cell)
         restarted = False
@@ -231,7 +233,7 @@ def _headline(workload: str, result: dict[str, Any]) -> str:
             f"x{k}: {v.get('speedup_vs_1')}" for k, v in handled.items())
     if workload == "W7":
         return f"publish {result.get('publish_msgs_per_s')} msg/s, drain {result.get('drain_msgs_per_s')} msg/s"
-    if workload == "W9":
+    if workload in ("W9", "W15"):
         drained, live = result.get("drained") or {}, result.get("live") or {}
         return (f"drained {drained.get('deliveries_per_s')} deliveries/s, "
                 f"live p99 {(live.get('latency_ms') or {}).get('p99')} ms")

@@ -22,10 +22,10 @@ REDIS_PORT = 36379
 HOST = "127.0.0.1"
 PAYLOAD_BYTES = 1024
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11", "W12", "W13", "W14")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10", "W11", "W12", "W13", "W14", "W15")
 # What the newer cells measure: the report names each by it.
 CELL_NAMES = {"W9": "fan-out to 70 groups", "W10": "40,000 subjects", "W11": "64 KiB and 1 MiB messages",
-              "W12": "ordered", "W13": "TLS", "W14": "filtered"}
+              "W12": "ordered", "W13": "TLS", "W14": "filtered", "W15": "fan-out to 700 groups"}
 PEERS = ("rabbitmq", "nats", "redis")
 QMQ_FLUSH_POLICIES = ("sync", "periodic")
 
@@ -72,6 +72,12 @@ class Settings:
     fanout_prefetch_per_group: int = 100
     fanout_live_rate_per_s: float = 1_000.0
     fanout_live_duration_s: float = 20.0
+    # W15: the fan-out at 700 groups; live at a tenth of W9's rate (the same deliveries/s), for
+    # fanout_live_duration_s.
+    fanout_wide_groups: int = 700
+    fanout_wide_messages: int = 2_000
+    fanout_wide_prefetch_per_group: int = 20
+    fanout_wide_live_rate_per_s: float = 100.0
     # W10: subjects created (one message each) in chunks, until all or the time limit; then drained.
     many_subjects: int = 40_000
     many_subjects_chunk: int = 1_000
@@ -138,6 +144,7 @@ class Settings:
             w8_messages=20_000,
             fanout_messages=300,
             fanout_live_duration_s=1.0,
+            fanout_wide_messages=30,
             many_subjects=300,
             many_subjects_restart=False,
             many_subjects_limit_s=60.0,

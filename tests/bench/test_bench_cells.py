@@ -115,6 +115,24 @@ def test_fanout_rows_compare_qmq_with_the_best_peer() -> None:
     assert fanout_goal("qmq-sync") == "400,000/s = 2.67× redis ✓, live p99 12.0 ms ✓"
 
 
+def test_the_fanout_to_700_groups_has_a_section_and_a_goal_of_its_own() -> None:
+    doc = _doc({
+        "qmq-sync": _entry("qmq-sync", "qmq", {"W9": _fanout(400_000.0, 12.0), "W15": _fanout(300_000.0, 30.0)}),
+        "nats": _entry("nats", "peer", {"W9": _fanout(100_000.0, 3.0), "W15": _fanout(50_000.0, 9.0)}),
+    })
+    doc["workloads"] = ["W9", "W15"]
+    text = "\n".join(fanout_lines(doc, "W15"))
+    assert "## W15 fan-out to 700 groups — 2,000 × 1 KiB drained by each group; live 100 msg/s" in text
+    assert "(70,000 deliveries/s)" in text
+    assert "6.00× nats" in text  # against W15's peer figures, not W9's
+    goals = dict(cell_goals(doc))
+    wide = next(fn for text, fn in goals.items() if text.startswith("W15"))
+    assert wide("qmq-sync") == "300,000/s = 6.00× nats ✓, live p99 30.0 ms ✗"
+    report = markdown(doc)
+    assert report.index("## W9 fan-out to 70 groups") < report.index("## W15 fan-out to 700 groups")
+    assert "| W15 fan-out to 700 groups: drained ≥ 2× the best peer" in report
+
+
 def test_many_subjects_rows_say_where_a_system_stopped() -> None:
     qmq = {"ok": True, "asked": 40_000, "reached": 40_000, "stopped": None, "new_subjects_per_s": 6_000.0,
            "grow": {"server": {"server_cpu_s": 40.0}}, "rss_bytes_per_subject": {"broker": 1_500, "meta": 600},

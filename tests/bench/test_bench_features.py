@@ -21,7 +21,7 @@ FEATURES = ("W12", "W13", "W14")
 
 
 def test_the_cells_are_named_by_what_they_measure_with_full_and_quick_sizes() -> None:
-    assert WORKLOADS[-3:] == FEATURES
+    assert WORKLOADS[-4:-1] == FEATURES
     assert [CELL_NAMES[w] for w in FEATURES] == ["ordered", "TLS", "filtered"]
     full, quick = Settings.full(), Settings.for_quick()
     assert (full.ordered_keys, full.ordered_per_key, full.ordered_consumer_counts) == (10_000, 2, (1, 2, 4, 8))

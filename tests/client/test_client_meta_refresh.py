@@ -93,8 +93,7 @@ async def test_routes_are_asked_for_again_only_when_the_meta_server_says_one_cha
 
         # A second group becomes available: the routes widen to it, seen at the next refresh.
         await _register(http, server, "b2", 20891)
-        requests, fulls = await _refresh(meta)
-        assert fulls == 1
+        assert (await _refresh(meta))[1] == 1
         assert {meta.route(s) for s in [*SUBJECTS, "late"]} == {("b1", "b2")}
         # the widening changed the version between the full refresh's requests: one more is full
         while (await _refresh(meta))[1]:
