@@ -49,6 +49,20 @@ def test_ready_line_and_sigterm_stops_every_role(standalone_dir: Path) -> None:
     assert (standalone_dir / "broker" / "checkpoint").exists()
 
 
+def _started_ticks(pid: int) -> int:
+    """When the process started, in clock ticks since boot (/proc/PID/stat field 22)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().split(")")[-1].split()[19])
+
+
+def test_the_gateway_starts_while_the_broker_recovers_not_after_the_delay_server(standalone_dir: Path) -> None:
+    with running_standalone(standalone_dir) as proc:
+        gateway, delay = proc.pid_of("gateway"), proc.pid_of("delay")
+        # the delay server starts once the broker is ready; the gateway when the broker starts
+        assert _started_ticks(gateway) <= _started_ticks(delay)
+        assert proc.stop() == 0
+
+
 def test_children_exit_when_the_supervisor_is_killed(standalone_dir: Path) -> None:
     with running_standalone(standalone_dir) as proc:
         meta_pid, broker_pid = proc.pid_of("meta"), proc.pid_of("broker")

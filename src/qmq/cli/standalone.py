@@ -66,6 +66,11 @@ class Child:
     restarts: list[float] = field(default_factory=list)
 
     def start(self, deadline: float) -> None:
+        self.launch()
+        self.wait_ready(deadline)
+
+    def launch(self) -> None:
+        """Start the process; ``wait_ready`` waits for its ready line."""
         self.proc = subprocess.Popen(
             self.argv,
             stdout=subprocess.PIPE,
@@ -73,6 +78,9 @@ class Child:
             env=_child_env(self.role),
             preexec_fn=_child_setup(os.getpid()),
         )
+
+    def wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None, "launch() first"
         self.ready = _wait_ready(self.proc, self.role, deadline)
         # keep draining stdout so a chatty child can never block on a full pipe
         threading.Thread(target=_drain, args=(self.proc,), daemon=True, name=f"drain-{self.role}").start()
@@ -189,12 +197,16 @@ class Supervisor:
             self.meta.start(deadline)
             meta_url = self.meta.ready["meta_server"]
             self.broker.argv = [*self.broker_argv, "--meta-server", meta_url]
-            self.broker.start(deadline)
-            # after the broker: due messages are handed to it as soon as the delay server runs
             self.delay.argv = [*self.delay_argv, "--meta-server", meta_url]
-            self.delay.start(deadline)
             self.gateway.argv = [*self.gateway_argv, "--meta-server", meta_url]
-            self.gateway.start(deadline)
+            # The gateway needs only the meta server: it starts while the broker recovers its
+            # store (seconds with tens of thousands of subjects), not after.
+            self.broker.launch()
+            self.gateway.launch()
+            self.broker.wait_ready(deadline)
+            # after the broker: due messages are handed to it as soon as the delay server runs
+            self.delay.start(deadline)
+            self.gateway.wait_ready(deadline)
         except StartupFailed as exc:
             print(f"qmq standalone: cannot start: {exc}", file=sys.stderr, flush=True)
             self._stop_all()
