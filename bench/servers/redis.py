@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import time
 from typing import Any
 
-from bench.servers.base import ServerProcess, dpkg_version
+from bench.servers.base import ServerProcess, StartError, dpkg_version
 from bench.settings import HOST, REDIS_PORT
 
 
@@ -42,4 +44,22 @@ class RedisServer(ServerProcess):
             "--logfile", os.path.join(self.dir, "redis.log"),
         ])
         self.wait_port(REDIS_PORT, 30.0)
+        # The port opens before the data is loaded; until then every command is answered
+        # -LOADING (W10's restart on 40,000 streams): serving means a PING answered +PONG.
+        self.wait_serving(120.0)
         return {"host": HOST, "port": REDIS_PORT}
+
+    def wait_serving(self, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        answer = b""
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((HOST, REDIS_PORT), timeout=5.0) as sock:
+                    sock.sendall(b"PING\r\n")
+                    answer = sock.recv(256)
+            except OSError as exc:
+                answer = repr(exc).encode()
+            if answer.startswith(b"+PONG"):
+                return
+            time.sleep(0.01)  # loading: no readiness signal to wait on but the answer itself
+        raise StartError(f"{self.name}: no PONG within {limit_s:.0f} s (last answer {answer[:80]!r}); see {self.log_path}")
