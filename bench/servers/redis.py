@@ -62,4 +62,6 @@ class RedisServer(ServerProcess):
             if answer.startswith(b"+PONG"):
                 return
             time.sleep(0.01)  # loading: no readiness signal to wait on but the answer itself
-        raise StartError(f"{self.name}: no PONG within {limit_s:.0f} s (last answer {answer[:80]!r}); see {self.log_path}")
+        raise StartError(
+            f"{self.name}: no PONG within {limit_s:.0f} s (last answer {answer[:80]!r}); see {self.log_path}"
+        )
