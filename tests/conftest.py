@@ -5,9 +5,10 @@ which tests share a worker there."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from xdist.remote import Producer
 from xdist.scheduler import LoadFileScheduling
@@ -81,6 +82,13 @@ def shared_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Read
 @pytest.fixture
 def meta_server(shared_standalone: ReadyProcess) -> str:
     return shared_standalone.meta_server
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP client session for a test (a module that wants another timeout has its own)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        yield session
 
 
 @pytest.fixture

@@ -37,12 +37,6 @@ async def server(tmp_path: Path) -> AsyncIterator[MetaServer]:
     await s.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
 @contextlib.asynccontextmanager
 async def _client(server: MetaServer) -> AsyncIterator[MetaClient]:
     meta = MetaClient(server.meta_server_url, timeout_ms=5000)
@@ -54,8 +48,9 @@ async def _client(server: MetaServer) -> AsyncIterator[MetaClient]:
 
 
 async def _register(http: aiohttp.ClientSession, server: MetaServer, group: str, port: int) -> None:
-    body = {"role": "broker", "group": group, "address": f"127.0.0.1:{port}", "http": f"127.0.0.1:{port + 1000}"}
-    async with http.post(f"{server.url}/meta/register", json={**body, "pid": 4242}) as resp:
+    address, http_address = f"127.0.0.1:{port}", f"127.0.0.1:{port + 1000}"
+    body = {"role": "broker", "group": group, "address": address, "http": http_address, "pid": 4242}
+    async with http.post(f"{server.url}/meta/register", json=body) as resp:
         assert resp.status == 200, await resp.text()
 
 

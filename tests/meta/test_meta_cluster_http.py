@@ -39,12 +39,6 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
-@pytest.fixture
 async def server(tmp_path: Path, clock: ManualClock) -> AsyncIterator[MetaServer]:
     s = MetaServer(_config(tmp_path / "meta"), clock)
     await s.start()

@@ -40,12 +40,6 @@ async def server(tmp_path: Path, clock: ManualClock) -> AsyncIterator[MetaServer
     await s.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
 def _body(group: str = "broker-1", port: int = 20881, **changes: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "role": "broker",

@@ -28,12 +28,6 @@ async def server(tmp_path: Path) -> AsyncIterator[MetaServer]:
     await s.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
 async def _register(
     http: aiohttp.ClientSession, server: MetaServer, group: str, port: int, unconsumed: object = None
 ) -> tuple[int, dict[str, Any]]:

@@ -34,12 +34,6 @@ async def server(tmp_path: Path, clock: ManualClock) -> AsyncIterator[MetaServer
     await s.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
 def _sub(**changes: Any) -> dict[str, Any]:
     return {"subject": "orders", "group": "billing", "url": "http://127.0.0.1:9/hook", "secret": "s3cret", **changes}
 

@@ -37,12 +37,6 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
 def _config(tmp_path: Path, db: Database, name: str, **changes: Any) -> MetaConfig:
     values: dict[str, Any] = {
         "host": "127.0.0.1",
