@@ -28,8 +28,6 @@ SUBJECTS_PER_PULL_ROUND = 20
 SUBJECTS_PER_PULL_MANY = 100
 # Nap of a fan-out consumer (W9) whose groups were all empty (the same for Redis's).
 FANOUT_IDLE_S = 0.002
-# what one pull may ask for (qmq.common.limits' pull_messages_max): W15's 700 groups × 20 ask more
-PULL_MESSAGES_MAX = 10_000
 NO_DELAY_YET = "not yet: delay server (issue 4)"
 
 
@@ -41,8 +39,10 @@ class QmqAdapter(Adapter):
         super().__init__(endpoint, settings)
         import qmq
         import qmq.aio
+        from qmq.common.limits import Limits
 
         self._aio = qmq.aio
+        self._pull_max = Limits().pull_messages_max  # what one pull may ask for
         self._buffer_full: type[BaseException] = getattr(qmq, "BufferFullError", RuntimeError)
         self.server_version = getattr(qmq, "__version__", None)
         self._stack = contextlib.AsyncExitStack()
@@ -172,8 +172,9 @@ class QmqAdapter(Adapter):
         for _ in range((len(pcs) + SUBJECTS_PER_PULL_MANY - 1) // SUBJECTS_PER_PULL_MANY):
             start = self._cursor % len(pcs)
             window = (pcs[start:] + pcs[:start])[:SUBJECTS_PER_PULL_MANY]
-            batches = await self._consumer.pull_many(window, max_messages=min(max_n, PULL_MESSAGES_MAX),
-                                                     per_subject_max=per_subject)
+            # W15's 700 groups × 20 ask more than one pull may
+            batches = await self._consumer.pull_many(
+                window, max_messages=min(max_n, self._pull_max), per_subject_max=per_subject)
             out = [(m.body, (m, batch, (start + i) % len(pcs))) for i, batch in enumerate(batches) for m in batch]
             if out:
                 # the next call begins after the last subject that had messages

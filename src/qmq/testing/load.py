@@ -63,10 +63,6 @@ class Load:
         self.delay = timedelta(milliseconds=delay_ms) if delay_ms else None
         self.record = LoadRecord()
         self._stop_sending = asyncio.Event()
-        # Set once every sender has stopped and every send it made is settled: only then can the
-        # taker have everything acknowledged (a send in flight when sending stops is acknowledged
-        # later, and counted then).
-        self._sends_settled = False
         self._stop_taking = asyncio.Event()
         self._caught_up = asyncio.Event()
         self._acked_enough = asyncio.Event()
@@ -120,7 +116,10 @@ class Load:
             self._check_caught_up()
 
     def _check_caught_up(self) -> None:
-        if self._sends_settled and self.record.acked.keys() <= self.record.received:
+        # Only once every sender has ended, each after settling its sends: a send in flight when
+        # sending stops is acknowledged later, and the taker must wait for it too.
+        senders_done = bool(self._tasks) and all(t.done() for t in self._tasks)
+        if senders_done and self.record.acked.keys() <= self.record.received:
             self._caught_up.set()
 
     async def until_acked(self, n: int, timeout_s: float = 60.0) -> None:
@@ -135,7 +134,6 @@ class Load:
         """Stop sending, then take until every acknowledged message came (or ``timeout_s``)."""
         self._stop_sending.set()
         await asyncio.gather(*self._tasks)
-        self._sends_settled = True
         self._check_caught_up()
         with contextlib.suppress(TimeoutError):  # the caller compares acked and received
             await asyncio.wait_for(self._caught_up.wait(), timeout_s)
