@@ -4,6 +4,7 @@ broker group became available; between them one request brings the groups."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from qmq.client import meta as client_meta
 from qmq.client.meta import MetaClient
 from qmq.common.clock import ManualClock
 from qmq.common.config import MetaConfig
+from qmq.common.errors import MetaServerError
 from qmq.common.limits import META_SUBJECTS_PER_REQUEST_MAX
 from qmq.meta import MetaServer
 
@@ -134,3 +136,18 @@ async def test_a_routes_version_that_is_not_a_string_is_refused_naming_it() -> N
     doc = {"broker_groups": [], "routes": {}, "routes_version": 7}
     with pytest.raises(client_meta.MetaServerError, match="'routes_version' = 7"):
         client_meta.parse_answer("http://meta", doc)
+
+
+async def test_fresh_brings_a_group_that_came_after_the_last_refresh_in_one_shared_request(
+    http: aiohttp.ClientSession, server: MetaServer
+) -> None:
+    async with _client(server) as meta:
+        assert meta.groups == {}
+        await _register(http, server, "b1", 20881)
+        requests = meta.refreshes
+        # callers at once share one refresh (the background one is ten minutes away)
+        await asyncio.gather(*(meta.fresh() for _ in range(20)))
+        assert meta.refreshes - requests == 1
+        assert set(meta.groups) == {"b1"}
+    with pytest.raises(MetaServerError, match="not started"):
+        await meta.fresh()

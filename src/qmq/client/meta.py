@@ -212,6 +212,8 @@ class MetaClient:
         self._lookup_tasks: set[asyncio.Task[None]] = set()
         self._refresh_ms = _REFRESH_MS_DEFAULT
         self._wake = asyncio.Event()
+        # callers of fresh(): resolved when a refresh that began after they asked has ended
+        self._fresh_waiters: list[asyncio.Future[None]] = []
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
         # The meta server's routes_version at the last full refresh (None: the next is full) and
@@ -243,6 +245,9 @@ class MetaClient:
             lookup.cancel()
         for fut in self._lookups.values():
             fut.cancel()
+        for fut in self._fresh_waiters:
+            fut.cancel()
+        self._fresh_waiters.clear()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -405,6 +410,17 @@ class MetaClient:
         """Refresh now rather than at the next period (a broker said it is not master)."""
         self._wake.set()
 
+    async def fresh(self) -> None:
+        """Refresh now and return when it has ended (answered or failed): the groups are then
+        the meta server's of this moment. Callers at once share the background loop's refresh,
+        at most one per _REFRESH_MS_MIN, so asking often costs the meta server nothing more."""
+        if self._task is None:
+            raise MetaServerError(f"meta server {self.url}: the client is not started")
+        waiter = asyncio.get_running_loop().create_future()
+        self._fresh_waiters.append(waiter)
+        self._wake.set()
+        await waiter
+
     async def _refresh_loop(self) -> None:
         loop = asyncio.get_running_loop()
         failures = 0
@@ -414,6 +430,7 @@ class MetaClient:
                     await self._wake.wait()
             self._wake.clear()
             started = loop.time()
+            waiters, self._fresh_waiters = self._fresh_waiters, []
             try:
                 await self.refresh()
             except (MetaServerError, AuthError) as exc:
@@ -425,6 +442,10 @@ class MetaClient:
                 if failures:
                     log.info("meta server %s answers again after %d failed refresh(es)", self.url, failures)
                 failures = 0
+            finally:
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
             # At most one refresh per _REFRESH_MS_MIN, however often refresh_soon is called.
             rest = _REFRESH_MS_MIN / 1000 - (loop.time() - started)
             if rest > 0:

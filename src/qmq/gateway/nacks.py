@@ -44,7 +44,7 @@ async def read_back(settler: Settler, consumer: Consumer, r: Receipt) -> Receive
     (its nack is the SDK's), or None when it cannot be (no sequence, gone, another record there)."""
     if r.sequence < 0:
         return None
-    bg = settler.meta.groups.get(r.broker_group)
+    bg = await settler.group(r.broker_group)
     if bg is None:
         return None
     frame = await settler.pool.get(bg.address).request(

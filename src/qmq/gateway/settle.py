@@ -13,6 +13,7 @@ give-back (``qmq.broker.settle``), so ``acked`` means it never comes back, to an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -20,7 +21,7 @@ from typing import Any, Final
 
 from qmq.aio import Consumer
 from qmq.client.connection import ConnectionPool
-from qmq.client.meta import MetaClient
+from qmq.client.meta import BrokerGroup, MetaClient
 from qmq.common.errors import BrokerError, NoBrokerError, QmqError
 from qmq.gateway.errors import ApiError, api_error_of, bad_request
 from qmq.gateway.payload import ACK_RECEIPTS_MAX, json_object
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # How long an answer waits for the broker to record the acks; past it, 503 (sending them again is safe).
 ACK_RECORD_TIMEOUT_MS: Final = 10_000
+# How long a receipt of a broker group this gateway does not know waits for the meta server's answer.
+GROUP_LOOKUP_TIMEOUT_MS: Final = 3_000
 # SETTLE requests in flight at once for one HTTP request or one sweep.
 _SETTLES_AT_ONCE: Final = 64
 
@@ -60,9 +63,20 @@ class Settler:
         # taken there: a new address or a new connection means the holds may be gone (qmq.gateway.holds)
         self.held_at: dict[str, tuple[str, int]] = {}
 
+    async def group(self, name: str) -> BrokerGroup | None:
+        """Broker group ``name`` of a receipt; one this gateway has not heard of is asked for
+        again (it may have come up since the last refresh: a gateway started beside its brokers)."""
+        bg = self.meta.groups.get(name)
+        if bg is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(GROUP_LOOKUP_TIMEOUT_MS / 1000):
+                    await self.meta.fresh()
+            bg = self.meta.groups.get(name)
+        return bg
+
     async def request(self, lane: Lane, **ranges: Any) -> dict[str, Any]:
         bg_name, subject, group, consumer_id = lane
-        bg = self.meta.groups.get(bg_name)
+        bg = await self.group(bg_name)
         if bg is None:
             raise NoBrokerError(
                 f"broker group {bg_name} of a receipt is not available now (the meta server lists "
