@@ -40,6 +40,9 @@ async def test_receipts_of_a_broker_that_came_after_the_gateway_are_settled(tmp_
         broker_args = ["broker", "--data-dir", str(tmp_path / "b"), "--meta-server", meta.meta_server]
         with running_role([*broker_args, "--host", "127.0.0.1", "--port", "0"]):
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+                # the listings ask again too when the gateway knows no broker group
+                status, doc = await get(http, f"{gw.gateway}/v1/subjects")
+                assert status == 200, doc
                 sent = {"messages": [{"body": f"m{i}", "message_id": f"id-{i}"} for i in range(3)]}
                 assert (await post(http, f"{gw.gateway}/v1/subjects/late/messages", sent))[0] == 200
                 pull_url = f"{gw.gateway}/v1/subjects/late/groups/g/pull"

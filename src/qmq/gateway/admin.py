@@ -7,6 +7,7 @@ It keeps its own meta client (kept fresh) and connections; every listing is boun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from contextlib import aclosing
 from ssl import SSLContext
 from typing import Any, Final
@@ -24,6 +25,8 @@ from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 
 _TIMEOUT_MS: Final = 10_000
+# how long a listing waits for the meta server when this gateway knows no broker group
+_LOOKUP_TIMEOUT_MS: Final = 3_000
 # The most subjects one GET /v1/subjects lists (more: "truncated": true).
 SUBJECTS_MAX: Final = 10_000
 # The most consumers one lag answer lists per broker group.
@@ -55,7 +58,12 @@ class Admin:
         await self.meta.close()
         await self.pool.close()
 
-    def _brokers(self) -> dict[str, Any]:
+    async def _brokers(self) -> dict[str, Any]:
+        if not self.meta.groups:
+            # none at the last refresh: ask again (a broker started beside this gateway)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_LOOKUP_TIMEOUT_MS / 1000):
+                    await self.meta.fresh()
         groups = dict(sorted(self.meta.groups.items()))
         if not groups:
             raise NoBrokerError(
@@ -64,7 +72,7 @@ class Admin:
         return {name: self.pool.get(g.address) for name, g in groups.items()}
 
     async def _ask_each(self, code: int, header: dict[str, Any]) -> dict[str, dict[str, Any] | QmqError]:
-        conns = self._brokers()
+        conns = await self._brokers()
 
         async def ask(conn: Any) -> dict[str, Any]:
             async with asyncio.timeout(_TIMEOUT_MS / 1000):
@@ -88,7 +96,7 @@ class Admin:
     async def subjects(self, include_internal: bool) -> dict[str, Any]:
         merged: dict[str, dict[str, Any]] = {}
         truncated = False
-        for name, conn in self._brokers().items():
+        for name, conn in (await self._brokers()).items():
             async with aclosing(subjects_of(conn)) as listing:
                 async for item in listing:
                     subject = str(item["subject"])
@@ -115,7 +123,7 @@ class Admin:
         header = {"subject": subject, "group": group}
         answers: dict[str, dict[str, Any]] = {}
         unknown = 0
-        conns = self._brokers()
+        conns = await self._brokers()
         for name, answer in (await self._ask_each(RequestCode.LAG, header)).items():
             if isinstance(answer, QmqError):
                 if isinstance(answer, BrokerError) and (
@@ -152,7 +160,7 @@ class Admin:
     async def dead_letters(self, subject: str, group: str, limit: int) -> dict[str, Any]:
         letters: list[dict[str, Any]] = []
         total = 0
-        for name, conn in self._brokers().items():
+        for name, conn in (await self._brokers()).items():
             shown = held = 0
             header = {"subject": subject, "group": group, "limit": limit}
             async with aclosing(pages(conn, RequestCode.DEAD_LETTERS, header)) as listing:
