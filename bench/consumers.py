@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from bench.adapters.base import Adapter
@@ -40,10 +42,12 @@ async def consume(
     if mode not in MODES:
         raise ValueError(f"consumer mode {mode!r}: expected one of {MODES}")
     fanout = FanOut(groups, tally.expected // groups) if groups > 1 else None
-    latencies_ns: list[int] = []
-    from_schedule_ns: list[int] = []
-    due_ns: list[int] = []
-    clamped_ns: list[int] = []  # lateness of messages due before they were sent
+    # samples in arrays, not lists: the collector never walks them (a list of a million ints
+    # is walked on every full pass, and stalls this process as it grows)
+    latencies_ns = array("q")
+    from_schedule_ns = array("q")
+    due_ns = array("q")
+    clamped_ns = array("q")  # lateness of messages due before they were sent
     batches = 0
     started_ns = time.monotonic_ns()
     last_receipt_epoch_ns = 0
@@ -120,7 +124,7 @@ async def consume(
     return result
 
 
-def by_second(due_ns: list[int], lateness_ns: list[int]) -> list[dict[str, Any]]:
+def by_second(due_ns: Sequence[int], lateness_ns: Sequence[int]) -> list[dict[str, Any]]:
     """Lateness (or latency) per second of due (or send) time from the first one: where in the
     window the tail comes from."""
     if not due_ns:
@@ -144,7 +148,7 @@ class FanOut:
         self.counts = [0] * groups
         self.done_ns = [0] * groups
         self.slowest_when_first_done: int | None = None
-        self.latencies_ns: list[list[int]] = [[] for _ in range(groups)]
+        self.latencies_ns = [array("q") for _ in range(groups)]
 
     def key(self, group: int, seq: int) -> int:
         """The tally's index of (group, seq); out of range (counted a duplicate) for a bad one."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -15,7 +15,7 @@ def percentile(sorted_values: Sequence[int], q: float) -> int | None:
     return sorted_values[max(0, min(len(sorted_values) - 1, rank))]
 
 
-def distribution_ms(values_ns: list[int]) -> dict[str, Any]:
+def distribution_ms(values_ns: Iterable[int]) -> dict[str, Any]:
     """n, min, p50, p90, p99, p99.9, max and mean of nanosecond samples, in milliseconds."""
     ordered = sorted(values_ns)
     if not ordered:
