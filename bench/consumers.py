@@ -124,16 +124,22 @@ async def consume(
     return result
 
 
-def by_second(due_ns: Sequence[int], lateness_ns: Sequence[int]) -> list[dict[str, Any]]:
-    """Lateness (or latency) per second of due (or send) time from the first one: where in the
-    window the tail comes from."""
+def by_bucket(due_ns: Sequence[int], lateness_ns: Sequence[int], bucket_ms: int) -> list[tuple[int, dict[str, Any]]]:
+    """Lateness (or latency) per ``bucket_ms`` of due (or send) time from the first one, as
+    (bucket index, distribution): where in the window the tail comes from."""
     if not due_ns:
         return []
     first = min(due_ns)
-    seconds: dict[int, list[int]] = {}
+    bucket_ns = bucket_ms * 1_000_000
+    buckets: dict[int, list[int]] = {}
     for due, late in zip(due_ns, lateness_ns, strict=True):
-        seconds.setdefault((due - first) // 1_000_000_000, []).append(late)
-    return [{"second": sec, **distribution_ms(values)} for sec, values in sorted(seconds.items())]
+        buckets.setdefault((due - first) // bucket_ns, []).append(late)
+    return [(k, distribution_ms(values)) for k, values in sorted(buckets.items())]
+
+
+def by_second(due_ns: Sequence[int], lateness_ns: Sequence[int]) -> list[dict[str, Any]]:
+    """by_bucket per second, each row with its ``second``."""
+    return [{"second": sec, **dist} for sec, dist in by_bucket(due_ns, lateness_ns, 1_000)]
 
 
 class FanOut:

@@ -23,11 +23,12 @@ import os
 import struct
 import time
 from array import array
-from collections.abc import Sequence
 from typing import Any
 
 import uvloop
 
+from bench.consumers import by_bucket
+from bench.stats import distribution_ms
 from qmq.aio import Consumer, Message, Producer
 
 _STAMP = struct.Struct("<q")
@@ -51,11 +52,6 @@ class GcPasses:
             return
         self.count += 1
         self.longest_ms = max(self.longest_ms, (time.perf_counter() - self._started) * 1000)
-
-
-def percentile(values: Sequence[int], q: float) -> float:
-    """``q`` of sorted ``values`` (ns) in ms."""
-    return values[min(len(values) - 1, int(len(values) * q))] / 1e6
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,35 +107,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.wait_for(asyncio.gather(produce(), consume()), args.seconds * 5 + 30)
         finally:
             gc.callbacks.remove(passes)
-    first = min(sent_ns)
-    buckets: dict[int, list[int]] = {}
-    for s, lat in zip(sent_ns, latency_ns, strict=True):
-        buckets.setdefault((s - first) // (args.bucket_ms * 1_000_000), []).append(lat)
-    ordered = sorted(latency_ns)
-    timeline = []
-    for k in sorted(buckets):
-        values = sorted(buckets[k])
-        timeline.append(
-            {
-                "from_s": k * args.bucket_ms / 1000,
-                "deliveries": len(values),
-                "p50_ms": round(percentile(values, 0.5), 2),
-                "p99_ms": round(percentile(values, 0.99), 2),
-                "max_ms": round(values[-1] / 1e6, 2),
-            }
-        )
     return {
         "groups": args.groups,
         "rate_per_s": args.rate,
-        "deliveries": len(ordered),
         "freeze": args.freeze,
-        "p50_ms": round(percentile(ordered, 0.5), 2),
-        "p99_ms": round(percentile(ordered, 0.99), 2),
-        "p999_ms": round(percentile(ordered, 0.999), 2),
-        "max_ms": round(ordered[-1] / 1e6, 2),
+        "latency_ms": distribution_ms(latency_ns),
         "gc_full_passes": passes.count,
         "gc_longest_full_pass_ms": round(passes.longest_ms, 1),
-        "timeline": timeline,
+        "timeline": [
+            {"from_s": k * args.bucket_ms / 1000, **dist} for k, dist in by_bucket(sent_ns, latency_ns, args.bucket_ms)
+        ],
     }
 
 
@@ -155,15 +132,16 @@ def main() -> None:
     parser.add_argument("--freeze", action="store_true", help="gc.freeze() once the consumer is set up")
     args = parser.parse_args()
     result = uvloop.run(run(args))
+    whole = result["latency_ms"]
     print(
-        f"{result['deliveries']:,} deliveries, {args.groups} groups: p50 {result['p50_ms']} ms, p99 "
-        f"{result['p99_ms']} ms, p99.9 {result['p999_ms']} ms, max {result['max_ms']} ms; "
-        f"{result['gc_full_passes']} full GC passes, the longest {result['gc_longest_full_pass_ms']} ms"
+        f"{whole['n']:,} deliveries, {args.groups} groups: p50 {whole['p50']} ms, p99 {whole['p99']} ms, "
+        f"p99.9 {whole['p999']} ms, max {whole['max']} ms; {result['gc_full_passes']} full GC passes, "
+        f"the longest {result['gc_longest_full_pass_ms']} ms"
     )
     for row in result["timeline"]:
         print(
-            f"  {row['from_s']:7.2f} s  {row['deliveries']:7,}  p50 {row['p50_ms']:7.1f}  p99 {row['p99_ms']:7.1f}  "
-            f"max {row['max_ms']:7.1f} ms"
+            f"  {row['from_s']:7.2f} s  {row['n']:7,}  p50 {row['p50']:7.1f}  p99 {row['p99']:7.1f}  "
+            f"max {row['max']:7.1f} ms"
         )
     print(json.dumps({k: v for k, v in result.items() if k != "timeline"}))
 

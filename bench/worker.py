@@ -235,7 +235,7 @@ async def run_once(spec: dict[str, Any], settings: Settings) -> dict[str, Any]:
         await connect(adapter)
         # Every system's client alike: what start-up made (modules, the client library, the
         # connection) leaves the collector's full passes, which otherwise walk it every half
-        # second or so under a fan-out's allocation rate and stall this process for 15-35 ms
+        # second or so under a fan-out's allocation rate and stall this process for 13-30 ms
         # (the servers of qmq do the same: qmq.serving.runner).
         gc.freeze()
         out["server_version"] = adapter.server_version

@@ -151,3 +151,15 @@ async def test_fresh_brings_a_group_that_came_after_the_last_refresh_in_one_shar
         assert set(meta.groups) == {"b1"}
     with pytest.raises(MetaServerError, match="not started"):
         await meta.fresh()
+
+
+async def test_fresh_returns_when_the_refresh_fails_and_keeps_the_last_answer(
+    http: aiohttp.ClientSession, server: MetaServer
+) -> None:
+    await _register(http, server, "b1", 20881)
+    async with _client(server) as meta:
+        assert set(meta.groups) == {"b1"}
+        await server.stop()
+        # the meta server is gone: the refresh fails, fresh() returns at once with what was known
+        await asyncio.wait_for(meta.fresh(timeout_ms=60_000), 10)
+        assert set(meta.groups) == {"b1"}

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 _REFRESH_MS_MIN = 100
 _REFRESH_MS_MAX = 600_000
 _REFRESH_MS_DEFAULT = 10_000
+# How long fresh() waits for the refresh it asked for.
+_FRESH_WAIT_MS = 3_000
 # The meta server takes at most META_SUBJECTS_PER_REQUEST_MAX subjects a request, and a URL
 # must stay well inside an HTTP server's request-line limit (8 KiB in aiohttp).
 _SUBJECT_CHARS_PER_REQUEST_MAX = 4_000
@@ -410,16 +412,19 @@ class MetaClient:
         """Refresh now rather than at the next period (a broker said it is not master)."""
         self._wake.set()
 
-    async def fresh(self) -> None:
-        """Refresh now and return when it has ended (answered or failed): the groups are then
-        the meta server's of this moment. Callers at once share the background loop's refresh,
-        at most one per _REFRESH_MS_MIN, so asking often costs the meta server nothing more."""
+    async def fresh(self, timeout_ms: int = _FRESH_WAIT_MS) -> None:
+        """Refresh now and return when it has ended (answered or failed) or after ``timeout_ms``,
+        whichever is first: the groups are then the meta server's of this moment, or the last
+        answer's. Callers at once share the background loop's refresh, at most one per
+        _REFRESH_MS_MIN, so asking often costs the meta server nothing more."""
         if self._task is None:
             raise MetaServerError(f"meta server {self.url}: the client is not started")
         waiter = asyncio.get_running_loop().create_future()
         self._fresh_waiters.append(waiter)
         self._wake.set()
-        await waiter
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_ms / 1000):
+                await waiter
 
     async def _refresh_loop(self) -> None:
         loop = asyncio.get_running_loop()

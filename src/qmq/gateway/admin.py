@@ -7,7 +7,6 @@ It keeps its own meta client (kept fresh) and connections; every listing is boun
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from contextlib import aclosing
 from ssl import SSLContext
 from typing import Any, Final
@@ -25,8 +24,6 @@ from qmq.protocol.answers import answer_of
 from qmq.protocol.codes import RequestCode
 
 _TIMEOUT_MS: Final = 10_000
-# how long a listing waits for the meta server when this gateway knows no broker group
-_LOOKUP_TIMEOUT_MS: Final = 3_000
 # The most subjects one GET /v1/subjects lists (more: "truncated": true).
 SUBJECTS_MAX: Final = 10_000
 # The most consumers one lag answer lists per broker group.
@@ -60,10 +57,7 @@ class Admin:
 
     async def _brokers(self) -> dict[str, Any]:
         if not self.meta.groups:
-            # none at the last refresh: ask again (a broker started beside this gateway)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_LOOKUP_TIMEOUT_MS / 1000):
-                    await self.meta.fresh()
+            await self.meta.fresh()  # none at the last refresh: a broker may have started beside this gateway
         groups = dict(sorted(self.meta.groups.items()))
         if not groups:
             raise NoBrokerError(

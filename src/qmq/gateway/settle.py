@@ -13,7 +13,6 @@ give-back (``qmq.broker.settle``), so ``acked`` means it never comes back, to an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -33,8 +32,6 @@ log = logging.getLogger(__name__)
 
 # How long an answer waits for the broker to record the acks; past it, 503 (sending them again is safe).
 ACK_RECORD_TIMEOUT_MS: Final = 10_000
-# How long a receipt of a broker group this gateway does not know waits for the meta server's answer.
-GROUP_LOOKUP_TIMEOUT_MS: Final = 3_000
 # SETTLE requests in flight at once for one HTTP request or one sweep.
 _SETTLES_AT_ONCE: Final = 64
 
@@ -66,13 +63,9 @@ class Settler:
     async def group(self, name: str) -> BrokerGroup | None:
         """Broker group ``name`` of a receipt; one this gateway has not heard of is asked for
         again (it may have come up since the last refresh: a gateway started beside its brokers)."""
-        bg = self.meta.groups.get(name)
-        if bg is None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(GROUP_LOOKUP_TIMEOUT_MS / 1000):
-                    await self.meta.fresh()
-            bg = self.meta.groups.get(name)
-        return bg
+        if name not in self.meta.groups:
+            await self.meta.fresh()
+        return self.meta.groups.get(name)
 
     async def request(self, lane: Lane, **ranges: Any) -> dict[str, Any]:
         bg_name, subject, group, consumer_id = lane
