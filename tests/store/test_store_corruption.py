@@ -275,3 +275,27 @@ def test_a_silent_consumers_messages_go_to_retry_checked_never_a_damaged_one(
     assert _all_good(chunks)
     assert [i for _s, i in records_of(chunks)] == IDS[:2] + IDS[3:6]
     assert again.redelivery_problems.messages_set_aside == 1
+
+
+def test_damage_among_the_records_read_for_the_duplicate_window_loses_only_the_damaged_one(
+    open_store: Callable[..., BrokerStore], tmp_path: Path
+) -> None:
+    # Recovery reads the records before the checkpoint for their ids alone (no CRCs): a flipped
+    # body there is found by the pull's CRC check (its id, read intact, stays known), a flipped
+    # frame stops that pass and the checked scan takes over from it (that id is not known).
+    _stored(open_store)
+    seg = sorted((tmp_path / "broker" / "log").glob("*.log"))[-1]
+    size = (seg.stat().st_size - HEAD_BYTES) // 20
+    _flip(seg, HEAD_BYTES + 4 * size + size - 3)  # the body of record 4
+    _flip(seg, HEAD_BYTES + 12 * size + 8)  # the length of record 12
+    store = open_store()
+    assert store.pulls.checked.crc_from == 12 * size  # the first pass stopped at the bad frame
+    assert [d.offset for d in store.pulls.checked.damaged] == [12 * size]
+    assert store.subjects["s"].next_seq == 20
+    res = append(store, batch("s", [*IDS, "new"]))
+    assert (res.stored, res.duplicates) == (2, 19)  # m12 and new
+    gp = store.group("s", "g", "earliest")
+    got = store.pull(gp, gp.consumer("c"), "x", 100)
+    assert got is not None
+    assert [i for _s, i in records(got)] == [i for k, i in enumerate(IDS) if k not in (4, 12)] + ["m12", "new"]
+    assert _all_good(got.chunks)

@@ -10,6 +10,7 @@ import pytest
 from test_store_send_pull import records
 
 from conftest import append, batch, checkpoint, flush
+from qmq.protocol.message import encode_message
 from qmq.store.broker_store import BrokerStore
 from qmq.store.datadir import StoreError
 from qmq.store.file_header import HEAD_BYTES
@@ -207,3 +208,26 @@ def test_a_restart_sets_up_idle_consume_logs_on_first_use_and_still_repairs_each
     got = again.pull(gp, gp.consumer("c"), "y", 10)
     assert got is not None
     assert records(got) == [(0, "m9"), (1, "next")]
+
+
+def test_records_before_the_checkpoint_are_read_for_their_ids_alone_and_still_repeat(
+    open_store: Callable[..., BrokerStore],
+) -> None:
+    # A busy broker's restart read its last ten minutes of records one by one, every CRC and
+    # message decoded, only to see their ids again (4.8 µs each): they are now read for their
+    # keys alone, and a repeat of any of them is still known, at the same attempt only.
+    store = open_store()
+    ids = [f"id-{i}" for i in range(300)]
+    for k in range(0, 300, 50):
+        append(store, batch(f"s{k % 3}", ids[k : k + 50]))
+    checkpoint(store)
+    append(store, batch("s0", ["after"]))
+    store.close()
+    again = BrokerStore(store.config, clock=store.clock)
+    report = again.open()
+    assert (report.window_records, report.records_scanned) == (300, 1)
+    res = append(again, batch("s0", ["id-0", "id-150", "after", "new"]) + batch("s1", ["id-0"]))
+    assert (res.stored, res.duplicates) == (2, 3)  # id-0 on s1 is another subject's: a new message
+    retried = encode_message(b"s0", b"id-1", b"", 0, b"", b"x", 1, times=2)
+    assert append(again, retried).stored == 1  # a retry's next attempt is a new message
+    again.close()

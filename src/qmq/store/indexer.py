@@ -12,15 +12,17 @@ buffered per subject and written in chunks.
 from __future__ import annotations
 
 import logging
+import struct
 
 from qmq.common.naming import DEAD_PREFIX
 from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.message import order_slot_field, scan_batch
-from qmq.protocol.record import RECORD_HEADER_BYTES
+from qmq.protocol.message import HEADER, VERSION, order_slot_field, scan_batch
+from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, tag_bloom
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow, dedup_key
 from qmq.store.held import HELD_SEQUENCE, Held, HeldMessages
+from qmq.store.message_log import MessageLog
 from qmq.store.subjects import Subjects, SubjectState
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,9 @@ _FLUSH_ENTRIES = 4096
 _DEDUP_CHUNK = 8192
 _DEAD_RAW = DEAD_PREFIX.encode()
 _GAP_FILLED_MAX = 100_000  # entries of damaged records filled in, at most, for one gap
+_KEYS_CHUNK_BYTES = 4 * 1024 * 1024
+# a record's header and its message's, read in one call (add_window_keys)
+_RECORD_AND_MESSAGE_HEADERS = struct.Struct("<" + RECORD_HEADER.format.lstrip("<") + HEADER.format.lstrip("<"))
 
 
 class UnreadableRecord(Exception):
@@ -139,3 +144,48 @@ class RecordIndexer:
             touched.add(st.name)
         self._pending.clear()
         return touched
+
+
+def add_window_keys(mlog: MessageLog, start: int, end: int, dedup: DedupWindow) -> tuple[int, int]:
+    """Fill the duplicate window with the keys of the records from ``start`` to ``end`` (both
+    record boundaries) in one tight pass, reading only what a key needs: neither CRCs nor
+    consume-log entries, for records recovery only reads to see their ids again. Returns the
+    offset it reached and the records it read: ``end``, or the first record that is not an
+    ordinary one (bad magic or framing, another format version), from which the caller's
+    checked scan goes on.
+
+    About a fifth of the checked scan's cost per record (the pass over a busy broker's last
+    ten minutes is most of its restart); the records' CRCs are checked when they are pulled
+    (``Checked.crc_from``)."""
+    unpack = _RECORD_AND_MESSAGE_HEADERS.unpack_from
+    heads = _RECORD_AND_MESSAGE_HEADERS.size
+    rb = RECORD_HEADER_BYTES
+    pos = start
+    count = 0
+    while pos < end:
+        chunk = mlog.segments.read(pos, min(_KEYS_CHUNK_BYTES, end - pos))
+        size = len(chunk)
+        keys: list[int] = []
+        append = keys.append
+        stored = 0
+        p = 0
+        while size - p >= heads:
+            magic, _, length, _, stored_at, ver, _, slen, ilen, _, tlen, _, _, times, copy, plen, blen = unpack(
+                chunk, p
+            )
+            nxt = p + rb + length
+            # framing that does not add up, or another version's message: the checked scan's to judge
+            framed = heads + slen + ilen + tlen + plen + blen == nxt - p
+            if magic != RECORD_MAGIC or ver != VERSION or nxt > size or not framed:
+                break
+            s = p + heads
+            i = s + slen
+            append(hash((chunk[i : i + ilen], chunk[s:i], times, copy)))
+            stored = stored_at
+            p = nxt
+        dedup.add_many(keys, stored)
+        count += len(keys)
+        if p == 0:
+            break
+        pos += p
+    return pos, count

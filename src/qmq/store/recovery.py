@@ -6,8 +6,9 @@
    begins at 0 (segments before the oldest kept checkpoint are deleted), progress would be
    lost: recovery refuses to start (StoreError naming the damaged file) unless the operator
    accepts that (``accept_progress_loss``), never resetting consumer groups without a word.
-2. Scan the message log from the checkpoint (or, for the duplicate window, from the oldest
-   checkpoint mark still inside the window), checking every CRC: records after the checkpoint
+2. Read the ids of the records between the oldest checkpoint mark still inside the duplicate
+   window and the checkpoint, in a pass that reads nothing else (their CRCs are checked when
+   they are pulled). Then scan the message log from the checkpoint, checking every CRC: records after the checkpoint
    are indexed into their consume logs again if their entries were lost, held records (and
    those the checkpoint names) are held again unless a copy follows them (held.py). A record
    that fails its CRC (or is cut short) with a good record after it is damage (a flipped
@@ -42,7 +43,7 @@ from qmq.store.datadir import StoreError
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow
 from qmq.store.held import HeldMessages
-from qmq.store.indexer import RecordIndexer, UnreadableRecord
+from qmq.store.indexer import RecordIndexer, UnreadableRecord, add_window_keys
 from qmq.store.message_log import Checked, Damage, MessageLog, ScanResult
 from qmq.store.progress import Progress
 from qmq.store.subjects import Subjects
@@ -66,6 +67,7 @@ class RecoveryReport:
     groups: int
     seconds: float
     damaged_bytes: int = 0  # message-log bytes that formed no good record, with good ones after them
+    window_records: int = 0  # records before the checkpoint read for their ids alone (the duplicate window)
 
 
 @dataclass(slots=True)
@@ -178,7 +180,11 @@ def recover(
     if short:
         log.error("consume log(s) of %s hold fewer entries than the checkpoint says: rebuilt from the message log",
                   ", ".join(repr(n) for n in short[:5]))
-    scan_from = max(mlog.start, min(index_from, reindex_from, dedup.rebuild_from(index_from)))
+    first_indexed = max(mlog.start, min(index_from, reindex_from))
+    scan_from = max(mlog.start, min(first_indexed, dedup.rebuild_from(index_from)))
+    keys_read = 0
+    if scan_from < first_indexed:  # records only the duplicate window needs: their keys alone
+        scan_from, keys_read = add_window_keys(mlog, scan_from, first_indexed, dedup)
     scanned = 0
     indexer = RecordIndexer(subjects, dedup, held, dead, index_from, reindex_from)
     result: list[ScanResult] = []
@@ -271,5 +277,6 @@ def recover(
         len(progress.groups),
         round(time.monotonic() - t0, 3),
         sum(d.nbytes for d in damaged),
+        keys_read,
     )
     return parts, report
