@@ -116,3 +116,46 @@ def test_pull_many_long_polls_on_all_its_subjects_and_answers_after_the_flush(tm
     report = check_file(trace)
     assert report.violations == [], report.violations
     assert report.pulls >= 2
+
+
+def test_groups_pulling_the_same_records_share_them_when_the_request_says_share(tmp_path: Path) -> None:
+    # A fan-out: the groups of one subject pulled together get the same records. Before, the
+    # answer carried them once a group (70 times for 70 groups) and the client read and checked
+    # each copy; with "share" a group whose records are an earlier group's refers to them.
+    args = ["broker", "--data-dir", str(tmp_path / "data"), "--port", "0", "--http-port", "0"]
+    with running_role(args) as proc:
+        client = RawClient(proc.ready["address"])
+        try:
+            assert client.send(*(message("f", f"f{i}") for i in range(4))).status == Status.OK
+            groups = [{"subject": "f", "group": f"g{i}", "max": 10, "start": "earliest"} for i in range(3)]
+            header = {"consumer_id": "c1", "session": "s1", "max": 100, "share": True, "pulls": groups}
+            answer = client.call(RequestCode.PULL_MANY, header)
+            results = answer.header["results"]
+            size = results[0]["bytes"]
+            assert results[1:] == [{"runs": [[0, 4]], "bytes": 0, "same": 0}] * 2
+            assert _ids(bytes(answer.body)) == ["f0", "f1", "f2", "f3"]  # once, not three times
+            assert len(answer.body) == size
+            # g0 behind the others: its records differ, so it carries its own; g2 shares g1's
+            assert client.send(message("f", "f4")).status == Status.OK
+            acks = [[0, 4]]
+            pulls = [
+                {"subject": "f", "group": "g0", "max": 10, "ack": acks},
+                {"subject": "f", "group": "g1", "max": 10, "ack": acks},
+                {"subject": "f", "group": "g2", "max": 10, "ack": acks},
+            ]
+            pulls[0]["max"] = 0  # g0 only acks this time
+            header = {"consumer_id": "c1", "session": "s1", "max": 100, "share": True, "pulls": pulls}
+            answer = client.call(RequestCode.PULL_MANY, header)
+            results = answer.header["results"]
+            assert results[0] == {"runs": [], "bytes": 0}
+            assert results[2] == {"runs": [[4, 1]], "bytes": 0, "same": 1}
+            assert _ids(bytes(answer.body)) == ["f4"]
+            # without "share" every group's records come whole, as before
+            pulls = [{"subject": "f", "group": f"h{i}", "max": 10, "start": "earliest"} for i in range(2)]
+            header = {"consumer_id": "c1", "session": "s1", "max": 100, "pulls": pulls}
+            answer = client.call(RequestCode.PULL_MANY, header)
+            assert [r.get("same") for r in answer.header["results"]] == [None, None]
+            assert _ids(bytes(answer.body)) == [f"f{i}" for i in range(5)] * 2
+        finally:
+            client.close()
+        assert proc.stop() == 0

@@ -4,11 +4,18 @@ acks ride on the next one, and an ordered subscription is pulled with PULL."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import pytest
 
 from qmq.aio import Consumer, Message, Producer, ReceivedMessage
+from qmq.client.pull_many import _parts
+from qmq.protocol.codes import RequestCode
+from qmq.protocol.errors import RemoteProtocolError
+from qmq.protocol.frame import Frame
+from qmq.protocol.message import encode_message
+from qmq.protocol.record import record_header
 
 pytestmark = [pytest.mark.integration]
 
@@ -176,3 +183,56 @@ async def test_a_flush_sends_the_acks_of_the_subjects_acked_and_looks_at_no_othe
         assert not consumer.acks_pending
         # every ack took: each broker answered its subject's acknowledged prefix past the message
         assert [t.ack_offset for pc in pcs for t in pc.puller.trackers.values()] == [1] * 20
+
+
+async def test_the_groups_of_a_fan_out_get_their_own_messages_of_records_carried_once(
+    meta_server: str, subject: str
+) -> None:
+    # The broker sends the records the groups share once (PULL_MANY's "share"): each group's
+    # batch still holds its own messages, acked for that group alone.
+    await _send(meta_server, [subject], 5)
+    async with Consumer(app_code="test", meta_server=meta_server, consumer_id="fan") as consumer:
+        pcs = [consumer.pull_consumer(subject, f"g{i}", "earliest") for i in range(4)]
+        batches = await consumer.pull_many(pcs, max_messages=1_000, per_subject_max=10)
+        assert [[m.body for m in b] for b in batches] == [[f"{subject}/{i}".encode() for i in range(5)]] * 4
+        assert len({id(b[0]) for b in batches}) == 4  # a message object each
+        assert [m.sequence for m in batches[3]] == [0, 1, 2, 3, 4]
+        for batch in batches[:3]:
+            batch.ack_all()
+        batches[3][0].ack()
+        await consumer.flush_acks()
+    # the same consumer again (a new session): what g3 was handed and never acked comes back
+    async with Consumer(app_code="test", meta_server=meta_server, consumer_id="fan") as consumer:
+        pcs = [consumer.pull_consumer(subject, f"g{i}", "earliest") for i in range(4)]
+        batches = await consumer.pull_many(pcs, max_messages=1_000, per_subject_max=10)
+        assert [[m.body for m in b] for b in batches] == [[], [], [], [f"{subject}/{i}".encode() for i in range(1, 5)]]
+
+
+async def test_an_answer_that_shares_records_wrongly_is_refused_and_drops_the_connection(
+    meta_server: str, subject: str
+) -> None:
+    # A broker's answer is checked: a result may share only an earlier result's records, with
+    # no bytes of its own, and only as many as its runs count.
+    messages = [encode_message(subject.encode(), f"id{i}".encode(), b"", 0, b"", b"x", 1) for i in range(2)]
+    records = b"".join(record_header(m, seq, 1) + m for seq, m in enumerate(messages))
+    async with Consumer(app_code="test", meta_server=meta_server) as consumer:
+        pullers = [consumer.pull_consumer(subject, f"g{i}", "earliest").puller for i in range(2)]
+        taken = [(i, p, p._tracker("bg"), []) for i, p in enumerate(pullers)]
+
+        def answer(second: dict[str, object]) -> Frame:
+            first = {"runs": [[0, 2]], "bytes": len(records)}
+            return Frame(RequestCode.PULL_MANY, 1, {"results": [first, second]}, records)
+
+        good = _parts(answer({"runs": [[5, 2]], "bytes": 0, "same": 0}), taken, "bg", lambda: None)
+        assert [[m.sequence for m in b] for _i, b in good] == [[0, 1], [0, 1]]
+        assert [m._offset for m in good[1][1]] == [5, 6]  # the second group's own pull offsets
+        for wrong in (
+            {"runs": [[0, 2]], "bytes": 0, "same": 1},  # itself, not an earlier one
+            {"runs": [[0, 2]], "bytes": 0, "same": [0]},
+            {"runs": [[0, 2]], "bytes": 3, "same": 0},  # bytes of its own besides
+            {"runs": [[0, 3]], "bytes": 0, "same": 0},  # more than the records shared
+        ):
+            dropped: list[bool] = []
+            with pytest.raises(RemoteProtocolError):
+                _parts(answer(wrong), taken, "bg", functools.partial(dropped.append, True))
+            assert dropped or wrong["runs"] == [[0, 3]], wrong  # the runs' count is the records' check

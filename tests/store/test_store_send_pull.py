@@ -167,3 +167,29 @@ def test_a_redelivery_of_scattered_unacked_messages_is_cut_into_answers_of_bound
     assert rest is not None
     got = [i for _s, i in records(first) + records(rest)]
     assert got == [str(i) for i in range(1, n, 2)]
+
+
+def test_groups_pulling_the_same_records_in_one_request_read_them_once(open_store: Callable[..., BrokerStore]) -> None:
+    # A fan-out's PULL_MANY pulls every group of a subject at once: the records one group's
+    # pull read and checked are taken by the next group that pulls the same ones.
+    store = open_store()
+    append(store, batch("s", [f"m{i}" for i in range(5)]))
+    flush(store)
+    gps = [store.group("s", f"g{i}", "earliest") for i in range(3)]
+    with store.shared_reads():
+        got = [store.pull(gp, gp.consumer("c"), "x", 10) for gp in gps[:2]]
+        behind = store.pull(gps[2], gps[2].consumer("c"), "x", 2)  # other records: its own read
+    assert all(r is not None for r in got)
+    assert behind is not None
+    assert got[1].chunks[0] is got[0].chunks[0]
+    assert behind.chunks[0] is not got[0].chunks[0]
+    assert [records(r) for r in got] == [[(i, f"m{i}") for i in range(5)]] * 2
+    assert records(behind) == [(0, "m0"), (1, "m1")]
+    assert [gp.pull_offset for gp in gps] == [5, 5, 2]
+    append(store, batch("s", ["n"]))
+    flush(store)
+    apart = [store.pull(gp, gp.consumer("c"), "x", 10) for gp in gps[:2]]  # outside: each reads
+    assert apart[0] is not None
+    assert apart[1] is not None
+    assert apart[1].chunks[0] is not apart[0].chunks[0]
+    assert store._pulls.reads is None

@@ -9,14 +9,19 @@ the group commit's waits and the replication waits are paid once. The header::
     timeout_ms                     (0) how long to wait when no entry has messages (long poll)
     pulls                          [{subject, group, max, [start], [broadcast], [tags], [tag_type],
                                      [max_retries], [ack]}, ...], at most PULL_MANY_ENTRIES_MAX
+    share                          (false) the client reads results that refer to another's records
 
 The answer's header is ``{"results": [...]}``, one per entry in order: ``{"runs", "bytes"}`` (the
 entry's PULL runs and how many bytes of the body are its records, which follow the previous
 entry's) or ``{"error", "status"}`` (that entry refused: a group that pulls ordered, a bad
-subject), so one bad entry does not fail the others; ``acks_error`` as PULL's when the acks the
-entries carried could not be made durable or replicated; an entry whose acks named positions this
-broker never handed out has ``acks_unheld`` (their count, as PULL's). With ``timeout_ms`` a request whose
-entries all found nothing waits (``ParkedMany`` in broker/pulls.py) until one of its subjects
+subject), so one bad entry does not fail the others. With ``share``, an entry whose records are
+byte for byte an earlier entry's (the consumer groups of a fan-out, pulled together, each get
+the same records) has ``{"runs", "bytes": 0, "same": j}``: the records are entry ``j``'s, carried
+once, and read and checked once by the client (issue 27's W9: 70 groups of one subject).
+``acks_error`` as PULL's when the acks the entries carried could not be made durable or
+replicated; an entry whose acks named positions this broker never handed out has
+``acks_unheld`` (their count, as PULL's). With ``timeout_ms`` a request whose entries all found
+nothing waits (``ParkedMany`` in broker/pulls.py) until one of its subjects
 gets messages, when its entries are pulled again, or until the timeout, when it is answered
 empty; without, it is answered at once. Like a PULL that handed out messages, it is answered
 only once the action log is durable and on the slave. Entries past the request's ``max`` or
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from qmq.broker.pulls import ParkedMany
 from qmq.protocol.codes import Status
 from qmq.protocol.frame import Frame
+from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.serving.connection import Responder
 from qmq.serving.dispatch import answer_failure
 from qmq.serving.requests import BadRequest, get_bool, get_int, get_ranges, get_str, get_tags
@@ -44,6 +50,8 @@ if TYPE_CHECKING:
     from qmq.broker.handlers import Handlers
 
 PULL_MANY_ENTRIES_MAX = 2_000
+# answers with the same first record and size that are compared whole, at most, for one entry
+_SHARED_CANDIDATES_MAX = 4
 _ID_CHARS_MAX = 200
 
 
@@ -59,8 +67,10 @@ def pull_many(handlers: Handlers, conn: Responder, frame: Frame) -> None:
         raise BadRequest("'pulls' must be a non-empty list of {subject, group, max} maps")
     if len(entries) > PULL_MANY_ENTRIES_MAX:
         raise BadRequest(f"'pulls' has {len(entries)} entries; at most {PULL_MANY_ENTRIES_MAX} a request")
-    made = _Pulls(handlers, consumer_id, session, total)
-    made.run(entries)
+    share = get_bool(header, "share")
+    made = _Pulls(handlers, consumer_id, session, total, share=share)
+    with handlers.store.shared_reads():
+        made.run(entries)
     code, request_id = frame.code, frame.request_id
     if made.handed or timeout_ms == 0 or handlers.broker.stopping or not made.subjects:
         _answer(handlers, conn, code, request_id, made, made.acked, made.unheld)
@@ -71,8 +81,9 @@ def pull_many(handlers: Handlers, conn: Responder, frame: Frame) -> None:
     acked, unheld = made.acked, made.unheld
 
     def retry() -> bool:
-        more = _Pulls(handlers, consumer_id, session, total, again=True)
-        more.run(again)
+        more = _Pulls(handlers, consumer_id, session, total, again=True, share=share)
+        with handlers.store.shared_reads():
+            more.run(again)
         if not more.handed:
             return False
         _answer(handlers, conn, code, request_id, more, acked, unheld)
@@ -92,8 +103,13 @@ class _Pulls:
     """The pulls of one PULL_MANY's entries, made once (``run``): their results, the records'
     chunks, whether any carried acks or handed out messages, the subjects pulled."""
 
-    def __init__(self, handlers: Handlers, consumer_id: str, session: str, total: int, again: bool = False) -> None:
+    def __init__(
+        self, handlers: Handlers, consumer_id: str, session: str, total: int, again: bool = False, share: bool = False
+    ) -> None:
         self.handlers = handlers
+        # entries whose records are an earlier entry's refer to it (the request's ``share``):
+        # by the records' length, count of chunks and first record header, then compared whole
+        self.shared: dict[tuple[int, int, bytes], list[tuple[int, list[bytes]]]] | None = {} if share else None
         self.again = again  # a parked request's pulls made again: its empty entries were counted once
         self.consumer_id = consumer_id
         self.session = session
@@ -132,13 +148,32 @@ class _Pulls:
                     metrics.pulls.labels("empty").inc()
                 continue
             self.handed = True
-            results.append({"runs": result.runs, "bytes": result.nbytes})
-            self.chunks.extend(result.chunks)
             self.left -= result.messages
-            budget -= result.nbytes
+            same = self._same(i, result.chunks, result.nbytes)
+            if same is None:
+                results.append({"runs": result.runs, "bytes": result.nbytes})
+                self.chunks.extend(result.chunks)
+                budget -= result.nbytes
+            else:
+                results.append({"runs": result.runs, "bytes": 0, "same": same})
             metrics.pulls.labels("messages").inc()
             metrics.messages_out.labels(subject, group).inc(result.messages)
             metrics.bytes_out.labels(subject, group).inc(result.nbytes)
+
+    def _same(self, i: int, chunks: list[bytes], nbytes: int) -> int | None:
+        """The earlier entry whose records are byte for byte these ``chunks`` (entry ``i``'s),
+        when the request shares them; otherwise None, and these are kept for later entries."""
+        shared = self.shared
+        if shared is None or not chunks:
+            return None
+        key = (nbytes, len(chunks), chunks[0][:RECORD_HEADER_BYTES])
+        seen = shared.setdefault(key, [])
+        for j, earlier in seen:
+            if earlier == chunks:
+                return j
+        if len(seen) < _SHARED_CANDIDATES_MAX:
+            seen.append((i, chunks))
+        return None
 
 
 def _answer(

@@ -21,7 +21,7 @@ from qmq.client.connection import ConnectionPool
 from qmq.client.meta import BrokerGroup
 from qmq.client.pull_consumer import PullConsumer
 from qmq.client.puller import ConsumerContext, SubjectPuller
-from qmq.client.received import BatchBase
+from qmq.client.received import BatchBase, ParsedRecord
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
@@ -136,7 +136,8 @@ async def _request(
         entry, tracker, ranges = p.many_entry(bg, per_subject_max)
         entries.append(entry)
         taken.append((i, p, tracker, ranges))
-    header: dict[str, Any] = {"consumer_id": ctx.consumer_id, "max": max_messages, "pulls": entries}
+    # share: an entry whose records are an earlier entry's gets them by reference, not again
+    header: dict[str, Any] = {"consumer_id": ctx.consumer_id, "max": max_messages, "pulls": entries, "share": True}
     if wait_ms:
         header["timeout_ms"] = wait_ms
     conn = pool.get(bg.address)
@@ -194,21 +195,38 @@ def _parts(
     body = frame.body if isinstance(frame.body, bytes) else bytes(frame.body)
     at = 0
     batches: list[tuple[int, BatchBase[Any]]] = []
-    for (i, p, tracker, ranges), result in zip(taken, results, strict=True):
+    # the part of the body and the records of each result that later ones say they share
+    referred = {r["same"] for r in results if isinstance(r, dict) and isinstance(r.get("same"), int)}
+    parts: dict[int, tuple[bytes, list[ParsedRecord]]] = {}
+    for j, ((i, p, tracker, ranges), result) in enumerate(zip(taken, results, strict=True)):
         if not isinstance(result, dict) or "error" in result:
             tracker.requeue(ranges)
             text = result.get("error") if isinstance(result, dict) else result
             log.warning("broker group %s refused a pull of %r in group %r: %s", broker_group, p.subject, p.group, text)
             continue
         size = result.get("bytes")
-        if not isinstance(size, int) or size < 0 or at + size > len(body):
+        same = result.get("same")
+        # a result that shares an earlier one's records brings no bytes of its own
+        shared = same is None or (isinstance(same, int) and same in parts and size == 0)
+        if not isinstance(size, int) or size < 0 or at + size > len(body) or not shared:
             abort()
+            what = f"{size!r} bytes" if same is None else f"the records of result {same!r}"
             raise RemoteProtocolError(
-                f"a PULL_MANY answer of broker group {broker_group} gives {size!r} bytes to {p.subject!r}"
+                f"a PULL_MANY answer of broker group {broker_group} gives {what} to {p.subject!r}"
             )
         if ranges and not acks_error:
             tracker.count_unheld(result.get("acks_unheld"))
-        batches.append((i, p.parse_part(body[at : at + size], result.get("runs", []), tracker)))
+        runs = result.get("runs", [])
+        if same is not None:
+            batches.append((i, p.share_part(*parts[same], runs, tracker)))
+            continue
+        part = body[at : at + size]
+        if j in referred:
+            records: list[ParsedRecord] = []
+            batches.append((i, p.parse_part(part, runs, tracker, records)))
+            parts[j] = (part, records)
+        else:
+            batches.append((i, p.parse_part(part, runs, tracker)))
         at += size
     return batches
 

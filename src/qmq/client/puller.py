@@ -23,7 +23,7 @@ from qmq.client.acks import AckTracker
 from qmq.client.connection import ConnectionPool
 from qmq.client.meta import BrokerGroup, MetaClient
 from qmq.client.options import ConnectOptions, ConsumerOptions, StartFrom
-from qmq.client.received import BatchBase, M, parse_records, parse_runs
+from qmq.client.received import BatchBase, M, ParsedRecord, make_records, parse_records, parse_runs
 from qmq.client.subscription import Subscription
 from qmq.common.errors import BrokerError, ConnectionLostError, NoBrokerError, QmqError, error_text
 from qmq.protocol.answers import answer_of
@@ -206,12 +206,25 @@ class SubjectPuller(Generic[M]):
             entry["ack"] = ranges
         return entry, tracker, ranges
 
-    def parse_part(self, body: bytes, runs: object, tracker: AckTracker) -> BatchBase[M]:
-        """The batch of one PULL_MANY result: its ``runs`` and its part of the answer's body."""
+    def parse_part(
+        self, body: bytes, runs: object, tracker: AckTracker, kept: list[ParsedRecord] | None = None
+    ) -> BatchBase[M]:
+        """The batch of one PULL_MANY result: its ``runs`` and its part of the answer's body
+        (with ``kept``: the records read, for ``share_part``)."""
         batch = self._batch_cls()
         parse_records(
-            body, parse_runs(runs), self.origin_subject, tracker, batch, self._make, self._ctx.options.check_crc
+            body, parse_runs(runs), self.origin_subject, tracker, batch, self._make, self._ctx.options.check_crc, kept
         )
+        return self._counted(batch)
+
+    def share_part(self, body: bytes, records: list[ParsedRecord], runs: object, tracker: AckTracker) -> BatchBase[M]:
+        """The batch of a PULL_MANY result whose records are another result's (``records``, read
+        from ``body`` by ``parse_part``): a fan-out's groups, the records carried once."""
+        batch = self._batch_cls()
+        make_records(body, records, parse_runs(runs), self.origin_subject, tracker, batch, self._make)
+        return self._counted(batch)
+
+    def _counted(self, batch: BatchBase[M]) -> BatchBase[M]:
         self.pulls += 1
         self.messages += len(batch)
         return batch

@@ -39,6 +39,9 @@ _HEADERS = struct.Struct("<" + RECORD_HEADER.format.lstrip("<") + HEADER.format.
 # Fields of that tuple: the record's, then the message's (qmq.protocol.message.HEADER).
 _MAGIC, _CRC, _LENGTH, _SEQUENCE, _STORED = 0, 1, 2, 3, 4
 _VERSION, _FLAGS, _SLEN, _ILEN, _TLEN, _CREATED, _TIMES, _ORDER_SLOT, _PLEN, _BLEN = 5, 6, 7, 8, 10, 11, 13, 14, 15, 16
+# A record of a pull response read and checked: where its message begins, where its body begins,
+# where it ends, and its headers.
+ParsedRecord = tuple[int, int, int, tuple[Any, ...]]
 
 
 class Acked:
@@ -331,8 +334,11 @@ def parse_records(
     into: BatchBase[M],
     make: type[M],
     check_crc: bool = True,
+    kept: list[ParsedRecord] | None = None,
 ) -> None:
-    """Append one ``make(...)`` per record of a PULL response body to ``into``.
+    """Append one ``make(...)`` per record of a PULL response body to ``into``; with ``kept``,
+    each record's place and headers too, for ``make_records`` to make another group's messages
+    of the same records (a fan-out's PULL_MANY answer carries them once).
 
     Raises RemoteProtocolError when the body does not hold exactly the records ``runs``
     announce, or a record is damaged.
@@ -361,6 +367,8 @@ def parse_records(
                         f"PULL response record at byte {pos} (sequence {h[_SEQUENCE]}) fails its CRC32C check"
                     )
                 append(make(body, mpos, body_pos, mend, h, pull_offset + k, subject, tracker))
+                if kept is not None:
+                    kept.append((mpos, body_pos, mend, h))
                 pos = mend
     except struct.error:
         raise RemoteProtocolError(
@@ -368,3 +376,29 @@ def parse_records(
         ) from None
     if pos != end:
         raise RemoteProtocolError(f"PULL response body has {end - pos} bytes after the records its runs announce")
+
+
+def make_records(
+    body: bytes,
+    records: list[ParsedRecord],
+    runs: Iterable[tuple[int, int]],
+    subject: str,
+    tracker: AckTracker,
+    into: BatchBase[M],
+    make: type[M],
+) -> None:
+    """Append one ``make(...)`` per record ``parse_records`` kept (read and checked already) to
+    ``into``, at the pull offsets of ``runs``: another consumer group's messages of the same
+    records. Raises RemoteProtocolError when ``runs`` do not count exactly those records."""
+    runs = list(runs)
+    if sum(count for _offset, count in runs) != len(records):
+        raise RemoteProtocolError(
+            f"PULL response runs {runs!r} do not count the {len(records)} records they share with another pull"
+        )
+    append = into.append
+    at = 0
+    for pull_offset, count in runs:
+        for k in range(count):
+            mpos, body_pos, mend, h = records[at + k]
+            append(make(body, mpos, body_pos, mend, h, pull_offset + k, subject, tracker))
+        at += count

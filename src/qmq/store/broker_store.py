@@ -31,6 +31,7 @@ recovery then finds what is on disk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -421,6 +422,10 @@ class BrokerStore:
     def remove_dead(self, dead_subject: str, numbers: list[int]) -> None:
         """Drop dead letters (resent or purged), logged so replay and slaves drop them too."""
         self._write("removing dead letters", self._progress.remove_dead, dead_subject, numbers)
+
+    def shared_reads(self) -> contextlib.AbstractContextManager[None]:
+        """Within: groups pulling the same next messages share one read of them (take.Pulls.shared_reads)."""
+        return self._pulls.shared_reads()
 
     def pull(
         self,

@@ -35,8 +35,9 @@ damage is done with it, as with a record retention removed. Both are logged and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple, TypeVar
 
 import crc32c
@@ -51,7 +52,7 @@ from qmq.store.datadir import StoreError
 from qmq.store.message_log import Checked, MessageLog
 from qmq.store.ordered_take import OrderedDispatch
 from qmq.store.progress import ConsumerProgress, GroupProgress, Progress
-from qmq.store.record_read import read_fast, without
+from qmq.store.record_read import FAST_ENTRIES_MIN, kept_within, read_fast, without
 from qmq.store.subjects import SubjectState
 from qmq.store.tags import RecordFilter
 
@@ -60,39 +61,26 @@ _T = TypeVar("_T")
 
 _SCAN_ENTRIES_MAX = 20_000
 _SCAN_CHUNK_ENTRIES = 2048
-_FAST_ENTRIES_MIN = 128  # from this many entries a pull's records are checked with numpy
 _REPAIRS_MAX = 4  # repairs of a subject's consume log one pull may make
 _UNREPAIRABLE_MAX = 10_000  # (subject, sequence) of damaged records remembered, so a repair is tried once
-
-
-def _kept_within(entries: bytes, log_start: int, budget: int) -> tuple[int, int]:
-    """How many leading ``entries`` name records retention removed (below ``log_start``), and how
-    many of the rest fit ``budget`` bytes (the first always does): one pass, with numpy for many."""
-    n = len(entries) // ENTRY_BYTES
-    if n >= _FAST_ENTRIES_MIN:
-        e = np.frombuffer(entries, dtype=ENTRY_DTYPE)
-        kept = e["offset"] >= log_start
-        if not kept.any():
-            return n, 0
-        skip = int(kept.argmax())
-        within = np.cumsum(e["size"][skip:], dtype=np.int64) <= budget
-        return skip, max(1, int(np.count_nonzero(within)))
-    skip = k = acc = 0
-    for off, size, _ms, _bloom, _r in ENTRY.iter_unpack(entries):
-        if not k and off < log_start:
-            skip += 1
-            continue
-        if k and acc + size > budget:
-            break
-        acc += size
-        k += 1
-    return skip, k
 
 
 class PullResult(NamedTuple):
     runs: list[list[int]]  # [pull_offset, count]
     chunks: list[bytes]  # stored records, back to back
     messages: int
+    nbytes: int
+
+
+class _Read(NamedTuple):
+    """A group's next messages as read and checked (``Pulls.reads``): the leading entries
+    retention removed, the records kept, their chunks, runs from pull offset 0, messages, bytes."""
+
+    skip: int
+    k: int
+    chunks: tuple[bytes, ...]
+    runs: tuple[tuple[int, int], ...]
+    got: int
     nbytes: int
 
 
@@ -133,6 +121,10 @@ class Pulls:
         # records known damaged (an entry still disagreeing after a repair, or a failed CRC)
         self._damaged: dict[tuple[str, int], None] = {}
         self._repairing = False  # the pull being made follows a repair: disagreeing entries are damage
+        # while on (``shared_reads``): the records read for a group's next messages, by subject,
+        # first sequence, count and log start, for another group pulling the same ones in the
+        # same request (a fan-out's PULL_MANY: 70 groups, the same records) to take unread
+        self.reads: dict[tuple[str, int, int, int], _Read] | None = None
 
     def pull(
         self,
@@ -214,9 +206,21 @@ class Pulls:
         finally:
             self._repairing = False
 
+    @contextlib.contextmanager
+    def shared_reads(self) -> Iterator[None]:
+        """Within: a group's next messages read for one group are taken by another that pulls the
+        same ones, without reading and checking them again (``reads``)."""
+        self.reads = {}
+        try:
+            yield
+        finally:
+            self.reads = None
+
     def repair(self, st: SubjectState, seq: int) -> int:
         """Rewrite the entries of ``st`` from ``seq`` on that disagree with their records (see
         clog_repair.py); returns how many were."""
+        if self.reads is not None:
+            self.reads.clear()
         fixed = clog_repair.repair(st.clog, self.mlog, seq, st.clog.next_seq)
         self.entries_repaired += fixed.rewritten
         log.error(
@@ -298,19 +302,30 @@ class Pulls:
         take = min(left, st.next_seq - start)
         if take <= 0:
             return out
-        entries = st.clog.read(start, take)
-        skip, k = _kept_within(entries, self.mlog.start, budget)
-        first = start + skip
-        if not k:
-            if skip:
-                self._record_pull(gp, cp, [], first)
-            return out
-        chunks: list[bytes] = []
-        runs: list[list[int]] = []
+        reads = self.reads
+        key = (st.name, start, take, self.mlog.start)
+        read = reads.get(key) if reads is not None else None
         skipped: list[int] = []
-        got, size = self._read_records(
-            entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, 0, runs, st, first, skipped
-        )
+        if read is not None and read.nbytes <= budget:
+            skip, k, got, size = read.skip, read.k, read.got, read.nbytes
+            first = start + skip
+            chunks = list(read.chunks)
+            runs = [list(run) for run in read.runs]
+        else:
+            entries = st.clog.read(start, take)
+            skip, k = kept_within(entries, self.mlog.start, budget)
+            first = start + skip
+            if not k:
+                if skip:
+                    self._record_pull(gp, cp, [], first)
+                return out
+            chunks = []
+            runs = []
+            got, size = self._read_records(
+                entries[skip * ENTRY_BYTES : (skip + k) * ENTRY_BYTES], chunks, cp, 0, runs, st, first, skipped
+            )
+            if reads is not None and not skipped:
+                reads[key] = _Read(skip, k, tuple(chunks), tuple((a, n) for a, n in runs), got, size)
         seq_runs = [[first, k]]
         if skipped:  # damaged records: the group's offset moves past them, nobody is handed them
             seq_runs = []
@@ -417,7 +432,7 @@ class Pulls:
         appended there and the pull-log offsets stay dense; without it (records in the pull log
         already), the consumer is done with it, as with one retention removed.
         """
-        if len(entries) >= _FAST_ENTRIES_MIN * ENTRY_BYTES and not self._damaged and not self.checked.damaged:
+        if len(entries) >= FAST_ENTRIES_MIN * ENTRY_BYTES and not self._damaged and not self.checked.damaged:
             fast = read_fast(self.mlog, self.checked.crc_from, entries, chunks, poff, runs, seq)
             if fast is not None:
                 return fast
