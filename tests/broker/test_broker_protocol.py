@@ -223,10 +223,16 @@ def test_metrics_and_health_are_served(broker: ReadyProcess, client: RawClient, 
     import urllib.request
 
     client.send(message(subject, "x", b"12345"))
-    client.pull(subject, "metrics-g")
+    pulled = client.pull(subject, "metrics-g")
+    client.pull(subject, "metrics-g", ack=[[0, 1]])  # acks it; finds nothing more
     text = urllib.request.urlopen(broker.ready["http"] + "/metrics", timeout=10).read().decode()
     assert f'qmq_messages_in_total{{subject="{subject}"}} 1.0' in text
-    assert f'qmq_messages_out_total{{group="metrics-g",subject="{subject}"}} 1.0' in text
+    labels = f'{{group="metrics-g",subject="{subject}"}}'
+    assert f"qmq_messages_out_total{labels} 1.0" in text
+    assert f"qmq_bytes_out_total{labels} {float(len(pulled.body))}" in text
+    assert f"qmq_acked_messages_total{labels} 1.0" in text
+    assert 'qmq_pulls_total{outcome="messages"}' in text
+    assert 'qmq_pulls_total{outcome="empty"}' in text
     assert "qmq_store_flush_seconds_bucket" in text
     assert "qmq_connections" in text
     health = urllib.request.urlopen(broker.ready["http"] + "/health", timeout=10).read()

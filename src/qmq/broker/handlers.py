@@ -316,8 +316,6 @@ class Handlers(RoleHandlers):
             tag_filter = group_filter.with_tags(tag_filter)
         code, request_id = frame.code, frame.request_id
         metrics = self.metrics
-        out = metrics.messages_out.labels(gp.subject, gp.group)
-        out_bytes = metrics.bytes_out.labels(gp.subject, gp.group)
 
         def answer(result: PullResult | None) -> None:
             if ack_ranges:
@@ -367,12 +365,11 @@ class Handlers(RoleHandlers):
             elif unheld:
                 header["acks_unheld"] = unheld  # acked positions this broker never handed out
             if result is None:
-                metrics.pulls.labels("empty").inc()
+                metrics.pulls_empty.inc()
                 conn.respond(code, request_id, header)
                 return
-            metrics.pulls.labels("messages").inc()
-            out.inc(result.messages)
-            out_bytes.inc(result.nbytes)
+            metrics.pulls_with_messages.inc()
+            metrics.delivered(gp.subject, gp.group, result.messages, result.nbytes)
             conn.respond(code, request_id, header, result.chunks)
 
         if (gp.subject, gp.group) in self.broker.parked.paused:
@@ -438,7 +435,7 @@ class Handlers(RoleHandlers):
         ack_offset = self.store.ack(gp, cp, ranges)
         after = cp.ack_offset + sum(e - s for s, e in cp.acked)
         if after > before:
-            self.metrics.acks.labels(gp.subject, gp.group).inc(after - before)
+            self.metrics.acked(gp.subject, gp.group, after - before)
         if unheld:
             log.info(
                 "%d acked positions of consumer %r (%r, group %r) were never handed out by this broker "

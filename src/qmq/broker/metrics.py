@@ -101,6 +101,29 @@ class _StoredCollector(Collector):
         yield nbytes
 
 
+class _ConsumedCollector(Collector):
+    """Messages and bytes delivered and messages acknowledged per (subject, group), from three
+    numbers a group (``BrokerMetrics.delivered``, ``acked``): a PULL_MANY of 70 groups counted
+    them through labelled Counter children, 4 µs a group for the label lookups alone, and each
+    child costs over 1 KiB where the three numbers cost about 100 B."""
+
+    def __init__(self, consumed: dict[tuple[str, str], list[int]]) -> None:
+        self.consumed = consumed
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        labels = ["subject", "group"]
+        messages = CounterMetricFamily("qmq_messages_out", "messages delivered by pulls", labels=labels)
+        nbytes = CounterMetricFamily("qmq_bytes_out", "record bytes delivered by pulls", labels=labels)
+        acked = CounterMetricFamily("qmq_acked_messages", "messages acknowledged", labels=labels)
+        for (subject, group), (n, size, acks) in list(self.consumed.items()):
+            messages.add_metric([subject, group], n)
+            nbytes.add_metric([subject, group], size)
+            acked.add_metric([subject, group], acks)
+        yield messages
+        yield nbytes
+        yield acked
+
+
 class BrokerMetrics:
     def __init__(self, store: BrokerStore) -> None:
         self.registry = CollectorRegistry()
@@ -108,13 +131,15 @@ class BrokerMetrics:
         # messages and bytes stored, by subject (_StoredCollector)
         self._in: dict[str, list[int]] = {}
         r.register(_StoredCollector(self._in))
-        self.messages_out = Counter("qmq_messages_out", "messages delivered by pulls", ["subject", "group"], registry=r)
-        self.bytes_out = Counter("qmq_bytes_out", "record bytes delivered by pulls", ["subject", "group"], registry=r)
+        # messages and bytes delivered and messages acked, by subject and group (_ConsumedCollector)
+        self._consumed: dict[tuple[str, str], list[int]] = {}
+        r.register(_ConsumedCollector(self._consumed))
         self.duplicates = Counter("qmq_duplicates", "messages dropped by the duplicate window", registry=r)
         self.refused = Counter("qmq_messages_refused", "messages of a send refused", ["status"], registry=r)
         self.requests = Counter("qmq_requests", "requests by command", ["command"], registry=r)
-        self.pulls = Counter("qmq_pulls", "pull requests answered, by outcome", ["outcome"], registry=r)
-        self.acks = Counter("qmq_acked_messages", "messages acknowledged", ["subject", "group"], registry=r)
+        pulls = Counter("qmq_pulls", "pull requests answered, by outcome", ["outcome"], registry=r)
+        self.pulls_with_messages = pulls.labels("messages")
+        self.pulls_empty = pulls.labels("empty")
         self.connections = Gauge("qmq_connections", "open client connections", registry=r)
         self.connections_refused, self.connections_dropped = connection_counters("qmq", r)
         self.flush_seconds = Histogram(
@@ -138,6 +163,21 @@ class BrokerMetrics:
             else:
                 pair[0] += n
                 pair[1] += nbytes
+
+    def delivered(self, subject: str, group: str, messages: int, nbytes: int) -> None:
+        counts = self._consumed.get((subject, group))
+        if counts is None:
+            self._consumed[(subject, group)] = [messages, nbytes, 0]
+        else:
+            counts[0] += messages
+            counts[1] += nbytes
+
+    def acked(self, subject: str, group: str, messages: int) -> None:
+        counts = self._consumed.get((subject, group))
+        if counts is None:
+            self._consumed[(subject, group)] = [0, 0, messages]
+        else:
+            counts[2] += messages
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

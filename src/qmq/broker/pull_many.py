@@ -145,7 +145,7 @@ class _Pulls:
             if result is None:
                 results.append({"runs": [], "bytes": 0})
                 if not self.again:
-                    metrics.pulls.labels("empty").inc()
+                    metrics.pulls_empty.inc()
                 continue
             self.handed = True
             self.left -= result.messages
@@ -156,9 +156,8 @@ class _Pulls:
                 budget -= result.nbytes
             else:
                 results.append({"runs": result.runs, "bytes": 0, "same": same})
-            metrics.pulls.labels("messages").inc()
-            metrics.messages_out.labels(subject, group).inc(result.messages)
-            metrics.bytes_out.labels(subject, group).inc(result.nbytes)
+            metrics.pulls_with_messages.inc()
+            metrics.delivered(str(subject), str(group), result.messages, result.nbytes)
 
     def _same(self, i: int, chunks: list[bytes], nbytes: int) -> int | None:
         """The earlier entry whose records are byte for byte these ``chunks`` (entry ``i``'s),
