@@ -236,3 +236,16 @@ async def test_an_answer_that_shares_records_wrongly_is_refused_and_drops_the_co
             with pytest.raises(RemoteProtocolError):
                 _parts(answer(wrong), taken, "bg", functools.partial(dropped.append, True))
             assert dropped or wrong["runs"] == [[0, 3]], wrong  # the runs' count is the records' check
+
+
+async def test_subjects_whose_entries_pass_one_frame_header_go_in_more_requests(meta_server: str, subject: str) -> None:
+    # 400 subjects of 100 characters: their entries take over 64 KiB, the bound of a frame's
+    # header, and the whole pull failed (LocalProtocolError) before they were split by size.
+    subjects = [f"{subject}.{k:04d}.".ljust(100, "x") for k in range(400)]
+    await _send(meta_server, [subjects[0], subjects[-1]], 2)
+    async with Consumer(app_code="test", meta_server=meta_server) as consumer:
+        group = "g".ljust(60, "g")
+        pcs = [consumer.pull_consumer(s, group, "earliest") for s in subjects]
+        batches = await consumer.pull_many(pcs, max_messages=1_000, per_subject_max=10)
+        got = {s: [m.body for m in b] for s, b in zip(subjects, batches, strict=True) if len(b)}
+        assert got == {s: [f"{s}/{i}".encode() for i in range(2)] for s in (subjects[0], subjects[-1])}

@@ -23,14 +23,18 @@ from qmq.client.pull_consumer import PullConsumer
 from qmq.client.puller import ConsumerContext, SubjectPuller
 from qmq.client.received import BatchBase, ParsedRecord
 from qmq.common.errors import BrokerError, ConnectionLostError, QmqError
+from qmq.common.limits import DEFAULT_LIMITS
 from qmq.protocol.codes import RequestCode, Status
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.frame import Frame
+from qmq.protocol.packing import packb
 
 log = logging.getLogger(__name__)
 
 # subjects in one PULL_MANY request (the broker takes up to 2,000); more go in further requests
 ENTRIES_PER_REQUEST_MAX = 1_000
+# bytes of entries in one request's header: the frame's bound less room for the rest of it
+_ENTRIES_BYTES_MAX = DEFAULT_LIMITS.frame_header_bytes_max - 4 * 1024
 
 _Entry = tuple[int, SubjectPuller[Any], AckTracker, list[list[int]]]
 
@@ -127,15 +131,55 @@ async def _request(
     out: list[BatchBase[Any] | None],
     wait_ms: int,
 ) -> list[int]:
-    """One PULL_MANY to ``bg``; fills ``out``. Returns the indexes to pull one by one instead
-    (all of them when ``bg`` does not know PULL_MANY)."""
+    """PULL_MANY to ``bg`` for ``indexes``: one request, or one after another when their
+    entries would not fit one frame's header; fills ``out``. Returns the indexes to pull one by
+    one instead (all of them when ``bg`` does not know PULL_MANY)."""
+    refused: list[int] = []
+    while indexes:
+        taken, entries, indexes = _entries(bg, indexes, pullers, per_subject_max)
+        refused += await _request_one(
+            ctx, pool, bg, taken, entries, max_messages, out, 0 if indexes else wait_ms
+        )  # a long poll only by the last, or it would hold back the rest
+        if refused:
+            refused += indexes
+            break
+    return refused
+
+
+def _entries(
+    bg: BrokerGroup, indexes: list[int], pullers: Sequence[SubjectPuller[Any]], per_subject_max: int
+) -> tuple[list[_Entry], list[dict[str, Any]], list[int]]:
+    """The entries of ``indexes`` (with their pending acks, taken) that fit one request's header,
+    and the indexes left for the next: a thousand subjects of long names, or with many acks
+    each, would pass the frame's bound (``frame_header_bytes_max``) and fail the whole pull."""
     taken: list[_Entry] = []
     entries: list[dict[str, Any]] = []
-    for i in indexes:
+    used = 0
+    for n, i in enumerate(indexes):
         p = pullers[i]
         entry, tracker, ranges = p.many_entry(bg, per_subject_max)
+        size = len(packb(entry))
+        if entries and used + size > _ENTRIES_BYTES_MAX:
+            tracker.requeue(ranges)
+            return taken, entries, indexes[n:]
+        used += size
         entries.append(entry)
         taken.append((i, p, tracker, ranges))
+    return taken, entries, []
+
+
+async def _request_one(
+    ctx: ConsumerContext,
+    pool: ConnectionPool,
+    bg: BrokerGroup,
+    taken: list[_Entry],
+    entries: list[dict[str, Any]],
+    max_messages: int,
+    out: list[BatchBase[Any] | None],
+    wait_ms: int,
+) -> list[int]:
+    """One PULL_MANY of ``entries``; fills ``out``. Returns the indexes to pull one by one."""
+    indexes = [i for i, _p, _t, _r in taken]
     # share: an entry whose records are an earlier entry's gets them by reference, not again
     header: dict[str, Any] = {"consumer_id": ctx.consumer_id, "max": max_messages, "pulls": entries, "share": True}
     if wait_ms:
