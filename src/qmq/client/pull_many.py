@@ -131,19 +131,19 @@ async def _request(
     out: list[BatchBase[Any] | None],
     wait_ms: int,
 ) -> list[int]:
-    """PULL_MANY to ``bg`` for ``indexes``: one request, or one after another when their
-    entries would not fit one frame's header; fills ``out``. Returns the indexes to pull one by
-    one instead (all of them when ``bg`` does not know PULL_MANY)."""
-    refused: list[int] = []
+    """PULL_MANY to ``bg`` for ``indexes``: one request, or several at once when their entries
+    would not fit one frame's header (none of them then waits: a long poll would hold back what
+    the others got); fills ``out``. Returns the indexes to pull one by one instead (all of them
+    when ``bg`` does not know PULL_MANY)."""
+    parts = []
     while indexes:
         taken, entries, indexes = _entries(bg, indexes, pullers, per_subject_max)
-        refused += await _request_one(
-            ctx, pool, bg, taken, entries, max_messages, out, 0 if indexes else wait_ms
-        )  # a long poll only by the last, or it would hold back the rest
-        if refused:
-            refused += indexes
-            break
-    return refused
+        parts.append((taken, entries))
+    wait_ms = wait_ms if len(parts) == 1 else 0
+    refused = await asyncio.gather(
+        *(_request_one(ctx, pool, bg, taken, entries, max_messages, out, wait_ms) for taken, entries in parts)
+    )
+    return [k for indexes in refused for k in indexes]
 
 
 def _entries(
