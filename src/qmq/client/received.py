@@ -22,7 +22,6 @@ from qmq.common.ordering import ORDER_KEY_PROPERTY
 from qmq.protocol.errors import RemoteProtocolError
 from qmq.protocol.message import (
     FLAG_ORDERED,
-    HEADER,
     HEADER_BYTES,
     VERSION,
     PropertyValue,
@@ -30,12 +29,12 @@ from qmq.protocol.message import (
     decode_tags,
     delivery_attempt,
 )
-from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+from qmq.protocol.record import RECORD_AND_MESSAGE_HEADERS, RECORD_HEADER_BYTES, RECORD_MAGIC
 
 log = logging.getLogger(__name__)
 
 # A record header and the header of the message in it, read with one unpack.
-_HEADERS = struct.Struct("<" + RECORD_HEADER.format.lstrip("<") + HEADER.format.lstrip("<"))
+_HEADERS = RECORD_AND_MESSAGE_HEADERS
 # Fields of that tuple: the record's, then the message's (qmq.protocol.message.HEADER).
 _MAGIC, _CRC, _LENGTH, _SEQUENCE, _STORED = 0, 1, 2, 3, 4
 _VERSION, _FLAGS, _SLEN, _ILEN, _TLEN, _CREATED, _TIMES, _ORDER_SLOT, _PLEN, _BLEN = 5, 6, 7, 8, 10, 11, 13, 14, 15, 16

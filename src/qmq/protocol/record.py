@@ -22,9 +22,14 @@ from typing import NamedTuple
 
 import crc32c
 
+from qmq.protocol.message import HEADER
+
 RECORD_HEADER = struct.Struct("<IIIQq")
 RECORD_HEADER_BYTES = RECORD_HEADER.size  # 28
 RECORD_MAGIC = 0x31524D51
+# A record's header and the header of the message in it, read with one unpack (a reader that
+# walks records: the SDK's pull parser, recovery's pass over the duplicate window).
+RECORD_AND_MESSAGE_HEADERS = struct.Struct("<" + RECORD_HEADER.format.lstrip("<") + HEADER.format.lstrip("<"))
 _TAIL = struct.Struct("<IQq")
 _CRC = RECORD_CRC = struct.Struct("<I")  # the crc32c field, packed in place once the rest is written
 

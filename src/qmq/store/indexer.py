@@ -12,12 +12,11 @@ buffered per subject and written in chunks.
 from __future__ import annotations
 
 import logging
-import struct
 
 from qmq.common.naming import DEAD_PREFIX
 from qmq.protocol.errors import RemoteProtocolError
-from qmq.protocol.message import HEADER, VERSION, order_slot_field, scan_batch
-from qmq.protocol.record import RECORD_HEADER, RECORD_HEADER_BYTES, RECORD_MAGIC
+from qmq.protocol.message import VERSION, order_slot_field, scan_batch
+from qmq.protocol.record import RECORD_AND_MESSAGE_HEADERS, RECORD_HEADER_BYTES, RECORD_MAGIC
 from qmq.store.consume_log import ENTRY, ENTRY_BYTES, tag_bloom
 from qmq.store.dead_letters import DeadLetters
 from qmq.store.dedup import DedupWindow, dedup_key
@@ -32,8 +31,6 @@ _DEDUP_CHUNK = 8192
 _DEAD_RAW = DEAD_PREFIX.encode()
 _GAP_FILLED_MAX = 100_000  # entries of damaged records filled in, at most, for one gap
 _KEYS_CHUNK_BYTES = 4 * 1024 * 1024
-# a record's header and its message's, read in one call (add_window_keys)
-_RECORD_AND_MESSAGE_HEADERS = struct.Struct("<" + RECORD_HEADER.format.lstrip("<") + HEADER.format.lstrip("<"))
 
 
 class UnreadableRecord(Exception):
@@ -154,11 +151,11 @@ def add_window_keys(mlog: MessageLog, start: int, end: int, dedup: DedupWindow) 
     ordinary one (bad magic or framing, another format version), from which the caller's
     checked scan goes on.
 
-    About a fifth of the checked scan's cost per record (the pass over a busy broker's last
+    About a quarter of the checked scan's cost per record (the pass over a busy broker's last
     ten minutes is most of its restart); the records' CRCs are checked when they are pulled
     (``Checked.crc_from``)."""
-    unpack = _RECORD_AND_MESSAGE_HEADERS.unpack_from
-    heads = _RECORD_AND_MESSAGE_HEADERS.size
+    unpack = RECORD_AND_MESSAGE_HEADERS.unpack_from
+    heads = RECORD_AND_MESSAGE_HEADERS.size
     rb = RECORD_HEADER_BYTES
     pos = start
     count = 0
