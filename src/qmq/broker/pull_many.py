@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 from qmq.broker.pulls import ParkedMany
 from qmq.protocol.codes import Status
 from qmq.protocol.frame import Frame
-from qmq.protocol.record import RECORD_HEADER_BYTES
 from qmq.serving.connection import Responder
 from qmq.serving.dispatch import answer_failure
 from qmq.serving.requests import BadRequest, get_bool, get_int, get_ranges, get_str, get_tags
@@ -50,8 +49,6 @@ if TYPE_CHECKING:
     from qmq.broker.handlers import Handlers
 
 PULL_MANY_ENTRIES_MAX = 2_000
-# answers with the same first record and size that are compared whole, at most, for one entry
-_SHARED_CANDIDATES_MAX = 4
 _ID_CHARS_MAX = 200
 
 
@@ -107,9 +104,10 @@ class _Pulls:
         self, handlers: Handlers, consumer_id: str, session: str, total: int, again: bool = False, share: bool = False
     ) -> None:
         self.handlers = handlers
-        # entries whose records are an earlier entry's refer to it (the request's ``share``):
-        # by the records' length, count of chunks and first record header, then compared whole
-        self.shared: dict[tuple[int, int, bytes], list[tuple[int, list[bytes]]]] | None = {} if share else None
+        # entries whose records are an earlier entry's refer to it (the request's ``share``): the
+        # store hands groups pulling the same records the very chunks it read once
+        # (``shared_reads``), so the chunks' identities name them; each is kept alive by the answer
+        self.shared: dict[tuple[int, ...], int] | None = {} if share else None
         self.again = again  # a parked request's pulls made again: its empty entries were counted once
         self.consumer_id = consumer_id
         self.session = session
@@ -149,7 +147,7 @@ class _Pulls:
                 continue
             self.handed = True
             self.left -= result.messages
-            same = self._same(i, result.chunks, result.nbytes)
+            same = self._same(i, result.chunks)
             if same is None:
                 results.append({"runs": result.runs, "bytes": result.nbytes})
                 self.chunks.extend(result.chunks)
@@ -159,20 +157,17 @@ class _Pulls:
             metrics.pulls_with_messages.inc()
             metrics.delivered(str(subject), str(group), result.messages, result.nbytes)
 
-    def _same(self, i: int, chunks: list[bytes], nbytes: int) -> int | None:
-        """The earlier entry whose records are byte for byte these ``chunks`` (entry ``i``'s),
-        when the request shares them; otherwise None, and these are kept for later entries."""
+    def _same(self, i: int, chunks: list[bytes]) -> int | None:
+        """The earlier entry whose records are these ``chunks`` (entry ``i``'s), when the request
+        shares them; otherwise None, and these are remembered for later entries."""
         shared = self.shared
         if shared is None or not chunks:
             return None
-        key = (nbytes, len(chunks), chunks[0][:RECORD_HEADER_BYTES])
-        seen = shared.setdefault(key, [])
-        for j, earlier in seen:
-            if earlier == chunks:
-                return j
-        if len(seen) < _SHARED_CANDIDATES_MAX:
-            seen.append((i, chunks))
-        return None
+        key = tuple(map(id, chunks))
+        j = shared.get(key)
+        if j is None:
+            shared[key] = i
+        return j
 
 
 def _answer(
