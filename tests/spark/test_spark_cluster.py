@@ -138,12 +138,8 @@ def test_archive_report_and_query_on_the_cluster_equal_the_local_run(
         assert remote_report["rows"] == local_report["rows"]
         assert [r["messages"] for r in remote_report["rows"]] == [len(sent.ids[s]) for s in sorted(SUBJECTS)]
 
-        wanted = sent.ids["cluster.refunds"][17]
-        by_id = ["query", "--archive", str(on_disk), "--message-id", wanted, "--json"]
-        remote_found = on_cluster(cluster, *by_id).splitlines()
-        by_id[2] = str(here)
-        assert remote_found == locally(runner, *by_id).splitlines()
-        assert [json.loads(line)["message_id"] for line in remote_found] == [wanted]
+        # one query on the cluster (each command is a driver and two executors started: ~15 s);
+        # a query by id reads the archive the same way, and is run on the local session elsewhere
         by_subject = ["query", "--archive", str(on_disk), "--subject", "cluster.audit", "--property", "i=7", "--json"]
         remote_found = on_cluster(cluster, *by_subject).splitlines()
         by_subject[2] = str(here)
