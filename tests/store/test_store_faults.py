@@ -48,6 +48,26 @@ def test_a_read_that_fails_fails_that_pull_and_records_nothing(
     assert store.failed is None
 
 
+def test_a_read_that_fails_among_a_pulls_scattered_records_fails_that_pull_and_records_nothing(
+    open_store: Callable[..., BrokerStore],
+) -> None:
+    """Records of two subjects alternate, so a pull reads each of its own apart: the third read fails."""
+    store = open_store()
+    append(store, b"".join(batch(s, [f"{s}{i}"]) for i in range(6) for s in ("s", "t")))
+    flush(store)
+    gp = store.group("s", "g", "earliest")
+    cp = gp.consumer("c")
+    actions = store.alog.end
+    with fileio.faults({"op": "read", "path": "log/*.log", "after": 2, "times": 1, "errno": "EIO"}):
+        with pytest.raises(PullReadError, match="nothing was handed out, so pull again"):
+            store.pull(gp, cp, "session-1", 10)
+        assert store.alog.end == actions
+        assert (gp.pull_offset, cp.pull_log_end) == (0, 0)
+        result = store.pull(gp, cp, "session-1", 10)
+    assert result is not None
+    assert (result.messages, len(result.chunks), result.runs) == (6, 6, [[0, 6]])
+
+
 def test_a_read_that_fails_redelivering_restores_the_consumers_cursor(open_store: Callable[..., BrokerStore]) -> None:
     store = open_store()
     append(store, batch("s", [f"m{i}" for i in range(5)]))

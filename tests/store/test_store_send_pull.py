@@ -193,3 +193,23 @@ def test_groups_pulling_the_same_records_in_one_request_read_them_once(open_stor
     assert apart[1] is not None
     assert apart[1].chunks[0] is not apart[0].chunks[0]
     assert store._pulls.reads is None
+
+
+def test_records_of_subjects_sent_to_together_are_read_one_by_one_across_segments(
+    open_store: Callable[..., BrokerStore],
+) -> None:
+    """Three subjects' records alternate in the log (each pull reads every record apart from the
+    next), in segments that roll every few records: every pull hands out its own, in order."""
+    store = open_store(segment_bytes=4096, flush="periodic")
+    subjects = ["a", "b", "c"]
+    for j in range(40):
+        append(store, b"".join(batch(s, [f"{s}{j}"], body=bytes([j]) * 300) for s in subjects))
+    assert len(store.mlog.segments.segments) > 5
+    for s in subjects:
+        gp = store.group(s, "g", "earliest")
+        cp = gp.consumer("c")
+        got: list[tuple[int, str]] = []
+        while (result := store.pull(gp, cp, "session-1", 7)) is not None:
+            assert len(result.chunks) == result.messages  # one read a record: none lie side by side
+            got += records(result)
+        assert got == [(j, f"{s}{j}") for j in range(40)]

@@ -188,6 +188,13 @@ def pread(fd: int, size: int, offset: int) -> bytes:
     return os.pread(fd, size, offset)
 
 
+def pread_run() -> Callable[[int, int, int], bytes]:
+    """``pread`` for a run of reads made together (one pull's records, a few hundred): the hooks
+    are looked at once for the run, not once a read; with a fault plan or a trace on, each
+    read still goes through ``pread``."""
+    return pread if _hooked else os.pread
+
+
 def read_into(path: StrPath, buffer: memoryview) -> int:
     """Fill ``buffer`` (bytes, or e.g. a numpy array's memory) from the start of the file ``path``;
     returns how many bytes it holds, fewer if the file ends first."""

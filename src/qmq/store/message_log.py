@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +32,7 @@ from qmq.protocol.record import (
     read_record_header,
     record_crc_ok,
 )
+from qmq.store import fileio
 from qmq.store.datadir import StoreError
 from qmq.store.file_header import FileKind
 from qmq.store.segments import SegmentedLog
@@ -114,6 +115,34 @@ class MessageLog:
             chunks.append(data)
             offset += len(data)
             size -= len(data)
+
+    def reader(self) -> Callable[[int, int, list[bytes]], None]:
+        """``read_into`` for the reads one pull makes together, each record its own when a
+        subject's records lie apart (many subjects sent to at once): a read inside the segment
+        of the read before goes straight to the file, without looking the segment up again
+        (about a third of the cost of ``read_into``). Good until the log next changes."""
+        segments = self.segments
+        if segments.files is not None:
+            return self.read_into
+        pread = fileio.pread_run()
+        read_into = self.read_into
+        lo = hi = delta = 0
+        fd = -1
+
+        def read(offset: int, size: int, chunks: list[bytes]) -> None:
+            nonlocal lo, hi, delta, fd
+            if offset < lo or offset + size > hi:
+                seg = segments.segment_for(offset)
+                if seg is None or offset + size > seg.end:
+                    read_into(offset, size, chunks)  # past the log's end, or across two segments
+                    return
+                lo, hi, delta, fd = seg.base, seg.end, seg.head - seg.base, seg.fd
+            data = pread(fd, size, offset + delta)
+            if len(data) != size:
+                raise StoreError(f"message log has {len(data)} bytes at offset {offset} ({size} bytes expected)")
+            chunks.append(data)
+
+        return read
 
     def scan(
         self, start: int, result: list[ScanResult], verify: bool = True, damaged: list[Damage] | None = None

@@ -363,6 +363,7 @@ class Pulls:
         first = seq = max(gp.pull_offset, st.clog.min_seq)
         end = min(st.next_seq, seq + _SCAN_ENTRIES_MAX)
         log_start = self.mlog.start
+        read_into = self.mlog.reader()
         matched: list[tuple[int, bytes]] = []  # (seq, record)
         nbytes = 0
         while seq < end and len(matched) < left and nbytes < budget:
@@ -380,7 +381,7 @@ class Pulls:
                     self._disagrees(st, seq + i)
                     continue
                 chunk: list[bytes] = []
-                self.mlog.read_into(off, size, chunk)
+                read_into(off, size, chunk)
                 record = chunk[0] if len(chunk) == 1 else b"".join(chunk)
                 found = check_record(record, 0, size, seq + i, ms)
                 if found != GOOD:
@@ -436,7 +437,7 @@ class Pulls:
             fast = read_fast(self.mlog, self.checked.crc_from, entries, chunks, poff, runs, seq)
             if fast is not None:
                 return fast
-        read_into = self.mlog.read_into
+        read_into = self.mlog.reader()
         log_start = self.mlog.start
         log_end = self.mlog.end
         first_chunk = len(chunks)
