@@ -43,6 +43,7 @@ from qmq.gateway.services import BackgroundService, background_services
 from qmq.gateway.settle import AckRecorder, Settler
 from qmq.gateway.transforms import Transforms
 from qmq.serving.http_auth import HttpAuth, Need
+from qmq.serving.runner import tune_gc
 from qmq.serving.tls import outgoing_context, server_context
 
 log = logging.getLogger(__name__)
@@ -283,6 +284,7 @@ async def _serve(config: GatewayConfig) -> int:
                 return EXIT_STARTUP_FAILED
             if server.http_auth is not None:
                 loop.add_signal_handler(signal.SIGHUP, server.reload_auth)
+            tune_gc()  # as the other roles: receipts held by the thousand stay out of full passes
             print(server.ready_line(), flush=True)
             await stop.wait()
             log.info("gateway on %s shutting down", server.url)

@@ -53,6 +53,15 @@ class RunnableServer(Protocol):
         ...
 
 
+def tune_gc() -> None:
+    """Once a server has started: what start-up made lives as long as the process, so keep it out
+    of the collector's full passes (which would pause the loop for longer as the heap grows); and
+    since a burst of requests allocates many short-lived containers, collect the young generation
+    every 20,000 of them rather than every 700 (CPython's default): fewer pauses under load."""
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, 20, 50)
+
+
 def run_server(role: str, make: Callable[[], RunnableServer]) -> int:
     """Run the server ``make()`` builds until SIGTERM or SIGINT (see the module docstring)."""
     return_freed_memory()
@@ -77,12 +86,7 @@ async def _serve(role: str, make: Callable[[], RunnableServer]) -> int:
         print(f"qmq {role}: cannot start: {exc}", file=sys.stderr, flush=True)
         await server.stop()
         return EXIT_STARTUP_FAILED
-    # What start-up made lives as long as the process: keep it out of the collector's full
-    # passes, which would otherwise pause the loop for longer as the heap grows.
-    gc.freeze()
-    # A burst of requests allocates many short-lived containers: collect the young generation
-    # every 20,000 of them rather than every 700 (CPython's default), fewer pauses under load.
-    gc.set_threshold(_GC_YOUNG_THRESHOLD, 20, 50)
+    tune_gc()
     try:
         registered = asyncio.ensure_future(server.wait_registered())
         stopped = asyncio.ensure_future(stop.wait())
