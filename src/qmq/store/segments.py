@@ -247,6 +247,28 @@ class SegmentedLog:
         pos = offset - seg.base
         return fileio.pread(self._fd(seg), min(size, seg.size - pos), seg.head + pos)
 
+    def reader(self) -> Callable[[int, int], bytes]:
+        """``read`` for a run of reads made together (one pull's records, each apart from the
+        next when many subjects are sent to at once): the segment is looked up again only when a
+        read leaves the one before's, and the fault seam's hooks once for the run
+        (``fileio.pread_run``). Good until the log next changes (an append, a cut, a removal)."""
+        if self.files is not None:  # a descriptor may be closed by the next lookup: each its own
+            return self.read
+        pread = fileio.pread_run()
+        lo = hi = delta = 0
+        fd = -1
+
+        def read(offset: int, size: int) -> bytes:
+            nonlocal lo, hi, delta, fd
+            if not lo <= offset < hi:
+                seg = self.segment_for(offset)
+                if seg is None:
+                    return b""
+                lo, hi, delta, fd = seg.base, seg.end, seg.head - seg.base, seg.fd
+            return pread(fd, min(size, hi - offset), offset + delta)
+
+        return read
+
     def locate(self, offset: int) -> tuple[str, int] | None:
         """The file holding the byte before ``offset`` and the position just past that byte in
         it: where the log's first ``offset`` bytes end on disk (for the I/O trace, fileio.py)."""
