@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import urllib.request
 import uuid
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 import qmq
+from qmq.cli.standalone import Child, Supervisor
 from qmq.common.config import StandaloneConfig
 from qmq.testing import ReadyProcess, running_standalone
 
@@ -137,3 +139,47 @@ def test_the_supervisor_gives_up_after_3_restarts_in_its_window(standalone_dir: 
         while _alive(meta_pid) or _alive(delay_pid):  # the supervisor stopped them before exiting
             assert time.monotonic() < deadline, "the other roles outlived the supervisor"
             time.sleep(0.05)  # polling pids for exit: there is no readiness signal to wait on
+
+
+# A role's process that comes up only from its Nth start: each start counts itself in a file,
+# exits 1 before its ready line until then, and afterwards reports ready and waits to be stopped.
+_FLAKY_ROLE = """
+import pathlib, sys, time
+count = pathlib.Path(sys.argv[1])
+n = int(count.read_text() or 0) + 1 if count.exists() else 1
+count.write_text(str(n))
+if n < int(sys.argv[2]):
+    sys.exit(1)
+print("qmq ready address=here", flush=True)
+time.sleep(600)
+"""
+
+
+def _supervisor_of_flaky_child(tmp_path: Path, ready_from_start: int) -> tuple[Supervisor, Child, Path]:
+    config = StandaloneConfig(data_dir=tmp_path, restart_window_ms=600_000, ready_timeout_ms=30_000)
+    count = tmp_path / "starts"
+    child = Child("broker", [sys.executable, "-c", _FLAKY_ROLE, str(count), str(ready_from_start)])
+    return Supervisor(config, None), child, count
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_that_fails_before_ready_counts_as_an_exit_and_is_tried_again(tmp_path: Path) -> None:
+    # The broker killed while the supervisor waited for its ready line made the supervisor give
+    # up after one restart; such a start is one more exit in the window, not the last.
+    supervisor, child, count = _supervisor_of_flaky_child(tmp_path, ready_from_start=3)
+    try:
+        assert supervisor._restart(child)  # two starts exit before ready, the third comes up
+        assert count.read_text() == "3"
+        assert len(child.restarts) == 3
+        assert child.proc is not None
+        assert child.proc.poll() is None
+    finally:
+        child.stop()
+
+
+@pytest.mark.timeout(60)
+def test_restarts_that_keep_failing_before_ready_give_up_at_the_windows_bound(tmp_path: Path) -> None:
+    supervisor, child, count = _supervisor_of_flaky_child(tmp_path, ready_from_start=100)
+    assert not supervisor._restart(child)
+    assert count.read_text() == str(RESTARTS_MAX)  # three starts, then the fourth exit gives up
+    assert len(child.restarts) == RESTARTS_MAX + 1

@@ -14,7 +14,8 @@ have printed their ready lines, the supervisor prints its own::
 
 Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they stop when the supervisor dies, even by
 ``kill -9``. A child that dies on its own is restarted (at most ``restarts_max`` times in
-``restart_window_ms``, by default 3 in a minute); past that the supervisor stops the rest and exits 1.
+``restart_window_ms``, by default 3 in a minute; a restart that dies before its ready line counts
+as one more); past that the supervisor stops the rest and exits 1.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], role: str, deadline: float) -> di
         left = deadline - time.monotonic()
         if left <= 0:
             proc.kill()
+            proc.wait()
+            proc.stdout.close()
             raise StartupFailed(f"the {role} did not report ready in time; see its log above")
         readable, _, _ = select.select([fd], [], [], left)
         if not readable:
@@ -127,6 +130,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], role: str, deadline: float) -> di
         chunk = os.read(fd, 65536)
         if not chunk:
             code = proc.wait()
+            proc.stdout.close()
             raise StartupFailed(f"the {role} exited with status {code} before it was ready; see its log above")
         buf += chunk
         while b"\n" in buf:
@@ -138,8 +142,9 @@ def _wait_ready(proc: subprocess.Popen[bytes], role: str, deadline: float) -> di
 
 def _drain(proc: subprocess.Popen[bytes]) -> None:
     assert proc.stdout is not None
-    while proc.stdout.read(65536):
-        pass
+    with proc.stdout:  # closed at the child's end: a restarted role's old pipe is not left to the GC
+        while proc.stdout.read(65536):
+            pass
 
 
 class Supervisor:
@@ -246,24 +251,28 @@ class Supervisor:
                     return 1
 
     def _restart(self, child: Child) -> bool:
-        now = time.monotonic()
+        """Start ``child`` again. A start that fails (the process dies or hangs before its ready
+        line) counts as one more exit in the window and is tried again: the supervisor gives up
+        only when the window holds more than ``restarts_max`` exits."""
         window_s = self.config.restart_window_ms / 1000
-        child.restarts = [t for t in child.restarts if now - t < window_s] + [now]
-        if len(child.restarts) > self.config.restarts_max:
-            log.error(
-                "standalone: the %s exited %d times within %.0f s; giving up",
-                child.role,
-                len(child.restarts),
-                window_s,
-            )
-            return False
-        try:
-            child.start(now + self.config.ready_timeout_ms / 1000)
-        except StartupFailed as exc:
-            log.error("standalone: restarting the %s failed: %s", child.role, exc)
-            return False
-        log.warning("standalone: restarted the %s", child.role)
-        return True
+        while True:
+            now = time.monotonic()
+            child.restarts = [t for t in child.restarts if now - t < window_s] + [now]
+            if len(child.restarts) > self.config.restarts_max:
+                log.error(
+                    "standalone: the %s exited %d times within %.0f s; giving up",
+                    child.role,
+                    len(child.restarts),
+                    window_s,
+                )
+                return False
+            try:
+                child.start(now + self.config.ready_timeout_ms / 1000)
+            except StartupFailed as exc:
+                log.error("standalone: restarting the %s failed: %s", child.role, exc)
+                continue
+            log.warning("standalone: restarted the %s", child.role)
+            return True
 
     def _stop_all(self) -> list[int | None]:
         # the gateway first (its consumer sends its last acks while the broker takes them), the
