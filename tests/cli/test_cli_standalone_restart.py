@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -149,17 +150,22 @@ count = pathlib.Path(sys.argv[1])
 n = int(count.read_text() or 0) + 1 if count.exists() else 1
 count.write_text(str(n))
 if n < int(sys.argv[2]):
+    if sys.argv[3:] == ["hang"]:
+        time.sleep(600)  # never ready: the supervisor's ready_timeout_ms ends it
     sys.exit(1)
 print("qmq ready address=here", flush=True)
 time.sleep(600)
 """
 
 
-def _supervisor_of_flaky_child(tmp_path: Path, ready_from_start: int) -> tuple[Supervisor, Child, Path]:
-    config = StandaloneConfig(data_dir=tmp_path, restart_window_ms=600_000, ready_timeout_ms=30_000)
+def _supervisor_of_flaky_child(
+    tmp_path: Path, ready_from_start: int, hang: bool = False, **config: int
+) -> tuple[Supervisor, Child, Path]:
+    settings = {"restart_window_ms": 600_000, "ready_timeout_ms": 30_000, **config}
     count = tmp_path / "starts"
-    child = Child("broker", [sys.executable, "-c", _FLAKY_ROLE, str(count), str(ready_from_start)])
-    return Supervisor(config, None), child, count
+    argv = [sys.executable, "-c", _FLAKY_ROLE, str(count), str(ready_from_start), *(["hang"] if hang else [])]
+    child = Child("broker", argv)
+    return Supervisor(StandaloneConfig(data_dir=tmp_path, **settings), None), child, count
 
 
 @pytest.mark.timeout(60)
@@ -183,3 +189,34 @@ def test_restarts_that_keep_failing_before_ready_give_up_at_the_windows_bound(tm
     assert not supervisor._restart(child)
     assert count.read_text() == str(RESTARTS_MAX)  # three starts, then the fourth exit gives up
     assert len(child.restarts) == RESTARTS_MAX + 1
+
+
+@pytest.mark.timeout(60)
+def test_starts_that_each_outlast_the_window_are_tried_restarts_max_times_in_a_row(tmp_path: Path) -> None:
+    # each start hangs until ready_timeout_ms (1.5 s), longer than the window (1 s): the window
+    # alone never fills, so the failed starts in a row bound the attempts
+    supervisor, child, count = _supervisor_of_flaky_child(
+        tmp_path, ready_from_start=100, hang=True, restart_window_ms=1_000, ready_timeout_ms=1_500
+    )
+    started = time.monotonic()
+    assert not supervisor._restart(child)
+    assert count.read_text() == str(RESTARTS_MAX)
+    assert time.monotonic() - started < 30
+    assert child.proc is not None
+    assert child.proc.poll() is not None  # the hung start was killed, not left behind
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_asked_for_during_failing_restarts_ends_them(tmp_path: Path) -> None:
+    # the supervisor blocks SIGTERM and takes it with sigwaitinfo; one pending (sent to this
+    # thread alone, so no other thread of the test process takes it) ends the attempts
+    supervisor, child, count = _supervisor_of_flaky_child(tmp_path, ready_from_start=100)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        assert supervisor._restart(child)  # back to _supervise, which stops everything
+        assert count.read_text() == "1"
+        assert signal.SIGTERM in signal.sigpending()
+    finally:
+        signal.sigtimedwait({signal.SIGTERM}, 0)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _STOP_TIMEOUT_S = 30.0
-_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+_STOPS = {signal.SIGTERM, signal.SIGINT}
+_SIGNALS = {*_STOPS, signal.SIGCHLD}
 
 
 class StartupFailed(Exception):
@@ -253,19 +254,24 @@ class Supervisor:
     def _restart(self, child: Child) -> bool:
         """Start ``child`` again. A start that fails (the process dies or hangs before its ready
         line) counts as one more exit in the window and is tried again: the supervisor gives up
-        only when the window holds more than ``restarts_max`` exits."""
+        when the window holds more than ``restarts_max`` exits, or after ``restarts_max`` failed
+        starts in a row (starts that each outlast the window would otherwise go on for ever). A
+        stop asked for meanwhile (SIGTERM, SIGINT) ends the attempts; ``_supervise`` then stops."""
         window_s = self.config.restart_window_ms / 1000
-        while True:
+        for attempt in range(self.config.restarts_max + 1):
             now = time.monotonic()
             child.restarts = [t for t in child.restarts if now - t < window_s] + [now]
-            if len(child.restarts) > self.config.restarts_max:
+            if len(child.restarts) > self.config.restarts_max or attempt == self.config.restarts_max:
                 log.error(
-                    "standalone: the %s exited %d times within %.0f s; giving up",
+                    "standalone: the %s exited %d times within %.0f s (%d failed starts in a row); giving up",
                     child.role,
                     len(child.restarts),
                     window_s,
+                    attempt,
                 )
                 return False
+            if attempt and signal.sigpending() & _STOPS:
+                return True  # the pending signal is taken by _supervise, which stops the rest
             try:
                 child.start(now + self.config.ready_timeout_ms / 1000)
             except StartupFailed as exc:
@@ -273,6 +279,7 @@ class Supervisor:
                 continue
             log.warning("standalone: restarted the %s", child.role)
             return True
+        return False
 
     def _stop_all(self) -> list[int | None]:
         # the gateway first (its consumer sends its last acks while the broker takes them), the
