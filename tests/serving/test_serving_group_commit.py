@@ -5,8 +5,14 @@ covers it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+from pathlib import Path
+
+import pytest
 
 from qmq.serving.group_commit import GroupCommit
+from qmq.store import fileio
 from qmq.store.segments import FlushTicket
 
 
@@ -72,3 +78,88 @@ async def test_a_failed_flush_answers_the_waiting_writes_of_both_logs_with_the_e
         assert gc.actions().failed is gc.failed is failures[0]
     finally:
         await gc.stop()
+
+
+class _WhereRun(FlushTicket):
+    """A ticket of real fdatasyncs that notes the thread each ran on."""
+
+    def __init__(self, fds: list[int], offset: int, threads: list[str]) -> None:
+        super().__init__(fds, offset)
+        self.threads = threads
+
+    def run(self) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().run()
+
+
+def _commit_of_a_file(path: Path, threads: list[str], on_loop_max_s: float) -> tuple[GroupCommit, int]:
+    fd = fileio.open(path, os.O_WRONLY | os.O_CREAT)
+    flushed: list[int] = []
+
+    def begin() -> FlushTicket:
+        flushed.append(len(flushed))
+        return _WhereRun([fileio.dup(fd)], len(flushed), threads)
+
+    gc = GroupCommit("a file", begin, lambda _t: None, lambda _s: None, lambda _e: None, on_loop_max_s)
+    return gc, fd
+
+
+async def _write_and_wait(gc: GroupCommit, fd: int, offset: int) -> None:
+    fileio.write_all(fd, b"x" * 100)
+    answered = asyncio.get_running_loop().create_future()
+    gc.after_write(offset, answered.set_result)
+    assert await asyncio.wait_for(answered, 10) is None
+
+
+@pytest.mark.parametrize(("bound_s", "on_loop"), [(1.0, True), (0.0, False)])
+async def test_with_a_bound_the_flushes_that_answer_writes_fsync_on_the_loops_thread(
+    tmp_path: Path, bound_s: float, on_loop: bool
+) -> None:
+    threads: list[str] = []
+    gc, fd = _commit_of_a_file(tmp_path / "log", threads, bound_s)
+    try:
+        await _write_and_wait(gc, fd, 1)
+        await _write_and_wait(gc, fd, 2)
+    finally:
+        await gc.stop()
+        fileio.close(fd)
+    loop_thread = threading.current_thread().name
+    assert (threads == [loop_thread] * 2) is on_loop, threads
+    assert gc.flushes_on_loop == (2 if on_loop else 0)
+
+
+async def test_a_stalled_flush_on_the_loop_sends_the_next_ones_to_the_fsync_threads(tmp_path: Path) -> None:
+    threads: list[str] = []
+    gc, fd = _commit_of_a_file(tmp_path / "log", threads, on_loop_max_s=0.004)
+    try:
+        # 100 ms: over 20 times the bound, a stall
+        with fileio.faults({"op": "fsync", "delay_ms": 100, "times": 1}) as plan:
+            await _write_and_wait(gc, fd, 1)
+        assert plan.rules[0].acted == 1
+        await _write_and_wait(gc, fd, 2)
+    finally:
+        await gc.stop()
+        fileio.close(fd)
+    loop_thread = threading.current_thread().name
+    assert threads[0] == loop_thread
+    assert threads[1].startswith("qmq-fsync"), threads
+    assert gc.flushes_on_loop == 1
+
+
+async def test_a_disk_that_stays_over_the_bound_sends_the_flushes_to_the_fsync_threads(tmp_path: Path) -> None:
+    # each flush 5 ms, the bound 2 ms: one such flush is not a stall (under 20 times the bound),
+    # the median of 15 over the bound says the disk does not keep up
+    threads: list[str] = []
+    gc, fd = _commit_of_a_file(tmp_path / "log", threads, on_loop_max_s=0.002)
+    try:
+        with fileio.faults({"op": "fsync", "delay_ms": 5, "times": 15}):
+            for offset in range(1, 16):
+                await _write_and_wait(gc, fd, offset)
+        await _write_and_wait(gc, fd, 16)
+    finally:
+        await gc.stop()
+        fileio.close(fd)
+    loop_thread = threading.current_thread().name
+    assert threads[:15] == [loop_thread] * 15
+    assert threads[15].startswith("qmq-fsync"), threads
+    assert gc.flushes_on_loop == 15

@@ -69,6 +69,7 @@ class BrokerServer(FrameServer, GroupMember):
             self._flushed,
             self.metrics.flush_seconds.observe,
             self._disk_failed,
+            on_loop_max_s=config.fsync_on_loop_ms / 1000 if config.flush == "sync" else 0.0,
         )
         self.action_flusher = self.flusher.actions()
         # told by the meta server's heartbeat answer (`qmq admin drain`): sends are refused

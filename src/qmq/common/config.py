@@ -56,6 +56,14 @@ class BrokerConfig:
         "sync",
     )
     flush_interval_ms: int = _opt("fsync period of the periodic flush policy", 1000, _range(1, 60_000))
+    fsync_on_loop_ms: int = _opt(
+        "under flush = sync, the group commit's fsyncs run on the event loop's thread (no hand-off to"
+        " the fsync threads: a shorter latency tail) while the median of the last 15 flushes stays"
+        " under this many ms and none takes 20 times it; otherwise they run on the fsync threads for"
+        " 10 s. 0: always on the fsync threads",
+        5,
+        _range(0, 1_000),
+    )
     segment_bytes: int = _opt(
         "size at which a message-log segment is closed and a new one begun",
         256 * MiB,
