@@ -123,6 +123,25 @@ def test_on_a_slow_disk_every_copy_of_a_held_message_becomes_visible(tmp_path: P
         assert _ids(client, "held") == list(due)
 
 
+def test_a_stalled_fsync_moves_the_flushes_off_the_event_loop_and_the_log_says_so(tmp_path: Path) -> None:
+    """Under flush = "sync" the fsyncs run on the event loop's thread while the disk keeps up
+    (fsync_on_loop_ms, 5 by default); every fsync of the message log taking 150 ms (over 20 times
+    the bound: a stall) sends them to the fsync threads, and the sends are answered all the same."""
+    log_file = tmp_path / "broker.log"
+    env = {
+        **_plan(tmp_path / "plan.json", {"op": "fsync", "path": "log/*.log", "delay_ms": 150}),
+        "QMQ_LOG_FILE": str(log_file),
+    }
+    with _broker(tmp_path / "data", env) as (_proc, client):
+        for mid in ("a", "b", "c"):
+            sent = client.send(message("stalled", mid))
+            assert sent.status == Status.OK, sent.header
+        assert _ids(client, "stalled") == ["a", "b", "c"]
+    said = log_file.read_text()
+    assert "on the event loop take too long" in said
+    assert "flushing on the fsync threads for 10 s" in said
+
+
 def test_a_failed_write_is_undone_and_refused_busy_so_the_send_goes_again(tmp_path: Path) -> None:
     # found by the fault campaign: a delay server handing over a due message met an append that
     # failed EIO, was answered INTERNAL_ERROR, took it for "refused for good" and dropped it

@@ -263,7 +263,9 @@ class Supervisor:
             child.restarts = [t for t in child.restarts if now - t < window_s] + [now]
             if len(child.restarts) > self.config.restarts_max or attempt == self.config.restarts_max:
                 log.error(
-                    "standalone: the %s exited %d times within %.0f s (%d failed starts in a row); giving up",
+                    "standalone: the %s exited %d times within %.0f s (%d failed starts in a row); giving up:"
+                    " its log above says why; mend that and start qmq standalone again (raise restarts_max"
+                    " or restart_window_ms of [standalone] to allow more)",
                     child.role,
                     len(child.restarts),
                     window_s,
